@@ -1,0 +1,1 @@
+//! Lifetime planner (being written).
