@@ -1,0 +1,745 @@
+//! Trace-driven simulator: replays an iteration under a plan (or an on-demand policy) with a GPU
+//! capacity and SSD / host bandwidths and latencies, and reports the iteration time, the stalls
+//! and GPU memory over time.
+//!
+//! Model: ops run one after another; an op starts when every tensor it uses is on the GPU and its
+//! new tensors fit. Each of the four channels (SSD write/read, host write/read) moves one
+//! transfer at a time at its full rate after a fixed latency, urgent transfers first, then in
+//! issue order. An offload frees GPU memory when its write completes; a prefetch takes GPU memory
+//! when it is issued (it waits while memory is short). GPU memory never exceeds capacity: when
+//! nothing in flight can free memory the run ends as out of memory. Several iterations run back to
+//! back and the last is reported, so that periods wrapping across iterations are in steady state.
+
+use std::collections::VecDeque;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::Result;
+use crate::hardware::Hardware;
+use crate::plan::{ActionKind, Plan, Tier};
+use crate::trace::{Access, Trace};
+
+/// How tensors move during the replay.
+#[derive(Debug, Clone, Copy)]
+pub enum Policy<'a> {
+    /// Execute a plan's actions; fetch on demand only what the plan forgot.
+    Planned(&'a Plan),
+    /// No plan: when memory is short evict the least recently used tensors (host first, then
+    /// SSD); fetch evicted tensors when an op needs them.
+    Lru,
+}
+
+/// How the replay ended.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "status")]
+pub enum Outcome {
+    /// Every op ran.
+    Completed,
+    /// An op could not get the memory it needs and nothing in flight would free it.
+    OutOfMemory {
+        /// The op that could not start.
+        op: u32,
+        /// GPU memory it would have needed.
+        needed_bytes: u64,
+    },
+}
+
+/// What one replay measured (the last iteration).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SimReport {
+    /// Policy name.
+    pub policy: String,
+    /// Completed or out of memory.
+    pub outcome: Outcome,
+    /// Wall time of the measured iteration.
+    pub iteration_time_us: f64,
+    /// Sum of op durations.
+    pub compute_time_us: f64,
+    /// Time ops waited for tensors or memory.
+    pub stall_time_us: f64,
+    /// Ops that waited.
+    pub stalled_ops: u32,
+    /// Highest GPU memory in use.
+    pub peak_gpu_bytes: u64,
+    /// Highest host memory held by offloaded tensors.
+    pub peak_host_bytes: u64,
+    /// Bytes written to the SSD array.
+    pub ssd_written_bytes: u64,
+    /// Bytes read from the SSD array.
+    pub ssd_read_bytes: u64,
+    /// Bytes written to host memory.
+    pub host_written_bytes: u64,
+    /// Bytes read from host memory.
+    pub host_read_bytes: u64,
+    /// Tensors fetched because an op needed them and no prefetch had brought them.
+    pub demand_fetches: u32,
+    /// Planned drops that found no valid copy and wrote instead.
+    pub downgraded_drops: u32,
+    /// Ops that started with a used tensor not resident (must be 0; an internal check).
+    pub residency_violations: u32,
+    /// GPU memory over time in the measured iteration: (microseconds since its start, bytes).
+    #[serde(skip)]
+    pub memory_timeline: Vec<(f64, u64)>,
+}
+
+/// Simulator settings.
+#[derive(Debug, Clone, Copy)]
+pub struct SimConfig {
+    /// Iterations replayed back to back; the last is reported (default 2).
+    pub iterations: u32,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        SimConfig { iterations: 2 }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Place {
+    Unallocated,
+    Gpu,
+    /// On the GPU, write to the tier in flight.
+    Writing(Tier),
+    OnTier(Tier),
+    /// Prefetch issued, waiting for GPU memory.
+    WaitingMemory(Tier),
+    /// GPU memory taken, read in flight.
+    Reading(Tier),
+}
+
+#[derive(Debug, Clone, Copy)]
+struct TensorState {
+    place: Place,
+    ssd_copy_valid: bool,
+    /// Keep the tensor on the GPU when its write completes (needed again meanwhile).
+    cancel_offload: bool,
+    /// An op wrote the tensor after its write to the tier began (the copy will be stale).
+    written_during_offload: bool,
+    /// Write again when the current write completes (it carries stale data).
+    rewrite: bool,
+    urgent: bool,
+    last_used_seq: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Transfer {
+    tensor: u32,
+    size_bytes: u64,
+}
+
+#[derive(Debug)]
+struct Channel {
+    rate_bytes_per_s: f64,
+    latency_us: f64,
+    busy: Option<(f64, Transfer)>,
+    urgent: VecDeque<Transfer>,
+    normal: VecDeque<Transfer>,
+    moved_bytes: u64,
+}
+
+impl Channel {
+    fn new(rate_bytes_per_s: f64, latency_us: f64) -> Self {
+        Channel {
+            rate_bytes_per_s,
+            latency_us,
+            busy: None,
+            urgent: VecDeque::new(),
+            normal: VecDeque::new(),
+            moved_bytes: 0,
+        }
+    }
+
+    fn start_next(&mut self, now_us: f64) {
+        if self.busy.is_some() {
+            return;
+        }
+        if let Some(transfer) = self.urgent.pop_front().or_else(|| self.normal.pop_front()) {
+            let end = now_us + self.latency_us + transfer.size_bytes as f64 / self.rate_bytes_per_s * 1e6;
+            self.busy = Some((end, transfer));
+        }
+    }
+
+    /// Moves a queued transfer of `tensor` to the urgent queue.
+    fn promote(&mut self, tensor: u32) {
+        if let Some(position) = self.normal.iter().position(|t| t.tensor == tensor) {
+            if let Some(transfer) = self.normal.remove(position) {
+                self.urgent.push_back(transfer);
+            }
+        }
+    }
+}
+
+const WRITE: usize = 0;
+const READ: usize = 1;
+
+fn channel_of(tier: Tier, direction: usize) -> usize {
+    tier.index() * 2 + direction
+}
+
+struct Simulator<'a> {
+    trace: &'a Trace,
+    hardware: &'a Hardware,
+    policy: Policy<'a>,
+    capacity_bytes: u64,
+    tensors: Vec<TensorState>,
+    channels: [Channel; 4],
+    waiting: VecDeque<u32>,
+    gpu_used_bytes: u64,
+    host_used_bytes: u64,
+    now_us: f64,
+    /// Bytes the current op is waiting to allocate; prefetches may not take them.
+    reserved_bytes: u64,
+    seq: u64,
+    report: SimReport,
+    measuring: bool,
+    iteration_start_us: f64,
+    allocations_at_op: Vec<Vec<u32>>,
+    frees_at_op: Vec<Vec<u32>>,
+    /// Per op: indices into the plan's actions issued before it.
+    actions_at_op: Vec<Vec<usize>>,
+    /// Per op: tensors it uses and how.
+    op_uses: Vec<Vec<(u32, Access)>>,
+    /// Per plan action: the tensor's index.
+    action_tensor: Vec<u32>,
+}
+
+impl Simulator<'_> {
+    fn size(&self, tensor: u32) -> u64 {
+        self.trace.tensors[tensor as usize].size_bytes
+    }
+
+    fn set_gpu_used(&mut self, bytes: u64) {
+        self.gpu_used_bytes = bytes;
+        if self.measuring {
+            self.report.peak_gpu_bytes = self.report.peak_gpu_bytes.max(bytes);
+            self.report.memory_timeline.push((self.now_us - self.iteration_start_us, bytes));
+        }
+    }
+
+    fn add_host(&mut self, bytes: u64) {
+        self.host_used_bytes += bytes;
+        if self.measuring {
+            self.report.peak_host_bytes = self.report.peak_host_bytes.max(self.host_used_bytes);
+        }
+    }
+
+    fn enqueue(&mut self, channel: usize, tensor: u32, urgent: bool) {
+        let transfer = Transfer { tensor, size_bytes: self.size(tensor) };
+        let queue = &mut self.channels[channel];
+        if urgent {
+            queue.urgent.push_back(transfer);
+        } else {
+            queue.normal.push_back(transfer);
+        }
+        queue.start_next(self.now_us);
+    }
+
+    fn next_completion(&self) -> Option<(f64, usize)> {
+        let mut best: Option<(f64, usize)> = None;
+        for (index, channel) in self.channels.iter().enumerate() {
+            if let Some((end, _)) = channel.busy {
+                if best.is_none_or(|(t, _)| end < t) {
+                    best = Some((end, index));
+                }
+            }
+        }
+        best
+    }
+
+    fn complete(&mut self, channel_index: usize, end_us: f64) {
+        let Some((_, transfer)) = self.channels[channel_index].busy.take() else {
+            return;
+        };
+        self.now_us = self.now_us.max(end_us);
+        if self.measuring {
+            self.channels[channel_index].moved_bytes += transfer.size_bytes;
+        }
+        let tier = if channel_index < 2 { Tier::Ssd } else { Tier::Host };
+        let tensor = transfer.tensor as usize;
+        let size = transfer.size_bytes;
+        if channel_index % 2 == WRITE {
+            let state = self.tensors[tensor];
+            if state.place == Place::Writing(tier) && state.rewrite && !state.cancel_offload {
+                // The data written is stale: write again, the tensor stays on the GPU meanwhile.
+                self.tensors[tensor].rewrite = false;
+                self.tensors[tensor].written_during_offload = false;
+                let urgent = self.tensors[tensor].urgent;
+                self.enqueue(channel_index, transfer.tensor, urgent);
+            } else if state.place == Place::Writing(tier) {
+                if state.cancel_offload {
+                    self.tensors[tensor].place = Place::Gpu;
+                    self.tensors[tensor].cancel_offload = false;
+                    if tier == Tier::Ssd && !state.written_during_offload {
+                        self.tensors[tensor].ssd_copy_valid = true;
+                    }
+                    if tier == Tier::Host {
+                        self.host_used_bytes -= size;
+                    }
+                } else {
+                    self.tensors[tensor].place = Place::OnTier(tier);
+                    if tier == Tier::Ssd {
+                        self.tensors[tensor].ssd_copy_valid = true;
+                    }
+                    let used = self.gpu_used_bytes - size;
+                    self.set_gpu_used(used);
+                }
+            } else if tier == Tier::Host {
+                // The tensor was freed while being written: its host copy is not kept.
+                self.host_used_bytes -= size;
+            }
+        } else {
+            if self.tensors[tensor].place == Place::Reading(tier) {
+                self.tensors[tensor].place = Place::Gpu;
+            }
+            if tier == Tier::Host {
+                self.host_used_bytes -= size;
+            }
+        }
+        self.channels[channel_index].start_next(self.now_us);
+        self.serve_waiting();
+    }
+
+    fn advance_to(&mut self, target_us: f64) {
+        while let Some((end, channel)) = self.next_completion() {
+            if end > target_us {
+                break;
+            }
+            self.complete(channel, end);
+        }
+        self.now_us = self.now_us.max(target_us);
+    }
+
+    /// Gives GPU memory to waiting prefetches (urgent first, then in issue order, first fit).
+    fn serve_waiting(&mut self) {
+        let mut index = 0;
+        while index < self.waiting.len() {
+            let tensor = self.waiting[index];
+            let size = self.size(tensor);
+            if self.gpu_used_bytes + self.reserved_bytes + size <= self.capacity_bytes {
+                self.waiting.remove(index);
+                let Place::WaitingMemory(tier) = self.tensors[tensor as usize].place else {
+                    continue;
+                };
+                self.tensors[tensor as usize].place = Place::Reading(tier);
+                let used = self.gpu_used_bytes + size;
+                self.set_gpu_used(used);
+                let urgent = self.tensors[tensor as usize].urgent;
+                self.enqueue(channel_of(tier, READ), tensor, urgent);
+            } else {
+                index += 1;
+            }
+        }
+    }
+
+    fn offload(&mut self, tensor: u32, tier: Tier, drop: bool, urgent: bool) {
+        let state = &mut self.tensors[tensor as usize];
+        if let Place::Writing(_) = state.place {
+            // Still being written from an earlier period that was cancelled: let that write
+            // finish the offload (again if the data changed meanwhile).
+            if state.cancel_offload {
+                state.cancel_offload = false;
+                state.rewrite = state.written_during_offload;
+            }
+            return;
+        }
+        if state.place != Place::Gpu {
+            return;
+        }
+        state.cancel_offload = false;
+        if drop {
+            if tier == Tier::Ssd && state.ssd_copy_valid {
+                state.place = Place::OnTier(Tier::Ssd);
+                let used = self.gpu_used_bytes - self.size(tensor);
+                self.set_gpu_used(used);
+                self.serve_waiting();
+                return;
+            }
+            if self.measuring {
+                self.report.downgraded_drops += 1;
+            }
+        }
+        state.place = Place::Writing(tier);
+        state.written_during_offload = false;
+        state.rewrite = false;
+        state.urgent = urgent;
+        if tier == Tier::Host {
+            self.add_host(self.size(tensor));
+        }
+        self.enqueue(channel_of(tier, WRITE), tensor, urgent);
+    }
+
+    fn prefetch(&mut self, tensor: u32, urgent: bool) {
+        let state = &mut self.tensors[tensor as usize];
+        match state.place {
+            Place::OnTier(tier) => {
+                state.place = Place::WaitingMemory(tier);
+                state.urgent = urgent;
+                if urgent {
+                    self.waiting.push_front(tensor);
+                } else {
+                    self.waiting.push_back(tensor);
+                }
+                self.serve_waiting();
+            }
+            Place::Writing(_) => state.cancel_offload = true,
+            _ => {}
+        }
+    }
+
+    /// Evicts least recently used tensors not used by `op` until `deficit_bytes` are on their
+    /// way out; returns false when nothing is left to evict.
+    fn evict_lru(&mut self, op: u32, deficit_bytes: u64) -> bool {
+        let used_now: Vec<u32> = self.uses_of_op(op);
+        let mut victims: Vec<(u64, u32)> = self
+            .tensors
+            .iter()
+            .enumerate()
+            .filter(|(index, state)| state.place == Place::Gpu && !used_now.contains(&(*index as u32)))
+            .map(|(index, state)| (state.last_used_seq, index as u32))
+            .collect();
+        victims.sort_unstable();
+        let mut freed = 0;
+        let mut any = false;
+        for (_, tensor) in victims {
+            if freed >= deficit_bytes {
+                break;
+            }
+            let size = self.size(tensor);
+            let clean = self.tensors[tensor as usize].ssd_copy_valid;
+            let tier = if clean {
+                Tier::Ssd
+            } else if self.host_used_bytes + size <= self.hardware.host_capacity_bytes {
+                Tier::Host
+            } else {
+                Tier::Ssd
+            };
+            self.offload(tensor, tier, clean, true);
+            freed += size;
+            any = true;
+        }
+        any
+    }
+
+    fn uses_of_op(&self, op: u32) -> Vec<u32> {
+        self.op_uses[op as usize].iter().map(|(t, _)| *t).collect()
+    }
+}
+
+impl Simulator<'_> {
+    fn initial_state(&mut self) {
+        let mut on_tier: Vec<Option<Tier>> = vec![None; self.trace.tensors.len()];
+        match self.policy {
+            Policy::Planned(plan) => {
+                for m in &plan.migrations {
+                    if m.offloaded_at_start {
+                        on_tier[m.tensor_index as usize] = Some(m.tier);
+                    }
+                }
+            }
+            Policy::Lru => {
+                // Persistent tensors by first use fill the GPU; the rest start on the SSD.
+                let mut order: Vec<u32> = (0..self.trace.tensors.len() as u32)
+                    .filter(|&t| self.trace.tensors[t as usize].is_persistent())
+                    .collect();
+                order.sort_by_key(|&t| (self.trace.tensors[t as usize].uses[0].op, t));
+                let mut used = 0u64;
+                for t in order {
+                    let size = self.size(t);
+                    if used + size <= self.capacity_bytes / 2 {
+                        used += size;
+                    } else {
+                        on_tier[t as usize] = Some(Tier::Ssd);
+                    }
+                }
+            }
+        }
+        let mut used = 0u64;
+        for (index, tensor) in self.trace.tensors.iter().enumerate() {
+            let state = &mut self.tensors[index];
+            if !tensor.is_persistent() {
+                continue;
+            }
+            match on_tier[index] {
+                Some(tier) => {
+                    state.place = Place::OnTier(tier);
+                    state.ssd_copy_valid = tier == Tier::Ssd;
+                    if tier == Tier::Host {
+                        self.host_used_bytes += tensor.size_bytes;
+                    }
+                }
+                None => {
+                    state.place = Place::Gpu;
+                    used += tensor.size_bytes;
+                }
+            }
+        }
+        self.gpu_used_bytes = used;
+    }
+
+    /// Runs one op; returns false when it cannot get its memory.
+    fn run_op(&mut self, op: u32) -> bool {
+        let ready_us = self.now_us;
+        self.advance_to(ready_us);
+        if let Policy::Planned(plan) = self.policy {
+            let actions = std::mem::take(&mut self.actions_at_op[op as usize]);
+            for &action_index in &actions {
+                let action = plan.actions[action_index];
+                let tensor = self.action_tensor[action_index];
+                match action.kind {
+                    ActionKind::Offload => self.offload(tensor, action.tier, false, action.urgent),
+                    ActionKind::Drop => self.offload(tensor, action.tier, true, action.urgent),
+                    ActionKind::Prefetch => self.prefetch(tensor, action.urgent),
+                }
+            }
+            self.actions_at_op[op as usize] = actions;
+        }
+        let allocation_bytes: u64 = self.allocations_at_op[op as usize].iter().map(|&t| self.size(t)).sum();
+        let uses = self.op_uses[op as usize].clone();
+        for &(tensor, _) in &uses {
+            let state = &mut self.tensors[tensor as usize];
+            match state.place {
+                Place::OnTier(tier) => {
+                    state.place = Place::WaitingMemory(tier);
+                    state.urgent = true;
+                    self.waiting.push_front(tensor);
+                    if self.measuring {
+                        self.report.demand_fetches += 1;
+                    }
+                }
+                Place::WaitingMemory(_) => {
+                    state.urgent = true;
+                    if let Some(position) = self.waiting.iter().position(|&t| t == tensor) {
+                        self.waiting.remove(position);
+                    }
+                    self.waiting.push_front(tensor);
+                }
+                Place::Reading(tier) => {
+                    self.channels[channel_of(tier, READ)].promote(tensor);
+                }
+                Place::Writing(_) => state.cancel_offload = true,
+                Place::Gpu | Place::Unallocated => {}
+            }
+        }
+        self.reserved_bytes = allocation_bytes;
+        loop {
+            self.serve_waiting();
+            let resident = uses.iter().all(|&(tensor, _)| {
+                matches!(self.tensors[tensor as usize].place, Place::Gpu | Place::Writing(_) | Place::Unallocated)
+            });
+            let fits = self.gpu_used_bytes + allocation_bytes <= self.capacity_bytes;
+            if resident && fits {
+                break;
+            }
+            if let Policy::Lru = self.policy {
+                let waiting_needed: u64 = uses
+                    .iter()
+                    .filter(|&&(t, _)| matches!(self.tensors[t as usize].place, Place::WaitingMemory(_)))
+                    .map(|&(t, _)| self.size(t))
+                    .sum();
+                let leaving: u64 = self
+                    .tensors
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, s)| matches!(s.place, Place::Writing(_)) && !s.cancel_offload)
+                    .map(|(t, _)| self.size(t as u32))
+                    .sum();
+                let need = self.gpu_used_bytes + allocation_bytes + waiting_needed;
+                let deficit = need.saturating_sub(self.capacity_bytes + leaving);
+                if deficit > 0 && self.evict_lru(op, deficit) {
+                    continue;
+                }
+            }
+            match self.next_completion() {
+                Some((end, channel)) => self.complete(channel, end),
+                None => {
+                    self.report.outcome =
+                        Outcome::OutOfMemory { op, needed_bytes: self.gpu_used_bytes + allocation_bytes };
+                    return false;
+                }
+            }
+        }
+        self.reserved_bytes = 0;
+        if self.measuring && self.now_us > ready_us {
+            self.report.stall_time_us += self.now_us - ready_us;
+            self.report.stalled_ops += 1;
+        }
+        // The op runs.
+        self.seq += 1;
+        for &tensor in &self.allocations_at_op[op as usize] {
+            let state = &mut self.tensors[tensor as usize];
+            state.place = Place::Gpu;
+            state.ssd_copy_valid = false;
+            state.cancel_offload = false;
+        }
+        let used = self.gpu_used_bytes + allocation_bytes;
+        self.set_gpu_used(used);
+        for &(tensor, access) in &uses {
+            let state = &mut self.tensors[tensor as usize];
+            if !matches!(state.place, Place::Gpu | Place::Writing(_)) && self.measuring {
+                self.report.residency_violations += 1;
+            }
+            state.last_used_seq = self.seq;
+            if access == Access::Write {
+                state.ssd_copy_valid = false;
+                state.written_during_offload = true;
+            }
+        }
+        let end_us = self.now_us + self.trace.ops[op as usize].duration_us;
+        self.advance_to(end_us);
+        let frees = std::mem::take(&mut self.frees_at_op[op as usize]);
+        for &tensor in &frees {
+            let size = self.size(tensor);
+            let state = &mut self.tensors[tensor as usize];
+            let on_gpu = matches!(state.place, Place::Gpu | Place::Writing(_) | Place::Reading(_));
+            if let Place::OnTier(Tier::Host) = state.place {
+                self.host_used_bytes -= size;
+            }
+            if let Place::WaitingMemory(_) = state.place {
+                self.waiting.retain(|&t| t != tensor);
+            }
+            state.place = Place::Unallocated;
+            state.ssd_copy_valid = false;
+            if on_gpu {
+                let used = self.gpu_used_bytes - size;
+                self.set_gpu_used(used);
+            }
+        }
+        self.frees_at_op[op as usize] = frees;
+        self.serve_waiting();
+        true
+    }
+}
+
+/// Replays `trace` under `policy` on `hardware`.
+pub fn simulate(trace: &Trace, hardware: &Hardware, policy: Policy<'_>, config: SimConfig) -> Result<SimReport> {
+    trace.validate()?;
+    hardware.validate()?;
+    let n = trace.ops.len();
+    let mut allocations_at_op = vec![Vec::new(); n];
+    let mut frees_at_op = vec![Vec::new(); n];
+    let mut op_uses = vec![Vec::new(); n];
+    for (index, tensor) in trace.tensors.iter().enumerate() {
+        if let (Some(alloc), Some(free)) = (tensor.alloc_op, tensor.free_op) {
+            allocations_at_op[alloc as usize].push(index as u32);
+            frees_at_op[free as usize].push(index as u32);
+        }
+        for tensor_use in &tensor.uses {
+            op_uses[tensor_use.op as usize].push((index as u32, tensor_use.access));
+        }
+    }
+    let mut actions_at_op = vec![Vec::new(); n];
+    let mut action_tensor = Vec::new();
+    let policy_name = match policy {
+        Policy::Planned(plan) => {
+            plan.check_against(trace)?;
+            let by_id: std::collections::HashMap<u64, u32> =
+                plan.migrations.iter().map(|m| (m.tensor_id, m.tensor_index)).collect();
+            for (index, action) in plan.actions.iter().enumerate() {
+                actions_at_op[action.op as usize].push(index);
+                action_tensor.push(by_id[&action.tensor_id]);
+            }
+            plan.policy.clone()
+        }
+        Policy::Lru => "lru".to_string(),
+    };
+    let tier_rates = [
+        (hardware.ssd_write_bytes_per_s, hardware.ssd_latency_us),
+        (hardware.ssd_read_bytes_per_s, hardware.ssd_latency_us),
+        (hardware.host_link_bytes_per_s, hardware.host_latency_us),
+        (hardware.host_link_bytes_per_s, hardware.host_latency_us),
+    ];
+    let mut sim = Simulator {
+        trace,
+        hardware,
+        policy,
+        capacity_bytes: hardware.gpu_capacity_bytes,
+        tensors: vec![
+            TensorState {
+                place: Place::Unallocated,
+                ssd_copy_valid: false,
+                cancel_offload: false,
+                written_during_offload: false,
+                rewrite: false,
+                urgent: false,
+                last_used_seq: 0,
+            };
+            trace.tensors.len()
+        ],
+        channels: tier_rates.map(|(rate, latency)| Channel::new(rate, latency)),
+        waiting: VecDeque::new(),
+        gpu_used_bytes: 0,
+        host_used_bytes: 0,
+        now_us: 0.0,
+        reserved_bytes: 0,
+        seq: 0,
+        report: SimReport {
+            policy: policy_name,
+            outcome: Outcome::Completed,
+            iteration_time_us: 0.0,
+            compute_time_us: trace.compute_time_us(),
+            stall_time_us: 0.0,
+            stalled_ops: 0,
+            peak_gpu_bytes: 0,
+            peak_host_bytes: 0,
+            ssd_written_bytes: 0,
+            ssd_read_bytes: 0,
+            host_written_bytes: 0,
+            host_read_bytes: 0,
+            demand_fetches: 0,
+            downgraded_drops: 0,
+            residency_violations: 0,
+            memory_timeline: Vec::new(),
+        },
+        measuring: false,
+        iteration_start_us: 0.0,
+        allocations_at_op,
+        frees_at_op,
+        actions_at_op,
+        op_uses,
+        action_tensor,
+    };
+    sim.initial_state();
+    if sim.gpu_used_bytes > sim.capacity_bytes {
+        sim.report.outcome = Outcome::OutOfMemory { op: 0, needed_bytes: sim.gpu_used_bytes };
+        return Ok(sim.report);
+    }
+    let iterations = config.iterations.max(1);
+    for iteration in 0..iterations {
+        if iteration + 1 == iterations {
+            sim.measuring = true;
+            sim.iteration_start_us = sim.now_us;
+            sim.report.peak_gpu_bytes = sim.gpu_used_bytes;
+            sim.report.peak_host_bytes = sim.host_used_bytes;
+            let start = (0.0, sim.gpu_used_bytes);
+            sim.report.memory_timeline.push(start);
+            for channel in &mut sim.channels {
+                channel.moved_bytes = 0;
+            }
+        }
+        for op in 0..n as u32 {
+            if !sim.run_op(op) {
+                return Ok(sim.report);
+            }
+        }
+    }
+    sim.report.iteration_time_us = sim.now_us - sim.iteration_start_us;
+    // Transfers of the measured iteration still in flight are counted as issued traffic below.
+    let moved: Vec<u64> = sim.channels.iter().map(|c| c.moved_bytes).collect();
+    sim.report.ssd_written_bytes = moved[0];
+    sim.report.ssd_read_bytes = moved[1];
+    sim.report.host_written_bytes = moved[2];
+    sim.report.host_read_bytes = moved[3];
+    Ok(sim.report)
+}
+
+impl SimReport {
+    /// Throughput relative to a reference iteration time (ideal), in percent; 0 when the run
+    /// did not complete.
+    pub fn percent_of(&self, reference_time_us: f64) -> f64 {
+        match self.outcome {
+            Outcome::Completed if self.iteration_time_us > 0.0 => 100.0 * reference_time_us / self.iteration_time_us,
+            _ => 0.0,
+        }
+    }
+}

@@ -1,0 +1,189 @@
+//! Invariants of the planner and simulator on random traces (proptest).
+
+use proptest::prelude::*;
+use teraio_planner::baselines::{flashneuron_like, zero_infinity_like};
+use teraio_planner::greedy::{plan_teraio, PlannerConfig};
+use teraio_planner::hardware::Hardware;
+use teraio_planner::lifetime::base_pressure_bytes;
+use teraio_planner::sim::{simulate, Outcome, Policy, SimConfig};
+use teraio_planner::trace::{Access, Op, Phase, Tensor, TensorKind, TensorUse, Trace, FORMAT_VERSION};
+
+/// One random tensor: kind, size in MB, op uses (any order, deduplicated later), write mask.
+type TensorSpec = (u8, u64, Vec<u32>, Vec<bool>);
+
+fn build_trace(op_durations_us: Vec<f64>, specs: Vec<TensorSpec>) -> Trace {
+    let n = op_durations_us.len() as u32;
+    let ops = op_durations_us
+        .into_iter()
+        .enumerate()
+        .map(|(i, duration_us)| Op {
+            name: format!("op{i}"),
+            duration_us,
+            layer: Some(i as u32 / 4),
+            phase: Phase::Forward,
+        })
+        .collect();
+    let mut tensors = Vec::new();
+    for (index, (kind, size_mb, mut uses, writes)) in specs.into_iter().enumerate() {
+        for u in &mut uses {
+            *u %= n;
+        }
+        uses.sort_unstable();
+        uses.dedup();
+        let kind = match kind % 5 {
+            0 => TensorKind::Weight,
+            1 => TensorKind::OptimizerState,
+            2 => TensorKind::Activation,
+            3 => TensorKind::Gradient,
+            _ => TensorKind::Temporary,
+        };
+        let persistent = matches!(kind, TensorKind::Weight | TensorKind::OptimizerState);
+        let uses: Vec<TensorUse> = uses
+            .iter()
+            .enumerate()
+            .map(|(i, &op)| TensorUse {
+                op,
+                access: if (!persistent && i == 0) || writes.get(i).copied().unwrap_or(false) {
+                    Access::Write
+                } else {
+                    Access::Read
+                },
+            })
+            .collect();
+        let (alloc_op, free_op) =
+            if persistent { (None, None) } else { (Some(uses[0].op), Some(uses[uses.len() - 1].op)) };
+        tensors.push(Tensor {
+            id: 1000 + index as u64,
+            name: format!("t{index}"),
+            size_bytes: size_mb * 1_000_000,
+            kind,
+            alloc_op,
+            free_op,
+            uses,
+        });
+    }
+    Trace { format_version: FORMAT_VERSION, description: "random".into(), gpu_capacity_bytes: 0, ops, tensors }
+}
+
+fn trace_strategy() -> impl Strategy<Value = Trace> {
+    (4usize..40).prop_flat_map(|op_count| {
+        let durations = prop::collection::vec(1.0f64..5000.0, op_count);
+        let tensor =
+            (0u8..5, 1u64..200, prop::collection::vec(0u32..1000, 1..6), prop::collection::vec(any::<bool>(), 0..6));
+        let tensors = prop::collection::vec(tensor, 1..30);
+        (durations, tensors).prop_map(|(d, t)| build_trace(d, t))
+    })
+}
+
+fn hardware_for(trace: &Trace, capacity_fraction: f64, host_mb: u64, ssd_gb_s: f64) -> Hardware {
+    let peak = base_pressure_bytes(trace).into_iter().max().unwrap_or(1);
+    let mut hardware = Hardware::new(
+        ((peak as f64 * capacity_fraction) as u64).max(1),
+        teraio_planner::units::ReadWriteBandwidth {
+            read_bytes_per_s: ssd_gb_s * 1e9,
+            write_bytes_per_s: ssd_gb_s * 1e9,
+        },
+        host_mb * 1_000_000,
+    );
+    hardware.host_link_bytes_per_s = 12e9;
+    hardware
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+
+    /// When the plan says it fits, the replay completes, never exceeds capacity, never runs an
+    /// op with a tensor away, and never needs a fetch the plan did not schedule.
+    #[test]
+    fn a_plan_that_fits_replays_within_capacity(
+        trace in trace_strategy(),
+        capacity_fraction in 0.3f64..1.0,
+        host_mb in prop::sample::select(vec![0u64, 100, 1000]),
+        ssd_gb_s in 0.5f64..30.0,
+        clean_drop in any::<bool>(),
+    ) {
+        trace.validate().unwrap();
+        let hardware = hardware_for(&trace, capacity_fraction, host_mb, ssd_gb_s);
+        let config = PlannerConfig { clean_drop, ..PlannerConfig::default() };
+        let outcome = plan_teraio(&trace, &hardware, config).unwrap();
+        let plan = &outcome.plan;
+        let planned_peak = outcome.planned_pressure_bytes.iter().copied().max().unwrap();
+        prop_assert_eq!(plan.fits, planned_peak <= hardware.gpu_capacity_bytes);
+        let report = simulate(&trace, &hardware, Policy::Planned(plan), SimConfig::default()).unwrap();
+        prop_assert!(report.peak_gpu_bytes <= hardware.gpu_capacity_bytes);
+        prop_assert_eq!(report.residency_violations, 0);
+        // TERAIO_DUMP=DIR keeps a failing case (trace.json, hw.json) for debugging.
+        if let Ok(dir) = std::env::var("TERAIO_DUMP") {
+            if plan.fits && report.outcome != Outcome::Completed {
+                trace.save(std::path::Path::new(&format!("{dir}/trace.json"))).unwrap();
+                std::fs::write(format!("{dir}/hw.json"), serde_json::to_string(&hardware).unwrap()).unwrap();
+                std::fs::write(format!("{dir}/clean"), format!("{clean_drop}")).unwrap();
+            }
+        }
+        if plan.fits {
+            prop_assert_eq!(report.outcome, Outcome::Completed);
+            prop_assert_eq!(report.demand_fetches, 0);
+            prop_assert_eq!(report.downgraded_drops, 0);
+            prop_assert!(report.iteration_time_us + 1e-6 >= trace.compute_time_us());
+        }
+    }
+
+    /// Bandwidth-feasible commitments never exceed any channel's budget in any slot, and host
+    /// memory never exceeds its cap.
+    #[test]
+    fn committed_bandwidth_stays_within_budget(
+        trace in trace_strategy(),
+        capacity_fraction in 0.3f64..1.0,
+        host_mb in prop::sample::select(vec![0u64, 100, 1000]),
+        ssd_gb_s in 0.5f64..30.0,
+    ) {
+        let hardware = hardware_for(&trace, capacity_fraction, host_mb, ssd_gb_s);
+        let mut outcome = plan_teraio(&trace, &hardware, PlannerConfig::default()).unwrap();
+        prop_assert!(outcome.ledger.worst_overcommit_bytes() <= 1e-3);
+        let held = outcome.ledger.host_held_bytes();
+        prop_assert!(held.iter().all(|&h| h <= hardware.host_capacity_bytes));
+    }
+
+    /// The same inputs give the same plan.
+    #[test]
+    fn planning_is_deterministic(
+        trace in trace_strategy(),
+        capacity_fraction in 0.3f64..1.0,
+        ssd_gb_s in 0.5f64..30.0,
+    ) {
+        let hardware = hardware_for(&trace, capacity_fraction, 100, ssd_gb_s);
+        let first = plan_teraio(&trace, &hardware, PlannerConfig::default()).unwrap().plan;
+        let second = plan_teraio(&trace, &hardware, PlannerConfig::default()).unwrap().plan;
+        prop_assert_eq!(first, second);
+    }
+
+    /// Baselines and LRU, replayed by the same simulator, keep to capacity and residency too.
+    #[test]
+    fn baselines_keep_the_simulator_invariants(
+        trace in trace_strategy(),
+        capacity_fraction in 0.3f64..1.0,
+        ssd_gb_s in 0.5f64..30.0,
+    ) {
+        let hardware = hardware_for(&trace, capacity_fraction, 100, ssd_gb_s);
+        let zero = zero_infinity_like(&trace, &hardware);
+        let flash = flashneuron_like(&trace, &hardware);
+        for policy in [Policy::Planned(&zero), Policy::Planned(&flash), Policy::Lru] {
+            let report = simulate(&trace, &hardware, policy, SimConfig::default()).unwrap();
+            prop_assert!(report.peak_gpu_bytes <= hardware.gpu_capacity_bytes);
+            prop_assert_eq!(report.residency_violations, 0);
+        }
+    }
+}
+
+/// The ideal replay takes exactly the sum of op times.
+#[test]
+fn unlimited_memory_has_no_stalls() {
+    let trace = build_trace(vec![10.0, 20.0, 30.0, 40.0], vec![(0, 5, vec![0, 3], vec![]), (2, 7, vec![1, 2], vec![])]);
+    let hardware = hardware_for(&trace, 10.0, 0, 1.0);
+    let plan = plan_teraio(&trace, &hardware, PlannerConfig::default()).unwrap().plan;
+    assert!(plan.migrations.is_empty());
+    let report = simulate(&trace, &hardware, Policy::Planned(&plan), SimConfig::default()).unwrap();
+    assert_eq!(report.outcome, Outcome::Completed);
+    assert_eq!(report.iteration_time_us, 100.0);
+    assert_eq!(report.stall_time_us, 0.0);
+}
