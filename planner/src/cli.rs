@@ -72,9 +72,13 @@ impl HardwareArgs {
 /// Planner knobs.
 #[derive(Args, Debug, Clone)]
 pub struct PlannerArgs {
-    /// Run the paper's algorithm as published (write every offload, no clean drops).
+    /// Run the paper's algorithm as published (write every offload, latest-feasible prefetch).
     #[arg(long)]
     pub paper: bool,
+    /// Issue prefetches earlier by up to this multiple of their transfer time where memory has
+    /// room (ignored with --paper).
+    #[arg(long, default_value_t = 1.0)]
+    pub prefetch_slack: f64,
     /// GPU memory to keep free (allocator slack), e.g. 2GiB.
     #[arg(long, value_parser = size_arg, default_value = "0")]
     pub reserve: u64,

@@ -51,6 +51,10 @@ pub struct PlannerConfig {
     /// When bandwidth-feasible migrations cannot make the iteration fit, repair with migrations
     /// that stall the GPU (default true). Without it such a plan does not fit.
     pub allow_stalls: bool,
+    /// Issue each prefetch earlier than the latest feasible point by up to this multiple of its
+    /// transfer time, where GPU memory has room (default 1.0; 0 gives the paper's placement).
+    /// Slack absorbs queueing the per-slot bandwidth model does not see.
+    pub prefetch_slack: f64,
 }
 
 impl Default for PlannerConfig {
@@ -62,7 +66,16 @@ impl Default for PlannerConfig {
             evaluations_per_candidate_max: 64,
             lazy_tolerance: 0.05,
             allow_stalls: true,
+            prefetch_slack: 1.0,
         }
+    }
+}
+
+impl PlannerConfig {
+    /// The same settings with the paper's algorithm: every offload writes, prefetches at the
+    /// latest feasible point.
+    pub fn paper(self) -> Self {
+        PlannerConfig { clean_drop: false, prefetch_slack: 0.0, ..self }
     }
 }
 
@@ -444,6 +457,37 @@ impl Planner<'_> {
         repairs
     }
 
+    /// Moves prefetches earlier where memory has room (see [`PlannerConfig::prefetch_slack`]).
+    fn add_prefetch_slack(&mut self, timeline: &Timeline) {
+        if self.config.prefetch_slack <= 0.0 {
+            return;
+        }
+        let n = self.slot_count;
+        for candidate in 0..self.records.len() {
+            let Some(record) = &self.records[candidate] else { continue };
+            let evaluation = record.evaluation;
+            let size_bytes = self.size_bytes(candidate as u32);
+            let slack_us = self.config.prefetch_slack * self.read_us(evaluation.tier, size_bytes);
+            let old_to = evaluation.absent_to_slot;
+            let mut new_to = old_to;
+            let mut moved_us = 0.0;
+            while new_to > evaluation.absent_from_slot + 1 && moved_us < slack_us {
+                let slot = new_to - 1;
+                if self.pressure.max_excess_in(slot, slot + 1) + size_bytes as i64 > 0 {
+                    break;
+                }
+                moved_us += timeline.duration_us[(slot % n) as usize];
+                new_to = slot;
+            }
+            if new_to < old_to {
+                self.pressure.add(new_to, old_to, size_bytes as i64);
+                if let Some(record) = self.records[candidate].as_mut() {
+                    record.evaluation.absent_to_slot = new_to;
+                }
+            }
+        }
+    }
+
     fn migration(&self, candidate: u32, record: &Record) -> Migration {
         let period = self.periods[candidate as usize];
         let tensor = &self.trace.tensors[period.tensor as usize];
@@ -496,6 +540,9 @@ pub fn plan_teraio(trace: &Trace, hardware: &Hardware, config: PlannerConfig) ->
     }
     let repair_count =
         if config.allow_stalls && planner.pressure.max_excess_bytes() > 0 { planner.repair() } else { 0 };
+    if planner.pressure.max_excess_bytes() <= 0 {
+        planner.add_prefetch_slack(&timeline);
+    }
     let mut migrations = Vec::new();
     let mut expected_stall_us = 0.0;
     for (candidate, record) in planner.records.iter().enumerate() {
@@ -516,7 +563,7 @@ pub fn plan_teraio(trace: &Trace, hardware: &Hardware, config: PlannerConfig) ->
     let planned: Vec<u64> =
         planner.pressure.excess_per_slot().into_iter().map(|excess| (excess + capacity).max(0) as u64).collect();
     let peak = planned.iter().copied().max().unwrap_or(0);
-    let policy = if config.clean_drop { "teraio" } else { "teraio-paper" };
+    let policy = if config == config.paper() { "teraio-paper" } else { "teraio" };
     let mut plan = Plan::new(policy, trace, hardware.gpu_capacity_bytes, peak, migrations);
     plan.fits = fits;
     Ok(PlanOutcome {

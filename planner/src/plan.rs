@@ -57,6 +57,10 @@ pub struct Action {
     pub tier: Tier,
     /// Must run ahead of other pending migrations (its result is needed by the next op).
     pub urgent: bool,
+    /// The op that needs the result (prefetch: the next use; offload: the op it is issued at);
+    /// runtimes serve pending transfers earliest deadline first. May be lower than `op` when
+    /// the deadline is in the next iteration.
+    pub deadline_op: u32,
 }
 
 /// One planned offload of one inactive period.
@@ -137,6 +141,7 @@ impl Plan {
                 tensor_id: m.tensor_id,
                 tier: m.tier,
                 urgent: m.offload_urgent,
+                deadline_op: m.offload_op,
             });
             actions.push(Action {
                 op: m.prefetch_op,
@@ -144,6 +149,7 @@ impl Plan {
                 tensor_id: m.tensor_id,
                 tier: m.tier,
                 urgent: m.prefetch_urgent,
+                deadline_op: m.next_use_op,
             });
         }
         actions.sort_by_key(|a| (a.op, a.kind == ActionKind::Prefetch, a.tensor_id, a.kind));

@@ -110,10 +110,7 @@ pub fn make_plan(
             plan.policy = "teraio-ssd".into();
             Some(plan)
         }
-        PolicyName::TeraioPaper => {
-            let paper = PlannerConfig { clean_drop: false, ..config };
-            Some(plan_teraio(trace, hardware, paper)?.plan)
-        }
+        PolicyName::TeraioPaper => Some(plan_teraio(trace, hardware, config.paper())?.plan),
         PolicyName::ZeroInfinity => Some(zero_infinity_like(trace, hardware)),
         PolicyName::Flashneuron => Some(flashneuron_like(trace, hardware)),
         PolicyName::Lru => None,

@@ -4,13 +4,14 @@
 //!
 //! Model: ops run one after another; an op starts when every tensor it uses is on the GPU and its
 //! new tensors fit. Each of the four channels (SSD write/read, host write/read) moves one
-//! transfer at a time at its full rate after a fixed latency, urgent transfers first, then in
-//! issue order. An offload frees GPU memory when its write completes; a prefetch takes GPU memory
+//! transfer at a time at its full rate after a fixed latency, urgent transfers first, then
+//! earliest deadline first (the op that needs the result), then in issue order. An offload frees GPU memory when its write completes; a prefetch takes GPU memory
 //! when it is issued (it waits while memory is short). GPU memory never exceeds capacity: when
 //! nothing in flight can free memory the run ends as out of memory. Several iterations run back to
 //! back and the last is reported, so that periods wrapping across iterations are in steady state.
 
-use std::collections::VecDeque;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
@@ -118,55 +119,83 @@ struct TensorState {
     written_during_offload: bool,
     /// Write again when the current write completes (it carries stale data).
     rewrite: bool,
+    /// Global op index by which its pending transfer should be done.
+    deadline: u64,
     urgent: bool,
     last_used_seq: u64,
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 struct Transfer {
+    /// Queue order: not urgent after urgent, then deadline (global op index), then issue order.
+    not_urgent: bool,
+    deadline: u64,
+    sequence: u64,
     tensor: u32,
     size_bytes: u64,
+    /// Bytes still to move (less than `size_bytes` after a preemption).
+    remaining_bytes: u64,
+    /// The fixed per-transfer latency has been paid (the transfer ran before).
+    started: bool,
 }
 
 #[derive(Debug)]
 struct Channel {
     rate_bytes_per_s: f64,
     latency_us: f64,
-    busy: Option<(f64, Transfer)>,
-    urgent: VecDeque<Transfer>,
-    normal: VecDeque<Transfer>,
+    /// The transfer running: (end time, start time, transfer).
+    busy: Option<(f64, f64, Transfer)>,
+    queue: BinaryHeap<Reverse<Transfer>>,
     moved_bytes: u64,
 }
 
 impl Channel {
     fn new(rate_bytes_per_s: f64, latency_us: f64) -> Self {
-        Channel {
-            rate_bytes_per_s,
-            latency_us,
-            busy: None,
-            urgent: VecDeque::new(),
-            normal: VecDeque::new(),
-            moved_bytes: 0,
-        }
+        Channel { rate_bytes_per_s, latency_us, busy: None, queue: BinaryHeap::new(), moved_bytes: 0 }
     }
 
+    /// Starts the most urgent queued transfer, pausing the running one if the queued one goes
+    /// first (transfers move in chunks, so a runtime can switch between them).
     fn start_next(&mut self, now_us: f64) {
+        if let (Some((_, start_us, running)), Some(Reverse(first))) = (self.busy, self.queue.peek()) {
+            if *first < running {
+                let latency_us = if running.started { 0.0 } else { self.latency_us };
+                let moved = ((now_us - start_us - latency_us).max(0.0) * 1e-6 * self.rate_bytes_per_s) as u64;
+                let mut paused = running;
+                paused.remaining_bytes = running.remaining_bytes.saturating_sub(moved).max(1);
+                paused.started = now_us - start_us >= latency_us;
+                self.queue.push(Reverse(paused));
+                self.busy = None;
+            }
+        }
         if self.busy.is_some() {
             return;
         }
-        if let Some(transfer) = self.urgent.pop_front().or_else(|| self.normal.pop_front()) {
-            let end = now_us + self.latency_us + transfer.size_bytes as f64 / self.rate_bytes_per_s * 1e6;
-            self.busy = Some((end, transfer));
+        if let Some(Reverse(mut transfer)) = self.queue.pop() {
+            let latency_us = if transfer.started { 0.0 } else { self.latency_us };
+            let end = now_us + latency_us + transfer.remaining_bytes as f64 / self.rate_bytes_per_s * 1e6;
+            transfer.started = true;
+            self.busy = Some((end, now_us, transfer));
         }
     }
 
-    /// Moves a queued transfer of `tensor` to the urgent queue.
+    /// Makes a queued transfer of `tensor` urgent.
     fn promote(&mut self, tensor: u32) {
-        if let Some(position) = self.normal.iter().position(|t| t.tensor == tensor) {
-            if let Some(transfer) = self.normal.remove(position) {
-                self.urgent.push_back(transfer);
+        if self.queue.iter().any(|Reverse(t)| t.tensor == tensor && t.not_urgent) {
+            let mut items = std::mem::take(&mut self.queue).into_vec();
+            for Reverse(transfer) in &mut items {
+                if transfer.tensor == tensor {
+                    transfer.not_urgent = false;
+                }
             }
+            self.queue = items.into();
         }
+    }
+
+    /// Makes a queued or running transfer urgent and lets it go first.
+    fn promote_now(&mut self, tensor: u32, now_us: f64) {
+        self.promote(tensor);
+        self.start_next(now_us);
     }
 }
 
@@ -191,6 +220,10 @@ struct Simulator<'a> {
     /// Bytes the current op is waiting to allocate; prefetches may not take them.
     reserved_bytes: u64,
     seq: u64,
+    /// Transfers issued so far (queue tie-break).
+    sequence: u64,
+    /// Global index of the op being run (iteration × ops + op).
+    global_op: u64,
     report: SimReport,
     measuring: bool,
     iteration_start_us: f64,
@@ -225,20 +258,25 @@ impl Simulator<'_> {
     }
 
     fn enqueue(&mut self, channel: usize, tensor: u32, urgent: bool) {
-        let transfer = Transfer { tensor, size_bytes: self.size(tensor) };
-        let queue = &mut self.channels[channel];
-        if urgent {
-            queue.urgent.push_back(transfer);
-        } else {
-            queue.normal.push_back(transfer);
-        }
-        queue.start_next(self.now_us);
+        self.sequence += 1;
+        let transfer = Transfer {
+            not_urgent: !urgent,
+            deadline: self.tensors[tensor as usize].deadline,
+            sequence: self.sequence,
+            tensor,
+            size_bytes: self.size(tensor),
+            remaining_bytes: self.size(tensor),
+            started: false,
+        };
+        let channel = &mut self.channels[channel];
+        channel.queue.push(Reverse(transfer));
+        channel.start_next(self.now_us);
     }
 
     fn next_completion(&self) -> Option<(f64, usize)> {
         let mut best: Option<(f64, usize)> = None;
         for (index, channel) in self.channels.iter().enumerate() {
-            if let Some((end, _)) = channel.busy {
+            if let Some((end, _, _)) = channel.busy {
                 if best.is_none_or(|(t, _)| end < t) {
                     best = Some((end, index));
                 }
@@ -248,7 +286,7 @@ impl Simulator<'_> {
     }
 
     fn complete(&mut self, channel_index: usize, end_us: f64) {
-        let Some((_, transfer)) = self.channels[channel_index].busy.take() else {
+        let Some((_, _, transfer)) = self.channels[channel_index].busy.take() else {
             return;
         };
         self.now_us = self.now_us.max(end_us);
@@ -363,18 +401,20 @@ impl Simulator<'_> {
         state.written_during_offload = false;
         state.rewrite = false;
         state.urgent = urgent;
+        state.deadline = self.global_op;
         if tier == Tier::Host {
             self.add_host(self.size(tensor));
         }
         self.enqueue(channel_of(tier, WRITE), tensor, urgent);
     }
 
-    fn prefetch(&mut self, tensor: u32, urgent: bool) {
+    fn prefetch(&mut self, tensor: u32, urgent: bool, deadline: u64) {
         let state = &mut self.tensors[tensor as usize];
         match state.place {
             Place::OnTier(tier) => {
                 state.place = Place::WaitingMemory(tier);
                 state.urgent = urgent;
+                state.deadline = deadline;
                 if urgent {
                     self.waiting.push_front(tensor);
                 } else {
@@ -489,7 +529,13 @@ impl Simulator<'_> {
                 match action.kind {
                     ActionKind::Offload => self.offload(tensor, action.tier, false, action.urgent),
                     ActionKind::Drop => self.offload(tensor, action.tier, true, action.urgent),
-                    ActionKind::Prefetch => self.prefetch(tensor, action.urgent),
+                    ActionKind::Prefetch => {
+                        let n = self.trace.ops.len() as u64;
+                        let base = self.global_op - u64::from(op);
+                        let wraps = action.deadline_op < op;
+                        let deadline = base + u64::from(action.deadline_op) + if wraps { n } else { 0 };
+                        self.prefetch(tensor, action.urgent, deadline)
+                    }
                 }
             }
             self.actions_at_op[op as usize] = actions;
@@ -502,6 +548,7 @@ impl Simulator<'_> {
                 Place::OnTier(tier) => {
                     state.place = Place::WaitingMemory(tier);
                     state.urgent = true;
+                    state.deadline = self.global_op;
                     self.waiting.push_front(tensor);
                     if self.measuring {
                         self.report.demand_fetches += 1;
@@ -515,7 +562,8 @@ impl Simulator<'_> {
                     self.waiting.push_front(tensor);
                 }
                 Place::Reading(tier) => {
-                    self.channels[channel_of(tier, READ)].promote(tensor);
+                    let now = self.now_us;
+                    self.channels[channel_of(tier, READ)].promote_now(tensor, now);
                 }
                 Place::Writing(_) => state.cancel_offload = true,
                 Place::Gpu | Place::Unallocated => {}
@@ -661,6 +709,7 @@ pub fn simulate(trace: &Trace, hardware: &Hardware, policy: Policy<'_>, config: 
                 cancel_offload: false,
                 written_during_offload: false,
                 rewrite: false,
+                deadline: 0,
                 urgent: false,
                 last_used_seq: 0,
             };
@@ -673,6 +722,8 @@ pub fn simulate(trace: &Trace, hardware: &Hardware, policy: Policy<'_>, config: 
         now_us: 0.0,
         reserved_bytes: 0,
         seq: 0,
+        sequence: 0,
+        global_op: 0,
         report: SimReport {
             policy: policy_name,
             outcome: Outcome::Completed,
@@ -718,6 +769,7 @@ pub fn simulate(trace: &Trace, hardware: &Hardware, policy: Policy<'_>, config: 
             }
         }
         for op in 0..n as u32 {
+            sim.global_op = u64::from(iteration) * n as u64 + u64::from(op);
             if !sim.run_op(op) {
                 return Ok(sim.report);
             }
