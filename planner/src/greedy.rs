@@ -171,6 +171,8 @@ struct Planner<'a> {
     planned_periods: Vec<Vec<(u32, Tier)>>,
     /// Per candidate: its plan, if planned.
     records: Vec<Option<Record>>,
+    /// Transfer time of stalling transfers planned so far, per tier.
+    stalled_us: [f64; 2],
     evaluation_count: usize,
 }
 
@@ -276,6 +278,16 @@ impl Planner<'_> {
             None
         };
         match (ssd, host) {
+            (Some(s), Some(h)) if stalling => {
+                // Stalling transfers queue up: spread them over both tiers' links.
+                let size_bytes = self.size_bytes(candidate);
+                let finish = |planner: &Self, tier: Tier| {
+                    planner.stalled_us[tier.index()]
+                        + planner.read_us(tier, size_bytes)
+                        + planner.write_us(tier, size_bytes)
+                };
+                Some(if finish(self, Tier::Host) < finish(self, Tier::Ssd) { h } else { s })
+            }
             (Some(s), Some(h)) => {
                 if s.benefit_byte_us >= self.config.ssd_preference * h.benefit_byte_us {
                     Some(s)
@@ -297,6 +309,7 @@ impl Planner<'_> {
         if let Some(span) = evaluation.write_span {
             if evaluation.write_stalls {
                 self.ledger.record_stall(write_channel, span.first_slot, size_bytes);
+                self.stalled_us[tier.index()] += self.write_us(tier, size_bytes);
             } else {
                 write_taken = self.ledger.commit(write_channel, size_bytes, span, true);
             }
@@ -304,6 +317,7 @@ impl Planner<'_> {
         let span = evaluation.read_span;
         let read_taken = if evaluation.read_stalls {
             self.ledger.record_stall(read_channel, span.first_slot, size_bytes);
+            self.stalled_us[tier.index()] += self.read_us(tier, size_bytes);
             Vec::new()
         } else {
             self.ledger.commit(read_channel, size_bytes, span, false)
@@ -400,8 +414,10 @@ impl Planner<'_> {
                 record.evaluation.absent_to_slot = late;
                 record.evaluation.read_span = Span { first_slot: late, last_slot: late };
                 record.evaluation.read_stalls = true;
+                let tier = record.evaluation.tier;
                 self.ledger.uncommit(channel, &taken);
                 self.ledger.record_stall(channel, late, size_bytes);
+                self.stalled_us[tier.index()] += self.read_us(tier, size_bytes);
                 self.pressure.add(old_to, late, -(size_bytes as i64));
             }
             Repair::EarlyOffload(candidate) => {
@@ -415,8 +431,10 @@ impl Planner<'_> {
                 record.evaluation.absent_from_slot = start + 1;
                 record.evaluation.write_span = Some(Span { first_slot: start, last_slot: start });
                 record.evaluation.write_stalls = true;
+                let tier = record.evaluation.tier;
                 self.ledger.uncommit(channel, &taken);
                 self.ledger.record_stall(channel, start, size_bytes);
+                self.stalled_us[tier.index()] += self.write_us(tier, size_bytes);
                 self.pressure.add(start + 1, old_from, -(size_bytes as i64));
             }
         }
@@ -533,6 +551,7 @@ pub fn plan_teraio(trace: &Trace, hardware: &Hardware, config: PlannerConfig) ->
         periods,
         planned_periods: vec![Vec::new(); trace.tensors.len()],
         records: vec![None; candidate_count],
+        stalled_us: [0.0; 2],
         evaluation_count: 0,
     };
     if planner.pressure.max_excess_bytes() > 0 {

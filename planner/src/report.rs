@@ -200,22 +200,24 @@ pub fn format_table(comparison: &Comparison) -> String {
     ));
     out.push_str(&format!("ideal iteration: {}\n\n", format_duration_us(comparison.ideal_time_us)));
     out.push_str(&format!(
-        "{:<14} {:>9} {:>12} {:>12} {:>12} {:>12} {:>10} {:>10} {:>10}  {}\n",
+        "{:<14} {:>8} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8} {:>8} {:>8} {:>8}  {}\n",
         "policy",
         "% ideal",
         "iteration",
         "stalls",
         "peak GPU",
         "peak host",
-        "SSD w GB",
-        "SSD r GB",
+        "SSD w",
+        "SSD r",
+        "host w",
+        "host r",
         "plan ms",
         "outcome"
     ));
     for row in &comparison.rows {
         let sim = &row.sim;
         out.push_str(&format!(
-            "{:<14} {:>8.1}% {:>12} {:>12} {:>12} {:>12} {:>10.1} {:>10.1} {:>10.1}  {}\n",
+            "{:<14} {:>7.1}% {:>10} {:>10} {:>10} {:>10} {:>8.1} {:>8.1} {:>8.1} {:>8.1} {:>8.1}  {}\n",
             row.policy,
             row.percent_of_ideal,
             format_duration_us(sim.iteration_time_us),
@@ -224,6 +226,8 @@ pub fn format_table(comparison: &Comparison) -> String {
             format_gib(sim.peak_host_bytes as f64),
             sim.ssd_written_bytes as f64 / 1e9,
             sim.ssd_read_bytes as f64 / 1e9,
+            sim.host_written_bytes as f64 / 1e9,
+            sim.host_read_bytes as f64 / 1e9,
             row.planning_time_ms,
             outcome_text(&sim.outcome),
         ));
