@@ -79,6 +79,10 @@ pub struct PlannerArgs {
     /// room (ignored with --paper).
     #[arg(long, default_value_t = 1.0)]
     pub prefetch_slack: f64,
+    /// Do not repair with stalling transfers when bandwidth-feasible migrations cannot make the
+    /// iteration fit (the plan then may not fit).
+    #[arg(long)]
+    pub no_stall_repair: bool,
     /// GPU memory to keep free (allocator slack), e.g. 2GiB.
     #[arg(long, value_parser = size_arg, default_value = "0")]
     pub reserve: u64,
@@ -87,7 +91,17 @@ pub struct PlannerArgs {
 impl PlannerArgs {
     /// The planner configuration.
     pub fn config(&self) -> PlannerConfig {
-        PlannerConfig { clean_drop: !self.paper, reserve_bytes: self.reserve, ..PlannerConfig::default() }
+        let config = PlannerConfig {
+            reserve_bytes: self.reserve,
+            prefetch_slack: self.prefetch_slack,
+            allow_stalls: !self.no_stall_repair,
+            ..PlannerConfig::default()
+        };
+        if self.paper {
+            config.paper()
+        } else {
+            config
+        }
     }
 }
 
@@ -286,6 +300,10 @@ pub struct PlanSummary {
     pub clean_drops: usize,
     /// Urgent actions.
     pub urgent_actions: usize,
+    /// Changes made by the stall repair (0 when bandwidth-feasible migrations were enough).
+    pub stall_repairs: usize,
+    /// GPU waiting time the planner expects from stalling transfers.
+    pub expected_stall_us: f64,
     /// Peak memory with nothing moved.
     pub unplanned_peak_bytes: u64,
     /// Peak memory the planner predicts (stall-free timing).
@@ -333,6 +351,8 @@ pub fn plan_command(args: &PlanArgs) -> Result<String> {
         host_migrations: plan.migrations.iter().filter(|m| m.tier == Tier::Host).count(),
         clean_drops: plan.migrations.iter().filter(|m| !m.writes).count(),
         urgent_actions: plan.actions.iter().filter(|a| a.urgent).count(),
+        stall_repairs: outcome.repair_count,
+        expected_stall_us: outcome.expected_stall_us,
         unplanned_peak_bytes: outcome.base_pressure_bytes.iter().copied().max().unwrap_or(0),
         predicted_peak_bytes: plan.predicted_peak_bytes,
         fits: plan.fits,
@@ -352,7 +372,7 @@ fn format_plan(summary: &PlanSummary, plan: &Plan, trace: &Trace, show_actions: 
     let mut out = format!(
         "trace: {}\n\
          planning: {:.1} ms, {} candidates, {} evaluations\n\
-         migrations: {} (SSD {}, host {}, clean drops {}, urgent actions {})\n\
+         migrations: {} (SSD {}, host {}, clean drops {}, urgent actions {}, stall repairs {})\n\
          traffic per iteration: SSD write {:.1} GB, read {:.1} GB; host write {:.1} GB, read {:.1} GB\n\
          memory: {} without offload, {} planned peak, GPU {}: {}\n\
          predicted iteration: {} (ideal {}, {:.1}% of ideal), stalls {} in {} ops, peak {}, outcome {:?}\n",
@@ -365,6 +385,7 @@ fn format_plan(summary: &PlanSummary, plan: &Plan, trace: &Trace, show_actions: 
         summary.host_migrations,
         summary.clean_drops,
         summary.urgent_actions,
+        summary.stall_repairs,
         traffic.written_bytes[0] as f64 / 1e9,
         traffic.read_bytes[0] as f64 / 1e9,
         traffic.written_bytes[1] as f64 / 1e9,
