@@ -1,0 +1,185 @@
+//! Aligned memory: the buffers O_DIRECT needs, and the bounded pool of bounce chunks that every
+//! device ring registers once (io_uring fixed buffers), used for unaligned caller memory and for
+//! the zero-padded last block of an object.
+
+use crate::error::{Error, Result};
+use std::alloc::{alloc_zeroed, dealloc, Layout};
+use std::ptr::NonNull;
+use std::sync::{Condvar, Mutex};
+
+/// A zeroed, aligned heap buffer.
+pub struct AlignedBuf {
+    ptr: NonNull<u8>,
+    layout: Layout,
+    len: usize,
+}
+
+// SAFETY: AlignedBuf owns its allocation exclusively, like a Vec<u8>.
+unsafe impl Send for AlignedBuf {}
+unsafe impl Sync for AlignedBuf {}
+
+impl AlignedBuf {
+    /// `len` bytes aligned to `align` (a power of two); a zero length still allocates one block.
+    pub fn new(len: usize, align: usize) -> Result<Self> {
+        let layout = Layout::from_size_align(len.max(align), align)
+            .map_err(|e| Error::InvalidConfig(format!("buffer of {len} bytes aligned to {align}: {e}")))?;
+        // SAFETY: the layout has a non-zero size.
+        let ptr = NonNull::new(unsafe { alloc_zeroed(layout) }).ok_or_else(|| {
+            Error::io(format!("allocating a {len}-byte buffer"), std::io::ErrorKind::OutOfMemory.into())
+        })?;
+        Ok(AlignedBuf { ptr, layout, len })
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr.as_ptr()
+    }
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { dealloc(self.ptr.as_ptr(), self.layout) }
+    }
+}
+
+impl std::ops::Deref for AlignedBuf {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: ptr is valid for len bytes (the allocation is at least that long).
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl std::ops::DerefMut for AlignedBuf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as above, and we hold &mut self.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl AsRef<[u8]> for AlignedBuf {
+    fn as_ref(&self) -> &[u8] {
+        self
+    }
+}
+
+impl AsMut<[u8]> for AlignedBuf {
+    fn as_mut(&mut self) -> &mut [u8] {
+        self
+    }
+}
+
+/// A fixed set of equal, aligned chunks carved from one slab allocated at start-up. Taking a chunk
+/// blocks while all are in use, which bounds the bounce memory.
+pub struct BouncePool {
+    slab: AlignedBuf,
+    chunk_bytes: usize,
+    free: Mutex<Vec<u16>>,
+    available: Condvar,
+}
+
+/// A chunk taken from the pool; give it back with [`BouncePool::put`].
+#[derive(Debug)]
+pub struct BounceChunk {
+    pub index: u16,
+    pub ptr: *mut u8,
+}
+
+// SAFETY: a chunk is exclusively owned by whoever took it until it is put back.
+unsafe impl Send for BounceChunk {}
+
+impl BouncePool {
+    pub fn new(chunk_bytes: usize, chunk_count: usize, align: usize) -> Result<Self> {
+        if chunk_count == 0 || chunk_count > u16::MAX as usize || !chunk_bytes.is_multiple_of(align) {
+            return Err(Error::InvalidConfig(format!(
+                "bounce pool of {chunk_count} chunks of {chunk_bytes} bytes (need 1..=65535 chunks, a multiple of {align} bytes each)"
+            )));
+        }
+        let slab = AlignedBuf::new(chunk_bytes * chunk_count, align)?;
+        Ok(BouncePool {
+            slab,
+            chunk_bytes,
+            free: Mutex::new((0..chunk_count as u16).rev().collect()),
+            available: Condvar::new(),
+        })
+    }
+
+    pub fn chunk_bytes(&self) -> usize {
+        self.chunk_bytes
+    }
+
+    /// The whole slab, for registration with io_uring.
+    pub fn slab(&self) -> (*mut u8, usize) {
+        (self.slab.as_ptr() as *mut u8, self.slab.len())
+    }
+
+    /// Takes a chunk, waiting while none is free. The chunk's bytes are whatever the last user left.
+    pub fn take(&self) -> BounceChunk {
+        let mut free = self.free.lock().expect("pool lock");
+        loop {
+            if let Some(index) = free.pop() {
+                // SAFETY: index < chunk_count, so the chunk lies inside the slab.
+                let ptr = unsafe { (self.slab.as_ptr() as *mut u8).add(index as usize * self.chunk_bytes) };
+                return BounceChunk { index, ptr };
+            }
+            free = self.available.wait(free).expect("pool lock");
+        }
+    }
+
+    /// Takes a chunk if one is free now.
+    pub fn try_take(&self) -> Option<BounceChunk> {
+        let index = self.free.lock().expect("pool lock").pop()?;
+        // SAFETY: index < chunk_count, so the chunk lies inside the slab.
+        let ptr = unsafe { (self.slab.as_ptr() as *mut u8).add(index as usize * self.chunk_bytes) };
+        Some(BounceChunk { index, ptr })
+    }
+
+    pub fn put(&self, chunk: BounceChunk) {
+        let mut free = self.free.lock().expect("pool lock");
+        debug_assert!(!free.contains(&chunk.index));
+        free.push(chunk.index);
+        drop(free);
+        self.available.notify_one();
+    }
+
+    pub fn free_chunks(&self) -> usize {
+        self.free.lock().expect("pool lock").len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn aligned_and_zeroed() {
+        let b = AlignedBuf::new(10000, 4096).unwrap();
+        assert_eq!(b.as_ptr() as usize % 4096, 0);
+        assert!(b.iter().all(|&x| x == 0));
+        assert_eq!(b.len(), 10000);
+    }
+
+    #[test]
+    fn pool_hands_out_distinct_chunks_and_blocks_when_empty() {
+        let pool = std::sync::Arc::new(BouncePool::new(4096, 2, 4096).unwrap());
+        let a = pool.take();
+        let b = pool.take();
+        assert_ne!(a.ptr, b.ptr);
+        let p2 = pool.clone();
+        let waiter = std::thread::spawn(move || p2.take().index);
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(!waiter.is_finished());
+        let freed = a.index;
+        pool.put(a);
+        assert_eq!(waiter.join().unwrap(), freed);
+        pool.put(b);
+    }
+}

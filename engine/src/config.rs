@@ -1,0 +1,197 @@
+//! Configuration of a store: what is fixed at format time and what can change at each open.
+//! Every field has a documented default.
+
+use crate::backend::fault::FaultInjector;
+use crate::backend::{BackendKind, UringOptions};
+use crate::error::{Error, Result};
+
+pub const KIB: u64 = 1024;
+pub const MIB: u64 = 1024 * KIB;
+pub const GIB: u64 = 1024 * MIB;
+
+/// The most devices one store spans.
+pub const MAX_DEVICES: usize = 64;
+
+/// Fixed when a store is formatted.
+#[derive(Debug, Clone)]
+pub struct FormatConfig {
+    /// Bytes of each stripe unit; a multiple of the block size. Default 1 MiB.
+    pub stripe_unit_bytes: u64,
+    /// Allocation and I/O alignment unit; a power of two in 512..=65536. Default 4096.
+    /// NOTE: must be a multiple of every device's logical block size for O_DIRECT.
+    pub block_size: u64,
+    /// Keep a crc32c per stripe unit and check it on `fsck` and verified gets. Default true.
+    pub checksums: bool,
+    /// Largest caller metadata blob per object. Default 4096 (at most 65535).
+    pub max_meta_bytes: u64,
+    /// Bytes of each checkpoint slot (the table must fit). Default: device 0's size / 128,
+    /// clamped to 1 MiB..=256 MiB.
+    pub checkpoint_slot_bytes: Option<u64>,
+    /// Bytes of the journal ring. Default: the same as a checkpoint slot.
+    pub journal_bytes: Option<u64>,
+    /// Create missing device files with this size (regular files only). Default: None (they must exist).
+    pub create_file_bytes: Option<u64>,
+    /// Overwrite devices that already hold a teraio store. Default false.
+    pub force: bool,
+}
+
+impl Default for FormatConfig {
+    fn default() -> Self {
+        FormatConfig {
+            stripe_unit_bytes: MIB,
+            block_size: 4096,
+            checksums: true,
+            max_meta_bytes: 4096,
+            checkpoint_slot_bytes: None,
+            journal_bytes: None,
+            create_file_bytes: None,
+            force: false,
+        }
+    }
+}
+
+impl FormatConfig {
+    pub fn validate(&self) -> Result<()> {
+        let bs = self.block_size;
+        if !bs.is_power_of_two() || !(512..=65536).contains(&bs) {
+            return Err(Error::InvalidConfig(format!("block size {bs} must be a power of two in 512..=65536")));
+        }
+        let su = self.stripe_unit_bytes;
+        if su == 0 || !su.is_multiple_of(bs) || su > u32::MAX as u64 / 2 {
+            return Err(Error::InvalidConfig(format!(
+                "stripe unit {su} must be a non-zero multiple of the block size {bs} and below 2 GiB"
+            )));
+        }
+        if self.max_meta_bytes > u16::MAX as u64 {
+            return Err(Error::InvalidConfig("max_meta_bytes must be at most 65535".into()));
+        }
+        for (name, v) in [("checkpoint_slot_bytes", self.checkpoint_slot_bytes), ("journal_bytes", self.journal_bytes)]
+        {
+            if let Some(v) = v {
+                if v < 4 * bs || v % bs != 0 {
+                    return Err(Error::InvalidConfig(format!(
+                        "{name} {v} must be a multiple of {bs} and at least {}",
+                        4 * bs
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Chosen at each open.
+#[derive(Debug, Clone)]
+pub struct OpenConfig {
+    /// Default `Auto`: io_uring where the kernel allows it, else psync (logged, and in stats).
+    pub backend: BackendKind,
+    /// Requests in flight per device. Default 32.
+    pub queue_depth: usize,
+    /// io_uring SQPOLL/IOPOLL. Default: both off.
+    pub uring: UringOptions,
+    /// O_DIRECT. Default true.
+    pub direct_io: bool,
+    /// Largest single device request. Default 4 MiB (requests never cross a stripe unit either).
+    pub max_io_bytes: u64,
+    /// Bytes of device requests in flight over the whole store; submission waits past this.
+    /// Normal-priority work may use 7/8 of it, the rest is kept for urgent work. Default 1 GiB.
+    pub max_inflight_bytes: u64,
+    /// Bytes of bounce memory for unaligned buffers and partial last blocks, allocated at open
+    /// and registered with io_uring. Default 64 MiB.
+    pub bounce_pool_bytes: u64,
+    /// Check stripe-unit checksums on every whole-unit get. Default false (fsck always checks).
+    pub verify_checksums: bool,
+    /// Flush written devices and the journal before a put or delete is acknowledged, so it
+    /// survives power loss, not only a process crash. Default true.
+    pub durable: bool,
+    /// Faults to inject into every device's backend (tests, reliability runs). Default None.
+    pub fault_injector: Option<FaultInjector>,
+}
+
+impl Default for OpenConfig {
+    fn default() -> Self {
+        OpenConfig {
+            backend: BackendKind::Auto,
+            queue_depth: 32,
+            uring: UringOptions::default(),
+            direct_io: true,
+            max_io_bytes: 4 * MIB,
+            max_inflight_bytes: GIB,
+            bounce_pool_bytes: 64 * MIB,
+            verify_checksums: false,
+            durable: true,
+            fault_injector: None,
+        }
+    }
+}
+
+impl OpenConfig {
+    pub fn validate(&self, block_size: u64) -> Result<()> {
+        if self.queue_depth == 0 || self.queue_depth > 4096 {
+            return Err(Error::InvalidConfig(format!("queue depth {} must be in 1..=4096", self.queue_depth)));
+        }
+        if self.max_io_bytes < block_size || !self.max_io_bytes.is_multiple_of(block_size) || self.max_io_bytes > GIB {
+            return Err(Error::InvalidConfig(format!(
+                "max_io_bytes {} must be a multiple of the block size {block_size}, at most 1 GiB",
+                self.max_io_bytes
+            )));
+        }
+        if self.max_inflight_bytes < 2 * self.max_io_bytes {
+            return Err(Error::InvalidConfig(format!(
+                "max_inflight_bytes {} must be at least twice max_io_bytes {}",
+                self.max_inflight_bytes, self.max_io_bytes
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Parses sizes like `4096`, `4k`, `1MiB`, `64M`, `2G`, `1.5GiB` (binary units).
+pub fn parse_size(text: &str) -> Result<u64> {
+    let t = text.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let value: f64 =
+        number.parse().map_err(|_| Error::InvalidConfig(format!("{text:?} is not a size (e.g. 4k, 1MiB, 2G)")))?;
+    let multiplier = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => KIB,
+        "m" | "mb" | "mib" => MIB,
+        "g" | "gb" | "gib" => GIB,
+        "t" | "tb" | "tib" => 1024 * GIB,
+        other => {
+            return Err(Error::InvalidConfig(format!("unknown size unit {other:?} in {text:?}; use k, M, G or T")))
+        }
+    };
+    let bytes = value * multiplier as f64;
+    if !bytes.is_finite() || bytes < 0.0 || bytes.fract() != 0.0 {
+        return Err(Error::InvalidConfig(format!("{text:?} is not a whole number of bytes")));
+    }
+    Ok(bytes as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert_eq!(parse_size("4k").unwrap(), 4096);
+        assert_eq!(parse_size("1MiB").unwrap(), MIB);
+        assert_eq!(parse_size("1.5G").unwrap(), 3 * GIB / 2);
+        assert!(parse_size("abc").is_err());
+        assert!(parse_size("4q").is_err());
+        assert!(parse_size("1.5").is_err());
+    }
+
+    #[test]
+    fn configs_validate() {
+        assert!(FormatConfig::default().validate().is_ok());
+        assert!(FormatConfig { stripe_unit_bytes: 1000, ..Default::default() }.validate().is_err());
+        assert!(FormatConfig { block_size: 3000, ..Default::default() }.validate().is_err());
+        assert!(OpenConfig::default().validate(4096).is_ok());
+        assert!(OpenConfig { queue_depth: 0, ..Default::default() }.validate(4096).is_err());
+        assert!(OpenConfig { max_io_bytes: 5000, ..Default::default() }.validate(4096).is_err());
+    }
+}

@@ -1,0 +1,154 @@
+//! Where bytes live: a backing device is a regular file (pre-allocated) or a raw block device,
+//! opened once with O_DIRECT and locked against a second writer.
+
+use crate::error::{Error, Result};
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+
+/// An open, locked backing device.
+#[derive(Debug)]
+pub struct Device {
+    pub path: PathBuf,
+    pub file: File,
+    pub size_bytes: u64,
+    pub is_block_device: bool,
+}
+
+impl Device {
+    /// Opens `path` read-write (O_DIRECT unless `direct_io` is false) and takes an exclusive lock.
+    pub fn open(path: &Path, direct_io: bool) -> Result<Device> {
+        let mut options = OpenOptions::new();
+        options.read(true).write(true);
+        if direct_io {
+            options.custom_flags(libc::O_DIRECT);
+        }
+        let file = options.open(path).map_err(|source| {
+            if source.raw_os_error() == Some(libc::EINVAL) && direct_io {
+                Error::DirectIoUnsupported { path: path.to_path_buf(), source }
+            } else {
+                Error::DeviceOpen { path: path.to_path_buf(), source }
+            }
+        })?;
+        // SAFETY: flock on a valid fd.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            let e = std::io::Error::last_os_error();
+            return Err(if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+                Error::Locked { path: path.to_path_buf() }
+            } else {
+                Error::io(format!("locking {}", path.display()), e)
+            });
+        }
+        let metadata = file.metadata().map_err(|e| Error::io(format!("stat {}", path.display()), e))?;
+        let is_block_device = metadata.file_type().is_block_device();
+        let size_bytes = if is_block_device { block_device_size(&file, path)? } else { metadata.len() };
+        Ok(Device { path: path.to_path_buf(), file, size_bytes, is_block_device })
+    }
+
+    pub fn fd(&self) -> i32 {
+        self.file.as_raw_fd()
+    }
+
+    /// Reads exactly `buf.len()` bytes at `offset` (synchronously; for superblocks at open time).
+    pub fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        self.file
+            .read_exact_at(buf, offset)
+            .map_err(|e| Error::io(format!("reading {} bytes at {} of {}", buf.len(), offset, self.path.display()), e))
+    }
+
+    /// Writes all of `buf` at `offset` (synchronously; for superblocks at format time).
+    pub fn write_all_at(&self, buf: &[u8], offset: u64) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        self.file
+            .write_all_at(buf, offset)
+            .map_err(|e| Error::io(format!("writing {} bytes at {} of {}", buf.len(), offset, self.path.display()), e))
+    }
+
+    pub fn sync(&self) -> Result<()> {
+        self.file.sync_data().map_err(|e| Error::io(format!("flushing {}", self.path.display()), e))
+    }
+}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        // Release the lock now: an io_uring ring that registered this file drops its reference
+        // asynchronously, which would otherwise keep the lock held for a while after close.
+        // SAFETY: flock on our own valid fd.
+        unsafe { libc::flock(self.file.as_raw_fd(), libc::LOCK_UN) };
+    }
+}
+
+fn block_device_size(file: &File, path: &Path) -> Result<u64> {
+    let mut size: u64 = 0;
+    // BLKGETSIZE64 = _IOR(0x12, 114, size_t)
+    const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
+    // SAFETY: the ioctl writes one u64 into `size`.
+    if unsafe { libc::ioctl(file.as_raw_fd(), BLKGETSIZE64, &mut size) } != 0 {
+        return Err(Error::io(format!("reading the size of {}", path.display()), std::io::Error::last_os_error()));
+    }
+    Ok(size)
+}
+
+/// Creates (or grows) a regular file of `size_bytes` with its blocks allocated up front, so a full
+/// file system shows up now and not in the middle of a put.
+pub fn create_file(path: &Path, size_bytes: u64) -> Result<()> {
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)
+        .map_err(|source| Error::DeviceOpen { path: path.to_path_buf(), source })?;
+    // SAFETY: fallocate on a valid fd.
+    let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, size_bytes as libc::off_t) };
+    if rc != 0 {
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() == Some(libc::ENOSPC) {
+            return Err(Error::NoSpace { device: 0, needed_bytes: size_bytes, free_bytes: 0, largest_free_bytes: 0 });
+        }
+        // File systems without fallocate: fall back to a sparse file, and say so.
+        tracing::warn!(path = %path.display(), error = %e, "fallocate failed; the device file is sparse");
+        file.set_len(size_bytes).map_err(|e| Error::io(format!("sizing {}", path.display()), e))?;
+    }
+    Ok(())
+}
+
+/// Whether a block device (or one of its partitions) is mounted, from /proc/self/mounts.
+pub fn mounted_at(path: &Path) -> Option<String> {
+    let canonical = std::fs::canonicalize(path).ok()?;
+    let mounts = std::fs::read_to_string("/proc/self/mounts").ok()?;
+    let name = canonical.to_string_lossy().to_string();
+    mounts.lines().find_map(|line| {
+        let mut fields = line.split_whitespace();
+        let source = fields.next()?;
+        let target = fields.next()?;
+        (source == name
+            || source.starts_with(&name) && source[name.len()..].chars().all(|c| c.is_ascii_digit() || c == 'p'))
+        .then(|| format!("{source} on {target}"))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn second_open_is_refused_with_locked() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("d0");
+        create_file(&p, 1 << 20).unwrap();
+        let d = Device::open(&p, true).unwrap();
+        assert_eq!(d.size_bytes, 1 << 20);
+        assert!(matches!(Device::open(&p, true), Err(Error::Locked { .. })));
+        drop(d);
+        Device::open(&p, true).unwrap();
+    }
+
+    #[test]
+    fn missing_device_says_which() {
+        let err = Device::open(Path::new("/nonexistent/teraio-dev"), true).unwrap_err();
+        assert!(err.to_string().contains("/nonexistent/teraio-dev"), "{err}");
+    }
+}

@@ -1,0 +1,211 @@
+//! The crash-safe object table on disk: two checkpoint slots and a journal ring on the metadata
+//! device. A put or delete is acknowledged only once its journal batch is durable; when the ring
+//! fills, the whole table is written to the older checkpoint slot with the next generation and the
+//! ring starts over. Recovery takes the newest valid checkpoint and replays the journal batches of
+//! that generation in sequence until the first one that does not check out (a torn write).
+
+use super::codec::{round_up, Decoder, Encoder};
+use super::table::{ObjectRecord, TableChange};
+use crate::error::{Error, Result};
+
+pub const CHECKPOINT_MAGIC: [u8; 8] = *b"TIOCKPT1";
+pub const JOURNAL_MAGIC: [u8; 8] = *b"TIOJRNL1";
+/// Bytes reserved for a checkpoint or batch header; the payload starts right after.
+pub const HEADER_BYTES: usize = 64;
+
+/// A decoded checkpoint header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CheckpointHeader {
+    pub generation: u64,
+    pub record_count: u64,
+    pub payload_bytes: u64,
+    pub payload_crc: u32,
+}
+
+/// Encodes a checkpoint of `records` as generation `generation`, padded to `block_size`.
+pub fn encode_checkpoint<'a>(
+    generation: u64,
+    records: impl Iterator<Item = &'a ObjectRecord>,
+    block_size: u64,
+) -> Vec<u8> {
+    let mut payload = Encoder::default();
+    let mut count = 0u64;
+    for r in records {
+        r.encode(&mut payload);
+        count += 1;
+    }
+    let mut e = Encoder::with_capacity(HEADER_BYTES + payload.bytes.len());
+    e.raw(&CHECKPOINT_MAGIC);
+    e.u64(generation);
+    e.u64(count);
+    e.u64(payload.bytes.len() as u64);
+    e.u32(crc32c::crc32c(&payload.bytes));
+    let header_crc = crc32c::crc32c(&e.bytes);
+    e.u32(header_crc);
+    e.bytes.resize(HEADER_BYTES, 0);
+    e.raw(&payload.bytes);
+    let padded = round_up(e.bytes.len() as u64, block_size) as usize;
+    e.bytes.resize(padded, 0);
+    e.bytes
+}
+
+/// Decodes a checkpoint header; `None` where the slot holds no valid header (never written, torn).
+pub fn decode_checkpoint_header(block: &[u8]) -> Option<CheckpointHeader> {
+    if block.len() < HEADER_BYTES || block[..8] != CHECKPOINT_MAGIC {
+        return None;
+    }
+    let mut d = Decoder::new(&block[8..], "checkpoint header");
+    let h = CheckpointHeader {
+        generation: d.u64().ok()?,
+        record_count: d.u64().ok()?,
+        payload_bytes: d.u64().ok()?,
+        payload_crc: d.u32().ok()?,
+    };
+    let header_crc = d.u32().ok()?;
+    (crc32c::crc32c(&block[..8 + 8 * 3 + 4]) == header_crc).then_some(h)
+}
+
+/// Decodes a checkpoint's records from the bytes after its header.
+pub fn decode_checkpoint_payload(
+    header: &CheckpointHeader,
+    payload: &[u8],
+    device_count: u16,
+) -> Result<Vec<ObjectRecord>> {
+    if payload.len() as u64 != header.payload_bytes || crc32c::crc32c(payload) != header.payload_crc {
+        return Err(Error::CorruptMetadata {
+            detail: format!("checkpoint generation {} payload checksum mismatch", header.generation),
+        });
+    }
+    let mut d = Decoder::new(payload, "checkpoint");
+    let mut records = Vec::with_capacity(header.record_count.min(1 << 20) as usize);
+    for _ in 0..header.record_count {
+        records.push(ObjectRecord::decode(&mut d, device_count)?);
+    }
+    if d.remaining() != 0 {
+        return Err(Error::CorruptMetadata { detail: "checkpoint has trailing bytes".into() });
+    }
+    Ok(records)
+}
+
+/// A decoded journal batch header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchHeader {
+    pub generation: u64,
+    pub sequence: u64,
+    pub change_count: u32,
+    pub payload_bytes: u32,
+    pub payload_crc: u32,
+}
+
+impl BatchHeader {
+    /// Bytes the whole batch occupies in the ring.
+    pub fn padded_bytes(&self, block_size: u64) -> u64 {
+        round_up(HEADER_BYTES as u64 + self.payload_bytes as u64, block_size)
+    }
+}
+
+/// Encodes one journal batch, padded to `block_size`.
+pub fn encode_batch(generation: u64, sequence: u64, changes: &[TableChange], block_size: u64) -> Vec<u8> {
+    let mut payload = Encoder::default();
+    for c in changes {
+        c.encode(&mut payload);
+    }
+    let mut e = Encoder::with_capacity(HEADER_BYTES + payload.bytes.len());
+    e.raw(&JOURNAL_MAGIC);
+    e.u64(generation);
+    e.u64(sequence);
+    e.u32(changes.len() as u32);
+    e.u32(payload.bytes.len() as u32);
+    e.u32(crc32c::crc32c(&payload.bytes));
+    let header_crc = crc32c::crc32c(&e.bytes);
+    e.u32(header_crc);
+    e.bytes.resize(HEADER_BYTES, 0);
+    e.raw(&payload.bytes);
+    let padded = round_up(e.bytes.len() as u64, block_size) as usize;
+    e.bytes.resize(padded, 0);
+    e.bytes
+}
+
+/// Decodes a batch header; `None` where the bytes are not a valid header.
+pub fn decode_batch_header(block: &[u8]) -> Option<BatchHeader> {
+    if block.len() < HEADER_BYTES || block[..8] != JOURNAL_MAGIC {
+        return None;
+    }
+    let mut d = Decoder::new(&block[8..], "journal header");
+    let h = BatchHeader {
+        generation: d.u64().ok()?,
+        sequence: d.u64().ok()?,
+        change_count: d.u32().ok()?,
+        payload_bytes: d.u32().ok()?,
+        payload_crc: d.u32().ok()?,
+    };
+    let header_crc = d.u32().ok()?;
+    (crc32c::crc32c(&block[..8 + 8 * 2 + 4 * 3]) == header_crc).then_some(h)
+}
+
+/// Decodes a batch's changes; `None` where the payload is torn (its checksum fails).
+pub fn decode_batch_payload(header: &BatchHeader, payload: &[u8], device_count: u16) -> Option<Vec<TableChange>> {
+    if payload.len() != header.payload_bytes as usize || crc32c::crc32c(payload) != header.payload_crc {
+        return None;
+    }
+    let mut d = Decoder::new(payload, "journal batch");
+    let changes: Result<Vec<_>> = (0..header.change_count).map(|_| TableChange::decode(&mut d, device_count)).collect();
+    changes.ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::alloc::Extent;
+
+    fn record(id: u64) -> ObjectRecord {
+        ObjectRecord {
+            id,
+            len_bytes: id * 10,
+            meta: vec![id as u8; 3],
+            first_device: 0,
+            spread: 1,
+            extents: vec![Extent { device: 0, start_block: id, len_blocks: 1 }],
+            unit_crcs: vec![],
+        }
+    }
+
+    #[test]
+    fn checkpoint_round_trip_and_torn_payload() {
+        let records: Vec<_> = (1..50).map(record).collect();
+        let bytes = encode_checkpoint(7, records.iter(), 4096);
+        assert_eq!(bytes.len() % 4096, 0);
+        let h = decode_checkpoint_header(&bytes).unwrap();
+        assert_eq!(h.generation, 7);
+        let payload = &bytes[HEADER_BYTES..HEADER_BYTES + h.payload_bytes as usize];
+        assert_eq!(decode_checkpoint_payload(&h, payload, 1).unwrap(), records);
+        let mut torn = payload.to_vec();
+        torn[5] ^= 0x40;
+        assert!(decode_checkpoint_payload(&h, &torn, 1).is_err());
+        let mut bad_header = bytes.clone();
+        bad_header[9] ^= 1;
+        assert!(decode_checkpoint_header(&bad_header).is_none());
+    }
+
+    #[test]
+    fn batch_round_trip_and_torn_payload() {
+        let changes = vec![TableChange::Put(record(3)), TableChange::Delete { id: 2 }];
+        let bytes = encode_batch(4, 11, &changes, 4096);
+        let h = decode_batch_header(&bytes).unwrap();
+        assert_eq!((h.generation, h.sequence, h.change_count), (4, 11, 2));
+        assert_eq!(h.padded_bytes(4096), 4096);
+        let payload = &bytes[HEADER_BYTES..HEADER_BYTES + h.payload_bytes as usize];
+        assert_eq!(decode_batch_payload(&h, payload, 1).unwrap(), changes);
+        let mut torn = payload.to_vec();
+        torn[0] ^= 1;
+        assert!(decode_batch_payload(&h, &torn, 1).is_none());
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn arbitrary_headers_never_panic(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..200)) {
+            let _ = decode_batch_header(&bytes);
+            let _ = decode_checkpoint_header(&bytes);
+        }
+    }
+}

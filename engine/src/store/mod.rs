@@ -1,0 +1,831 @@
+//! The tensor-object store: format and open a store over 1 to 64 devices, then put, get, delete,
+//! stat and list objects. The data path reads top to bottom: this API -> the stripe map
+//! ([`crate::layout::stripe`]) -> the dispatcher ([`dispatch`]) -> per-device queues
+//! ([`crate::queue`]) -> a backend ([`crate::backend`]).
+
+mod commit;
+mod dispatch;
+mod object;
+pub mod ticket;
+
+use crate::backend::fault::FaultyBackend;
+use crate::backend::{self, BackendChoice, BackendKind};
+use crate::buffer::{AlignedBuf, BouncePool};
+use crate::config::{FormatConfig, OpenConfig, MAX_DEVICES, MIB};
+use crate::device::{self, Device};
+use crate::error::{Error, Result};
+use crate::layout::alloc::DeviceAllocator;
+use crate::layout::codec::{round_down, round_up};
+use crate::layout::metadata::encode_checkpoint;
+use crate::layout::stripe::{position_bytes, unit_count, StripeMap};
+use crate::layout::superblock::{flags, Superblock, FORMAT_VERSION};
+use crate::layout::table::{ObjectRecord, MAX_EXTENTS_PER_DEVICE};
+use crate::layout::SUPERBLOCK_BYTES;
+use crate::queue::{DeviceQueue, Priority};
+use crate::stats::{IoCounters, OpCounters, StatsSnapshot};
+use commit::CommitMsg;
+use dispatch::{DispatchState, Op, OpKind, OpObject};
+use object::{Allocators, Geometry, Object};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc::{sync_channel, Sender};
+use std::sync::{Arc, Condvar, Mutex, RwLock};
+use std::thread::JoinHandle;
+use ticket::{IoBuf, IoBufMut, Ticket};
+
+/// What `stat` and `list` tell about an object.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ObjectInfo {
+    pub id: u64,
+    pub len_bytes: u64,
+    pub meta: Vec<u8>,
+    /// Devices the object is striped over, in stripe order.
+    pub devices: Vec<u16>,
+    pub extent_count: usize,
+}
+
+/// One device as `info` reports it.
+#[derive(Debug, Clone)]
+pub struct DeviceInfo {
+    pub index: u16,
+    pub path: PathBuf,
+    pub size_bytes: u64,
+    pub data_bytes: u64,
+    pub free_bytes: u64,
+    pub largest_free_bytes: u64,
+    pub free_runs: usize,
+    pub is_block_device: bool,
+}
+
+/// The store as `info` reports it.
+#[derive(Debug, Clone)]
+pub struct StoreInfo {
+    pub uuid: String,
+    pub format_version: u32,
+    pub block_size: u64,
+    pub stripe_unit_bytes: u64,
+    pub checksums: bool,
+    pub devices: Vec<DeviceInfo>,
+    pub object_count: usize,
+    pub object_bytes: u64,
+    pub backend: String,
+    pub backend_reason: String,
+    pub checkpoint_slot_bytes: u64,
+    pub journal_bytes: u64,
+}
+
+/// What `fsck` found.
+#[derive(Debug, Clone, Default)]
+pub struct FsckReport {
+    pub objects_checked: u64,
+    pub bytes_checked: u64,
+    pub units_checked: u64,
+    /// One line per problem; empty when the store is sound.
+    pub problems: Vec<String>,
+}
+
+impl FsckReport {
+    pub fn is_clean(&self) -> bool {
+        self.problems.is_empty()
+    }
+}
+
+/// Everything the engine's threads share.
+pub(crate) struct Shared {
+    pub geometry: Geometry,
+    pub config: OpenConfig,
+    pub superblocks: Vec<Superblock>,
+    /// Before `devices`: the queues' workers stop before the device files close.
+    pub queues: Vec<DeviceQueue>,
+    pub devices: Vec<Device>,
+    pub pool: BouncePool,
+    pub table: RwLock<HashMap<u64, Arc<Object>>>,
+    pub allocators: Allocators,
+    pub dispatch: Mutex<DispatchState>,
+    pub dispatch_cv: Condvar,
+    pub commit_tx: Mutex<Option<Sender<CommitMsg>>>,
+    pub ops_outstanding: Mutex<u64>,
+    pub ops_idle: Condvar,
+    pub op_counters: Mutex<OpCounters>,
+    pub backend_choice: BackendChoice,
+    pub next_first_device: AtomicUsize,
+    pub closed: AtomicBool,
+}
+
+impl Shared {
+    fn op_started(&self) -> Result<()> {
+        let mut n = self.ops_outstanding.lock().expect("ops");
+        if self.closed.load(Ordering::Acquire) {
+            return Err(Error::Closed);
+        }
+        *n += 1;
+        Ok(())
+    }
+
+    pub(crate) fn op_finished(&self) {
+        let mut n = self.ops_outstanding.lock().expect("ops");
+        *n -= 1;
+        if *n == 0 {
+            self.ops_idle.notify_all();
+        }
+    }
+}
+
+/// A striped tensor-object store. Cheap to share between threads (`&Store` is enough for every op).
+pub struct Store {
+    shared: Arc<Shared>,
+    dispatcher: Option<JoinHandle<()>>,
+    committer: Option<JoinHandle<()>>,
+}
+
+impl Store {
+    /// Formats `paths` as one new store. Regular files are created with
+    /// `config.create_file_bytes` if missing. Devices that hold a store are refused unless
+    /// `config.force`; so are mounted block devices.
+    pub fn format(paths: &[impl AsRef<Path>], config: &FormatConfig) -> Result<StoreInfoAtFormat> {
+        config.validate()?;
+        let paths: Vec<PathBuf> = paths.iter().map(|p| p.as_ref().to_path_buf()).collect();
+        check_device_list(&paths)?;
+        let mut devices = Vec::with_capacity(paths.len());
+        for path in &paths {
+            if !path.exists() {
+                match config.create_file_bytes {
+                    Some(size) => device::create_file(path, size)?,
+                    None => {
+                        return Err(Error::DeviceOpen {
+                            path: path.clone(),
+                            source: std::io::Error::new(
+                                std::io::ErrorKind::NotFound,
+                                "no such file (give a size to create it)",
+                            ),
+                        })
+                    }
+                }
+            }
+            let d = Device::open(path, true).map_err(|e| match e {
+                Error::DirectIoUnsupported { .. } => e,
+                other => other,
+            })?;
+            if d.is_block_device && !config.force {
+                if let Some(m) = device::mounted_at(path) {
+                    return Err(Error::InvalidConfig(format!(
+                        "{} is mounted ({m}); unmount it, or pass force to overwrite it",
+                        path.display()
+                    )));
+                }
+            }
+            if !config.force {
+                let mut block = AlignedBuf::new(SUPERBLOCK_BYTES as usize, 4096)?;
+                if d.size_bytes >= SUPERBLOCK_BYTES && d.read_exact_at(&mut block, 0).is_ok() {
+                    if let Ok(sb) = Superblock::decode(&block, path) {
+                        return Err(Error::InvalidConfig(format!(
+                            "{} already holds teraio store {}; pass force to overwrite it",
+                            path.display(),
+                            sb.uuid_string()
+                        )));
+                    }
+                }
+            }
+            devices.push(d);
+        }
+
+        let block = config.block_size;
+        let su = config.stripe_unit_bytes;
+        let data_align = block.max(su.min(MIB));
+        let dev0_bytes = round_down(devices[0].size_bytes, SUPERBLOCK_BYTES);
+        let default_meta = round_up((dev0_bytes / 128).clamp(MIB, 256 * MIB), block);
+        let slot_bytes = config.checkpoint_slot_bytes.unwrap_or(default_meta);
+        let journal_bytes = config.journal_bytes.unwrap_or(slot_bytes);
+        let uuid = *uuid::Uuid::new_v4().as_bytes();
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        let mut superblocks = Vec::new();
+        for (index, d) in devices.iter().enumerate() {
+            let device_bytes = round_down(d.size_bytes, SUPERBLOCK_BYTES);
+            let (metadata_start, slot, journal) =
+                if index == 0 { (SUPERBLOCK_BYTES, slot_bytes, journal_bytes) } else { (0, 0, 0) };
+            let metadata_end = SUPERBLOCK_BYTES + 2 * slot + journal;
+            let data_start = round_up(metadata_end, data_align);
+            let data_end = round_down(device_bytes.saturating_sub(SUPERBLOCK_BYTES), block);
+            let min_bytes = data_start + su + SUPERBLOCK_BYTES;
+            if device_bytes < min_bytes || data_end < data_start + su {
+                return Err(Error::DeviceTooSmall { path: d.path.clone(), size_bytes: d.size_bytes, min_bytes });
+            }
+            superblocks.push(Superblock {
+                format_version: FORMAT_VERSION,
+                flags: if config.checksums { flags::CHECKSUMS } else { 0 },
+                store_uuid: uuid,
+                device_index: index as u16,
+                device_count: devices.len() as u16,
+                block_size: block as u32,
+                stripe_unit_bytes: su as u32,
+                device_bytes,
+                data_start,
+                data_end,
+                metadata_start,
+                checkpoint_slot_bytes: slot,
+                journal_bytes: journal,
+                created_unix_secs: now,
+                max_meta_bytes: config.max_meta_bytes,
+            });
+        }
+        // Metadata first: an empty checkpoint of generation 1 in slot 1, slot 0 and the journal
+        // head wiped so nothing of an earlier store can be replayed. Superblocks last.
+        let sb0 = &superblocks[0];
+        let zero = AlignedBuf::new(block as usize, block as usize)?;
+        devices[0].write_all_at(&zero, sb0.metadata_start)?;
+        devices[0].write_all_at(&zero, sb0.metadata_start + 2 * slot_bytes)?;
+        let empty = encode_checkpoint(1, std::iter::empty(), block);
+        let mut buf = AlignedBuf::new(empty.len(), block as usize)?;
+        buf.copy_from_slice(&empty);
+        devices[0].write_all_at(&buf, sb0.metadata_start + slot_bytes)?;
+        for (d, sb) in devices.iter().zip(&superblocks) {
+            let encoded = sb.encode();
+            let mut buf = AlignedBuf::new(encoded.len(), 4096)?;
+            buf.copy_from_slice(&encoded);
+            d.write_all_at(&buf, 0)?;
+            d.write_all_at(&buf, sb.backup_offset())?;
+            d.sync()?;
+        }
+        tracing::info!(uuid = %sb0.uuid_string(), devices = devices.len(), "formatted teraio store");
+        Ok(StoreInfoAtFormat { uuid: sb0.uuid_string(), superblocks })
+    }
+
+    /// Formats and opens in one step.
+    pub fn create(paths: &[impl AsRef<Path>], format: &FormatConfig, open: OpenConfig) -> Result<Store> {
+        Store::format(paths, format)?;
+        Store::open(paths, open)
+    }
+
+    /// Opens the store on `paths` (every device of it, in any order).
+    pub fn open(paths: &[impl AsRef<Path>], config: OpenConfig) -> Result<Store> {
+        let paths: Vec<PathBuf> = paths.iter().map(|p| p.as_ref().to_path_buf()).collect();
+        check_device_list(&paths)?;
+        let mut found: Vec<(Device, Superblock)> = Vec::with_capacity(paths.len());
+        for path in &paths {
+            let d = Device::open(path, config.direct_io)?;
+            let sb = read_superblock(&d)?;
+            found.push((d, sb));
+        }
+        let expected = found[0].1.clone();
+        for (d, sb) in &found {
+            if sb.store_uuid != expected.store_uuid {
+                return Err(Error::WrongStore {
+                    path: d.path.clone(),
+                    expected: expected.uuid_string(),
+                    found: sb.uuid_string(),
+                });
+            }
+        }
+        let count = expected.device_count;
+        let mut slots: Vec<Option<(Device, Superblock)>> = (0..count).map(|_| None).collect();
+        for (d, sb) in found {
+            let i = sb.device_index as usize;
+            if let Some((first, _)) = &slots[i] {
+                return Err(Error::DuplicateDevice {
+                    index: sb.device_index,
+                    first: first.path.clone(),
+                    second: d.path.clone(),
+                });
+            }
+            slots[i] = Some((d, sb));
+        }
+        if let Some(index) = slots.iter().position(Option::is_none) {
+            return Err(Error::MissingDevice { index: index as u16, count });
+        }
+        if paths.len() != count as usize {
+            return Err(Error::DeviceCountMismatch { given: paths.len(), count });
+        }
+        let (devices, superblocks): (Vec<Device>, Vec<Superblock>) = slots.into_iter().map(Option::unwrap).unzip();
+        for sb in &superblocks {
+            if (sb.block_size, sb.stripe_unit_bytes, sb.flags)
+                != (expected.block_size, expected.stripe_unit_bytes, expected.flags)
+            {
+                return Err(Error::CorruptSuperblock {
+                    path: devices[sb.device_index as usize].path.clone(),
+                    detail: "layout parameters differ from the other devices'".into(),
+                });
+            }
+        }
+        let block = expected.block_size as u64;
+        config.validate(block)?;
+        let geometry = Geometry {
+            block_size: block,
+            stripe_unit: expected.stripe_unit_bytes as u64,
+            device_count: count,
+            checksums: expected.has_checksums(),
+            data_areas: superblocks.iter().map(|s| (s.data_start, s.data_end)).collect(),
+        };
+
+        let (records, journal) = commit::recover(&devices[0], &superblocks[0], &geometry)?;
+        let allocators: Allocators = Arc::new(Mutex::new(
+            superblocks
+                .iter()
+                .map(|s| DeviceAllocator::new(s.device_index, s.data_start / block, s.data_end / block))
+                .collect(),
+        ));
+        let table = commit::claim(records, &allocators)?;
+
+        let choice = backend::choose(config.backend, &config.uring)?;
+        tracing::info!(backend = ?choice.kind, reason = %choice.reason, "teraio backend");
+        let chunk_bytes = geometry.stripe_unit.min(config.max_io_bytes);
+        let chunk_count = (config.bounce_pool_bytes / chunk_bytes).clamp(2, u16::MAX as u64) as usize;
+        let pool = BouncePool::new(chunk_bytes as usize, chunk_count, block as usize)?;
+        let mut queues = Vec::with_capacity(devices.len());
+        for (i, d) in devices.iter().enumerate() {
+            let mut b = backend::build(choice.kind, d, config.queue_depth, &config.uring, &pool)?;
+            if let Some(injector) = &config.fault_injector {
+                b = Box::new(FaultyBackend::new(b, i as u16, injector.clone()));
+            }
+            queues.push(
+                DeviceQueue::start(i as u16, b, config.queue_depth)
+                    .map_err(|e| Error::io("starting a device queue thread", e))?,
+            );
+        }
+
+        let (commit_tx, commit_rx) = std::sync::mpsc::channel();
+        let shared = Arc::new(Shared {
+            geometry,
+            config,
+            superblocks,
+            queues,
+            devices,
+            pool,
+            table: RwLock::new(table),
+            allocators,
+            dispatch: Mutex::new(DispatchState::default()),
+            dispatch_cv: Condvar::new(),
+            commit_tx: Mutex::new(Some(commit_tx)),
+            ops_outstanding: Mutex::new(0),
+            ops_idle: Condvar::new(),
+            op_counters: Mutex::new(OpCounters::default()),
+            backend_choice: choice,
+            next_first_device: AtomicUsize::new(0),
+            closed: AtomicBool::new(false),
+        });
+        let s = shared.clone();
+        let dispatcher = std::thread::Builder::new()
+            .name("teraio-dispatch".into())
+            .spawn(move || dispatch::run_dispatcher(s))
+            .map_err(|e| Error::io("starting the dispatcher thread", e))?;
+        let s = shared.clone();
+        let committer = std::thread::Builder::new()
+            .name("teraio-commit".into())
+            .spawn(move || commit::run_commit(s, commit_rx, journal))
+            .map_err(|e| Error::io("starting the commit thread", e))?;
+        Ok(Store { shared, dispatcher: Some(dispatcher), committer: Some(committer) })
+    }
+
+    fn check_meta(&self, meta: &[u8]) -> Result<()> {
+        let max = self.shared.superblocks[0].max_meta_bytes as usize;
+        if meta.len() > max {
+            return Err(Error::MetadataTooLarge { len: meta.len(), max });
+        }
+        Ok(())
+    }
+
+    /// Allocates a new object's extents across the devices (nothing is taken if any device is full).
+    fn allocate(&self, id: u64, len_bytes: u64, meta: &[u8]) -> Result<Object> {
+        let g = &self.shared.geometry;
+        let padded = round_up(len_bytes, g.block_size);
+        let units = unit_count(padded, g.stripe_unit);
+        let spread = units.max(1).min(g.device_count as u64) as u16;
+        let first_device =
+            (self.shared.next_first_device.fetch_add(1, Ordering::Relaxed) % g.device_count as usize) as u16;
+        let needs = position_bytes(padded, g.stripe_unit, spread);
+        let mut extents = Vec::new();
+        let mut allocators = self.shared.allocators.lock().expect("allocators");
+        for (position, need) in needs.iter().enumerate() {
+            if *need == 0 {
+                continue;
+            }
+            let device = (first_device + position as u16) % g.device_count;
+            match allocators[device as usize].allocate(need / g.block_size, MAX_EXTENTS_PER_DEVICE, g.block_size) {
+                Ok(mut e) => extents.append(&mut e),
+                Err(err) => {
+                    for x in extents {
+                        allocators[x.device as usize].free(x);
+                    }
+                    return Err(err);
+                }
+            }
+        }
+        drop(allocators);
+        let record =
+            ObjectRecord { id, len_bytes, meta: meta.to_vec(), first_device, spread, extents, unit_crcs: Vec::new() };
+        Ok(Object::new(record, self.shared.allocators.clone()))
+    }
+
+    /// Starts writing `data` as object `id` (replacing any object of that id once durable).
+    /// The ticket hands `data` back when the put is acknowledged: durable and visible to gets.
+    pub fn put<B: IoBuf>(&self, id: u64, data: B, meta: &[u8], priority: Priority) -> Result<Ticket<B>> {
+        // SAFETY: the ticket owns `data`, so the memory outlives the op.
+        let completion = unsafe { self.put_raw(id, data.io_ptr(), data.io_len(), meta, priority)? };
+        Ok(Ticket { completion, buffer: Some(data) })
+    }
+
+    /// `put` from raw memory (for the C ABI and Python).
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reads of `len` bytes, unchanged, until the returned ticket is done.
+    pub unsafe fn put_raw_ticket(
+        &self,
+        id: u64,
+        ptr: *const u8,
+        len: usize,
+        meta: &[u8],
+        priority: Priority,
+    ) -> Result<Ticket<()>> {
+        // SAFETY: forwarded contract.
+        let completion = unsafe { self.put_raw(id, ptr, len, meta, priority)? };
+        Ok(Ticket { completion, buffer: Some(()) })
+    }
+
+    unsafe fn put_raw(
+        &self,
+        id: u64,
+        ptr: *const u8,
+        len: usize,
+        meta: &[u8],
+        priority: Priority,
+    ) -> Result<Arc<ticket::Completion>> {
+        self.check_meta(meta)?;
+        self.shared.op_started()?;
+        let object = match self.allocate(id, len as u64, meta) {
+            Ok(o) => o,
+            Err(e) => {
+                self.shared.op_finished();
+                return Err(e);
+            }
+        };
+        let padded = round_up(len as u64, self.shared.geometry.block_size);
+        let op = Arc::new(Op::new(
+            OpKind::Put,
+            id,
+            priority,
+            OpObject::Put(Mutex::new(Some(object))),
+            ptr as usize,
+            0,
+            len as u64,
+            false,
+        ));
+        let completion = op.completion.clone();
+        self.shared.enqueue(op, 0, padded);
+        Ok(completion)
+    }
+
+    /// Starts reading the whole of object `id` into `buf`, which may be longer than the object
+    /// (the rest is left untouched) but not shorter.
+    pub fn get<B: IoBufMut>(&self, id: u64, mut buf: B, priority: Priority) -> Result<Ticket<B>> {
+        // SAFETY: the ticket owns `buf`.
+        let completion = unsafe { self.get_raw(id, 0, buf.io_mut_ptr(), buf.io_len(), true, priority)? };
+        Ok(Ticket { completion, buffer: Some(buf) })
+    }
+
+    /// Starts reading `buf.len()` bytes of object `id` from byte `offset` into `buf`.
+    pub fn get_range<B: IoBufMut>(&self, id: u64, offset: u64, mut buf: B, priority: Priority) -> Result<Ticket<B>> {
+        // SAFETY: the ticket owns `buf`.
+        let completion = unsafe { self.get_raw(id, offset, buf.io_mut_ptr(), buf.io_len(), false, priority)? };
+        Ok(Ticket { completion, buffer: Some(buf) })
+    }
+
+    /// `get_range` into raw memory (for the C ABI and Python). With `whole`, `len` may exceed the
+    /// object and only the object's bytes are read.
+    ///
+    /// # Safety
+    /// `ptr` must be valid for writes of `len` bytes, and not otherwise accessed, until the
+    /// returned ticket is done.
+    pub unsafe fn get_raw_ticket(
+        &self,
+        id: u64,
+        offset: u64,
+        ptr: *mut u8,
+        len: usize,
+        whole: bool,
+        priority: Priority,
+    ) -> Result<Ticket<()>> {
+        // SAFETY: forwarded contract.
+        let completion = unsafe { self.get_raw(id, offset, ptr, len, whole, priority)? };
+        Ok(Ticket { completion, buffer: Some(()) })
+    }
+
+    unsafe fn get_raw(
+        &self,
+        id: u64,
+        offset: u64,
+        ptr: *mut u8,
+        len: usize,
+        whole: bool,
+        priority: Priority,
+    ) -> Result<Arc<ticket::Completion>> {
+        let object = self.shared.table.read().expect("table").get(&id).cloned().ok_or(Error::NotFound { id })?;
+        let object_len = object.record.len_bytes;
+        let end = if whole && offset == 0 {
+            if (len as u64) < object_len {
+                return Err(Error::BufferTooSmall { needed_bytes: object_len, given_bytes: len as u64 });
+            }
+            object_len
+        } else {
+            let end = offset.saturating_add(len as u64);
+            if end > object_len {
+                return Err(Error::RangeOutOfBounds { id, offset, len: len as u64, object_len });
+            }
+            end
+        };
+        self.shared.op_started()?;
+        let block = self.shared.geometry.block_size;
+        let verify = self.shared.config.verify_checksums;
+        let op = Arc::new(Op::new(OpKind::Get, id, priority, OpObject::Get(object), ptr as usize, offset, end, verify));
+        let completion = op.completion.clone();
+        self.shared.enqueue(op, round_down(offset, block), round_up(end, block));
+        Ok(completion)
+    }
+
+    /// Puts `data` and waits until it is durable.
+    pub fn put_blocking(&self, id: u64, data: &[u8], meta: &[u8]) -> Result<()> {
+        // SAFETY: we wait for the ticket before `data`'s borrow ends.
+        unsafe { self.put_raw_ticket(id, data.as_ptr(), data.len(), meta, Priority::Normal)? }.wait()
+    }
+
+    /// Reads the whole object into a new vector.
+    pub fn get_to_vec(&self, id: u64) -> Result<Vec<u8>> {
+        let len = self.stat(id).ok_or(Error::NotFound { id })?.len_bytes as usize;
+        let buf = AlignedBuf::new(len, self.shared.geometry.block_size as usize)?;
+        let buf = self.get(id, buf, Priority::Normal)?.wait()?;
+        Ok(buf[..len].to_vec())
+    }
+
+    /// Deletes object `id` durably; returns whether it existed.
+    pub fn delete(&self, id: u64) -> Result<bool> {
+        if self.shared.closed.load(Ordering::Acquire) {
+            return Err(Error::Closed);
+        }
+        let (tx, rx) = sync_channel(1);
+        let sent =
+            self.shared.commit_tx.lock().expect("commit").as_ref().map(|c| c.send(CommitMsg::Delete { id, reply: tx }));
+        if !matches!(sent, Some(Ok(()))) {
+            return Err(Error::Closed);
+        }
+        let existed = rx.recv().map_err(|_| Error::Closed)??;
+        if existed {
+            self.shared.op_counters.lock().expect("op counters").deletes += 1;
+        }
+        Ok(existed)
+    }
+
+    /// Writes a checkpoint of the table now (it also happens when the journal fills and at close).
+    pub fn checkpoint(&self) -> Result<()> {
+        let (tx, rx) = sync_channel(1);
+        let sent =
+            self.shared.commit_tx.lock().expect("commit").as_ref().map(|c| c.send(CommitMsg::Checkpoint { reply: tx }));
+        if !matches!(sent, Some(Ok(()))) {
+            return Err(Error::Closed);
+        }
+        rx.recv().map_err(|_| Error::Closed)?
+    }
+
+    pub fn stat(&self, id: u64) -> Option<ObjectInfo> {
+        self.shared.table.read().expect("table").get(&id).map(|o| self.object_info(&o.record))
+    }
+
+    /// Every object, by id.
+    pub fn list(&self) -> Vec<ObjectInfo> {
+        let table = self.shared.table.read().expect("table");
+        let mut v: Vec<ObjectInfo> = table.values().map(|o| self.object_info(&o.record)).collect();
+        v.sort_by_key(|o| o.id);
+        v
+    }
+
+    fn object_info(&self, r: &ObjectRecord) -> ObjectInfo {
+        let count = self.shared.geometry.device_count;
+        ObjectInfo {
+            id: r.id,
+            len_bytes: r.len_bytes,
+            meta: r.meta.clone(),
+            devices: (0..r.spread).map(|p| (r.first_device + p) % count).collect(),
+            extent_count: r.extents.len(),
+        }
+    }
+
+    pub fn info(&self) -> StoreInfo {
+        let sb0 = &self.shared.superblocks[0];
+        let g = &self.shared.geometry;
+        let allocators = self.shared.allocators.lock().expect("allocators");
+        let devices = self
+            .shared
+            .devices
+            .iter()
+            .zip(&self.shared.superblocks)
+            .zip(allocators.iter())
+            .map(|((d, sb), a)| DeviceInfo {
+                index: sb.device_index,
+                path: d.path.clone(),
+                size_bytes: d.size_bytes,
+                data_bytes: sb.data_end - sb.data_start,
+                free_bytes: a.free_blocks() * g.block_size,
+                largest_free_bytes: a.largest_free_blocks() * g.block_size,
+                free_runs: a.free_runs(),
+                is_block_device: d.is_block_device,
+            })
+            .collect();
+        drop(allocators);
+        let table = self.shared.table.read().expect("table");
+        StoreInfo {
+            uuid: sb0.uuid_string(),
+            format_version: sb0.format_version,
+            block_size: g.block_size,
+            stripe_unit_bytes: g.stripe_unit,
+            checksums: g.checksums,
+            devices,
+            object_count: table.len(),
+            object_bytes: table.values().map(|o| o.record.len_bytes).sum(),
+            backend: self.shared.queues[0].backend_name.to_string(),
+            backend_reason: self.shared.backend_choice.reason.clone(),
+            checkpoint_slot_bytes: sb0.checkpoint_slot_bytes,
+            journal_bytes: sb0.journal_bytes,
+        }
+    }
+
+    pub fn stats(&self) -> StatsSnapshot {
+        let devices: Vec<IoCounters> = self.shared.queues.iter().map(DeviceQueue::counters).collect();
+        let mut total = IoCounters::default();
+        for d in &devices {
+            total.merge(d);
+        }
+        StatsSnapshot {
+            backend: self.shared.queues[0].backend_name.to_string(),
+            backend_reason: self.shared.backend_choice.reason.clone(),
+            devices,
+            total,
+            ops: self.shared.op_counters.lock().expect("op counters").clone(),
+        }
+    }
+
+    /// Zeroes all counters (e.g. after a warm-up).
+    pub fn reset_stats(&self) {
+        for q in &self.shared.queues {
+            q.reset_counters();
+        }
+        *self.shared.op_counters.lock().expect("op counters") = OpCounters::default();
+    }
+
+    /// The store's block size: O_DIRECT-friendly buffers are aligned to it.
+    pub fn block_size(&self) -> u64 {
+        self.shared.geometry.block_size
+    }
+
+    pub fn device_count(&self) -> u16 {
+        self.shared.geometry.device_count
+    }
+
+    /// Checks the store: both superblock copies of every device, that no two objects share a
+    /// block (already enforced at open), and every stripe unit's checksum, reading all data.
+    pub fn fsck(&self) -> Result<FsckReport> {
+        let mut report = FsckReport::default();
+        for (d, sb) in self.shared.devices.iter().zip(&self.shared.superblocks) {
+            for (what, offset) in [("primary", 0), ("backup", sb.backup_offset())] {
+                let mut block = AlignedBuf::new(SUPERBLOCK_BYTES as usize, 4096)?;
+                match d.read_exact_at(&mut block, offset).and_then(|()| Superblock::decode(&block, &d.path)) {
+                    Ok(found) if &found == sb => {}
+                    Ok(_) => report
+                        .problems
+                        .push(format!("{}: {what} superblock differs from the one in use", d.path.display())),
+                    Err(e) => report.problems.push(format!("{}: {what} superblock: {e}", d.path.display())),
+                }
+            }
+        }
+        let objects: Vec<Arc<Object>> = self.shared.table.read().expect("table").values().cloned().collect();
+        let g = &self.shared.geometry;
+        for o in objects {
+            let r = &o.record;
+            report.objects_checked += 1;
+            if let Err(e) = g.validate(r) {
+                report.problems.push(e.to_string());
+                continue;
+            }
+            let padded = round_up(r.len_bytes, g.block_size);
+            let mut buf = AlignedBuf::new(padded as usize, g.block_size as usize)?;
+            // SAFETY: we wait before `buf` goes away.
+            let got =
+                unsafe { self.get_raw_ticket(r.id, 0, buf.as_mut_ptr(), padded as usize, true, Priority::Normal) }
+                    .and_then(Ticket::wait);
+            if let Err(e) = got {
+                if !matches!(e, Error::NotFound { .. }) {
+                    report.problems.push(format!("object {}: {e}", r.id));
+                }
+                continue;
+            }
+            report.bytes_checked += r.len_bytes;
+            for (unit, crc) in r.unit_crcs.iter().enumerate() {
+                let start = unit as u64 * g.stripe_unit;
+                let end = (start + g.stripe_unit).min(r.len_bytes);
+                report.units_checked += 1;
+                if crc32c::crc32c(&buf[start as usize..end as usize]) != *crc {
+                    let map = StripeMap::new(r, g.stripe_unit, g.block_size, g.device_count);
+                    let mut at = None;
+                    map.for_each_piece(start..start + g.block_size, g.block_size, |p| {
+                        at.get_or_insert((p.device, p.device_offset));
+                    });
+                    let (device, device_offset) = at.expect("unit has a block");
+                    report.problems.push(
+                        Error::ChecksumMismatch { id: r.id, unit: unit as u64, device, device_offset }.to_string(),
+                    );
+                }
+            }
+        }
+        Ok(report)
+    }
+
+    /// Waits for every op, writes a final checkpoint and stops the engine's threads. Dropping the
+    /// store does the same; `close` reports the outcome.
+    pub fn close(mut self) -> Result<()> {
+        self.shutdown()
+    }
+
+    fn shutdown(&mut self) -> Result<()> {
+        if self.committer.is_none() {
+            return Ok(());
+        }
+        {
+            let mut n = self.shared.ops_outstanding.lock().expect("ops");
+            self.shared.closed.store(true, Ordering::Release);
+            while *n > 0 {
+                n = self.shared.ops_idle.wait(n).expect("ops");
+            }
+        }
+        self.shared.dispatch.lock().expect("dispatch").shutdown = true;
+        self.shared.dispatch_cv.notify_all();
+        if let Some(d) = self.dispatcher.take() {
+            let _ = d.join();
+        }
+        self.shared.commit_tx.lock().expect("commit").take();
+        if let Some(c) = self.committer.take() {
+            c.join().map_err(|_| Error::Closed)?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        let _ = self.shutdown();
+    }
+}
+
+/// What `format` reports.
+#[derive(Debug, Clone)]
+pub struct StoreInfoAtFormat {
+    pub uuid: String,
+    pub superblocks: Vec<Superblock>,
+}
+
+fn check_device_list(paths: &[PathBuf]) -> Result<()> {
+    if paths.is_empty() || paths.len() > MAX_DEVICES {
+        return Err(Error::InvalidConfig(format!("a store has 1 to {MAX_DEVICES} devices, not {}", paths.len())));
+    }
+    let mut seen = std::collections::HashSet::new();
+    for p in paths {
+        let key = std::fs::canonicalize(p).unwrap_or_else(|_| p.clone());
+        if !seen.insert(key) {
+            return Err(Error::InvalidConfig(format!("device {} is given twice", p.display())));
+        }
+    }
+    Ok(())
+}
+
+/// Reads a device's superblock; if the primary is damaged but the backup is good, uses the
+/// backup and rewrites the primary from it.
+fn read_superblock(d: &Device) -> Result<Superblock> {
+    if d.size_bytes < 2 * SUPERBLOCK_BYTES {
+        return Err(Error::NotATeraioDevice { path: d.path.clone() });
+    }
+    let mut block = AlignedBuf::new(SUPERBLOCK_BYTES as usize, 4096)?;
+    d.read_exact_at(&mut block, 0)?;
+    let primary = Superblock::decode(&block, &d.path);
+    let primary_err = match primary {
+        Ok(sb) => return Ok(sb),
+        Err(e) => e,
+    };
+    let backup_offset = round_down(d.size_bytes, SUPERBLOCK_BYTES) - SUPERBLOCK_BYTES;
+    d.read_exact_at(&mut block, backup_offset)?;
+    match Superblock::decode(&block, &d.path) {
+        Ok(sb) if sb.backup_offset() == backup_offset => {
+            tracing::warn!(path = %d.path.display(), error = %primary_err, "primary superblock damaged; restored from the backup copy");
+            d.write_all_at(&block, 0)?;
+            d.sync()?;
+            Ok(sb)
+        }
+        _ => Err(match primary_err {
+            Error::NotATeraioDevice { .. } => primary_err,
+            Error::CorruptSuperblock { path, detail } => {
+                Error::CorruptSuperblock { path, detail: format!("{detail}; backup copy unusable too") }
+            }
+            other => other,
+        }),
+    }
+}
+
+/// Parses a backend name (re-exported for the CLI and bindings).
+pub fn parse_backend(name: &str) -> Result<BackendKind> {
+    name.parse()
+}

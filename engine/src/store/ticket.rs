@@ -1,0 +1,174 @@
+//! Tickets: the caller's handle on an asynchronous put or get. A ticket owns the caller's buffer
+//! until the I/O is done, so the buffer can never be freed or reused under the device.
+
+use crate::error::{Error, Result};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+/// Memory the engine may read from (for put) while the op runs. The address of the bytes must not
+/// change when the value is moved (heap memory: `Vec<u8>`, `Box<[u8]>`, [`crate::AlignedBuf`]).
+///
+/// # Safety
+/// `io_ptr` must point to `io_len` bytes that stay valid, at the same address, for the value's life.
+pub unsafe trait IoBuf: Send + 'static {
+    fn io_ptr(&self) -> *const u8;
+    fn io_len(&self) -> usize;
+}
+
+/// Memory the engine may write into (for get). Same contract as [`IoBuf`].
+///
+/// # Safety
+/// As [`IoBuf`], and the bytes must be writable.
+pub unsafe trait IoBufMut: IoBuf {
+    fn io_mut_ptr(&mut self) -> *mut u8;
+}
+
+// SAFETY: heap storage of a Vec does not move when the Vec does.
+unsafe impl IoBuf for Vec<u8> {
+    fn io_ptr(&self) -> *const u8 {
+        self.as_ptr()
+    }
+    fn io_len(&self) -> usize {
+        self.len()
+    }
+}
+unsafe impl IoBufMut for Vec<u8> {
+    fn io_mut_ptr(&mut self) -> *mut u8 {
+        self.as_mut_ptr()
+    }
+}
+// SAFETY: as for Vec.
+unsafe impl IoBuf for Box<[u8]> {
+    fn io_ptr(&self) -> *const u8 {
+        self.as_ptr()
+    }
+    fn io_len(&self) -> usize {
+        self.len()
+    }
+}
+unsafe impl IoBufMut for Box<[u8]> {
+    fn io_mut_ptr(&mut self) -> *mut u8 {
+        self.as_mut_ptr()
+    }
+}
+// SAFETY: AlignedBuf owns a fixed heap allocation.
+unsafe impl IoBuf for crate::buffer::AlignedBuf {
+    fn io_ptr(&self) -> *const u8 {
+        self.as_ptr()
+    }
+    fn io_len(&self) -> usize {
+        self.len()
+    }
+}
+unsafe impl IoBufMut for crate::buffer::AlignedBuf {
+    fn io_mut_ptr(&mut self) -> *mut u8 {
+        self.as_mut_ptr()
+    }
+}
+// SAFETY: static memory never moves.
+unsafe impl IoBuf for &'static [u8] {
+    fn io_ptr(&self) -> *const u8 {
+        self.as_ptr()
+    }
+    fn io_len(&self) -> usize {
+        self.len()
+    }
+}
+
+/// Completion state shared by a ticket and the engine.
+#[derive(Default)]
+pub(crate) struct Completion {
+    result: Mutex<Option<Result<()>>>,
+    done: Condvar,
+}
+
+impl Completion {
+    pub(crate) fn finish(&self, result: Result<()>) {
+        let mut slot = self.result.lock().expect("completion");
+        debug_assert!(slot.is_none(), "op finished twice");
+        *slot = Some(result);
+        drop(slot);
+        self.done.notify_all();
+    }
+    pub(crate) fn is_done(&self) -> bool {
+        self.result.lock().expect("completion").is_some()
+    }
+    pub(crate) fn wait(&self) -> Result<()> {
+        let mut slot = self.result.lock().expect("completion");
+        loop {
+            if let Some(r) = slot.as_ref() {
+                return r.clone();
+            }
+            slot = self.done.wait(slot).expect("completion");
+        }
+    }
+    pub(crate) fn wait_timeout(&self, timeout: Duration) -> Option<Result<()>> {
+        let slot = self.result.lock().expect("completion");
+        let (slot, _) = self.done.wait_timeout_while(slot, timeout, |s| s.is_none()).expect("completion");
+        slot.clone()
+    }
+}
+
+/// The handle of an asynchronous put or get. It holds the buffer until the op is done; dropping
+/// an unfinished ticket waits for the op (the buffer must outlive the I/O).
+#[must_use = "a ticket must be waited on to learn whether the op succeeded"]
+pub struct Ticket<B = ()> {
+    pub(crate) completion: Arc<Completion>,
+    pub(crate) buffer: Option<B>,
+}
+
+impl<B> Ticket<B> {
+    /// Waits for the op; returns the buffer (filled, for a get) or the op's error.
+    pub fn wait(mut self) -> Result<B> {
+        let result = self.completion.wait();
+        let buffer = self.buffer.take().expect("ticket buffer taken once");
+        result.map(|()| buffer)
+    }
+
+    /// Like [`Ticket::wait`], but hands the buffer back whatever the outcome.
+    pub fn wait_with_buffer(mut self) -> (Result<()>, B) {
+        let result = self.completion.wait();
+        (result, self.buffer.take().expect("ticket buffer taken once"))
+    }
+
+    /// Whether the op has finished (successfully or not); never blocks.
+    pub fn is_done(&self) -> bool {
+        self.completion.is_done()
+    }
+
+    /// Waits at most `timeout`; `None` if the op is still running.
+    pub fn wait_timeout(&self, timeout: Duration) -> Option<Result<()>> {
+        self.completion.wait_timeout(timeout)
+    }
+}
+
+impl<B> Drop for Ticket<B> {
+    fn drop(&mut self) {
+        if self.buffer.is_some() {
+            let _ = self.completion.wait();
+        }
+    }
+}
+
+/// Waits for every ticket; returns each op's outcome in order.
+pub fn wait_all<B>(tickets: impl IntoIterator<Item = Ticket<B>>) -> Vec<Result<B>> {
+    tickets.into_iter().map(Ticket::wait).collect()
+}
+
+/// Waits for every ticket and returns the first error, if any.
+pub fn wait_all_ok<B>(tickets: impl IntoIterator<Item = Ticket<B>>) -> Result<Vec<B>> {
+    let mut first_error: Option<Error> = None;
+    let mut out = Vec::new();
+    for r in wait_all(tickets) {
+        match r {
+            Ok(b) => out.push(b),
+            Err(e) => {
+                first_error.get_or_insert(e);
+            }
+        }
+    }
+    match first_error {
+        Some(e) => Err(e),
+        None => Ok(out),
+    }
+}

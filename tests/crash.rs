@@ -1,0 +1,1 @@
+//! Crash consistency: a writer killed with SIGKILL loses no acknowledged object.

@@ -1,0 +1,1 @@
+//! Property test: random put/get/delete/reopen sequences match an in-memory model.
