@@ -22,8 +22,8 @@ json_field() { grep -o "\"$1\": *[0-9.e+-]*" | head -1 | sed 's/.*: *//'; }
 
 echo "== planning time (release, $(nproc) cores) =="
 printf "%-34s %8s %8s %12s %10s %12s\n" "trace" "ops" "tensors" "plan (s)" "fits" "paper (s)"
-for spec in "llama3-8b 4096 4 31.2" "llama3-70b 2048 2 396.6"; do
-  read -r model seq batch paper_s <<<"$spec"
+for spec in "llama3-8b 4096 4 31.2 32" "llama3-70b 2048 2 396.6 80"; do
+  read -r model seq batch paper_s layers <<<"$spec"
   trace="$work_dir/$model-full.json"
   "$bin" trace --model "$model" --gpu h100-nvl --seq "$seq" --batch "$batch" -o "$trace" --json >"$work_dir/$model-full.summary.json"
   ops=$(json_field ops <"$work_dir/$model-full.summary.json")
@@ -34,7 +34,7 @@ for spec in "llama3-8b 4096 4 31.2" "llama3-70b 2048 2 396.6"; do
     if [[ -z "$best_ms" ]] || awk "BEGIN{exit !($ms < $best_ms)}"; then best_ms=$ms; fi
   done
   fits=$("$bin" plan "$trace" --ssd "$ssd" --host-mem 512GiB --json | grep -o '"fits": *[a-z]*' | head -1 | sed 's/.*: *//')
-  printf "%-34s %8s %8s %12.3f %10s %12s\n" "$model seq $seq batch $batch (80/32 layers)" "$ops" "$tensors" \
+  printf "%-34s %8s %8s %12.3f %10s %12s\n" "$model ($layers layers) s$seq b$batch" "$ops" "$tensors" \
     "$(awk "BEGIN{print $best_ms/1000}")" "$fits" "$paper_s"
 done
 
@@ -52,6 +52,18 @@ for spec in "llama3-8b 2048 8 85GiB" "llama3-8b 4096 8 85GiB" "llama3-8b 8192 4 
   "$bin" sim "$trace" --ssd "$ssd" --host-mem "$host" \
     --policies ideal,teraio,teraio-ssd,teraio-paper,zero-infinity,flashneuron,lru \
     --svg "$work_dir/$model-s$seq-b$batch.svg" | tail -n 8
+done
+
+echo
+echo "== sensitivity: the same with TF32 matmuls (--tf32; compute ~7x faster, offload much harder) =="
+for spec in "llama3-8b 4096 8 85GiB" "llama3-70b 2048 2 385GiB"; do
+  read -r model seq batch host <<<"$spec"
+  trace="$work_dir/$model-s$seq-b$batch-stage-tf32.json"
+  "$bin" trace --model "$model" --gpu h100-nvl --stages 2 --seq "$seq" --batch "$batch" --tf32 -o "$trace" >/dev/null
+  echo
+  echo "-- $model seq $seq batch $batch, TF32, host memory $host --"
+  "$bin" sim "$trace" --ssd "$ssd" --host-mem "$host" \
+    --policies ideal,teraio,teraio-ssd,teraio-paper,zero-infinity,flashneuron,lru | tail -n 8
 done
 
 cat <<'PAPER'
