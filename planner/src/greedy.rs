@@ -596,3 +596,126 @@ pub fn plan_teraio(trace: &Trace, hardware: &Hardware, config: PlannerConfig) ->
         expected_stall_us,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sim::{simulate, Outcome, Policy, SimConfig};
+    use crate::trace::{Access, Op, Phase, Tensor, TensorKind, TensorUse, FORMAT_VERSION};
+    use crate::units::ReadWriteBandwidth;
+
+    const MB: u64 = 1_000_000;
+
+    fn use_at(op: u32, access: Access) -> TensorUse {
+        TensorUse { op, access }
+    }
+
+    fn trace(op_count: usize, tensors: Vec<Tensor>) -> Trace {
+        Trace {
+            format_version: FORMAT_VERSION,
+            description: String::new(),
+            gpu_capacity_bytes: 150 * MB,
+            ops: (0..op_count)
+                .map(|i| Op { name: format!("op{i}"), duration_us: 1000.0, layer: None, phase: Phase::Other })
+                .collect(),
+            tensors,
+        }
+    }
+
+    fn temporary(id: u64, op: u32) -> Tensor {
+        Tensor {
+            id,
+            name: format!("temp{id}"),
+            size_bytes: 100 * MB,
+            kind: TensorKind::Temporary,
+            alloc_op: Some(op),
+            free_op: Some(op),
+            uses: vec![use_at(op, Access::Write)],
+        }
+    }
+
+    fn hardware(bytes_per_s: f64) -> Hardware {
+        let ssd = ReadWriteBandwidth { read_bytes_per_s: bytes_per_s, write_bytes_per_s: bytes_per_s };
+        Hardware::new(150 * MB, ssd, 0)
+    }
+
+    #[test]
+    fn a_period_over_the_peak_is_offloaded_and_back_in_time() {
+        // 100 MB activation live over ops 0..=5; a 100 MB temporary at op 2 overflows 150 MB.
+        let activation = Tensor {
+            id: 1,
+            name: "a".into(),
+            size_bytes: 100 * MB,
+            kind: TensorKind::Activation,
+            alloc_op: Some(0),
+            free_op: Some(5),
+            uses: vec![use_at(0, Access::Write), use_at(5, Access::Read)],
+        };
+        let trace = trace(6, vec![activation, temporary(2, 2)]);
+        // 200 GB/s: 200 MB per 1 ms op, so each transfer fits in one op.
+        let hardware = hardware(200e9);
+        let outcome = plan_teraio(&trace, &hardware, PlannerConfig::default()).unwrap();
+        let plan = &outcome.plan;
+        assert!(plan.fits);
+        assert_eq!(plan.migrations.len(), 1);
+        let migration = plan.migrations[0];
+        assert_eq!((migration.tensor_id, migration.tier, migration.offload_op), (1, Tier::Ssd, 1));
+        assert!(migration.absent_from_slot <= 2 && migration.absent_to_slot > 2);
+        assert_eq!(outcome.repair_count, 0);
+        let report = simulate(&trace, &hardware, Policy::Planned(plan), SimConfig::default()).unwrap();
+        assert_eq!(report.outcome, Outcome::Completed);
+        assert_eq!(report.stall_time_us, 0.0);
+        assert!(report.peak_gpu_bytes <= 150 * MB);
+    }
+
+    #[test]
+    fn too_little_bandwidth_is_repaired_with_stalls() {
+        let activation = Tensor {
+            id: 1,
+            name: "a".into(),
+            size_bytes: 100 * MB,
+            kind: TensorKind::Activation,
+            alloc_op: Some(0),
+            free_op: Some(5),
+            uses: vec![use_at(0, Access::Write), use_at(5, Access::Read)],
+        };
+        let trace = trace(6, vec![activation, temporary(2, 2)]);
+        // 10 GB/s: 10 MB per op; 100 MB cannot leave and come back within the gap.
+        let hardware = hardware(10e9);
+        let feasible_only = PlannerConfig { allow_stalls: false, ..PlannerConfig::default() };
+        assert!(!plan_teraio(&trace, &hardware, feasible_only).unwrap().plan.fits);
+        let outcome = plan_teraio(&trace, &hardware, PlannerConfig::default()).unwrap();
+        assert!(outcome.plan.fits);
+        assert!(outcome.repair_count > 0);
+        assert!(outcome.expected_stall_us > 0.0);
+        let report = simulate(&trace, &hardware, Policy::Planned(&outcome.plan), SimConfig::default()).unwrap();
+        assert_eq!(report.outcome, Outcome::Completed);
+        assert!(report.stall_time_us > 0.0);
+    }
+
+    #[test]
+    fn an_unchanged_ssd_copy_is_dropped_not_written_again() {
+        // A weight written at op 0, read at ops 4 and 8; temporaries at ops 2 and 6 overflow.
+        let weight = Tensor {
+            id: 1,
+            name: "w".into(),
+            size_bytes: 100 * MB,
+            kind: TensorKind::Weight,
+            alloc_op: None,
+            free_op: None,
+            uses: vec![use_at(0, Access::Write), use_at(4, Access::Read), use_at(8, Access::Read)],
+        };
+        let trace = trace(10, vec![weight, temporary(2, 2), temporary(3, 6)]);
+        let hardware = hardware(200e9);
+        let plan = plan_teraio(&trace, &hardware, PlannerConfig::default()).unwrap().plan;
+        assert!(plan.fits);
+        let writes: Vec<bool> = plan.migrations.iter().map(|m| m.writes).collect();
+        assert_eq!(writes, vec![true, false]);
+        let report = simulate(&trace, &hardware, Policy::Planned(&plan), SimConfig::default()).unwrap();
+        assert_eq!(report.outcome, Outcome::Completed);
+        assert_eq!(report.downgraded_drops, 0);
+        assert_eq!(report.ssd_written_bytes, 100 * MB);
+        let paper = plan_teraio(&trace, &hardware, PlannerConfig::default().paper()).unwrap().plan;
+        assert!(paper.migrations.iter().all(|m| m.writes));
+    }
+}

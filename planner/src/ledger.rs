@@ -211,3 +211,57 @@ impl Ledger {
         worst
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lifetime::Timeline;
+    use crate::trace::{Access, Op, Phase, Tensor, TensorKind, TensorUse, Trace, FORMAT_VERSION};
+    use crate::units::ReadWriteBandwidth;
+
+    fn ledger() -> Ledger {
+        let trace = Trace {
+            format_version: FORMAT_VERSION,
+            description: String::new(),
+            gpu_capacity_bytes: 1,
+            ops: (0..4)
+                .map(|i| Op { name: format!("op{i}"), duration_us: 1000.0, layer: None, phase: Phase::Other })
+                .collect(),
+            tensors: vec![Tensor {
+                id: 0,
+                name: String::new(),
+                size_bytes: 1,
+                kind: TensorKind::Weight,
+                alloc_op: None,
+                free_op: None,
+                uses: vec![TensorUse { op: 0, access: Access::Read }],
+            }],
+        };
+        // 1 GB/s and no latency: 1 MB per 1 ms slot.
+        let ssd = ReadWriteBandwidth { read_bytes_per_s: 1e9, write_bytes_per_s: 1e9 };
+        let mut hardware = Hardware::new(1, ssd, 0);
+        hardware.ssd_latency_us = 0.0;
+        Ledger::new(&Timeline::new(&trace), &hardware)
+    }
+
+    #[test]
+    fn transfers_split_over_slots_and_never_overcommit() {
+        let mut ledger = ledger();
+        let channel = channel_index(Tier::Ssd, Direction::Write);
+        let span = ledger.fit_forward(channel, 1_500_000, 0, 4).unwrap();
+        assert_eq!(span, Span { first_slot: 0, last_slot: 1 });
+        ledger.commit(channel, 1_500_000, span, true);
+        // Half of slot 1 is left: the next 1 MB takes it and half of slot 2.
+        let span = ledger.fit_forward(channel, 1_000_000, 0, 4).unwrap();
+        assert_eq!(span, Span { first_slot: 1, last_slot: 2 });
+        let taken = ledger.commit(channel, 1_000_000, span, true);
+        assert_eq!(ledger.worst_overcommit_bytes(), 0.0);
+        assert!(ledger.fit_forward(channel, 2_000_000, 0, 4).is_none());
+        ledger.uncommit(channel, &taken);
+        assert!(ledger.fit_forward(channel, 2_000_000, 0, 4).is_some());
+        // Wrapping virtual slots: backward from slot 5 (= op 1 of the next iteration).
+        let read = channel_index(Tier::Ssd, Direction::Read);
+        let span = ledger.fit_backward(read, 1_500_000, 6, 2).unwrap();
+        assert_eq!(span, Span { first_slot: 4, last_slot: 5 });
+    }
+}
