@@ -121,7 +121,10 @@ impl Drop for DeviceQueue {
         self.shared.work_ready.notify_one();
         (self.shared.waker)();
         if let Some(w) = self.worker.take() {
-            let _ = w.join();
+            // Never join from the worker itself (its last completion may drop the store).
+            if w.thread().id() != std::thread::current().id() {
+                let _ = w.join();
+            }
         }
     }
 }

@@ -762,6 +762,11 @@ impl Store {
         if let Some(c) = self.committer.take() {
             c.join().map_err(|_| Error::Closed)?;
         }
+        // A request's completion closure may still hold the shared state for a moment after its
+        // op finished; wait for it so that the devices (and their locks) are closed when we return.
+        while Arc::strong_count(&self.shared) > 1 {
+            std::thread::yield_now();
+        }
         Ok(())
     }
 }
