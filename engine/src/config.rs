@@ -106,6 +106,10 @@ pub struct OpenConfig {
     pub durable: bool,
     /// Faults to inject into every device's backend (tests, reliability runs). Default None.
     pub fault_injector: Option<FaultInjector>,
+    /// How long to wait for a device lock held by another writer before failing with `Locked`.
+    /// A crashed writer's lock is released only once the kernel has finished its last requests.
+    /// Default 2 s.
+    pub lock_wait_ms: u64,
 }
 
 impl Default for OpenConfig {
@@ -121,6 +125,7 @@ impl Default for OpenConfig {
             verify_checksums: false,
             durable: true,
             fault_injector: None,
+            lock_wait_ms: 2000,
         }
     }
 }

@@ -17,6 +17,25 @@ pub struct Device {
 }
 
 impl Device {
+    /// Opens `path` read-write (O_DIRECT unless `direct_io` is false) and takes an exclusive lock,
+    /// waiting up to `lock_wait` for it.
+    ///
+    /// NOTE: the lock sits on the file that does the I/O on purpose. An io_uring that registered
+    /// the file keeps it (and so the lock) until the kernel has finished the ring's requests, which
+    /// after a crash happens a little after the process is gone; waiting for the lock is what keeps
+    /// a new writer from reusing blocks that a dead writer's last requests still write to.
+    pub fn open_locked(path: &Path, direct_io: bool, lock_wait: std::time::Duration) -> Result<Device> {
+        let deadline = std::time::Instant::now() + lock_wait;
+        loop {
+            match Device::open(path, direct_io) {
+                Err(Error::Locked { .. }) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+                other => return other,
+            }
+        }
+    }
+
     /// Opens `path` read-write (O_DIRECT unless `direct_io` is false) and takes an exclusive lock.
     pub fn open(path: &Path, direct_io: bool) -> Result<Device> {
         let mut options = OpenOptions::new();

@@ -263,7 +263,7 @@ impl Store {
         check_device_list(&paths)?;
         let mut found: Vec<(Device, Superblock)> = Vec::with_capacity(paths.len());
         for path in &paths {
-            let d = Device::open(path, config.direct_io)?;
+            let d = Device::open_locked(path, config.direct_io, std::time::Duration::from_millis(config.lock_wait_ms))?;
             let sb = read_superblock(&d)?;
             found.push((d, sb));
         }
