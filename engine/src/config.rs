@@ -106,6 +106,9 @@ pub struct OpenConfig {
     pub durable: bool,
     /// Faults to inject into every device's backend (tests, reliability runs). Default None.
     pub fault_injector: Option<FaultInjector>,
+    /// Keep a power-cut undo log of unflushed writes in this directory (reliability runs; slow).
+    /// Default None.
+    pub power_cut_log_dir: Option<std::path::PathBuf>,
     /// How long to wait for a device lock held by another writer before failing with `Locked`.
     /// A crashed writer's lock is released only once the kernel has finished its last requests.
     /// Default 2 s.
@@ -126,6 +129,7 @@ impl Default for OpenConfig {
             durable: true,
             fault_injector: None,
             lock_wait_ms: 2000,
+            power_cut_log_dir: None,
         }
     }
 }

@@ -5,6 +5,7 @@
 //! (cuFile, NVMe passthrough, an emulated device) plugs in without touching the queue code.
 
 pub mod fault;
+pub mod powercut;
 pub mod psync;
 pub mod uring;
 

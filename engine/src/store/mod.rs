@@ -9,6 +9,7 @@ mod object;
 pub mod ticket;
 
 use crate::backend::fault::FaultyBackend;
+use crate::backend::powercut::PowerCutBackend;
 use crate::backend::{self, BackendChoice, BackendKind};
 use crate::buffer::{AlignedBuf, BouncePool};
 use crate::config::{FormatConfig, OpenConfig, MAX_DEVICES, MIB};
@@ -336,6 +337,9 @@ impl Store {
             let mut b = backend::build(choice.kind, d, config.queue_depth, &config.uring, &pool)?;
             if let Some(injector) = &config.fault_injector {
                 b = Box::new(FaultyBackend::new(b, i as u16, injector.clone()));
+            }
+            if let Some(dir) = &config.power_cut_log_dir {
+                b = Box::new(PowerCutBackend::new(b, i as u16, &d.file, dir, block as usize)?);
             }
             queues.push(
                 DeviceQueue::start(i as u16, b, config.queue_depth)

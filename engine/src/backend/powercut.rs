@@ -1,0 +1,176 @@
+//! Power-loss simulation for reliability runs: a wrapper that keeps an undo log of every write
+//! not yet covered by a completed flush (the bytes it overwrote), in a file beside the device.
+//! After the process is killed, [`apply_power_cut`] reverts a random subset of those writes, block
+//! by block, as a power cut may: whatever the device had not been told to make durable can be lost.
+
+use super::{Backend, BackendCompletion, BackendRequest, IoKind, Waker};
+use crate::buffer::AlignedBuf;
+use crate::error::{Error, Result};
+use std::collections::{HashMap, HashSet};
+use std::fs::{File, OpenOptions};
+use std::io::{self, Read, Write};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+/// The undo log of device `device` in `dir`.
+pub fn log_path(dir: &Path, device: u16) -> PathBuf {
+    dir.join(format!("undo-{device}.log"))
+}
+
+struct Entry {
+    offset: u64,
+    old: Vec<u8>,
+}
+
+pub struct PowerCutBackend {
+    inner: Box<dyn Backend>,
+    device_file: File,
+    log_path: PathBuf,
+    /// Unflushed writes by token of the write, in submission order.
+    entries: Vec<(u64, Entry)>,
+    in_flight_writes: HashSet<u64>,
+    /// For each flush in flight: the writes that had completed when it was submitted.
+    flushes: HashMap<u64, Vec<u64>>,
+    completed_unflushed: Vec<u64>,
+    block_size: usize,
+}
+
+impl PowerCutBackend {
+    pub fn new(
+        inner: Box<dyn Backend>,
+        device: u16,
+        device_file: &File,
+        dir: &Path,
+        block_size: usize,
+    ) -> Result<Self> {
+        let log_path = log_path(dir, device);
+        File::create(&log_path).map_err(|e| Error::io(format!("creating {}", log_path.display()), e))?;
+        Ok(PowerCutBackend {
+            inner,
+            device_file: device_file.try_clone().map_err(|e| Error::io("duplicating a device file", e))?,
+            log_path,
+            entries: Vec::new(),
+            in_flight_writes: HashSet::new(),
+            flushes: HashMap::new(),
+            completed_unflushed: Vec::new(),
+            block_size,
+        })
+    }
+
+    /// Rewrites the log file with the entries still unflushed (small: tests only).
+    fn save(&self) {
+        let mut bytes = Vec::new();
+        for (_, e) in &self.entries {
+            bytes.extend_from_slice(&e.offset.to_le_bytes());
+            bytes.extend_from_slice(&(e.old.len() as u64).to_le_bytes());
+            bytes.extend_from_slice(&e.old);
+        }
+        let tmp = self.log_path.with_extension("tmp");
+        if std::fs::write(&tmp, &bytes).and_then(|()| std::fs::rename(&tmp, &self.log_path)).is_err() {
+            tracing::error!(path = %self.log_path.display(), "cannot save the power-cut undo log");
+        }
+    }
+}
+
+impl Backend for PowerCutBackend {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+
+    unsafe fn push(&mut self, request: BackendRequest) {
+        match request.kind {
+            IoKind::Write => {
+                let mut old = AlignedBuf::new(request.len as usize, self.block_size).expect("undo buffer");
+                let n = self.device_file.read_at(&mut old, request.offset).unwrap_or(0);
+                old[n..].fill(0);
+                self.entries.push((request.token, Entry { offset: request.offset, old: old.to_vec() }));
+                self.in_flight_writes.insert(request.token);
+                self.save();
+            }
+            IoKind::Flush => {
+                self.flushes.insert(request.token, std::mem::take(&mut self.completed_unflushed));
+            }
+            IoKind::Read => {}
+        }
+        // SAFETY: forwarded under the caller's contract.
+        unsafe { self.inner.push(request) }
+    }
+
+    fn submit_and_reap(&mut self, wait: bool, out: &mut Vec<BackendCompletion>) -> io::Result<()> {
+        let start = out.len();
+        self.inner.submit_and_reap(wait, out)?;
+        let mut changed = false;
+        for c in &out[start..] {
+            if self.in_flight_writes.remove(&c.token) {
+                if c.result < 0 {
+                    // A failed write changed nothing we promise to keep either way.
+                } else {
+                    self.completed_unflushed.push(c.token);
+                }
+            } else if let Some(covered) = self.flushes.remove(&c.token) {
+                if c.result >= 0 {
+                    let covered: HashSet<u64> = covered.into_iter().collect();
+                    self.entries.retain(|(token, _)| !covered.contains(token));
+                    changed = true;
+                } else {
+                    self.completed_unflushed.extend(covered);
+                }
+            }
+        }
+        if changed {
+            self.save();
+        }
+        Ok(())
+    }
+
+    fn waker(&self) -> Waker {
+        self.inner.waker()
+    }
+}
+
+/// Simulates a power cut on `device_path` from its undo log: each logged block is reverted with
+/// probability one half (decided by `coin`), newest write first. Returns (blocks reverted, blocks
+/// logged). Run only while no process has the store open.
+pub fn apply_power_cut(
+    log: &Path,
+    device_path: &Path,
+    block_size: usize,
+    mut coin: impl FnMut() -> bool,
+) -> Result<(u64, u64)> {
+    let mut bytes = Vec::new();
+    match File::open(log) {
+        Ok(mut f) => f.read_to_end(&mut bytes).map_err(|e| Error::io(format!("reading {}", log.display()), e))?,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok((0, 0)),
+        Err(e) => return Err(Error::io(format!("opening {}", log.display()), e)),
+    };
+    let mut entries = Vec::new();
+    let mut at = 0;
+    while at + 16 <= bytes.len() {
+        let offset = u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8"));
+        let len = u64::from_le_bytes(bytes[at + 8..at + 16].try_into().expect("8")) as usize;
+        if at + 16 + len > bytes.len() {
+            break;
+        }
+        entries.push((offset, &bytes[at + 16..at + 16 + len]));
+        at += 16 + len;
+    }
+    let device = OpenOptions::new()
+        .write(true)
+        .open(device_path)
+        .map_err(|source| Error::DeviceOpen { path: device_path.to_path_buf(), source })?;
+    let (mut reverted, mut logged) = (0, 0);
+    for (offset, old) in entries.iter().rev() {
+        for (i, block) in old.chunks(block_size).enumerate() {
+            logged += 1;
+            if coin() {
+                reverted += 1;
+                device
+                    .write_all_at(block, offset + (i * block_size) as u64)
+                    .map_err(|e| Error::io(format!("reverting a block of {}", device_path.display()), e))?;
+            }
+        }
+    }
+    device.sync_all().map_err(|e| Error::io("flushing after a power cut", e))?;
+    let _ = std::fs::OpenOptions::new().write(true).truncate(true).open(log).and_then(|mut f| f.flush());
+    Ok((reverted, logged))
+}
