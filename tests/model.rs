@@ -75,7 +75,7 @@ fn run(backend: BackendKind, steps: &[Step]) -> Result<(), TestCaseError> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig::with_cases(std::env::var("TERAIO_MODEL_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(32)))]
 
     #[test]
     fn io_uring_matches_the_model(steps in proptest::collection::vec(step(), 1..40)) {
