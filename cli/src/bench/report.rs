@@ -1,0 +1,254 @@
+//! Bench results: built from the engine's counters and the bench's own, printed as a table
+//! for people or as JSON for scripts.
+
+use super::workload::{PhaseTotals, Workload};
+use crate::cpu::CpuTimes;
+use crate::units::{format_bytes, group_thousands};
+use serde::Serialize;
+use teraio_engine::{IoCounters, LatencySummary, StatsSnapshot};
+
+/// Latency percentiles in microseconds.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct LatencyUs {
+    pub count: u64,
+    pub mean_us: f64,
+    pub p50_us: u64,
+    pub p90_us: u64,
+    pub p99_us: u64,
+    pub p999_us: u64,
+    pub max_us: u64,
+}
+
+impl From<LatencySummary> for LatencyUs {
+    fn from(s: LatencySummary) -> Self {
+        LatencyUs {
+            count: s.count,
+            mean_us: s.mean_us,
+            p50_us: s.p50_us,
+            p90_us: s.p90_us,
+            p99_us: s.p99_us,
+            p999_us: s.p999_us,
+            max_us: s.max_us,
+        }
+    }
+}
+
+/// One direction (read or write) of one device, or of all of them.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct DirectionResult {
+    pub ops: u64,
+    pub bytes: u64,
+    /// Decimal gigabytes (1e9 bytes) per second.
+    pub gb_per_s: f64,
+    pub iops: f64,
+    pub latency: LatencyUs,
+}
+
+impl DirectionResult {
+    fn new(ops: u64, bytes: u64, latency: LatencySummary, elapsed_s: f64) -> Self {
+        DirectionResult {
+            ops,
+            bytes,
+            gb_per_s: bytes as f64 / elapsed_s / 1e9,
+            iops: ops as f64 / elapsed_s,
+            latency: latency.into(),
+        }
+    }
+}
+
+/// Device requests of one device (or the whole store), as the engine's queues counted them.
+#[derive(Debug, Clone, Serialize)]
+pub struct DeviceResult {
+    pub name: String,
+    pub read: DirectionResult,
+    pub write: DirectionResult,
+    pub errors: u64,
+    pub retries: u64,
+}
+
+impl DeviceResult {
+    fn new(name: String, c: &IoCounters, elapsed_s: f64) -> Self {
+        DeviceResult {
+            name,
+            read: DirectionResult::new(c.read_ops, c.read_bytes, c.read_latency.summary(), elapsed_s),
+            write: DirectionResult::new(c.write_ops, c.write_bytes, c.write_latency.summary(), elapsed_s),
+            errors: c.errors,
+            retries: c.retries,
+        }
+    }
+}
+
+/// Host CPU the whole process used in the timed phase.
+#[derive(Debug, Clone, Serialize)]
+pub struct CpuResult {
+    pub user_s: f64,
+    pub system_s: f64,
+    /// Average cores busy: CPU seconds / wall seconds.
+    pub cores_busy: f64,
+    /// Cores busy per GB/s moved: what the host must supply per unit of bandwidth.
+    pub cores_per_gb_per_s: f64,
+}
+
+/// A finished bench run.
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchReport {
+    pub workload: Workload,
+    pub backend: String,
+    pub backend_reason: String,
+    pub elapsed_s: f64,
+    /// Bytes moved per second by the bench's ops (reads plus writes), decimal GB/s.
+    pub gb_per_s: f64,
+    /// Ops (gets and puts) per second.
+    pub ops_per_s: f64,
+    pub devices: Vec<DeviceResult>,
+    /// All devices together.
+    pub aggregate: DeviceResult,
+    /// Whole ops as the caller sees them (a sequential op is a whole object).
+    pub object_get: DirectionResult,
+    pub object_put: DirectionResult,
+    pub cpu: CpuResult,
+    pub verified_bytes: u64,
+}
+
+impl BenchReport {
+    pub fn new(
+        workload: &Workload,
+        device_names: &[String],
+        stats: &StatsSnapshot,
+        totals: &PhaseTotals,
+        cpu: CpuTimes,
+    ) -> BenchReport {
+        let elapsed_s = totals.elapsed_s.max(1e-9);
+        let bytes = totals.read_bytes + totals.write_bytes;
+        let gb_per_s = bytes as f64 / elapsed_s / 1e9;
+        let cpu_s = cpu.user.as_secs_f64() + cpu.system.as_secs_f64();
+        let cores_busy = cpu_s / elapsed_s;
+        BenchReport {
+            workload: workload.clone(),
+            backend: stats.backend.clone(),
+            backend_reason: stats.backend_reason.clone(),
+            elapsed_s,
+            gb_per_s,
+            ops_per_s: (totals.read_ops + totals.write_ops) as f64 / elapsed_s,
+            devices: stats
+                .devices
+                .iter()
+                .enumerate()
+                .map(|(i, c)| {
+                    DeviceResult::new(
+                        device_names.get(i).cloned().unwrap_or_else(|| format!("device {i}")),
+                        c,
+                        elapsed_s,
+                    )
+                })
+                .collect(),
+            aggregate: DeviceResult::new(format!("all {} device(s)", stats.devices.len()), &stats.total, elapsed_s),
+            object_get: DirectionResult::new(
+                totals.read_ops,
+                totals.read_bytes,
+                stats.ops.get_latency.summary(),
+                elapsed_s,
+            ),
+            object_put: DirectionResult::new(
+                totals.write_ops,
+                totals.write_bytes,
+                stats.ops.put_latency.summary(),
+                elapsed_s,
+            ),
+            cpu: CpuResult {
+                user_s: cpu.user.as_secs_f64(),
+                system_s: cpu.system.as_secs_f64(),
+                cores_busy,
+                cores_per_gb_per_s: if gb_per_s > 0.0 { cores_busy / gb_per_s } else { 0.0 },
+            },
+            verified_bytes: totals.verified_bytes,
+        }
+    }
+
+    /// The readable table.
+    pub fn table(&self) -> String {
+        let mut out = String::new();
+        out.push_str(&format!("teraio bench: {}\n", self.workload.describe()));
+        out.push_str(&format!(
+            "backend {} ({}); timed phase {:.1} s\n\n",
+            self.backend, self.backend_reason, self.elapsed_s
+        ));
+        out.push_str(&table_header());
+        for d in &self.devices {
+            push_device_rows(&mut out, d);
+        }
+        push_device_rows(&mut out, &self.aggregate);
+        out.push_str(&format!("{:-<104}\n", ""));
+        let whole = |what: &str| format!("objects: {what} (whole op)");
+        if self.object_get.ops > 0 {
+            out.push_str(&row(&whole("get"), "read", &self.object_get));
+        }
+        if self.object_put.ops > 0 {
+            out.push_str(&row(&whole("put"), "write", &self.object_put));
+        }
+        out.push('\n');
+        out.push_str(&format!(
+            "total: {:.3} GB/s, {} ops/s of {}\n",
+            self.gb_per_s,
+            group_thousands(self.ops_per_s.round() as u64),
+            format_bytes(self.workload.op_bytes())
+        ));
+        out.push_str(&format!(
+            "host CPU: {:.2} cores busy (user {:.2} s, system {:.2} s) = {:.2} cores per GB/s\n",
+            self.cpu.cores_busy, self.cpu.user_s, self.cpu.system_s, self.cpu.cores_per_gb_per_s
+        ));
+        if self.workload.verify {
+            out.push_str(&format!("verify: {} read back, every byte matched\n", format_bytes(self.verified_bytes)));
+        }
+        out
+    }
+}
+
+/// Column titles of the device table.
+pub fn table_header() -> String {
+    format!(
+        "{:<34} {:<5} {:>8} {:>10} {:>8} {:>8} {:>8} {:>9} {:>8}\n",
+        "device", "op", "GB/s", "IOPS", "p50 us", "p90 us", "p99 us", "p99.9 us", "max us"
+    )
+}
+
+fn push_device_rows(out: &mut String, d: &DeviceResult) {
+    let mut any = false;
+    if d.read.ops > 0 {
+        out.push_str(&row(&d.name, "read", &d.read));
+        any = true;
+    }
+    if d.write.ops > 0 {
+        out.push_str(&row(&d.name, "write", &d.write));
+        any = true;
+    }
+    if !any {
+        out.push_str(&format!("{:<34} (no requests)\n", shorten(&d.name, 34)));
+    }
+}
+
+/// One table row.
+pub fn row(name: &str, op: &str, r: &DirectionResult) -> String {
+    format!(
+        "{:<34} {:<5} {:>8.3} {:>10} {:>8} {:>8} {:>8} {:>9} {:>8}\n",
+        shorten(name, 34),
+        op,
+        r.gb_per_s,
+        group_thousands(r.iops.round() as u64),
+        r.latency.p50_us,
+        r.latency.p90_us,
+        r.latency.p99_us,
+        r.latency.p999_us,
+        r.latency.max_us
+    )
+}
+
+/// Keeps the end of long paths (the distinctive part).
+fn shorten(name: &str, width: usize) -> String {
+    let count = name.chars().count();
+    if count <= width {
+        name.to_string()
+    } else {
+        format!("...{}", name.chars().skip(count - (width - 3)).collect::<String>())
+    }
+}

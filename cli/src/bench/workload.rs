@@ -1,0 +1,421 @@
+//! A bench workload and the loop that drives it through a [`Store`].
+//!
+//! How fio's vocabulary maps onto teraio's object API:
+//! - The data set is `object_count` objects of `object_bytes` (ids `0..object_count`), striped
+//!   over all devices, written before the timed phase.
+//! - Sequential read: whole-object `get`s, each worker cycling through its own objects, with
+//!   enough gets in flight to keep `queue_depth` requests of `request_bytes` on every device.
+//!   The engine cuts each get into requests of `request_bytes` (its `max_io_bytes`).
+//! - Sequential write: whole-object `put`s replacing the same objects.
+//! - Random read: `get_range` of `request_bytes` at a random aligned offset of a random object,
+//!   `queue_depth` x devices of them in flight.
+//! - Random write: teraio has no in-place partial writes, so a random write is a `put` of a
+//!   small object of `request_bytes` with a random id out of a separate set of
+//!   [`RANDOM_WRITE_IDS`] (each put replaces the earlier object of that id).
+//! - Mixed: each op is a read with probability `read_percent`, else a write, as above.
+
+use super::pattern::{self, Rng};
+use crate::error::{CliError, CliResult};
+use crate::units::format_bytes;
+use serde::Serialize;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+use teraio_engine::{AlignedBuf, Priority, Store, Ticket};
+
+/// Object ids of the random-write set start here (far above the data set's ids).
+pub const RANDOM_WRITE_ID_BASE: u64 = 1 << 40;
+/// Most small objects random writes cycle through (keeps the object table small).
+pub const RANDOM_WRITE_IDS: u64 = 16_384;
+
+/// Sequential or random access.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Pattern {
+    Sequential,
+    Random,
+}
+
+/// Where the bench's I/O buffers live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum BufferKind {
+    /// Page-aligned host memory.
+    Host,
+    /// Page-aligned host memory locked in RAM (mlock), as pinned buffers for GPU copies are.
+    Pinned,
+    /// GPU memory (needs the cuFile backend; not in this build).
+    Gpu,
+}
+
+/// One workload, fully resolved.
+#[derive(Debug, Clone, Serialize)]
+pub struct Workload {
+    pub pattern: Pattern,
+    /// 100: reads only, 0: writes only.
+    pub read_percent: u8,
+    pub request_bytes: u64,
+    pub object_bytes: u64,
+    pub object_count: u64,
+    /// Requests in flight per device (the engine's queue depth).
+    pub queue_depth: usize,
+    /// Submitting threads.
+    pub threads: usize,
+    pub stripe_unit_bytes: u64,
+    pub devices: usize,
+    /// With verify: every byte read is checked against the pattern it was written with.
+    pub verify: bool,
+    pub buffer: BufferKind,
+}
+
+impl Workload {
+    /// fio's name for it: read, write, rw, randread, randwrite, randrw.
+    pub fn fio_rw(&self) -> &'static str {
+        match (self.pattern, self.read_percent) {
+            (Pattern::Sequential, 100) => "read",
+            (Pattern::Sequential, 0) => "write",
+            (Pattern::Sequential, _) => "rw",
+            (Pattern::Random, 100) => "randread",
+            (Pattern::Random, 0) => "randwrite",
+            (Pattern::Random, _) => "randrw",
+        }
+    }
+
+    pub fn data_bytes(&self) -> u64 {
+        self.object_bytes * self.object_count
+    }
+
+    pub fn reads(&self) -> bool {
+        self.read_percent > 0
+    }
+
+    pub fn writes(&self) -> bool {
+        self.read_percent < 100
+    }
+
+    /// Bytes of one op's buffer: a whole object for sequential ops, a request for random ones.
+    pub fn op_bytes(&self) -> u64 {
+        match self.pattern {
+            Pattern::Sequential => self.object_bytes,
+            Pattern::Random => self.request_bytes,
+        }
+    }
+
+    /// Ops each worker keeps in flight: enough to keep `queue_depth` requests on every device,
+    /// plus one sequential op so that the next object is already queued when one finishes.
+    pub fn ops_in_flight_per_worker(&self) -> usize {
+        let requests_total = (self.queue_depth * self.devices) as u64;
+        let total = match self.pattern {
+            Pattern::Sequential => (requests_total * self.request_bytes).div_ceil(self.object_bytes) + 1,
+            Pattern::Random => requests_total,
+        };
+        let per_worker = total.div_ceil(self.threads as u64).max(1) as usize;
+        match self.pattern {
+            // Never two ops on one object at once: cap at the worker's share of objects.
+            Pattern::Sequential => per_worker.min(self.objects_of_worker(0).len().max(1)),
+            Pattern::Random => per_worker,
+        }
+    }
+
+    /// Ids of the data-set objects worker `worker` cycles through in sequential workloads.
+    pub fn objects_of_worker(&self, worker: usize) -> Vec<u64> {
+        (worker as u64..self.object_count).step_by(self.threads).collect()
+    }
+
+    /// Bytes of host memory the bench's buffers take.
+    pub fn buffer_bytes(&self) -> u64 {
+        self.op_bytes() * (self.ops_in_flight_per_worker() * self.threads) as u64
+    }
+
+    /// Small objects the random-write set holds.
+    pub fn random_write_ids(&self) -> u64 {
+        (self.data_bytes() / self.request_bytes).clamp(1, RANDOM_WRITE_IDS)
+    }
+
+    /// One line for reports: `randread 4 KiB, qd 128/device, 1 thread, ...`.
+    pub fn describe(&self) -> String {
+        let mix = if self.reads() && self.writes() { format!(" {}% reads", self.read_percent) } else { String::new() };
+        format!(
+            "{}{mix}, {} requests, qd {}/device, {} thread(s), {} device(s), {} in {} object(s) of {}, stripe unit {}, {} buffers{}",
+            self.fio_rw(),
+            format_bytes(self.request_bytes),
+            self.queue_depth,
+            self.threads,
+            self.devices,
+            format_bytes(self.data_bytes()),
+            self.object_count,
+            format_bytes(self.object_bytes),
+            format_bytes(self.stripe_unit_bytes),
+            match self.buffer {
+                BufferKind::Host => "host",
+                BufferKind::Pinned => "pinned",
+                BufferKind::Gpu => "GPU",
+            },
+            if self.verify { ", verifying every byte" } else { "" }
+        )
+    }
+}
+
+/// When a phase stops.
+#[derive(Debug, Clone, Copy)]
+pub enum Limit {
+    Runtime(Duration),
+    /// Bytes moved (reads plus writes) over all workers.
+    Bytes(u64),
+}
+
+/// Live counters the progress bar reads.
+#[derive(Debug, Default)]
+pub struct Progress {
+    pub bytes_done: AtomicU64,
+}
+
+/// What the bench itself counted in a phase (the engine's own counters come from `Store::stats`).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct PhaseTotals {
+    pub elapsed_s: f64,
+    pub read_ops: u64,
+    pub read_bytes: u64,
+    pub write_ops: u64,
+    pub write_bytes: u64,
+    /// Bytes compared against the written pattern (with verify).
+    pub verified_bytes: u64,
+}
+
+impl PhaseTotals {
+    fn add(&mut self, o: &PhaseTotals) {
+        self.read_ops += o.read_ops;
+        self.read_bytes += o.read_bytes;
+        self.write_ops += o.write_ops;
+        self.write_bytes += o.write_bytes;
+        self.verified_bytes += o.verified_bytes;
+    }
+}
+
+/// Allocates one op buffer: aligned to the block size, and locked in RAM for pinned buffers.
+pub fn new_buffer(bytes: u64, kind: BufferKind) -> CliResult<AlignedBuf> {
+    let buf = AlignedBuf::new(bytes as usize, 4096)?;
+    if kind == BufferKind::Pinned {
+        // SAFETY: mlock on memory we own; it stays locked until the buffer is freed (munlock is
+        // implied by free/munmap).
+        if unsafe { libc::mlock(buf.as_ptr() as *const libc::c_void, buf.len()) } != 0 {
+            return Err(CliError::input(format!(
+                "cannot pin {} of buffer memory: {}; raise the locked-memory limit (ulimit -l) or use --buffer host",
+                format_bytes(bytes),
+                std::io::Error::last_os_error()
+            )));
+        }
+    }
+    Ok(buf)
+}
+
+/// Writes the whole data set (and the random-write set when the workload writes randomly), so
+/// reads find data and writes replace objects as a steady-state device would.
+pub fn prefill(store: &Store, w: &Workload, progress: &Progress) -> CliResult<()> {
+    let depth = w.ops_in_flight_per_worker().max(2) * w.threads;
+    let mut jobs: Vec<(u64, u64)> = (0..w.object_count).map(|id| (id, w.object_bytes)).collect();
+    if w.pattern == Pattern::Random && w.writes() {
+        jobs.extend((0..w.random_write_ids()).map(|i| (RANDOM_WRITE_ID_BASE + i, w.request_bytes)));
+    }
+    let mut free: Vec<AlignedBuf> = Vec::new();
+    let mut inflight: VecDeque<(Ticket<AlignedBuf>, u64)> = VecDeque::new();
+    for (id, bytes) in jobs {
+        if inflight.len() >= depth {
+            let (ticket, len) = inflight.pop_front().expect("non-empty");
+            free.push(ticket.wait()?);
+            progress.bytes_done.fetch_add(len, Ordering::Relaxed);
+        }
+        let mut buf = match free.iter().position(|b| b.len() as u64 == bytes) {
+            Some(i) => free.swap_remove(i),
+            None => AlignedBuf::new(bytes as usize, 4096)?,
+        };
+        pattern::fill(&mut buf, id, 0);
+        inflight.push_back((store.put(id, buf, &[], Priority::Normal)?, bytes));
+    }
+    for (ticket, len) in inflight {
+        ticket.wait()?;
+        progress.bytes_done.fetch_add(len, Ordering::Relaxed);
+    }
+    Ok(())
+}
+
+/// What one in-flight op is.
+struct Issued {
+    ticket: Ticket<AlignedBuf>,
+    read: bool,
+    id: u64,
+    offset: u64,
+    bytes: u64,
+}
+
+/// Runs the workload until `limit`; returns what the workers counted.
+pub fn run_phase(store: &Store, w: &Workload, limit: Limit, progress: &Progress) -> CliResult<PhaseTotals> {
+    let started = Instant::now();
+    let deadline = match limit {
+        Limit::Runtime(d) => Some(started + d),
+        Limit::Bytes(_) => None,
+    };
+    let byte_budget = match limit {
+        Limit::Bytes(b) => Some(b),
+        Limit::Runtime(_) => None,
+    };
+    let issued_bytes = AtomicU64::new(0);
+    let stop = AtomicBool::new(false);
+    let results: Vec<CliResult<PhaseTotals>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..w.threads)
+            .map(|worker| {
+                let (issued_bytes, stop) = (&issued_bytes, &stop);
+                scope.spawn(move || {
+                    let result = worker_loop(store, w, worker, deadline, byte_budget, issued_bytes, stop, progress);
+                    if result.is_err() {
+                        stop.store(true, Ordering::Relaxed);
+                    }
+                    result
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err(CliError::failed("a bench worker panicked"))))
+            .collect()
+    });
+    let mut totals = PhaseTotals::default();
+    for r in results {
+        totals.add(&r?);
+    }
+    totals.elapsed_s = started.elapsed().as_secs_f64();
+    Ok(totals)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn worker_loop(
+    store: &Store,
+    w: &Workload,
+    worker: usize,
+    deadline: Option<Instant>,
+    byte_budget: Option<u64>,
+    issued_bytes: &AtomicU64,
+    stop: &AtomicBool,
+    progress: &Progress,
+) -> CliResult<PhaseTotals> {
+    let depth = w.ops_in_flight_per_worker();
+    let op_bytes = w.op_bytes();
+    let mut free = Vec::with_capacity(depth);
+    for _ in 0..depth {
+        free.push(new_buffer(op_bytes, w.buffer)?);
+    }
+    let my_objects = w.objects_of_worker(worker);
+    if w.pattern == Pattern::Sequential && my_objects.is_empty() {
+        return Ok(PhaseTotals::default());
+    }
+    let mut next_object = 0usize;
+    let mut rng = Rng::new(0x5EED ^ worker as u64);
+    let requests_per_object = w.object_bytes / w.request_bytes;
+    let mut inflight: VecDeque<Issued> = VecDeque::with_capacity(depth);
+    let mut totals = PhaseTotals::default();
+    loop {
+        while inflight.len() < depth && !stop.load(Ordering::Relaxed) {
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                break;
+            }
+            let read = w.read_percent == 100 || (w.read_percent > 0 && rng.below(100) < w.read_percent as u64);
+            if let Some(budget) = byte_budget {
+                if issued_bytes.fetch_add(op_bytes, Ordering::Relaxed) >= budget {
+                    break;
+                }
+            }
+            let mut buf = free.pop().expect("a free buffer per slot");
+            let (id, offset) = match w.pattern {
+                Pattern::Sequential => {
+                    let id = my_objects[next_object];
+                    next_object = (next_object + 1) % my_objects.len();
+                    (id, 0)
+                }
+                Pattern::Random if read => {
+                    let id = rng.below(w.object_count);
+                    (id, rng.below(requests_per_object) * w.request_bytes)
+                }
+                Pattern::Random => (RANDOM_WRITE_ID_BASE + rng.below(w.random_write_ids()), 0),
+            };
+            let ticket = if read {
+                match w.pattern {
+                    Pattern::Sequential => store.get(id, buf, Priority::Normal)?,
+                    Pattern::Random => store.get_range(id, offset, buf, Priority::Normal)?,
+                }
+            } else {
+                if w.verify {
+                    // Only with verify: writes must carry the bytes later reads expect.
+                    pattern::fill(&mut buf, id, 0);
+                }
+                store.put(id, buf, &[], Priority::Normal)?
+            };
+            inflight.push_back(Issued { ticket, read, id, offset, bytes: op_bytes });
+        }
+        let Some(op) = inflight.pop_front() else { break };
+        let buf = op.ticket.wait()?;
+        if op.read {
+            totals.read_ops += 1;
+            totals.read_bytes += op.bytes;
+            if w.verify {
+                if let Some(at) = pattern::check(&buf[..op.bytes as usize], op.id, op.offset) {
+                    stop.store(true, Ordering::Relaxed);
+                    return Err(CliError::failed(format!(
+                        "verify failed: object {} byte {at} differs from what was written; the data path is corrupting data (run `teraio fsck` on the targets)",
+                        op.id
+                    )));
+                }
+                totals.verified_bytes += op.bytes;
+            }
+        } else {
+            totals.write_ops += 1;
+            totals.write_bytes += op.bytes;
+        }
+        progress.bytes_done.fetch_add(op.bytes, Ordering::Relaxed);
+        free.push(buf);
+    }
+    Ok(totals)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn workload(pattern: Pattern, read_percent: u8) -> Workload {
+        Workload {
+            pattern,
+            read_percent,
+            request_bytes: 4 << 20,
+            object_bytes: 256 << 20,
+            object_count: 16,
+            queue_depth: 32,
+            threads: 1,
+            stripe_unit_bytes: 4 << 20,
+            devices: 1,
+            verify: false,
+            buffer: BufferKind::Host,
+        }
+    }
+
+    #[test]
+    fn in_flight_covers_the_queue_depth() {
+        // 32 x 4 MiB = 128 MiB on one device: half an object, plus one queued: 2 gets.
+        assert_eq!(workload(Pattern::Sequential, 100).ops_in_flight_per_worker(), 2);
+        let mut w = workload(Pattern::Random, 100);
+        w.request_bytes = 4096;
+        w.queue_depth = 128;
+        w.devices = 4;
+        w.threads = 2;
+        assert_eq!(w.ops_in_flight_per_worker(), 256);
+        assert_eq!(w.fio_rw(), "randread");
+        assert_eq!(workload(Pattern::Sequential, 70).fio_rw(), "rw");
+    }
+
+    #[test]
+    fn workers_split_the_objects() {
+        let mut w = workload(Pattern::Sequential, 100);
+        w.threads = 3;
+        let all: usize = (0..3).map(|t| w.objects_of_worker(t).len()).sum();
+        assert_eq!(all, 16);
+        assert_eq!(w.objects_of_worker(1), vec![1, 4, 7, 10, 13]);
+    }
+}

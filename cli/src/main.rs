@@ -1,0 +1,83 @@
+//! `teraio`: the command-line face of teraio. It benchmarks SSD arrays the way the engine uses
+//! them (`bench`, with a side-by-side fio comparison), administers stores (`format`, `info`,
+//! `fsck`) and fronts the lifetime planner (`plan`, `sim`, `trace`).
+//!
+//! Every failure ends in one line on stderr that says what to do, and a non-zero exit code:
+//! 1 for a failed operation (or an unclean `fsck`), 2 for bad input.
+
+mod admin;
+mod bench;
+mod cpu;
+mod error;
+mod targets;
+mod units;
+
+use clap::{Parser, Subcommand};
+use error::CliError;
+
+/// teraio: striped tensor-offload storage over many SSDs.
+#[derive(Parser)]
+#[command(name = "teraio", version, propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Measure what a set of SSDs (files or block devices, striped as a teraio store) delivers.
+    Bench(bench::BenchArgs),
+    /// Format files or block devices as one new teraio store.
+    Format(admin::FormatArgs),
+    /// Show a store's devices, layout, free space and objects.
+    Info(admin::InfoArgs),
+    /// Check a store: superblocks, the object table and every extent checksum.
+    Fsck(admin::FsckArgs),
+    /// Plan tensor migrations for a training trace and predict the iteration time.
+    Plan(teraio_planner::cli::PlanArgs),
+    /// Replay a trace under each offload policy and compare.
+    Sim(teraio_planner::cli::SimArgs),
+    /// Generate a synthetic transformer-training trace.
+    Trace(teraio_planner::cli::TraceArgs),
+}
+
+fn main() {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => exit_on_parse_error(e),
+    };
+    let result = match &cli.command {
+        Command::Bench(args) => bench::run(args),
+        Command::Format(args) => admin::format(args),
+        Command::Info(args) => admin::info(args),
+        Command::Fsck(args) => admin::fsck(args),
+        Command::Plan(args) => teraio_planner::cli::run_plan(args).map_err(CliError::from),
+        Command::Sim(args) => teraio_planner::cli::run_sim(args).map_err(CliError::from),
+        Command::Trace(args) => teraio_planner::cli::run_trace(args).map_err(CliError::from),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {}", e.message);
+        std::process::exit(e.exit_code);
+    }
+}
+
+/// Help and version go to stdout as clap writes them; every other parse error becomes one line
+/// (clap's first line, which names the bad flag or value) plus where to look, and exit code 2.
+fn exit_on_parse_error(e: clap::Error) -> ! {
+    use clap::error::ErrorKind;
+    if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion)
+        || e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+    {
+        e.exit();
+    }
+    let rendered = e.render().to_string();
+    let first = rendered.lines().find(|l| !l.trim().is_empty()).unwrap_or("error: bad arguments");
+    let first = first.trim_start_matches("error: ");
+    let sub = std::env::args().nth(1).filter(|a| !a.starts_with('-'));
+    let help = match sub {
+        Some(s) if e.kind() != ErrorKind::InvalidSubcommand => format!("teraio {s} --help"),
+        _ => "teraio --help".to_string(),
+    };
+    eprintln!("error: {first}; see `{help}`");
+    std::process::exit(2);
+}

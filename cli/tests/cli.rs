@@ -1,0 +1,359 @@
+//! End-to-end tests of the `teraio` command: every sub-command, and every kind of bad input
+//! ending in one line that says what to do, with nothing overwritten without `--force`.
+//! Stores are small (tens of MiB) so that the suite stays fast.
+
+use assert_cmd::Command;
+use predicates::prelude::*;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+
+/// A scratch directory on a disk file system (O_DIRECT does not work on tmpfs).
+fn scratch() -> tempfile::TempDir {
+    let base = std::env::var_os("TERAIO_TEST_DIR").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
+    tempfile::Builder::new().prefix("teraio-cli-test").tempdir_in(base).expect("scratch directory")
+}
+
+fn teraio() -> Command {
+    Command::cargo_bin("teraio").expect("the teraio binary")
+}
+
+fn paths(dir: &Path, count: usize) -> Vec<String> {
+    (0..count).map(|i| dir.join(format!("d{i}")).display().to_string()).collect()
+}
+
+/// Runs a command that must fail with exit code `code` and one line on stderr; returns the line.
+fn one_line_error(cmd: &mut Command, code: i32) -> String {
+    let out = cmd.output().expect("runs");
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert_eq!(out.status.code(), Some(code), "stderr: {stderr}");
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "want one line, got: {stderr}");
+    assert!(lines[0].starts_with("error: "), "{stderr}");
+    lines[0].to_string()
+}
+
+/// A small bench run's flags.
+const SMALL: [&str; 8] =
+    ["--data-size", "32MiB", "--object-size", "8MiB", "--no-progress", "--json", "--runtime", "300ms"];
+
+fn bench_json(targets: &[String], extra: &[&str]) -> Value {
+    let out = teraio().arg("bench").args(targets).args(SMALL).args(extra).output().expect("runs");
+    assert!(out.status.success(), "bench failed: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).expect("bench --json prints JSON")
+}
+
+#[test]
+fn bench_default_store_is_temporary_and_reports_every_device() {
+    let tmp = scratch();
+    let out = teraio()
+        .env("TMPDIR", tmp.path())
+        .args(["bench", "--data-size", "32MiB", "--object-size", "8MiB", "--json", "--size", "64MiB"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let report = &v["report"];
+    assert_eq!(report["devices"].as_array().unwrap().len(), 4);
+    assert!(report["gb_per_s"].as_f64().unwrap() > 0.0);
+    assert_eq!(report["object_get"]["bytes"].as_u64().unwrap(), 64 << 20, "--size moves exactly that many bytes");
+    assert!(report["aggregate"]["read"]["latency"]["p999_us"].as_u64().unwrap() > 0);
+    assert!(report["cpu"]["cores_busy"].as_f64().unwrap() > 0.0);
+    assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0, "the default store must be removed afterwards");
+}
+
+#[test]
+fn bench_every_mode_verifies_what_it_reads() {
+    let tmp = scratch();
+    let targets = paths(tmp.path(), 2);
+    for (mode, reads, writes) in [
+        ("read", true, false),
+        ("write", false, true),
+        ("rw", true, true),
+        ("randread", true, false),
+        ("randwrite", false, true),
+        ("randrw", true, true),
+    ] {
+        let v = bench_json(&targets, &["--rw", mode, "--verify", "--force", "--queue-depth", "8"]);
+        let r = &v["report"];
+        assert_eq!(r["workload"]["verify"], true);
+        assert_eq!(r["object_get"]["ops"].as_u64().unwrap() > 0, reads, "{mode}: reads");
+        assert_eq!(r["object_put"]["ops"].as_u64().unwrap() > 0, writes, "{mode}: writes");
+        if reads {
+            assert_eq!(r["verified_bytes"], r["object_get"]["bytes"], "{mode}: every byte read is checked");
+        }
+        for d in r["devices"].as_array().unwrap() {
+            let busy = d["read"]["ops"].as_u64().unwrap() + d["write"]["ops"].as_u64().unwrap();
+            assert!(busy > 0, "{mode}: each device does work");
+        }
+    }
+}
+
+#[test]
+fn bench_table_has_percentiles_per_device_and_cpu() {
+    let tmp = scratch();
+    let targets = paths(tmp.path(), 2);
+    teraio()
+        .arg("bench")
+        .args(&targets)
+        .args(["--rw", "randread", "--data-size", "32MiB", "--runtime", "300ms", "--no-progress", "--backend", "psync"])
+        .assert()
+        .success()
+        .stdout(predicate::str::contains("p99.9 us"))
+        .stdout(predicate::str::contains("all 2 device(s)"))
+        .stdout(predicate::str::contains("backend psync"))
+        .stdout(predicate::str::contains("cores per GB/s"));
+}
+
+#[test]
+fn bench_sweep_prints_best_settings_and_table() {
+    let tmp = scratch();
+    let targets = paths(tmp.path(), 1);
+    let out = teraio()
+        .arg("bench")
+        .args(&targets)
+        .args(["--data-size", "16MiB", "--object-size", "4MiB", "--sweep", "--no-progress"])
+        .args(["--sweep-request-sizes", "64k,1M,2M", "--sweep-queue-depths", "2,8", "--sweep-threads", "1"])
+        .args(["--sweep-stripe-units", "1M", "--sweep-runtime", "150ms"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("best: --request-size"), "{stdout}");
+    // 2 request sizes x 2 queue depths measured; 2M > the 1M stripe unit is skipped.
+    let rows =
+        stdout.lines().filter(|l| l.trim_start().starts_with("64 KiB") || l.trim_start().starts_with("1 MiB")).count();
+    assert_eq!(rows, 4, "{stdout}");
+    assert!(stdout.contains("skipped: request 2 MiB > stripe unit 1 MiB"), "{stdout}");
+}
+
+#[test]
+fn bench_compare_fio_runs_both_on_the_same_files() {
+    if std::process::Command::new("fio").arg("--version").output().is_err() {
+        eprintln!("fio is not installed; skipping");
+        return;
+    }
+    let tmp = scratch();
+    let targets = paths(tmp.path(), 2);
+    let out = teraio()
+        .arg("bench")
+        .args(&targets)
+        .args([
+            "--rw",
+            "randread",
+            "--data-size",
+            "32MiB",
+            "--runtime",
+            "1s",
+            "--compare-fio",
+            "--json",
+            "--no-progress",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(v["fio"]["read_iops"].as_f64().unwrap() > 0.0);
+    let ratio = v["teraio_over_fio"].as_f64().unwrap();
+    let expected = v["report"]["gb_per_s"].as_f64().unwrap() * 1e9
+        / (v["fio"]["read_bytes_per_s"].as_f64().unwrap() + v["fio"]["write_bytes_per_s"].as_f64().unwrap());
+    assert!((ratio - expected).abs() < 1e-6 * expected.max(1.0));
+}
+
+#[test]
+fn fio_configs_are_the_jobs_bench_runs() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join("fio-configs");
+    let cases: [(&str, &[&str]); 6] = [
+        ("seq-read-4m-qd32", &["--rw", "read"]),
+        ("seq-write-4m-qd32", &["--rw", "write"]),
+        ("seq-rw70-4m-qd32", &["--rw", "rw", "--read-percent", "70"]),
+        ("rand-read-4k-qd128", &["--rw", "randread", "--queue-depth", "128"]),
+        ("rand-write-4k-qd128", &["--rw", "randwrite", "--queue-depth", "128"]),
+        ("rand-rw70-4k-qd128", &["--rw", "randrw", "--read-percent", "70", "--queue-depth", "128"]),
+    ];
+    for (name, flags) in cases {
+        let file = std::fs::read_to_string(root.join(format!("{name}.fio"))).expect("job file exists");
+        let out = teraio().args(["bench", "--emit-fio"]).args(flags).output().unwrap();
+        assert!(out.status.success());
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            file,
+            "fio-configs/{name}.fio is stale: regenerate it with --emit-fio"
+        );
+    }
+    assert_eq!(std::fs::read_dir(&root).unwrap().count(), 6, "one job file per workload, each checked here");
+}
+
+#[test]
+fn format_info_fsck_round_trip_and_damage_is_found() {
+    let tmp = scratch();
+    let targets = paths(tmp.path(), 2);
+    // A bench leaves its data set in the store: 4 objects of 8 MiB.
+    bench_json(&targets, &[]);
+    let out = teraio().arg("info").args(&targets).arg("--json").output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let info: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(info["devices"].as_array().unwrap().len(), 2);
+    assert_eq!(info["object_count"], 4);
+    assert!(info["free_bytes"].as_u64().unwrap() > 0);
+    teraio().arg("info").args(&targets).assert().success().stdout(predicate::str::contains("largest free"));
+    teraio().arg("fsck").args(&targets).assert().code(0).stdout(predicate::str::contains("clean: 4 object(s)"));
+
+    // Damage data on device 1 (its data area starts at 1 MiB) and fsck must say so.
+    let mut bytes = std::fs::read(&targets[1]).unwrap();
+    for b in &mut bytes[(1 << 20)..(17 << 20)] {
+        *b ^= 0x5A;
+    }
+    std::fs::write(&targets[1], &bytes).unwrap();
+    teraio().arg("fsck").args(&targets).assert().code(1).stdout(predicate::str::contains("DAMAGED"));
+
+    // format: a fresh store, refusing the old one without --force.
+    let line = one_line_error(teraio().arg("format").args(&targets), 2);
+    assert!(line.contains("teraio store") && line.contains("--force"), "{line}");
+    teraio()
+        .arg("format")
+        .args(&targets)
+        .arg("--force")
+        .assert()
+        .success()
+        .stdout(predicate::str::contains("formatted"));
+    teraio().arg("fsck").args(&targets).assert().code(0);
+}
+
+#[test]
+fn format_creates_files_and_refuses_bad_devices() {
+    let tmp = scratch();
+    let targets = paths(tmp.path(), 2);
+    teraio().arg("format").args(&targets).args(["--file-size", "16MiB"]).assert().success();
+    teraio()
+        .arg("info")
+        .args(&targets)
+        .arg("--json")
+        .assert()
+        .success()
+        .stdout(predicate::str::contains("\"object_count\": 0"));
+    let missing = tmp.path().join("nope").display().to_string();
+    let line = one_line_error(teraio().arg("format").arg(&missing), 2);
+    assert!(line.contains("--file-size"), "{line}");
+    let line = one_line_error(teraio().arg("format").arg(tmp.path().join("small")).args(["--file-size", "8KiB"]), 2);
+    assert!(line.contains("needs at least"), "{line}");
+    // info/fsck: a missing device, a device of no store, only part of a store.
+    let line = one_line_error(teraio().args(["info", &targets[0], &missing]), 2);
+    assert!(line.contains("does not exist"), "{line}");
+    let stranger = tmp.path().join("stranger");
+    std::fs::write(&stranger, vec![0u8; 4 << 20]).unwrap();
+    let line = one_line_error(teraio().arg("fsck").arg(&stranger), 2);
+    assert!(line.contains("not a teraio device"), "{line}");
+    let line = one_line_error(teraio().args(["fsck", &targets[0]]), 2);
+    assert!(line.contains("device"), "{line}");
+}
+
+#[test]
+fn bad_flags_and_impossible_sizes_get_one_line() {
+    let tmp = scratch();
+    let t = tmp.path().join("d0").display().to_string();
+    let cases: [(&[&str], &str); 12] = [
+        (&["bench", "--bogus"], "--bogus"),
+        (&["frobnicate"], "frobnicate"),
+        (&["bench", "--request-size", "0"], "--request-size 0"),
+        (
+            &["bench", "--request-size", "8MiB", "--object-size", "4MiB", "--data-size", "8MiB"],
+            "larger than the object size",
+        ),
+        (&["bench", "--request-size", "1000"], "multiple of the 4096-byte block size"),
+        (&["bench", "--request-size", "4MiB", "--stripe-unit", "1MiB"], "--stripe-unit"),
+        (&["bench", "--queue-depth", "0"], "--queue-depth 0"),
+        (&["bench", "--data-size", "0"], "--data-size 0"),
+        (&["bench", "--request-size", "lots"], "not a size"),
+        (&["bench", "--rw", "sideways"], "sideways"),
+        (&["bench", "--backend", "cufile"], "cuFile"),
+        (&["bench", "--buffer", "gpu"], "GPU buffers"),
+    ];
+    for (args, needle) in cases {
+        let line = one_line_error(teraio().args(args).arg(&t), 2);
+        assert!(line.contains(needle), "{args:?}: {line}");
+    }
+    assert!(!Path::new(&t).exists(), "bad input must not create targets");
+}
+
+#[test]
+fn bad_targets_are_refused_and_nothing_is_overwritten_without_force() {
+    let tmp = scratch();
+    // Existing data: refused, untouched, then used with --force.
+    let data = tmp.path().join("precious");
+    let content: Vec<u8> = (0..(48u32 << 20)).map(|i| (i % 251) as u8).collect();
+    std::fs::write(&data, &content).unwrap();
+    let d = data.display().to_string();
+    let line = one_line_error(teraio().args(["bench", &d, "--data-size", "8MiB", "--object-size", "4MiB"]), 2);
+    assert!(line.contains("holds data") && line.contains("--force"), "{line}");
+    assert!(std::fs::read(&data).unwrap() == content, "the file must be untouched");
+    let line = one_line_error(teraio().args(["format", &d]), 2);
+    assert!(line.contains("--force"), "{line}");
+    assert!(std::fs::read(&data).unwrap() == content, "the file must be untouched");
+    bench_json(std::slice::from_ref(&d), &["--force"]);
+
+    // A directory, a missing directory, an unwritable file.
+    let line = one_line_error(teraio().args(["bench", &tmp.path().display().to_string()]), 2);
+    assert!(line.contains("is a directory"), "{line}");
+    let line = one_line_error(teraio().args(["bench", &tmp.path().join("no/such/d0").display().to_string()]), 2);
+    assert!(line.contains("does not exist"), "{line}");
+    let locked = tmp.path().join("locked");
+    std::fs::write(&locked, vec![0u8; 1 << 20]).unwrap();
+    let unwritable = make_unwritable(&locked);
+    let l = locked.display().to_string();
+    for cmd in ["bench", "format"] {
+        let line = one_line_error(teraio().args([cmd, &l, "--force"]), 2);
+        assert!(line.contains("cannot write"), "{line}");
+    }
+    drop(unwritable);
+}
+
+/// Makes `path` unwritable even for root (immutable attribute where chattr works, else mode
+/// 0444); undone on drop.
+struct Unwritable(PathBuf, bool);
+
+fn make_unwritable(path: &Path) -> Unwritable {
+    let immutable = std::process::Command::new("chattr").arg("+i").arg(path).status().is_ok_and(|s| s.success());
+    if !immutable {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o444)).unwrap();
+    }
+    Unwritable(path.to_path_buf(), immutable)
+}
+
+impl Drop for Unwritable {
+    fn drop(&mut self) {
+        if self.1 {
+            let _ = std::process::Command::new("chattr").arg("-i").arg(&self.0).status();
+        }
+    }
+}
+
+#[test]
+fn a_mounted_block_device_is_refused_even_with_force() {
+    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap();
+    let Some(device) = mounts.lines().filter_map(|l| l.split_whitespace().next()).find(|s| {
+        use std::os::unix::fs::FileTypeExt;
+        s.starts_with("/dev/") && std::fs::metadata(s).is_ok_and(|m| m.file_type().is_block_device())
+    }) else {
+        eprintln!("no mounted block device here; skipping");
+        return;
+    };
+    for cmd in [&["bench", device, "--force"][..], &["format", device, "--force"][..]] {
+        let line = one_line_error(teraio().args(cmd), 2);
+        assert!(line.contains("is mounted") && line.contains("unmount"), "{line}");
+    }
+}
+
+#[test]
+fn planner_commands_trace_plan_and_sim() {
+    let tmp = scratch();
+    let trace = tmp.path().join("tiny.json");
+    teraio().args(["trace", "--model", "tiny", "-o"]).arg(&trace).assert().success();
+    assert!(trace.exists());
+    let plan = tmp.path().join("plan.json");
+    teraio().arg("plan").arg(&trace).arg("-o").arg(&plan).assert().success();
+    assert!(plan.exists());
+    teraio().arg("sim").arg(&trace).arg("--json").assert().success();
+    let line = one_line_error(teraio().arg("plan").arg(tmp.path().join("missing.json")), 1);
+    assert!(line.contains("missing.json"), "{line}");
+}
