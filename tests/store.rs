@@ -176,3 +176,26 @@ fn urgent_get_overtakes_a_long_normal_backlog() {
     assert!(unfinished > 15, "urgent get waited behind the backlog ({unfinished} of 30 left)");
     teraio_engine::wait_all_ok(backlog).unwrap();
 }
+
+#[test]
+fn sqpoll_rings_round_trip() {
+    let devices = TempDevices::new(2, 32 << 20);
+    let mut config = open_config(teraio_engine::BackendKind::IoUring);
+    config.uring.sqpoll_idle_ms = Some(50);
+    let store = Store::create(&devices.paths, &small_format(), config).unwrap();
+    let data = random_bytes(1 << 20, 77);
+    store.put_blocking(1, &data, b"").unwrap();
+    assert_eq!(store.get_to_vec(1).unwrap(), data);
+    let info = store.info();
+    assert_eq!(info.backend, "io_uring");
+    assert!(info.backend_reason.contains("io_uring"), "{}", info.backend_reason);
+}
+
+#[test]
+fn auto_backend_says_what_it_chose_and_why() {
+    let devices = TempDevices::new(1, 16 << 20);
+    let store = create(&devices, teraio_engine::BackendKind::Auto);
+    let info = store.info();
+    assert!(info.backend_reason.starts_with("auto:"), "{}", info.backend_reason);
+    assert_eq!(store.stats().backend, info.backend);
+}
