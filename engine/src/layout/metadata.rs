@@ -34,19 +34,27 @@ pub fn encode_checkpoint<'a>(
         r.encode(&mut payload);
         count += 1;
     }
-    let mut e = Encoder::with_capacity(HEADER_BYTES + payload.bytes.len());
-    e.raw(&CHECKPOINT_MAGIC);
-    e.u64(generation);
-    e.u64(count);
-    e.u64(payload.bytes.len() as u64);
-    e.u32(crc32c::crc32c(&payload.bytes));
-    let header_crc = crc32c::crc32c(&e.bytes);
-    e.u32(header_crc);
-    e.bytes.resize(HEADER_BYTES, 0);
-    e.raw(&payload.bytes);
-    let padded = round_up(e.bytes.len() as u64, block_size) as usize;
-    e.bytes.resize(padded, 0);
-    e.bytes
+    let mut header = Encoder::with_capacity(HEADER_BYTES);
+    header.raw(&CHECKPOINT_MAGIC);
+    header.u64(generation);
+    header.u64(count);
+    header.u64(payload.bytes.len() as u64);
+    frame(header, &payload.bytes, block_size)
+}
+
+/// Finishes a header whose fields are written (adds the payload crc and the header crc), pads it
+/// to `HEADER_BYTES`, appends the payload and pads the whole to `block_size`.
+fn frame(mut header: Encoder, payload: &[u8], block_size: u64) -> Vec<u8> {
+    header.u32(crc32c::crc32c(payload));
+    let header_crc = crc32c::crc32c(&header.bytes);
+    header.u32(header_crc);
+    debug_assert!(header.bytes.len() <= HEADER_BYTES);
+    let mut bytes = header.bytes;
+    bytes.resize(HEADER_BYTES, 0);
+    bytes.extend_from_slice(payload);
+    let padded = round_up(bytes.len() as u64, block_size) as usize;
+    bytes.resize(padded, 0);
+    bytes
 }
 
 /// Decodes a checkpoint header; `None` where the slot holds no valid header (never written, torn).
@@ -110,20 +118,13 @@ pub fn encode_batch(generation: u64, sequence: u64, changes: &[TableChange], blo
     for c in changes {
         c.encode(&mut payload);
     }
-    let mut e = Encoder::with_capacity(HEADER_BYTES + payload.bytes.len());
-    e.raw(&JOURNAL_MAGIC);
-    e.u64(generation);
-    e.u64(sequence);
-    e.u32(changes.len() as u32);
-    e.u32(payload.bytes.len() as u32);
-    e.u32(crc32c::crc32c(&payload.bytes));
-    let header_crc = crc32c::crc32c(&e.bytes);
-    e.u32(header_crc);
-    e.bytes.resize(HEADER_BYTES, 0);
-    e.raw(&payload.bytes);
-    let padded = round_up(e.bytes.len() as u64, block_size) as usize;
-    e.bytes.resize(padded, 0);
-    e.bytes
+    let mut header = Encoder::with_capacity(HEADER_BYTES);
+    header.raw(&JOURNAL_MAGIC);
+    header.u64(generation);
+    header.u64(sequence);
+    header.u32(changes.len() as u32);
+    header.u32(payload.bytes.len() as u32);
+    frame(header, &payload.bytes, block_size)
 }
 
 /// Decodes a batch header; `None` where the bytes are not a valid header.
