@@ -1,0 +1,64 @@
+"""teraio: tensor offload to NVMe SSDs and host memory for PyTorch training.
+
+- `Store`: the engine's tensor-object store (put/get torch tensors, numpy arrays, bytes).
+- `plan`: the lifetime planner on a trace (docs/trace.md).
+- `Profiler`: records training iterations into a trace (needs torch).
+- `offload`: profile, plan and offload activations around an unchanged training loop (needs torch).
+
+Errors are `TeraioError` subclasses carrying the engine's message.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._native import (
+    TRACE_FORMAT_VERSION,
+    ClosedError,
+    CorruptError,
+    DeviceError,
+    InvalidArgumentError,
+    LockedError,
+    NoSpaceError,
+    NotFoundError,
+    PlannerError,
+    TeraioError,
+)
+from .planning import parse_size, plan, validate_trace
+from .store import Handle, Store
+
+__all__ = [
+    "TRACE_FORMAT_VERSION",
+    "ClosedError",
+    "CorruptError",
+    "DeviceError",
+    "Handle",
+    "InvalidArgumentError",
+    "LockedError",
+    "NoSpaceError",
+    "NotFoundError",
+    "PlannerError",
+    "Profiler",
+    "Report",
+    "Store",
+    "TeraioError",
+    "offload",
+    "parse_size",
+    "plan",
+    "validate_trace",
+]
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # torch is imported only when the PyTorch integration is used.
+    if name == "Profiler":
+        from .profiler import Profiler
+
+        return Profiler
+    if name in ("offload", "Report"):
+        from . import runtime as module
+
+        return getattr(module, name)
+    raise AttributeError(f"module 'teraio' has no attribute {name!r}")

@@ -1,0 +1,99 @@
+"""Type stubs of `teraio._native` (the Rust extension; src/lib.rs)."""
+
+from typing import Any, Optional, Sequence
+
+TRACE_FORMAT_VERSION: int
+
+class TeraioError(Exception): ...
+class NotFoundError(TeraioError): ...
+class NoSpaceError(TeraioError): ...
+class CorruptError(TeraioError): ...
+class LockedError(TeraioError): ...
+class ClosedError(TeraioError): ...
+class DeviceError(TeraioError): ...
+class InvalidArgumentError(TeraioError): ...
+class PlannerError(TeraioError): ...
+
+class Handle:
+    def wait(self, timeout_s: Optional[float] = None) -> bool: ...
+    def is_done(self) -> bool: ...
+
+class Store:
+    @staticmethod
+    def create(
+        paths: Sequence[str],
+        *,
+        file_size_bytes: Optional[int] = None,
+        stripe_unit_bytes: int = 1048576,
+        block_size: int = 4096,
+        checksums: bool = True,
+        force: bool = False,
+        durable: bool = True,
+        direct_io: bool = True,
+        queue_depth: int = 32,
+        backend: str = "auto",
+        max_inflight_bytes: Optional[int] = None,
+        verify_checksums: bool = False,
+    ) -> Store: ...
+    @staticmethod
+    def open(
+        paths: Sequence[str],
+        *,
+        durable: bool = True,
+        direct_io: bool = True,
+        queue_depth: int = 32,
+        backend: str = "auto",
+        max_inflight_bytes: Optional[int] = None,
+        verify_checksums: bool = False,
+    ) -> Store: ...
+    def put_address(
+        self, id: int, address: int, length: int, owner: Any, meta: bytes = b"", urgent: bool = False
+    ) -> Handle: ...
+    def get_address(
+        self,
+        id: int,
+        address: int,
+        length: int,
+        owner: Any,
+        offset: int = 0,
+        whole: bool = True,
+        urgent: bool = False,
+    ) -> Handle: ...
+    def put_bytes(self, id: int, data: bytes, meta: bytes = b"") -> None: ...
+    def get_bytes(self, id: int) -> bytes: ...
+    def delete(self, id: int) -> bool: ...
+    def stat(self, id: int) -> Optional[dict[str, Any]]: ...
+    def list(self) -> list[dict[str, Any]]: ...
+    def info(self) -> dict[str, Any]: ...
+    def stats_text(self) -> str: ...
+    def block_size(self) -> int: ...
+    def close(self) -> None: ...
+    def is_closed(self) -> bool: ...
+
+def plan(
+    trace_json: str,
+    *,
+    gpu_memory_bytes: int,
+    ssd_read_bytes_per_s: float,
+    ssd_write_bytes_per_s: float,
+    host_memory_bytes: int = 0,
+    host_link_bytes_per_s: float = 25e9,
+    ssd_latency_us: float = 20.0,
+    host_latency_us: float = 10.0,
+    reserve_bytes: int = 0,
+    prefetch_slack: float = 1.0,
+    movable_kinds: Optional[list[str]] = None,
+) -> str: ...
+def simulate_plan(
+    trace_json: str,
+    plan_json: str,
+    *,
+    gpu_memory_bytes: int,
+    ssd_read_bytes_per_s: float,
+    ssd_write_bytes_per_s: float,
+    host_memory_bytes: int = 0,
+    host_link_bytes_per_s: float = 25e9,
+    ssd_latency_us: float = 20.0,
+    host_latency_us: float = 10.0,
+) -> str: ...
+def validate_trace(trace_json: str) -> None: ...

@@ -1,0 +1,482 @@
+"""Executes a plan for activations through `saved_tensors_hooks`.
+
+Every tensor autograd saves in the forward pass goes through `pack`; the plan (or, before there is
+one, a fallback policy) says whether it stays, goes to host memory or goes to the SSD tier
+through the engine. A saved tensor is moved as its whole storage (views share it, and several
+saves of one storage share one copy), so restoring it is a byte copy: results are bitwise the same
+as without offload.
+
+Timing (CUDA): offloads are device-to-host copies on their own stream, started right after the
+save; the GPU memory returns to PyTorch's allocator when the forward pass drops the tensor and the
+copy is done (`record_stream`). Prefetches are host-to-device copies on another stream, issued
+at the save/unpack event the plan maps the prefetch op to; compute waits on the copy's CUDA event
+only when it needs the tensor. A prefetch the plan did not issue in time is issued on demand; that
+and any wait for an SSD read are counted as stalls, and the result is still exact.
+
+SSD tier: the device-to-host copy lands in a pinned buffer, then the engine writes it
+(`Store.put_address`, asynchronous); reads come back into a pinned buffer and are copied up. When
+the engine's GPU path lands, `_CudaMover.to_tier`/`from_tier` are the seam to replace.
+
+On a CPU "device" the same logic runs with synchronous copies (for tests and CPU-only stacks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from .store import Store
+
+HOST = "host"
+SSD = "ssd"
+
+
+@dataclass
+class TransferStats:
+    """What the executor moved and how often the step had to wait."""
+
+    offloaded_bytes: dict[str, int] = field(default_factory=lambda: {HOST: 0, SSD: 0})
+    prefetched_bytes: dict[str, int] = field(default_factory=lambda: {HOST: 0, SSD: 0})
+    offloads: int = 0
+    prefetches_planned: int = 0
+    prefetches_on_demand: int = 0
+    ssd_wait_s: float = 0.0
+    inflight_waits: int = 0
+    inflight_wait_s: float = 0.0
+    kept: int = 0
+    plan_mismatches: int = 0
+    host_cap_demotions: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "offloaded_bytes": dict(self.offloaded_bytes),
+            "prefetched_bytes": dict(self.prefetched_bytes),
+            "offloads": self.offloads,
+            "prefetches_planned": self.prefetches_planned,
+            "prefetches_on_demand": self.prefetches_on_demand,
+            "ssd_wait_s": self.ssd_wait_s,
+            "inflight_waits": self.inflight_waits,
+            "inflight_wait_s": self.inflight_wait_s,
+            "kept": self.kept,
+            "plan_mismatches": self.plan_mismatches,
+            "host_cap_demotions": self.host_cap_demotions,
+        }
+
+
+@dataclass
+class PackDecision:
+    """What to do with the `pack_index`-th saved tensor of an iteration."""
+
+    tensor_id: Optional[int]
+    size_bytes: int
+    tier: Optional[str]
+    prefetch_event: Optional[int] = None
+    host_offset: Optional[int] = None
+
+
+class _Slot:
+    """One offloaded storage of the current iteration."""
+
+    __slots__ = (
+        "tier",
+        "nbytes",
+        "host",
+        "object_id",
+        "d2h_event",
+        "put_handle",
+        "get_handle",
+        "gpu",
+        "h2d_event",
+        "weak",
+        "key",
+        "static_host",
+        "__weakref__",
+    )
+
+    def __init__(self, tier: str, nbytes: int, object_id: int) -> None:
+        self.tier = tier
+        self.nbytes = nbytes
+        self.object_id = object_id
+        self.host: Optional[torch.Tensor] = None
+        self.d2h_event: Any = None
+        self.put_handle: Any = None
+        self.get_handle: Any = None
+        self.gpu: Optional[torch.Tensor] = None
+        self.h2d_event: Any = None
+        self.weak: Any = None
+        self.key: Any = None
+        self.static_host = False
+
+
+class _Packed:
+    """What autograd holds instead of a saved tensor: the slot and how to view it."""
+
+    __slots__ = ("slot", "dtype", "size", "stride", "offset", "pack_index", "tensor_id")
+
+    def __init__(self, slot: _Slot, tensor: torch.Tensor, pack_index: int, tensor_id: Optional[int]) -> None:
+        self.slot = slot
+        self.tensor_id = tensor_id
+        self.dtype = tensor.dtype
+        self.size = tensor.size()
+        self.stride = tensor.stride()
+        self.offset = tensor.storage_offset()
+        self.pack_index = pack_index
+
+
+def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    storage = tensor.untyped_storage()
+    flat = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+    flat.set_(storage, 0, (storage.nbytes(),), (1,))
+    return flat
+
+
+class ActivationExecutor:
+    """Moves saved activations per a plan (see the module docstring)."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        store: Optional[Store] = None,
+        host_memory_bytes: int = 0,
+        min_bytes: int = 1 << 20,
+        max_inflight_bytes: int = 2 << 30,
+        object_id_base: int = 1 << 40,
+        skip_storages: Optional[set[Any]] = None,
+    ) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.store = store
+        self.host_memory_bytes = host_memory_bytes
+        self.min_bytes = min_bytes
+        self.max_inflight_bytes = max_inflight_bytes
+        self.object_id_base = object_id_base
+        self.skip_storages = skip_storages if skip_storages is not None else set()
+        self.stats = TransferStats()
+        self.profiler: Any = None
+        self.decisions: Optional[list[PackDecision]] = None
+        self.prefetch_at_event: dict[int, list[int]] = {}
+        self._static_host: Optional[torch.Tensor] = None
+        self._pack_index = 0
+        self._event_index = 0
+        self._slots_by_pack: dict[int, Any] = {}
+        self._dedup: dict[Any, _Slot] = {}
+        self._pending_puts: deque[_Slot] = deque()
+        self._pending_gets: list[_Slot] = []
+        self._inflight: deque[tuple[Any, int]] = deque()
+        self._inflight_bytes = 0
+        self._host_in_use = 0
+        self._fallback_packs: list[Any] = []
+        if self.cuda:
+            self.d2h_stream = torch.cuda.Stream(device)
+            self.h2d_stream = torch.cuda.Stream(device)
+
+    # -- plan ----------------------------------------------------------------------------------
+
+    def set_plan(self, decisions: list[PackDecision]) -> None:
+        """Installs per-pack decisions; host-tier entries get fixed regions of one pinned slab."""
+        self.decisions = decisions
+        self.prefetch_at_event = {}
+        offset = 0
+        for index, decision in enumerate(decisions):
+            if decision.tier is not None and decision.prefetch_event is not None:
+                self.prefetch_at_event.setdefault(decision.prefetch_event, []).append(index)
+            if decision.tier == HOST:
+                aligned = (decision.size_bytes + 4095) // 4096 * 4096
+                if offset + aligned > self.host_memory_bytes:
+                    decision.tier = SSD if self.store is not None else None
+                    self.stats.host_cap_demotions += 1
+                    continue
+                decision.host_offset = offset
+                offset += aligned
+        if offset > 0:
+            self._static_host = torch.empty(offset, dtype=torch.uint8, pin_memory=self.cuda)
+
+    # -- iteration boundaries ------------------------------------------------------------------
+
+    def begin_iteration(self) -> None:
+        self._pack_index = 0
+        self._event_index = 0
+        self._slots_by_pack.clear()
+        self._dedup.clear()
+
+    def end_iteration(self) -> None:
+        """Finishes the SSD writes still pending (their pinned buffers return to the pool)."""
+        self._pump(wait=True)
+        self._dedup.clear()
+
+    # -- hooks ---------------------------------------------------------------------------------
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        pack_index = self._pack_index
+        self._pack_index += 1
+        event_index = self._event_index
+        self._event_index += 1
+        tensor_id = self.profiler.note_pack(tensor) if self.profiler is not None else None
+        with self._quiet():
+            return self._pack(tensor, pack_index, event_index, tensor_id)
+
+    def _pack(self, tensor: torch.Tensor, pack_index: int, event_index: int, tensor_id: Optional[int]) -> Any:
+        self._pump(wait=False)
+        self._issue_prefetches(event_index)
+        storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
+        if tensor.device != self.device or nbytes < self.min_bytes or isinstance(tensor, torch.nn.Parameter):
+            return tensor
+        key = storage.data_ptr()
+        if key in self.skip_storages:
+            return tensor
+        slot = self._dedup.get(key)
+        if slot is not None and not slot.weak.expired():
+            self._slots_by_pack[pack_index] = slot
+            return _Packed(slot, tensor, pack_index, tensor_id)
+        tier, host_offset = self._decide(pack_index, nbytes)
+        if tier is None:
+            self.stats.kept += 1
+            return tensor
+        slot = _Slot(tier, nbytes, self.object_id_base + pack_index)
+        slot.weak = StorageWeakRef(storage)
+        slot.key = key
+        self._offload(slot, tensor, host_offset)
+        self._dedup[key] = slot
+        self._slots_by_pack[pack_index] = slot
+        return _Packed(slot, tensor, pack_index, tensor_id)
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        event_index = self._event_index
+        self._event_index += 1
+        if self.profiler is not None:
+            tensor_id = None
+            if isinstance(packed, torch.Tensor):
+                record = self.profiler._lookup(packed)
+                tensor_id = record.id if record is not None else None
+            else:
+                tensor_id = packed.tensor_id
+            self.profiler.note_unpack(tensor_id, getattr(packed, "pack_index", -1))
+        with self._quiet():
+            return self._unpack(packed, event_index)
+
+    def _quiet(self) -> Any:
+        """Keeps the executor's own copies out of a running profiler's trace."""
+        if self.profiler is None:
+            return contextlib.nullcontext()
+        return self.profiler.paused()
+
+    def _unpack(self, packed: Any, event_index: int) -> torch.Tensor:
+        self._pump(wait=False)
+        self._issue_prefetches(event_index)
+        if isinstance(packed, torch.Tensor):
+            return packed
+        slot = packed.slot
+        if slot.gpu is None:
+            self.stats.prefetches_on_demand += 1
+            self._prefetch(slot)
+        self._await(slot)
+        gpu = slot.gpu
+        assert gpu is not None
+        view = torch.empty(0, dtype=packed.dtype, device=self.device)
+        view.set_(gpu.untyped_storage(), packed.offset, packed.size, packed.stride)
+        if self.profiler is not None and packed.tensor_id is not None:
+            # Backward's uses of the restored copy are uses of the saved tensor.
+            self.profiler.alias(view, packed.tensor_id)
+        return view
+
+    # -- policy --------------------------------------------------------------------------------
+
+    def _decide(self, pack_index: int, nbytes: int) -> tuple[Optional[str], Optional[int]]:
+        if self.decisions is not None:
+            if pack_index >= len(self.decisions) or self.decisions[pack_index].size_bytes != nbytes:
+                self.stats.plan_mismatches += 1
+                return None, None
+            decision = self.decisions[pack_index]
+            return decision.tier, decision.host_offset
+        # No plan yet (warm-up and profiled iterations): host memory up to the cap, then SSD.
+        if self._host_in_use + nbytes <= self.host_memory_bytes:
+            return HOST, None
+        if self.store is not None:
+            return SSD, None
+        return None, None
+
+    # -- transfers -----------------------------------------------------------------------------
+
+    def _host_buffer(self, nbytes: int, host_offset: Optional[int]) -> tuple[torch.Tensor, bool]:
+        if host_offset is not None and self._static_host is not None:
+            return self._static_host[host_offset : host_offset + nbytes], True
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda), False
+
+    def _offload(self, slot: _Slot, tensor: torch.Tensor, host_offset: Optional[int]) -> None:
+        source = _flat_bytes(tensor)
+        slot.host, slot.static_host = self._host_buffer(slot.nbytes, host_offset)
+        if not slot.static_host and slot.tier == HOST:
+            self._host_in_use += slot.nbytes
+        self.stats.offloads += 1
+        self.stats.offloaded_bytes[slot.tier] += slot.nbytes
+        if self.cuda:
+            self._throttle(slot.nbytes)
+            self.d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.d2h_stream):
+                slot.host.copy_(source, non_blocking=True)
+                slot.d2h_event = torch.cuda.Event()
+                slot.d2h_event.record(self.d2h_stream)
+            source.record_stream(self.d2h_stream)
+            self._inflight.append((slot.d2h_event, slot.nbytes))
+            self._inflight_bytes += slot.nbytes
+        else:
+            slot.host.copy_(source)
+        if slot.tier == SSD:
+            self._pending_puts.append(slot)
+            self._pump(wait=False)
+
+    def _throttle(self, nbytes: int) -> None:
+        """Bounds device-to-host bytes in flight: GPU memory is only freed once they land."""
+        while self._inflight and self._inflight_bytes + nbytes > self.max_inflight_bytes:
+            event, size = self._inflight[0]
+            if not event.query():
+                started = time.perf_counter()
+                event.synchronize()
+                self.stats.inflight_waits += 1
+                self.stats.inflight_wait_s += time.perf_counter() - started
+            self._inflight.popleft()
+            self._inflight_bytes -= size
+        while self._inflight and self._inflight[0][0].query():
+            _, size = self._inflight.popleft()
+            self._inflight_bytes -= size
+
+    def _pump(self, wait: bool) -> None:
+        """Starts SSD writes whose device-to-host copy is done; drops pinned buffers written out."""
+        assert_store = self.store
+        pending = self._pending_puts
+        still: deque[_Slot] = deque()
+        while pending:
+            slot = pending.popleft()
+            if slot.put_handle is None:
+                if slot.d2h_event is not None and not slot.d2h_event.query():
+                    if not wait:
+                        still.append(slot)
+                        continue
+                    slot.d2h_event.synchronize()
+                assert assert_store is not None
+                host = slot.host
+                assert host is not None
+                slot.put_handle = assert_store._native.put_address(
+                    slot.object_id, host.data_ptr(), slot.nbytes, host, b"", False
+                )
+            if wait or slot.put_handle.is_done():
+                slot.put_handle.wait()
+                slot.put_handle = None
+                if slot.gpu is None and not slot.static_host:
+                    slot.host = None
+                continue
+            still.append(slot)
+        self._pending_puts = still
+        if self._pending_gets:
+            waiting = []
+            for slot in self._pending_gets:
+                if slot.get_handle is None:
+                    continue
+                if slot.get_handle.is_done():
+                    self._finish_get(slot)
+                    self._copy_up(slot)
+                else:
+                    waiting.append(slot)
+            self._pending_gets = waiting
+
+    def _issue_prefetches(self, event_index: int) -> None:
+        indices = self.prefetch_at_event.get(event_index)
+        if not indices:
+            return
+        for pack_index in indices:
+            slot = self._slots_by_pack.get(pack_index)
+            if slot is None or slot.gpu is not None:
+                continue
+            self.stats.prefetches_planned += 1
+            self._prefetch(slot)
+
+    def _prefetch(self, slot: _Slot) -> None:
+        self.stats.prefetched_bytes[slot.tier] += slot.nbytes
+        if slot.tier == SSD:
+            self._finish_put(slot)
+            if slot.host is None:
+                slot.host = torch.empty(slot.nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+            assert self.store is not None
+            host = slot.host
+            slot.get_handle = self.store._native.get_address(
+                slot.object_id, host.data_ptr(), slot.nbytes, host, 0, True, True
+            )
+            if not self.cuda:
+                self._finish_get(slot)
+                slot.gpu = slot.host.clone()
+                slot.host = None
+                return
+            # The host-to-device copy is issued once the read is in (`_pump`, at the latest `_await`).
+            slot.gpu = torch.empty(slot.nbytes, dtype=torch.uint8, device=self.device)
+            self._pending_gets.append(slot)
+            return
+        host = slot.host
+        assert host is not None
+        if self.cuda:
+            slot.gpu = torch.empty(slot.nbytes, dtype=torch.uint8, device=self.device)
+            self._copy_up(slot)
+        else:
+            slot.gpu = host.clone()
+            if not slot.static_host:
+                self._host_in_use -= slot.nbytes
+            slot.host = None
+
+    def _copy_up(self, slot: _Slot) -> None:
+        gpu = slot.gpu
+        host = slot.host
+        assert gpu is not None and host is not None
+        self.h2d_stream.wait_stream(torch.cuda.current_stream(self.device))
+        if slot.d2h_event is not None:
+            self.h2d_stream.wait_event(slot.d2h_event)
+        with torch.cuda.stream(self.h2d_stream):
+            gpu.copy_(host, non_blocking=True)
+            slot.h2d_event = torch.cuda.Event()
+            slot.h2d_event.record(self.h2d_stream)
+        gpu.record_stream(self.h2d_stream)
+        if not slot.static_host:
+            if slot.tier == HOST:
+                self._host_in_use -= slot.nbytes
+            # The caching host allocator keeps the block until the copy is done.
+            slot.host = None
+
+    def _finish_put(self, slot: _Slot) -> None:
+        if slot in self._pending_puts or slot.put_handle is not None:
+            started = time.perf_counter()
+            if slot.put_handle is None:
+                if slot.d2h_event is not None:
+                    slot.d2h_event.synchronize()
+                assert self.store is not None and slot.host is not None
+                slot.put_handle = self.store._native.put_address(
+                    slot.object_id, slot.host.data_ptr(), slot.nbytes, slot.host, b"", True
+                )
+            slot.put_handle.wait()
+            slot.put_handle = None
+            self._pending_puts = deque(s for s in self._pending_puts if s is not slot)
+            self.stats.ssd_wait_s += time.perf_counter() - started
+
+    def _finish_get(self, slot: _Slot) -> None:
+        if slot.get_handle is not None:
+            if not slot.get_handle.is_done():
+                started = time.perf_counter()
+                slot.get_handle.wait()
+                self.stats.ssd_wait_s += time.perf_counter() - started
+            else:
+                slot.get_handle.wait()
+            slot.get_handle = None
+
+    def _await(self, slot: _Slot) -> None:
+        if slot.tier == SSD and slot.get_handle is not None:
+            self._finish_get(slot)
+            if self.cuda:
+                self._pending_gets = [s for s in self._pending_gets if s is not slot]
+                self._copy_up(slot)
+        if self.cuda and slot.h2d_event is not None:
+            torch.cuda.current_stream(self.device).wait_event(slot.h2d_event)

@@ -1,0 +1,428 @@
+"""Lifetime profiler: records training iterations at op granularity and writes the planner's trace.
+
+It needs no PyTorch patch. A `TorchDispatchMode` sees every aten op with its input and output
+tensors; tensors are identified by their *storage* (views share their base's storage, and a
+storage is what occupies memory). Op times come from CUDA events around each op (on a CUDA
+device) or the host clock (CPU). Kinds: parameters and buffers are `weight`, `param.grad` at the
+optimizer step is `gradient`, tensors in `optimizer.state` are `optimizer_state`, tensors saved for
+backward (seen through `saved_tensors_hooks`) are `activation`, the rest `temporary`.
+
+Allocation and free points: a storage is allocated at the op that first outputs it (or before the
+iteration for parameters and optimizer state) and freed after its last use. An address the
+allocator hands out again is a new tensor (the old storage's weak reference has expired).
+
+The cost (a Python callback and two CUDA events per op) is paid only while a profiler is active.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+TRACE_FORMAT_VERSION = 1
+
+_LAYER_PATTERN = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?:\.|$)")
+_SKIP_OPS = {
+    torch.ops.aten.detach.default,
+    torch.ops.aten.lift_fresh.default,
+    torch.ops.aten.alias.default,
+}
+
+
+def storage_key(tensor: torch.Tensor) -> tuple[str, int, int]:
+    """Identity of a tensor's memory: (device type, device index, base address of its storage)."""
+    storage = tensor.untyped_storage()
+    device = tensor.device
+    return (device.type, device.index if device.index is not None else -1, storage.data_ptr())
+
+
+@dataclass
+class TensorRecord:
+    """One storage's life in the profiled iteration."""
+
+    id: int
+    name: str
+    size_bytes: int
+    kind: str
+    alloc_op: Optional[int]
+    weak: Any
+    uses: dict[int, str] = field(default_factory=dict)
+    saved_for_backward: bool = False
+
+    def use(self, op: int, access: str) -> None:
+        if self.uses.get(op) != "write":
+            self.uses[op] = access
+
+
+@dataclass
+class SaveEvent:
+    """A `saved_tensors_hooks` event: `kind` is "pack" (forward saved a tensor) or "unpack"
+    (backward needs it), `next_op` the index of the next op to run, `tensor_id` the record."""
+
+    kind: str
+    next_op: int
+    tensor_id: Optional[int]
+    pack_index: int
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, profiler: Profiler) -> None:
+        super().__init__()
+        self.profiler = profiler
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        profiler = self.profiler
+        if profiler._paused or func in _SKIP_OPS or getattr(func, "is_view", False):
+            return func(*args, **kwargs)
+        if profiler.cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = func(*args, **kwargs)
+            end.record()
+            timing: Any = (start, end)
+        else:
+            started = time.perf_counter()
+            out = func(*args, **kwargs)
+            timing = (time.perf_counter() - started) * 1e6
+        profiler._record_op(func, args, kwargs, out, timing)
+        return out
+
+
+class Profiler:
+    """Records one (or more) training iterations and builds a trace (docs/trace.md).
+
+    ```
+    profiler = teraio.Profiler(model, optimizer)
+    with profiler:
+        loss = model(x).sum(); loss.backward(); optimizer.step(); optimizer.zero_grad()
+    trace = profiler.trace(gpu_capacity_bytes=40 << 30)
+    ```
+
+    `install_hooks=False` is for runtimes that own the `saved_tensors_hooks` and call
+    `note_pack`/`note_unpack` themselves.
+    """
+
+    def __init__(
+        self,
+        model: Optional[torch.nn.Module] = None,
+        optimizer: Optional[torch.optim.Optimizer] = None,
+        *,
+        install_hooks: bool = True,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.install_hooks = install_hooks
+        if device is None and model is not None:
+            first = next(iter(model.parameters()), None)
+            device = first.device if first is not None else torch.device("cpu")
+        self.device = device if device is not None else torch.device("cpu")
+        self.cuda = self.device.type == "cuda"
+        self.ops: list[dict[str, Any]] = []
+        self._timings: list[Any] = []
+        self.records: list[TensorRecord] = []
+        self.events: list[SaveEvent] = []
+        self._live: dict[tuple[str, int, int], TensorRecord] = {}
+        self._module_stack: list[str] = []
+        self._handles: list[Any] = []
+        self._mode: Optional[_Recorder] = None
+        self._hooks_context: Any = None
+        self._phase = "forward"
+        self._pack_count = 0
+        self._param_names: dict[tuple[str, int, int], str] = {}
+        self.wall_time_s = 0.0
+        self._started_at = 0.0
+        self._paused = 0
+        self.drive_optimizer_hooks = install_hooks
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Ops run inside are not recorded (a runtime's own copies)."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Starts recording (registers persistent tensors, enters the dispatch mode)."""
+        if self._mode is not None:
+            raise RuntimeError("the profiler is already recording")
+        self._register_persistent()
+        if self.model is not None:
+            for name, module in self.model.named_modules():
+                self._handles.append(module.register_forward_pre_hook(self._module_enter(name)))
+                self._handles.append(module.register_forward_hook(self._module_exit()))
+        if self.optimizer is not None and self.drive_optimizer_hooks:
+            self._handles.append(self.optimizer.register_step_pre_hook(self._before_step))
+            self._handles.append(self.optimizer.register_step_post_hook(self._after_step))
+        if self.install_hooks:
+            self._hooks_context = torch.autograd.graph.saved_tensors_hooks(self._pack_hook, self._unpack_hook)
+            self._hooks_context.__enter__()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        self._started_at = time.perf_counter()
+        self._mode = _Recorder(self)
+        self._mode.__enter__()
+
+    def stop(self) -> None:
+        """Stops recording; `trace()` may be called afterwards."""
+        if self._mode is None:
+            raise RuntimeError("the profiler is not recording")
+        self._mode.__exit__(None, None, None)
+        self._mode = None
+        if self._hooks_context is not None:
+            self._hooks_context.__exit__(None, None, None)
+            self._hooks_context = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        self.wall_time_s = time.perf_counter() - self._started_at
+        self._classify_at_end()
+
+    def __enter__(self) -> Profiler:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- hooks -------------------------------------------------------------------------------
+
+    def _pack_hook(self, tensor: torch.Tensor) -> Any:
+        self.note_pack(tensor)
+        return tensor
+
+    def _unpack_hook(self, tensor: torch.Tensor) -> torch.Tensor:
+        record = self._live.get(storage_key(tensor))
+        self.note_unpack(record.id if record is not None else None, -1)
+        return tensor
+
+    def note_pack(self, tensor: torch.Tensor) -> Optional[int]:
+        """Records that autograd saved `tensor`; returns its tensor id (None: not tracked)."""
+        pack_index = self._pack_count
+        self._pack_count += 1
+        if tensor.untyped_storage().nbytes() == 0:
+            self.events.append(SaveEvent("pack", len(self.ops), None, pack_index))
+            return None
+        record = self._lookup(tensor)
+        if record is None:
+            record = self._new_record(tensor, "temporary", alloc_op=len(self.ops), name="saved")
+        if record.kind not in ("weight", "optimizer_state", "gradient"):
+            record.saved_for_backward = True
+        self.events.append(SaveEvent("pack", len(self.ops), record.id, pack_index))
+        return record.id
+
+    def alias(self, tensor: torch.Tensor, tensor_id: int) -> None:
+        """Makes `tensor`'s storage (a restored copy) count as tensor `tensor_id` from now on."""
+        record = self.records[tensor_id]
+        record.weak = StorageWeakRef(tensor.untyped_storage())
+        self._live[storage_key(tensor)] = record
+
+    def note_unpack(self, tensor_id: Optional[int], pack_index: int) -> None:
+        """Records that backward asked for a saved tensor."""
+        self.events.append(SaveEvent("unpack", len(self.ops), tensor_id, pack_index))
+
+    def _module_enter(self, name: str) -> Any:
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            self._module_stack.append(name)
+
+        return hook
+
+    def _module_exit(self) -> Any:
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            if self._module_stack:
+                self._module_stack.pop()
+
+        return hook
+
+    def before_step(self) -> None:
+        """Marks the optimizer step (call from a step pre-hook when `install_hooks=False`)."""
+        if self.optimizer is not None:
+            self._before_step(self.optimizer, (), {})
+
+    def after_step(self) -> None:
+        """Marks the end of the optimizer step."""
+        self._phase = "other"
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._phase = "optimizer"
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                record = self._lookup(param.grad)
+                if record is not None:
+                    record.kind = "gradient"
+                    name = self._param_names.get(storage_key(param))
+                    if name:
+                        record.name = f"{name}.grad"
+
+    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._phase = "other"
+
+    # -- recording ---------------------------------------------------------------------------
+
+    def _register_persistent(self) -> None:
+        if self.model is not None:
+            for name, param in self.model.named_parameters():
+                self._param_names[storage_key(param)] = name
+                self._new_record(param, "weight", alloc_op=None, name=name)
+                if param.grad is not None:
+                    self._new_record(param.grad, "gradient", alloc_op=None, name=f"{name}.grad")
+            for name, buffer in self.model.named_buffers():
+                if buffer.untyped_storage().nbytes() > 0 and self._lookup(buffer) is None:
+                    self._new_record(buffer, "weight", alloc_op=None, name=name)
+        if self.optimizer is not None:
+            for param, state in self.optimizer.state.items():
+                base = self._param_names.get(storage_key(param), "param")
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and value.untyped_storage().nbytes() > 0:
+                        if self._lookup(value) is None:
+                            self._new_record(value, "optimizer_state", alloc_op=None, name=f"{base}.{key}")
+
+    def _new_record(
+        self, tensor: torch.Tensor, kind: str, alloc_op: Optional[int], name: str
+    ) -> TensorRecord:
+        storage = tensor.untyped_storage()
+        record = TensorRecord(
+            id=len(self.records),
+            name=name,
+            size_bytes=int(storage.nbytes()),
+            kind=kind,
+            alloc_op=alloc_op,
+            weak=StorageWeakRef(storage),
+        )
+        self.records.append(record)
+        self._live[storage_key(tensor)] = record
+        return record
+
+    def _lookup(self, tensor: torch.Tensor) -> Optional[TensorRecord]:
+        record = self._live.get(storage_key(tensor))
+        if record is None or record.weak.expired():
+            return None
+        return record
+
+    def _current_phase(self) -> str:
+        if self._phase == "optimizer":
+            return "optimizer"
+        if self._phase == "forward" and torch._C._current_autograd_node() is not None:
+            # Sticky: autograd-engine work between nodes (accumulation) belongs to backward too.
+            self._phase = "backward"
+        return self._phase
+
+    def _record_op(self, func: Any, args: Any, kwargs: Any, out: Any, timing: Any) -> None:
+        op = len(self.ops)
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        input_keys = set()
+        phase = self._current_phase()
+        module = self._module_stack[-1] if self._module_stack and phase == "forward" else ""
+        op_name = str(func.__name__ if hasattr(func, "__name__") else func)
+        for tensor in inputs:
+            if tensor.untyped_storage().nbytes() == 0:
+                continue
+            key = storage_key(tensor)
+            input_keys.add(key)
+            record = self._lookup(tensor)
+            if record is None:
+                record = self._new_record(tensor, "temporary", alloc_op=op, name=f"{op_name}.in")
+            record.use(op, "read")
+        for index, tensor in enumerate(outputs):
+            if tensor.untyped_storage().nbytes() == 0:
+                continue
+            key = storage_key(tensor)
+            record = self._lookup(tensor) if key in input_keys else None
+            if record is None:
+                label = f"{module}:{op_name}" if module else op_name
+                record = self._new_record(tensor, "temporary", alloc_op=op, name=f"{label}.out{index}")
+            record.use(op, "write")
+        entry: dict[str, Any] = {"name": f"{module}:{op_name}" if module else op_name, "phase": phase}
+        match = _LAYER_PATTERN.search(module) if module else None
+        if match:
+            entry["layer"] = int(match.group(1))
+        self.ops.append(entry)
+        self._timings.append(timing)
+
+    def _classify_at_end(self) -> None:
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor) and value.untyped_storage().nbytes() > 0:
+                        record = self._lookup(value)
+                        if record is not None and record.kind != "weight":
+                            record.kind = "optimizer_state"
+                            record.alloc_op = None
+        for record in self.records:
+            if record.saved_for_backward and record.kind == "temporary":
+                record.kind = "activation"
+
+    # -- output ------------------------------------------------------------------------------
+
+    def op_durations_us(self) -> list[float]:
+        """Measured duration of each op, microseconds."""
+        durations = []
+        for timing in self._timings:
+            if isinstance(timing, tuple):
+                durations.append(max(0.0, float(timing[0].elapsed_time(timing[1])) * 1e3))
+            else:
+                durations.append(max(0.0, float(timing)))
+        return durations
+
+    def trace(self, gpu_capacity_bytes: Optional[int] = None, description: str = "") -> dict[str, Any]:
+        """The recorded iteration in the planner's trace format (docs/trace.md, version 1)."""
+        if self._mode is not None:
+            raise RuntimeError("stop the profiler before building the trace")
+        if not self.ops:
+            raise RuntimeError("no ops were recorded")
+        if gpu_capacity_bytes is None:
+            if self.cuda:
+                gpu_capacity_bytes = int(torch.cuda.get_device_properties(self.device).total_memory)
+            else:
+                gpu_capacity_bytes = 1 << 40
+        durations = self.op_durations_us()
+        ops = [dict(entry, duration_us=duration) for entry, duration in zip(self.ops, durations)]
+        tensors = []
+        for record in self.records:
+            if not record.uses:
+                continue
+            uses = sorted(record.uses.items())
+            persistent = record.kind in ("weight", "optimizer_state") or record.alloc_op is None
+            if persistent:
+                alloc_op: Optional[int] = None
+                free_op: Optional[int] = None
+            else:
+                alloc_op = min(record.alloc_op if record.alloc_op is not None else uses[0][0], uses[0][0])
+                free_op = uses[-1][0]
+            tensors.append(
+                {
+                    "id": record.id,
+                    "name": record.name,
+                    "size_bytes": record.size_bytes,
+                    "kind": record.kind,
+                    "alloc_op": alloc_op,
+                    "free_op": free_op,
+                    "uses": [{"op": op, "access": access} for op, access in uses],
+                }
+            )
+        return {
+            "format_version": TRACE_FORMAT_VERSION,
+            "description": description,
+            "gpu_capacity_bytes": int(gpu_capacity_bytes),
+            "ops": ops,
+            "tensors": tensors,
+        }

@@ -1,0 +1,356 @@
+"""`teraio.offload`: profile, plan and offload around an unchanged training loop.
+
+```
+with teraio.offload(model, optimizer, store=store, gpu_memory="24GiB", host_memory="64GiB") as run:
+    for batch in loader:
+        loss = model(batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+print(run.report())
+```
+
+Iterations end at `optimizer.step()`. The first `warmup_steps` iterations run with the fallback
+policy (every saved activation of at least `min_bytes` to host memory up to `host_memory`, then to
+the SSD tier) so that they fit before there is a plan; the next one runs the same way under the
+profiler; then the trace is planned and the following iterations run the plan.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import torch
+
+from .executor import HOST, SSD, ActivationExecutor, PackDecision
+from .planning import parse_size, plan
+from .profiler import Profiler, SaveEvent
+from .store import Store
+
+
+@dataclass
+class Report:
+    """What an offload run did: predicted vs measured iteration time, stalls, traffic, peak."""
+
+    steps: int
+    planned_steps: int
+    ideal_iteration_ms: Optional[float]
+    predicted_iteration_ms: Optional[float]
+    predicted_percent_of_ideal: Optional[float]
+    measured_iteration_ms: Optional[float]
+    step_times_ms: list[float]
+    peak_gpu_bytes: Optional[int]
+    predicted_peak_bytes: Optional[int]
+    unplanned_peak_bytes: Optional[int]
+    gpu_memory_bytes: int
+    bytes_per_iteration: dict[str, dict[str, int]]
+    stalls: dict[str, Any]
+    plan_summary: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items()}
+
+    def __str__(self) -> str:
+        def ms(value: Optional[float]) -> str:
+            return "-" if value is None else f"{value:.1f} ms"
+
+        def gib(value: Optional[int]) -> str:
+            if value is None:
+                return "-"
+            return f"{value / 2**30:.2f} GiB" if value >= 2**30 else f"{value / 2**20:.1f} MiB"
+
+        lines = [
+            f"teraio offload: {self.steps} steps, {self.planned_steps} with the plan",
+            f"  iteration: measured {ms(self.measured_iteration_ms)} (median of planned steps), "
+            f"predicted {ms(self.predicted_iteration_ms)}, "
+            f"ideal (profiled op times) {ms(self.ideal_iteration_ms)}",
+            f"  peak GPU memory: measured {gib(self.peak_gpu_bytes)}, "
+            f"planned {gib(self.predicted_peak_bytes)}, "
+            f"without offload {gib(self.unplanned_peak_bytes)}, budget {gib(self.gpu_memory_bytes)}",
+        ]
+        for direction, tiers in self.bytes_per_iteration.items():
+            lines.append(
+                f"  {direction} per iteration: host {gib(tiers.get(HOST, 0))}, ssd {gib(tiers.get(SSD, 0))}"
+            )
+        lines.append("  stalls: " + ", ".join(f"{k} {v}" for k, v in self.stalls.items()))
+        return "\n".join(lines)
+
+
+class offload:
+    """Offloads a model's activations per a lifetime plan; see the module docstring.
+
+    Args:
+        model, optimizer: the model being trained and its optimizer (iterations end at its step).
+        store: the SSD tier (a `teraio.Store`); None: host memory only.
+        gpu_memory: GPU memory the iterations must fit in (bytes or "24GiB"); default: the
+            device's memory.
+        host_memory: pinned host memory the plan may use.
+        ssd_bandwidth / host_link_bandwidth: what the planner assumes (bytes/s or "6GB/s").
+        reserve: GPU memory the planner keeps free for allocator slack (default 10% of gpu_memory).
+        warmup_steps: iterations before the profiled one (default 1: optimizer state exists then).
+        min_bytes: saved tensors smaller than this stay on the GPU.
+        trace_path / plan_path: where to write the trace and the plan (JSON), if given.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        store: Optional[Store] = None,
+        gpu_memory: Optional[Union[int, str]] = None,
+        host_memory: Union[int, str] = 0,
+        ssd_bandwidth: Union[float, str] = 6.5e9,
+        ssd_write_bandwidth: Optional[Union[float, str]] = None,
+        host_link_bandwidth: Union[float, str] = 25e9,
+        reserve: Optional[Union[int, str]] = None,
+        warmup_steps: int = 1,
+        min_bytes: int = 1 << 20,
+        max_inflight_bytes: Union[int, str] = 2 << 30,
+        trace_path: Optional[str] = None,
+        plan_path: Optional[str] = None,
+        sync_each_step: bool = True,
+    ) -> None:
+        first = next(iter(model.parameters()))
+        self.device = first.device
+        self.model = model
+        self.optimizer = optimizer
+        self.store = store
+        if gpu_memory is None:
+            if self.device.type == "cuda":
+                gpu_memory = int(torch.cuda.get_device_properties(self.device).total_memory)
+            else:
+                raise ValueError("gpu_memory is required on a CPU device")
+        self.gpu_memory_bytes = parse_size(gpu_memory)
+        self.host_memory_bytes = parse_size(host_memory)
+        self.reserve_bytes = parse_size(reserve) if reserve is not None else self.gpu_memory_bytes // 10
+        self.ssd_bandwidth = ssd_bandwidth
+        self.ssd_write_bandwidth = ssd_write_bandwidth
+        self.host_link_bandwidth = host_link_bandwidth
+        self.warmup_steps = warmup_steps
+        self.trace_path = trace_path
+        self.plan_path = plan_path
+        self.sync_each_step = sync_each_step
+        skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.executor = ActivationExecutor(
+            self.device,
+            store=store,
+            host_memory_bytes=self.host_memory_bytes,
+            min_bytes=min_bytes,
+            max_inflight_bytes=parse_size(max_inflight_bytes),
+            skip_storages=skip,
+        )
+        self.profiler: Optional[Profiler] = None
+        self.trace: Optional[dict[str, Any]] = None
+        self.plan_result: Optional[dict[str, Any]] = None
+        self.step = 0
+        self._hooks: list[Any] = []
+        self._saved_hooks: Any = None
+        self._step_started = 0.0
+        self._step_times_ms: list[float] = []
+        self._planned_from_step: Optional[int] = None
+        self._peaks: list[int] = []
+        self._stats_at_plan: Optional[dict[str, Any]] = None
+
+    # -- context -------------------------------------------------------------------------------
+
+    def __enter__(self) -> offload:
+        self._hooks.append(self.optimizer.register_step_pre_hook(self._before_step))
+        self._hooks.append(self.optimizer.register_step_post_hook(self._after_step))
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.executor.pack, self.executor.unpack)
+        self._saved_hooks.__enter__()
+        self._begin_iteration()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.profiler is not None and self.profiler._mode is not None:
+            self.profiler.stop()
+        self.executor.profiler = None
+        if self._saved_hooks is not None:
+            self._saved_hooks.__exit__(None, None, None)
+            self._saved_hooks = None
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        self.executor.end_iteration()
+
+    # -- iteration boundaries ------------------------------------------------------------------
+
+    def _begin_iteration(self) -> None:
+        self.executor.begin_iteration()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        if self.step == self.warmup_steps and self.trace is None:
+            self.profiler = Profiler(self.model, self.optimizer, install_hooks=False, device=self.device)
+            self.executor.profiler = self.profiler
+            self.profiler.start()
+        self._step_started = time.perf_counter()
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.profiler is not None and self.profiler._mode is not None:
+            self.profiler.before_step()
+
+    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.executor.end_iteration()
+        if self.sync_each_step and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._step_times_ms.append((time.perf_counter() - self._step_started) * 1e3)
+        if self.device.type == "cuda":
+            self._peaks.append(int(torch.cuda.max_memory_allocated(self.device)))
+        if self.profiler is not None and self.profiler._mode is not None:
+            self.profiler.after_step()
+            self.profiler.stop()
+            self.executor.profiler = None
+            self._make_plan(self.profiler)
+            self._planned_from_step = self.step + 1
+            self._stats_at_plan = self.executor.stats.as_dict()
+        self.step += 1
+        self._begin_iteration()
+
+    # -- planning ------------------------------------------------------------------------------
+
+    def _make_plan(self, profiler: Profiler) -> None:
+        trace = profiler.trace(gpu_capacity_bytes=self.gpu_memory_bytes, description="teraio.offload profile")
+        self.trace = trace
+        if self.trace_path:
+            with open(self.trace_path, "w") as f:
+                json.dump(trace, f)
+        result = plan(
+            trace,
+            gpu_memory=self.gpu_memory_bytes,
+            # Without a store there is no SSD tier: a bandwidth of 1 B/s keeps the planner off it.
+            ssd_read_bandwidth=self.ssd_bandwidth if self.store is not None else 1.0,
+            ssd_write_bandwidth=self.ssd_write_bandwidth if self.store is not None else 1.0,
+            host_memory=self.host_memory_bytes,
+            host_link_bandwidth=self.host_link_bandwidth,
+            reserve=self.reserve_bytes,
+            movable_kinds=["activation"],
+        )
+        if self.store is None:
+            for migration in result["plan"]["migrations"]:
+                if migration["tier"] == SSD:
+                    migration["tier"] = HOST
+        self.plan_result = result
+        if self.plan_path:
+            with open(self.plan_path, "w") as f:
+                json.dump(result, f)
+        self.executor.set_plan(decisions_from_plan(trace, profiler.events, result["plan"]))
+
+    # -- report --------------------------------------------------------------------------------
+
+    def report(self) -> Report:
+        """Predicted vs measured iteration time, stalls, bytes per tier, peak memory."""
+        planned_times = []
+        planned_peaks = []
+        if self._planned_from_step is not None:
+            planned_times = self._step_times_ms[self._planned_from_step :]
+            planned_peaks = self._peaks[self._planned_from_step :]
+        prediction = (self.plan_result or {}).get("prediction", {})
+        stats = self.executor.stats.as_dict()
+        base = self._stats_at_plan or {
+            "offloaded_bytes": {HOST: 0, SSD: 0},
+            "prefetched_bytes": {HOST: 0, SSD: 0},
+        }
+        count = max(1, len(planned_times))
+        per_iteration = {
+            "offloaded": {
+                t: (stats["offloaded_bytes"][t] - base["offloaded_bytes"][t]) // count for t in (HOST, SSD)
+            },
+            "prefetched": {
+                t: (stats["prefetched_bytes"][t] - base["prefetched_bytes"][t]) // count for t in (HOST, SSD)
+            },
+        }
+        stall_keys = (
+            "prefetches_on_demand",
+            "prefetches_planned",
+            "ssd_wait_s",
+            "inflight_waits",
+            "inflight_wait_s",
+        )
+        stalls = {k: stats[k] - (self._stats_at_plan or {}).get(k, 0) for k in stall_keys}
+        stalls["plan_mismatches"] = stats["plan_mismatches"]
+        summary: dict[str, Any] = {}
+        if self.plan_result is not None:
+            migrations = self.plan_result["plan"]["migrations"]
+            summary = {
+                "migrations": len(migrations),
+                "host_migrations": sum(1 for m in migrations if m["tier"] == HOST),
+                "ssd_migrations": sum(1 for m in migrations if m["tier"] == SSD),
+                "fits": self.plan_result["plan"]["fits"],
+                "planning_time_ms": prediction.get("planning_time_ms"),
+                "ops": len(self.trace["ops"]) if self.trace else None,
+                "tensors": len(self.trace["tensors"]) if self.trace else None,
+            }
+        return Report(
+            steps=self.step,
+            planned_steps=len(planned_times),
+            ideal_iteration_ms=prediction.get("ideal_time_us", 0) / 1e3 if prediction else None,
+            predicted_iteration_ms=prediction.get("iteration_time_us", 0) / 1e3 if prediction else None,
+            predicted_percent_of_ideal=prediction.get("percent_of_ideal"),
+            measured_iteration_ms=statistics.median(planned_times) if planned_times else None,
+            step_times_ms=list(self._step_times_ms),
+            peak_gpu_bytes=max(planned_peaks) if planned_peaks else None,
+            predicted_peak_bytes=prediction.get("peak_gpu_bytes"),
+            unplanned_peak_bytes=prediction.get("unplanned_peak_bytes"),
+            gpu_memory_bytes=self.gpu_memory_bytes,
+            bytes_per_iteration=per_iteration,
+            stalls=stalls,
+            plan_summary=summary,
+        )
+
+
+def decisions_from_plan(
+    trace: dict[str, Any], events: list[SaveEvent], plan_doc: dict[str, Any]
+) -> list[PackDecision]:
+    """Maps a plan's activation migrations onto the profiled save/unpack events.
+
+    The runtime sees the iteration through `saved_tensors_hooks` events, which come in the same
+    order every iteration: pack `i` of the profiled iteration is pack `i` of each later one. A
+    tensor's offload starts at its first pack; its prefetch is issued at the last event whose next
+    op is at or before the planned prefetch op (and never after the tensor's first unpack).
+    """
+    sizes = {t["id"]: t["size_bytes"] for t in trace["tensors"]}
+    kinds = {t["id"]: t["kind"] for t in trace["tensors"]}
+    best: dict[int, dict[str, Any]] = {}
+    for migration in plan_doc["migrations"]:
+        tensor_id = migration["tensor_id"]
+        if kinds.get(tensor_id) != "activation":
+            continue
+        span = migration["next_use_op"] - migration["offload_op"]
+        current = best.get(tensor_id)
+        if current is None or span > current["next_use_op"] - current["offload_op"]:
+            best[tensor_id] = migration
+    first_pack_event: dict[int, int] = {}
+    first_unpack_event: dict[int, int] = {}
+    pack_events = [e for e in events if e.kind == "pack"]
+    for index, event in enumerate(events):
+        if event.tensor_id is None:
+            continue
+        if event.kind == "pack":
+            first_pack_event.setdefault(event.tensor_id, index)
+        else:
+            first_unpack_event.setdefault(event.tensor_id, index)
+    decisions: list[PackDecision] = []
+    seen: set[int] = set()
+    for event in pack_events:
+        tensor_id = event.tensor_id
+        size = sizes.get(tensor_id, -1) if tensor_id is not None else -1
+        migration = best.get(tensor_id) if tensor_id is not None else None
+        if tensor_id is None or migration is None or tensor_id in seen:
+            decisions.append(PackDecision(tensor_id, size, None))
+            continue
+        seen.add(tensor_id)
+        pack_at = first_pack_event[tensor_id]
+        limit = first_unpack_event.get(tensor_id, len(events) - 1)
+        trigger = pack_at + 1
+        for index in range(pack_at + 1, limit + 1):
+            if events[index].next_op <= migration["prefetch_op"]:
+                trigger = index
+            else:
+                break
+        decisions.append(PackDecision(tensor_id, size, migration["tier"], prefetch_event=min(trigger, limit)))
+    return decisions

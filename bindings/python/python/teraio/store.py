@@ -1,0 +1,286 @@
+"""The teraio store from Python: put/get torch tensors, numpy arrays and bytes.
+
+Host memory (numpy arrays, CPU tensors, pinned tensors) goes to the engine by address, with no
+copy on the Python side: the engine reads or writes it in place (straight to the disk with
+O_DIRECT when the address and length are aligned to the store's block size, through the engine's
+bounce pool otherwise). CUDA tensors are staged through a pinned host buffer on a dedicated CUDA
+stream (the engine's GPU path will replace this seam: see docs/python.md).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+
+from . import _native
+
+if TYPE_CHECKING:  # pragma: no cover
+    import numpy
+    import torch
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def _numpy_address(array: numpy.ndarray, writable: bool) -> tuple[int, int]:
+    if not array.flags["C_CONTIGUOUS"]:
+        raise ValueError("numpy array must be C-contiguous (use numpy.ascontiguousarray)")
+    if writable and not array.flags["WRITEABLE"]:
+        raise ValueError("numpy array is read-only")
+    return int(array.__array_interface__["data"][0]), int(array.nbytes)
+
+
+def _tensor_address(tensor: torch.Tensor) -> tuple[int, int]:
+    if not tensor.is_contiguous():
+        raise ValueError("tensor must be contiguous (use .contiguous())")
+    return int(tensor.data_ptr()), int(tensor.numel() * tensor.element_size())
+
+
+def _is_tensor(value: Any) -> bool:
+    torch = _torch_or_none()
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def _torch_or_none() -> Any:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is optional for the store
+        return None
+    return torch
+
+
+class Handle:
+    """An I/O in flight: `wait()` blocks (without the GIL) and raises the engine's error, if any.
+
+    A handle keeps the memory it reads or writes alive until the I/O is done. For a get into a
+    CUDA tensor, `wait()` also issues the host-to-GPU copy and waits for it.
+    """
+
+    def __init__(self, native: _native.Handle, after: Optional[Any] = None) -> None:
+        self._native = native
+        self._after = after
+
+    def wait(self, timeout_s: Optional[float] = None) -> bool:
+        """Waits until done; returns False if `timeout_s` passed first. Raises TeraioError subclasses."""
+        if not self._native.wait(timeout_s):
+            return False
+        if self._after is not None:
+            after, self._after = self._after, None
+            after()
+        return True
+
+    def is_done(self) -> bool:
+        """True once the engine's part of the I/O has completed; never blocks."""
+        return self._native.is_done()
+
+    def __repr__(self) -> str:
+        return repr(self._native)
+
+
+class Store:
+    """A teraio store on one or more devices (files on ext4/xfs, or block devices).
+
+    Use `Store.create(paths, file_size_bytes=...)` for a new store and `Store.open(paths)` for an
+    existing one; `close()` (or a `with` block) releases the devices.
+    """
+
+    def __init__(self, native: _native.Store) -> None:
+        self._native = native
+        self._stream: Any = None
+
+    @classmethod
+    def create(
+        cls,
+        paths: Union[PathLike, Sequence[PathLike]],
+        *,
+        file_size_bytes: Optional[int] = None,
+        stripe_unit_bytes: int = 1 << 20,
+        block_size: int = 4096,
+        checksums: bool = True,
+        force: bool = False,
+        durable: bool = True,
+        direct_io: bool = True,
+        queue_depth: int = 32,
+        backend: str = "auto",
+        max_inflight_bytes: Optional[int] = None,
+    ) -> Store:
+        """Formats `paths` as one store and opens it. Missing files are created with `file_size_bytes`.
+
+        `durable=False` skips the flushes that make each put survive power loss (spilled
+        activations need no durability); `direct_io=False` is for file systems without O_DIRECT.
+        """
+        native = _native.Store.create(
+            _path_list(paths),
+            file_size_bytes=file_size_bytes,
+            stripe_unit_bytes=stripe_unit_bytes,
+            block_size=block_size,
+            checksums=checksums,
+            force=force,
+            durable=durable,
+            direct_io=direct_io,
+            queue_depth=queue_depth,
+            backend=backend,
+            max_inflight_bytes=max_inflight_bytes,
+        )
+        return cls(native)
+
+    @classmethod
+    def open(
+        cls,
+        paths: Union[PathLike, Sequence[PathLike]],
+        *,
+        durable: bool = True,
+        direct_io: bool = True,
+        queue_depth: int = 32,
+        backend: str = "auto",
+        max_inflight_bytes: Optional[int] = None,
+    ) -> Store:
+        """Opens the store on `paths` (every device of it, in any order)."""
+        native = _native.Store.open(
+            _path_list(paths),
+            durable=durable,
+            direct_io=direct_io,
+            queue_depth=queue_depth,
+            backend=backend,
+            max_inflight_bytes=max_inflight_bytes,
+        )
+        return cls(native)
+
+    # -- writes -----------------------------------------------------------------------------
+
+    def put_async(self, object_id: int, data: Any, meta: bytes = b"", urgent: bool = False) -> Handle:
+        """Starts writing `data` (torch tensor, numpy array, bytes-like) as object `object_id`.
+
+        Host memory is written in place: do not change it until the handle is done. A CUDA tensor
+        is first copied to a pinned host buffer (on a side stream; this call waits for that copy).
+        """
+        if _is_tensor(data):
+            if data.device.type == "cuda":
+                return self._put_cuda(object_id, data, meta, urgent)
+            if data.device.type != "cpu":
+                raise ValueError(f"tensors on {data.device} are not supported (cpu and cuda are)")
+            address, length = _tensor_address(data)
+            return Handle(self._native.put_address(object_id, address, length, data, meta, urgent))
+        import numpy
+
+        if isinstance(data, numpy.ndarray):
+            address, length = _numpy_address(data, writable=False)
+            return Handle(self._native.put_address(object_id, address, length, data, meta, urgent))
+        array = numpy.frombuffer(memoryview(data), dtype=numpy.uint8)
+        address, length = (int(array.__array_interface__["data"][0]), int(array.nbytes))
+        return Handle(self._native.put_address(object_id, address, length, array, meta, urgent))
+
+    def put(self, object_id: int, data: Any, meta: bytes = b"") -> None:
+        """Writes `data` as object `object_id` and waits until the engine acknowledges it."""
+        self.put_async(object_id, data, meta).wait()
+
+    def _put_cuda(self, object_id: int, tensor: torch.Tensor, meta: bytes, urgent: bool) -> Handle:
+        import torch
+
+        if not tensor.is_contiguous():
+            raise ValueError("tensor must be contiguous (use .contiguous())")
+        stream = self._cuda_stream(tensor.device)
+        staging = torch.empty(tensor.numel() * tensor.element_size(), dtype=torch.uint8, pin_memory=True)
+        stream.wait_stream(torch.cuda.current_stream(tensor.device))
+        with torch.cuda.stream(stream):
+            staging.copy_(tensor.reshape(-1).view(torch.uint8), non_blocking=True)
+            tensor.record_stream(stream)
+        stream.synchronize()
+        address, length = _tensor_address(staging)
+        return Handle(self._native.put_address(object_id, address, length, staging, meta, urgent))
+
+    # -- reads ------------------------------------------------------------------------------
+
+    def get_async(self, object_id: int, out: Any, urgent: bool = False) -> Handle:
+        """Starts reading object `object_id` into `out` (torch tensor or writable numpy array),
+        which must be at least as large as the object. Do not use `out` until the handle is done.
+        For a CUDA tensor the data lands in a pinned buffer and `wait()` copies it to the GPU."""
+        if _is_tensor(out):
+            if out.device.type == "cuda":
+                return self._get_cuda(object_id, out, urgent)
+            if out.device.type != "cpu":
+                raise ValueError(f"tensors on {out.device} are not supported (cpu and cuda are)")
+            address, length = _tensor_address(out)
+            return Handle(self._native.get_address(object_id, address, length, out, urgent=urgent))
+        address, length = _numpy_address(out, writable=True)
+        return Handle(self._native.get_address(object_id, address, length, out, urgent=urgent))
+
+    def get(self, object_id: int, out: Any) -> Any:
+        """Reads object `object_id` into `out` and returns `out`."""
+        self.get_async(object_id, out).wait()
+        return out
+
+    def _get_cuda(self, object_id: int, tensor: torch.Tensor, urgent: bool) -> Handle:
+        import torch
+
+        if not tensor.is_contiguous():
+            raise ValueError("tensor must be contiguous (use .contiguous())")
+        length = tensor.numel() * tensor.element_size()
+        staging = torch.empty(length, dtype=torch.uint8, pin_memory=True)
+        address, _ = _tensor_address(staging)
+        native = self._native.get_address(object_id, address, length, staging, urgent=urgent)
+        stream = self._cuda_stream(tensor.device)
+
+        def to_gpu() -> None:
+            with torch.cuda.stream(stream):
+                tensor.reshape(-1).view(torch.uint8).copy_(staging, non_blocking=True)
+            stream.synchronize()
+
+        return Handle(native, after=to_gpu)
+
+    def get_bytes(self, object_id: int) -> bytes:
+        """Reads the whole object into new bytes."""
+        return self._native.get_bytes(object_id)
+
+    def _cuda_stream(self, device: Any) -> Any:
+        import torch
+
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        return self._stream
+
+    # -- metadata ---------------------------------------------------------------------------
+
+    def delete(self, object_id: int) -> bool:
+        """Deletes the object; returns whether it existed."""
+        return self._native.delete(object_id)
+
+    def stat(self, object_id: int) -> Optional[dict[str, Any]]:
+        """The object's `id`, `len_bytes`, `meta`, `devices`, `extent_count`, or None."""
+        return self._native.stat(object_id)
+
+    def list(self) -> list[dict[str, Any]]:
+        """Every object, as `stat` dicts."""
+        return self._native.list()
+
+    def info(self) -> dict[str, Any]:
+        """Layout, devices and backend of the store."""
+        return self._native.info()
+
+    def stats_text(self) -> str:
+        """The engine's counters (ops, bytes, latency percentiles), for logs."""
+        return self._native.stats_text()
+
+    @property
+    def block_size(self) -> int:
+        """Host buffers aligned to this (address and length) go to the disk without a copy."""
+        return self._native.block_size()
+
+    @property
+    def closed(self) -> bool:
+        return self._native.is_closed()
+
+    def close(self) -> None:
+        """Waits for I/O in flight, checkpoints and releases the devices. Idempotent."""
+        self._native.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _path_list(paths: Union[PathLike, Sequence[PathLike]]) -> list[str]:
+    if isinstance(paths, (str, os.PathLike)):
+        return [os.fspath(paths)]
+    return [os.fspath(p) for p in paths]

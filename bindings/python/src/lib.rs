@@ -1,0 +1,598 @@
+//! `teraio._native`: the Rust core of the Python package.
+//!
+//! Thin on purpose (the work is in `teraio-engine` and `teraio-planner`): a `Store` whose put/get
+//! take raw host pointers with an owner object that keeps the memory alive, `Handle`s to wait on
+//! with the GIL released, engine errors as specific Python exceptions carrying the engine's
+//! message, and the planner (`plan`, `simulate`) on JSON traces. The typed Python face is
+//! `teraio/__init__.py` and `teraio/_native.pyi`.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use pyo3::create_exception;
+use pyo3::exceptions::{PyException, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use teraio_engine::{Error as EngineError, FormatConfig, OpenConfig, Priority, Store as EngineStore, Ticket};
+use teraio_planner::greedy::{plan_teraio, PlannerConfig};
+use teraio_planner::hardware::Hardware;
+use teraio_planner::plan::Plan;
+use teraio_planner::sim::{simulate, Policy, SimConfig};
+use teraio_planner::trace::{Access, Tensor, TensorKind, TensorUse, Trace};
+use teraio_planner::units::ReadWriteBandwidth;
+
+create_exception!(teraio, TeraioError, PyException, "Base class of every teraio error.");
+create_exception!(teraio, NotFoundError, TeraioError, "No object with that id in the store.");
+create_exception!(teraio, NoSpaceError, TeraioError, "The store's devices or object table are full.");
+create_exception!(teraio, CorruptError, TeraioError, "Damaged data or metadata (checksum, superblock, table).");
+create_exception!(teraio, LockedError, TeraioError, "Another writer holds the store's device lock.");
+create_exception!(teraio, ClosedError, TeraioError, "The store is closed.");
+create_exception!(teraio, DeviceError, TeraioError, "A device could not be opened, read or written.");
+create_exception!(teraio, InvalidArgumentError, TeraioError, "A bad argument or configuration value.");
+create_exception!(teraio, PlannerError, TeraioError, "The planner rejected a trace, a plan or hardware figures.");
+
+/// Maps an engine error to the matching Python exception, keeping the engine's message.
+fn to_py_err(error: EngineError) -> PyErr {
+    let message = error.to_string();
+    match error {
+        EngineError::NotFound { .. } => NotFoundError::new_err(message),
+        EngineError::NoSpace { .. } | EngineError::TableFull { .. } => NoSpaceError::new_err(message),
+        EngineError::ChecksumMismatch { .. }
+        | EngineError::CorruptMetadata { .. }
+        | EngineError::CorruptSuperblock { .. } => CorruptError::new_err(message),
+        EngineError::Locked { .. } => LockedError::new_err(message),
+        EngineError::Closed => ClosedError::new_err(message),
+        EngineError::DeviceOpen { .. }
+        | EngineError::DirectIoUnsupported { .. }
+        | EngineError::DeviceTooSmall { .. }
+        | EngineError::NotATeraioDevice { .. }
+        | EngineError::UnsupportedVersion { .. }
+        | EngineError::WrongStore { .. }
+        | EngineError::MissingDevice { .. }
+        | EngineError::DuplicateDevice { .. }
+        | EngineError::DeviceCountMismatch { .. }
+        | EngineError::DeviceIo { .. }
+        | EngineError::BackendUnavailable { .. }
+        | EngineError::Io { .. } => DeviceError::new_err(message),
+        EngineError::BufferTooSmall { .. }
+        | EngineError::RangeOutOfBounds { .. }
+        | EngineError::MetadataTooLarge { .. }
+        | EngineError::InvalidConfig(_) => InvalidArgumentError::new_err(message),
+        #[allow(unreachable_patterns)]
+        _ => TeraioError::new_err(message),
+    }
+}
+
+fn planner_err(error: teraio_planner::Error) -> PyErr {
+    PlannerError::new_err(error.to_string())
+}
+
+fn priority(urgent: bool) -> Priority {
+    if urgent {
+        Priority::Urgent
+    } else {
+        Priority::Normal
+    }
+}
+
+/// An I/O in flight. Keeps the memory's owner alive until the I/O is done, also when the handle
+/// is dropped without a wait (the drop then waits).
+#[pyclass(module = "teraio._native")]
+struct Handle {
+    ticket: Option<Ticket<()>>,
+    owner: Option<PyObject>,
+    /// The result once waited for (errors are kept so that a second wait raises again).
+    result: Option<Result<(), EngineError>>,
+}
+
+impl Handle {
+    fn new(ticket: Ticket<()>, owner: PyObject) -> Self {
+        Handle { ticket: Some(ticket), owner: Some(owner), result: None }
+    }
+
+    fn finish(&mut self, result: Result<(), EngineError>) -> PyResult<()> {
+        self.ticket = None;
+        self.owner = None;
+        self.result = Some(result.clone());
+        result.map_err(to_py_err)
+    }
+}
+
+#[pymethods]
+impl Handle {
+    /// Waits (GIL released) until the I/O is done; raises the engine's error if it failed.
+    /// With `timeout_s`, returns False if it is still running after that many seconds.
+    #[pyo3(signature = (timeout_s=None))]
+    fn wait(&mut self, py: Python<'_>, timeout_s: Option<f64>) -> PyResult<bool> {
+        if let Some(result) = &self.result {
+            return result.clone().map(|_| true).map_err(to_py_err);
+        }
+        let ticket = self.ticket.take().expect("a handle holds a ticket until it has a result");
+        match timeout_s {
+            None => {
+                let result = py.allow_threads(|| ticket.wait());
+                self.finish(result).map(|_| true)
+            }
+            Some(seconds) => {
+                if !(seconds.is_finite() && seconds >= 0.0) {
+                    self.ticket = Some(ticket);
+                    return Err(PyValueError::new_err("timeout_s must be a finite number >= 0"));
+                }
+                let timeout = Duration::from_secs_f64(seconds);
+                let (ticket, outcome) = py.allow_threads(move || {
+                    let outcome = ticket.wait_timeout(timeout);
+                    (ticket, outcome)
+                });
+                if outcome.is_some() {
+                    let result = py.allow_threads(|| ticket.wait());
+                    self.finish(result).map(|_| true)
+                } else {
+                    self.ticket = Some(ticket);
+                    Ok(false)
+                }
+            }
+        }
+    }
+
+    /// True once the I/O has completed (successfully or not); never blocks.
+    fn is_done(&self) -> bool {
+        match &self.ticket {
+            Some(ticket) => ticket.is_done(),
+            None => true,
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        let state = match (&self.result, self.is_done()) {
+            (Some(Ok(())), _) => "ok",
+            (Some(Err(_)), _) => "failed",
+            (None, true) => "done",
+            (None, false) => "running",
+        };
+        format!("<teraio.Handle {state}>")
+    }
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        // The memory must stay valid until the engine is done with it.
+        if let Some(ticket) = self.ticket.take() {
+            let _ = ticket.wait();
+        }
+    }
+}
+
+/// A teraio store: tensor objects striped over one or more devices (files or block devices).
+#[pyclass(module = "teraio._native", frozen)]
+struct Store {
+    inner: std::sync::Mutex<Option<std::sync::Arc<EngineStore>>>,
+}
+
+impl Store {
+    fn store(&self) -> PyResult<std::sync::Arc<EngineStore>> {
+        self.inner.lock().expect("store lock").clone().ok_or_else(|| ClosedError::new_err("the store is closed"))
+    }
+}
+
+fn open_config(
+    durable: bool,
+    direct_io: bool,
+    queue_depth: usize,
+    backend: &str,
+    max_inflight_bytes: Option<u64>,
+    verify_checksums: bool,
+) -> PyResult<OpenConfig> {
+    let backend = teraio_engine::store::parse_backend(backend).map_err(to_py_err)?;
+    let mut config = OpenConfig { durable, direct_io, queue_depth, backend, verify_checksums, ..OpenConfig::default() };
+    if let Some(bytes) = max_inflight_bytes {
+        config.max_inflight_bytes = bytes;
+    }
+    Ok(config)
+}
+
+#[pymethods]
+impl Store {
+    /// Formats `paths` as a new store and opens it. Missing regular files are created with
+    /// `file_size_bytes`.
+    #[staticmethod]
+    #[pyo3(signature = (paths, *, file_size_bytes=None, stripe_unit_bytes=1<<20, block_size=4096,
+        checksums=true, force=false, durable=true, direct_io=true, queue_depth=32, backend="auto",
+        max_inflight_bytes=None, verify_checksums=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn create(
+        py: Python<'_>,
+        paths: Vec<PathBuf>,
+        file_size_bytes: Option<u64>,
+        stripe_unit_bytes: u64,
+        block_size: u64,
+        checksums: bool,
+        force: bool,
+        durable: bool,
+        direct_io: bool,
+        queue_depth: usize,
+        backend: &str,
+        max_inflight_bytes: Option<u64>,
+        verify_checksums: bool,
+    ) -> PyResult<Store> {
+        let format = FormatConfig {
+            stripe_unit_bytes,
+            block_size,
+            checksums,
+            create_file_bytes: file_size_bytes,
+            force,
+            ..FormatConfig::default()
+        };
+        let open = open_config(durable, direct_io, queue_depth, backend, max_inflight_bytes, verify_checksums)?;
+        let store = py.allow_threads(|| EngineStore::create(&paths, &format, open)).map_err(to_py_err)?;
+        Ok(Store { inner: std::sync::Mutex::new(Some(std::sync::Arc::new(store))) })
+    }
+
+    /// Opens the existing store on `paths` (all of its devices, in any order).
+    #[staticmethod]
+    #[pyo3(signature = (paths, *, durable=true, direct_io=true, queue_depth=32, backend="auto",
+        max_inflight_bytes=None, verify_checksums=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn open(
+        py: Python<'_>,
+        paths: Vec<PathBuf>,
+        durable: bool,
+        direct_io: bool,
+        queue_depth: usize,
+        backend: &str,
+        max_inflight_bytes: Option<u64>,
+        verify_checksums: bool,
+    ) -> PyResult<Store> {
+        let open = open_config(durable, direct_io, queue_depth, backend, max_inflight_bytes, verify_checksums)?;
+        let store = py.allow_threads(|| EngineStore::open(&paths, open)).map_err(to_py_err)?;
+        Ok(Store { inner: std::sync::Mutex::new(Some(std::sync::Arc::new(store))) })
+    }
+
+    /// Starts writing `length` bytes at host address `address` as object `id`.
+    ///
+    /// Unsafe contract (the Python layer keeps it): the memory is valid for reads and unchanged
+    /// until the handle is done; `owner` is kept alive by the handle until then.
+    #[pyo3(signature = (id, address, length, owner, meta=b"".to_vec(), urgent=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn put_address(
+        &self,
+        py: Python<'_>,
+        id: u64,
+        address: usize,
+        length: usize,
+        owner: PyObject,
+        meta: Vec<u8>,
+        urgent: bool,
+    ) -> PyResult<Handle> {
+        if address == 0 && length > 0 {
+            return Err(InvalidArgumentError::new_err("null address"));
+        }
+        let store = self.store()?;
+        // SAFETY: the caller guarantees the memory; the handle keeps `owner` until done.
+        let ticket = py
+            .allow_threads(|| unsafe {
+                store.put_raw_ticket(id, address as *const u8, length, &meta, priority(urgent))
+            })
+            .map_err(to_py_err)?;
+        Ok(Handle::new(ticket, owner))
+    }
+
+    /// Starts reading object `id` from byte `offset` into `length` bytes at `address`. With
+    /// `whole`, the whole object is read and `length` may exceed it.
+    ///
+    /// Unsafe contract: the memory is valid for writes and not otherwise used until the handle is
+    /// done; `owner` is kept alive by the handle until then.
+    #[pyo3(signature = (id, address, length, owner, offset=0, whole=true, urgent=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn get_address(
+        &self,
+        py: Python<'_>,
+        id: u64,
+        address: usize,
+        length: usize,
+        owner: PyObject,
+        offset: u64,
+        whole: bool,
+        urgent: bool,
+    ) -> PyResult<Handle> {
+        if address == 0 && length > 0 {
+            return Err(InvalidArgumentError::new_err("null address"));
+        }
+        let store = self.store()?;
+        // SAFETY: as documented above.
+        let ticket = py
+            .allow_threads(|| unsafe {
+                store.get_raw_ticket(id, offset, address as *mut u8, length, whole, priority(urgent))
+            })
+            .map_err(to_py_err)?;
+        Ok(Handle::new(ticket, owner))
+    }
+
+    /// Writes `data` as object `id` and waits until it is acknowledged.
+    #[pyo3(signature = (id, data, meta=b"".to_vec()))]
+    fn put_bytes(&self, py: Python<'_>, id: u64, data: Vec<u8>, meta: Vec<u8>) -> PyResult<()> {
+        let store = self.store()?;
+        py.allow_threads(|| store.put_blocking(id, &data, &meta)).map_err(to_py_err)
+    }
+
+    /// Reads the whole of object `id`.
+    fn get_bytes<'py>(&self, py: Python<'py>, id: u64) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
+        let store = self.store()?;
+        let data = py.allow_threads(|| store.get_to_vec(id)).map_err(to_py_err)?;
+        Ok(pyo3::types::PyBytes::new(py, &data))
+    }
+
+    /// Deletes object `id`; returns whether it existed.
+    fn delete(&self, py: Python<'_>, id: u64) -> PyResult<bool> {
+        let store = self.store()?;
+        py.allow_threads(|| store.delete(id)).map_err(to_py_err)
+    }
+
+    /// Object metadata as a dict (`id`, `len_bytes`, `meta`, `devices`, `extent_count`), or None.
+    fn stat<'py>(&self, py: Python<'py>, id: u64) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let store = self.store()?;
+        store.stat(id).map(|info| object_dict(py, &info)).transpose()
+    }
+
+    /// Every object, as `stat` dicts.
+    fn list<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let store = self.store()?;
+        store.list().iter().map(|info| object_dict(py, info)).collect()
+    }
+
+    /// Store layout, devices and backend, as a dict.
+    fn info<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let store = self.store()?;
+        let info = store.info();
+        let dict = PyDict::new(py);
+        dict.set_item("uuid", &info.uuid)?;
+        dict.set_item("format_version", info.format_version)?;
+        dict.set_item("block_size", info.block_size)?;
+        dict.set_item("stripe_unit_bytes", info.stripe_unit_bytes)?;
+        dict.set_item("checksums", info.checksums)?;
+        dict.set_item("object_count", info.object_count)?;
+        dict.set_item("object_bytes", info.object_bytes)?;
+        dict.set_item("backend", &info.backend)?;
+        dict.set_item("backend_reason", &info.backend_reason)?;
+        let mut devices = Vec::new();
+        for device in &info.devices {
+            let d = PyDict::new(py);
+            d.set_item("index", device.index)?;
+            d.set_item("path", device.path.to_string_lossy().to_string())?;
+            d.set_item("size_bytes", device.size_bytes)?;
+            d.set_item("data_bytes", device.data_bytes)?;
+            d.set_item("free_bytes", device.free_bytes)?;
+            d.set_item("is_block_device", device.is_block_device)?;
+            devices.push(d);
+        }
+        dict.set_item("devices", devices)?;
+        Ok(dict)
+    }
+
+    /// Engine counters (ops, bytes, latencies) as text; for logs.
+    fn stats_text(&self) -> PyResult<String> {
+        Ok(format!("{:#?}", self.store()?.stats()))
+    }
+
+    /// The block size: host buffers aligned to it (address and length) skip the bounce copy.
+    fn block_size(&self) -> PyResult<u64> {
+        Ok(self.store()?.block_size())
+    }
+
+    /// Closes the store (waits for I/O in flight, writes a checkpoint, releases the locks).
+    /// Later calls raise ClosedError. Closing twice is allowed.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let taken = self.inner.lock().expect("store lock").take();
+        let Some(store) = taken else { return Ok(()) };
+        match std::sync::Arc::try_unwrap(store) {
+            Ok(store) => py.allow_threads(|| store.close()).map_err(to_py_err),
+            Err(shared) => {
+                // Another thread is inside a call; put it back and let the last user drop it.
+                *self.inner.lock().expect("store lock") = Some(shared);
+                Err(TeraioError::new_err("the store is in use by another thread; close it when that call returns"))
+            }
+        }
+    }
+
+    fn is_closed(&self) -> bool {
+        self.inner.lock().expect("store lock").is_none()
+    }
+}
+
+fn object_dict<'py>(py: Python<'py>, info: &teraio_engine::ObjectInfo) -> PyResult<Bound<'py, PyDict>> {
+    let dict = PyDict::new(py);
+    dict.set_item("id", info.id)?;
+    dict.set_item("len_bytes", info.len_bytes)?;
+    dict.set_item("meta", pyo3::types::PyBytes::new(py, &info.meta))?;
+    dict.set_item("devices", info.devices.clone())?;
+    dict.set_item("extent_count", info.extent_count)?;
+    Ok(dict)
+}
+
+fn parse_kind(name: &str) -> PyResult<TensorKind> {
+    serde_json::from_value(serde_json::Value::String(name.to_string())).map_err(|_| {
+        PyValueError::new_err(format!(
+            "unknown tensor kind {name:?}; known: weight, gradient, optimizer_state, activation, temporary"
+        ))
+    })
+}
+
+/// Pins tensors the runtime cannot move: each unmovable tensor gets a use at every op of its live
+/// range, so it has no inactive period and the planner leaves it where it is.
+fn pin_unmovable(trace: &mut Trace, movable: &[TensorKind]) {
+    let op_count = trace.ops.len() as u32;
+    for tensor in trace.tensors.iter_mut().filter(|t| !movable.contains(&t.kind)) {
+        pin_tensor(tensor, op_count);
+    }
+}
+
+fn pin_tensor(tensor: &mut Tensor, op_count: u32) {
+    let from = tensor.live_from_op();
+    let to = tensor.live_to_op(op_count);
+    let writes: std::collections::HashSet<u32> =
+        tensor.uses.iter().filter(|u| u.access == Access::Write).map(|u| u.op).collect();
+    tensor.uses = (from..=to)
+        .map(|op| TensorUse { op, access: if writes.contains(&op) { Access::Write } else { Access::Read } })
+        .collect();
+}
+
+fn hardware_from(
+    gpu_memory_bytes: u64,
+    ssd_read_bytes_per_s: f64,
+    ssd_write_bytes_per_s: f64,
+    host_memory_bytes: u64,
+    host_link_bytes_per_s: f64,
+    ssd_latency_us: f64,
+    host_latency_us: f64,
+) -> PyResult<Hardware> {
+    let ssd = ReadWriteBandwidth { read_bytes_per_s: ssd_read_bytes_per_s, write_bytes_per_s: ssd_write_bytes_per_s };
+    let mut hardware = Hardware::new(gpu_memory_bytes, ssd, host_memory_bytes);
+    hardware.host_link_bytes_per_s = host_link_bytes_per_s;
+    hardware.ssd_latency_us = ssd_latency_us;
+    hardware.host_latency_us = host_latency_us;
+    hardware.validate().map_err(planner_err)?;
+    Ok(hardware)
+}
+
+/// Plans migrations for a trace (JSON, docs/trace.md) and predicts the iteration with the
+/// simulator. Returns JSON: `{"plan": <plan file>, "prediction": {...}}`.
+///
+/// `movable_kinds` limits what the plan may move to the kinds the runtime can execute (the others
+/// are pinned: they keep their memory for their whole live range).
+#[pyfunction]
+#[pyo3(signature = (trace_json, *, gpu_memory_bytes, ssd_read_bytes_per_s, ssd_write_bytes_per_s,
+    host_memory_bytes=0, host_link_bytes_per_s=25e9, ssd_latency_us=20.0, host_latency_us=10.0,
+    reserve_bytes=0, prefetch_slack=1.0, movable_kinds=None))]
+#[allow(clippy::too_many_arguments)]
+fn plan(
+    py: Python<'_>,
+    trace_json: &str,
+    gpu_memory_bytes: u64,
+    ssd_read_bytes_per_s: f64,
+    ssd_write_bytes_per_s: f64,
+    host_memory_bytes: u64,
+    host_link_bytes_per_s: f64,
+    ssd_latency_us: f64,
+    host_latency_us: f64,
+    reserve_bytes: u64,
+    prefetch_slack: f64,
+    movable_kinds: Option<Vec<String>>,
+) -> PyResult<String> {
+    let mut trace: Trace =
+        serde_json::from_str(trace_json).map_err(|e| PlannerError::new_err(format!("trace is not valid JSON: {e}")))?;
+    trace.validate().map_err(planner_err)?;
+    if let Some(kinds) = movable_kinds {
+        let kinds = kinds.iter().map(|k| parse_kind(k)).collect::<PyResult<Vec<_>>>()?;
+        pin_unmovable(&mut trace, &kinds);
+    }
+    let hardware = hardware_from(
+        gpu_memory_bytes,
+        ssd_read_bytes_per_s,
+        ssd_write_bytes_per_s,
+        host_memory_bytes,
+        host_link_bytes_per_s,
+        ssd_latency_us,
+        host_latency_us,
+    )?;
+    if !(prefetch_slack.is_finite() && prefetch_slack >= 0.0) {
+        return Err(PyValueError::new_err("prefetch_slack must be a finite number >= 0"));
+    }
+    let config = PlannerConfig { reserve_bytes, prefetch_slack, ..PlannerConfig::default() };
+    py.allow_threads(move || {
+        let started = std::time::Instant::now();
+        let outcome = plan_teraio(&trace, &hardware, config).map_err(planner_err)?;
+        let planning_time_ms = started.elapsed().as_secs_f64() * 1e3;
+        let predicted =
+            simulate(&trace, &hardware, Policy::Planned(&outcome.plan), SimConfig::default()).map_err(planner_err)?;
+        let ideal_time_us = trace.compute_time_us();
+        let traffic = outcome.plan.bytes_moved(&trace);
+        let unplanned_peak_bytes = outcome.base_pressure_bytes.iter().copied().max().unwrap_or(0);
+        let value = serde_json::json!({
+            "plan": outcome.plan,
+            "prediction": {
+                "planning_time_ms": planning_time_ms,
+                "ideal_time_us": ideal_time_us,
+                "iteration_time_us": predicted.iteration_time_us,
+                "stall_time_us": predicted.stall_time_us,
+                "percent_of_ideal": predicted.percent_of(ideal_time_us),
+                "peak_gpu_bytes": predicted.peak_gpu_bytes,
+                "unplanned_peak_bytes": unplanned_peak_bytes,
+                "fits": outcome.plan.fits,
+                "outcome": predicted.outcome,
+                "expected_stall_us": outcome.expected_stall_us,
+                "ssd_written_bytes": traffic.written_bytes[0],
+                "ssd_read_bytes": traffic.read_bytes[0],
+                "host_written_bytes": traffic.written_bytes[1],
+                "host_read_bytes": traffic.read_bytes[1],
+            }
+        });
+        serde_json::to_string(&value).map_err(|e| PlannerError::new_err(e.to_string()))
+    })
+}
+
+/// Replays a trace under a plan (JSON plan file text) and returns the simulator's report as JSON.
+#[pyfunction]
+#[pyo3(signature = (trace_json, plan_json, *, gpu_memory_bytes, ssd_read_bytes_per_s, ssd_write_bytes_per_s,
+    host_memory_bytes=0, host_link_bytes_per_s=25e9, ssd_latency_us=20.0, host_latency_us=10.0))]
+#[allow(clippy::too_many_arguments)]
+fn simulate_plan(
+    py: Python<'_>,
+    trace_json: &str,
+    plan_json: &str,
+    gpu_memory_bytes: u64,
+    ssd_read_bytes_per_s: f64,
+    ssd_write_bytes_per_s: f64,
+    host_memory_bytes: u64,
+    host_link_bytes_per_s: f64,
+    ssd_latency_us: f64,
+    host_latency_us: f64,
+) -> PyResult<String> {
+    let trace: Trace =
+        serde_json::from_str(trace_json).map_err(|e| PlannerError::new_err(format!("trace is not valid JSON: {e}")))?;
+    trace.validate().map_err(planner_err)?;
+    let plan: Plan =
+        serde_json::from_str(plan_json).map_err(|e| PlannerError::new_err(format!("plan is not valid JSON: {e}")))?;
+    plan.check_against(&trace).map_err(planner_err)?;
+    let hardware = hardware_from(
+        gpu_memory_bytes,
+        ssd_read_bytes_per_s,
+        ssd_write_bytes_per_s,
+        host_memory_bytes,
+        host_link_bytes_per_s,
+        ssd_latency_us,
+        host_latency_us,
+    )?;
+    py.allow_threads(move || {
+        let report = simulate(&trace, &hardware, Policy::Planned(&plan), SimConfig::default()).map_err(planner_err)?;
+        serde_json::to_string(&report).map_err(|e| PlannerError::new_err(e.to_string()))
+    })
+}
+
+/// Checks a trace (JSON) against docs/trace.md; raises PlannerError naming the broken rule.
+#[pyfunction]
+fn validate_trace(trace_json: &str) -> PyResult<()> {
+    let trace: Trace =
+        serde_json::from_str(trace_json).map_err(|e| PlannerError::new_err(format!("trace is not valid JSON: {e}")))?;
+    trace.validate().map_err(planner_err)
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add_class::<Store>()?;
+    m.add_class::<Handle>()?;
+    m.add_function(wrap_pyfunction!(plan, m)?)?;
+    m.add_function(wrap_pyfunction!(simulate_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(validate_trace, m)?)?;
+    m.add("TeraioError", py.get_type::<TeraioError>())?;
+    m.add("NotFoundError", py.get_type::<NotFoundError>())?;
+    m.add("NoSpaceError", py.get_type::<NoSpaceError>())?;
+    m.add("CorruptError", py.get_type::<CorruptError>())?;
+    m.add("LockedError", py.get_type::<LockedError>())?;
+    m.add("ClosedError", py.get_type::<ClosedError>())?;
+    m.add("DeviceError", py.get_type::<DeviceError>())?;
+    m.add("InvalidArgumentError", py.get_type::<InvalidArgumentError>())?;
+    m.add("PlannerError", py.get_type::<PlannerError>())?;
+    m.add("TRACE_FORMAT_VERSION", teraio_planner::trace::FORMAT_VERSION)?;
+    Ok(())
+}

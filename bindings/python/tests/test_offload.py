@@ -1,0 +1,106 @@
+"""The executor on a CPU "device" with a small memory budget: bitwise-equal training."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import teraio  # noqa: E402
+from tiny import batches, make, train  # noqa: E402
+
+STEPS = 6
+ROWS = 2048
+
+
+def _reference() -> tuple[list[float], dict[str, Any]]:
+    model, optimizer = make()
+    losses = train(model, optimizer, batches(STEPS, rows=ROWS))
+    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _unplanned_peak_and_activations() -> tuple[int, int]:
+    model, optimizer = make()
+    data = batches(2, rows=ROWS)
+    train(model, optimizer, data[:1])
+    profiler = teraio.Profiler(model, optimizer)
+    with profiler:
+        train(model, optimizer, data[1:])
+    trace = profiler.trace()
+    result = teraio.plan(trace, gpu_memory=1 << 40, ssd_read_bandwidth=1e9)
+    activations = sum(t["size_bytes"] for t in trace["tensors"] if t["kind"] == "activation")
+    return result["prediction"]["unplanned_peak_bytes"], activations
+
+
+def _offloaded_run(**options: Any) -> tuple[list[float], dict[str, Any], teraio.Report, Any]:
+    model, optimizer = make()
+    with teraio.offload(model, optimizer, min_bytes=64 << 10, reserve=0, **options) as run:
+        losses = train(model, optimizer, batches(STEPS, rows=ROWS))
+    return losses, model.state_dict(), run.report(), run
+
+
+def _assert_same(
+    reference: tuple[list[float], dict[str, Any]], losses: list[float], state: dict[str, Any]
+) -> None:
+    ref_losses, ref_state = reference
+    assert losses == ref_losses  # bitwise: float equality of every loss
+    for name, value in ref_state.items():
+        assert torch.equal(state[name], value), name
+
+
+def test_host_tier_bitwise_equal() -> None:
+    reference = _reference()
+    peak, activations = _unplanned_peak_and_activations()
+    budget = peak - activations // 2
+    losses, state, report, run = _offloaded_run(gpu_memory=budget, host_memory=1 << 30)
+    _assert_same(reference, losses, state)
+    assert report.plan_summary["fits"] is True
+    assert report.plan_summary["host_migrations"] > 0
+    assert report.planned_steps == STEPS - 2
+    moved = report.bytes_per_iteration
+    assert moved["offloaded"]["host"] >= activations // 2 * 0.5
+    assert moved["prefetched"]["host"] == moved["offloaded"]["host"]
+    assert moved["offloaded"]["ssd"] == 0
+    assert report.stalls["plan_mismatches"] == 0
+    assert report.stalls["prefetches_planned"] > 0
+    assert report.predicted_peak_bytes is not None and report.predicted_peak_bytes <= budget
+    assert report.unplanned_peak_bytes == pytest.approx(peak, rel=0.01)
+
+
+def test_ssd_tier_bitwise_equal(store: teraio.Store, tmp_path: pathlib.Path) -> None:
+    reference = _reference()
+    peak, activations = _unplanned_peak_and_activations()
+    trace_path = tmp_path / "trace.json"
+    losses, state, report, _ = _offloaded_run(
+        gpu_memory=peak - activations // 2,
+        host_memory=0,
+        store=store,
+        ssd_bandwidth="2GB/s",
+        trace_path=str(trace_path),
+    )
+    _assert_same(reference, losses, state)
+    assert report.plan_summary["ssd_migrations"] > 0 and report.plan_summary["host_migrations"] == 0
+    moved = report.bytes_per_iteration
+    assert moved["offloaded"]["ssd"] > 0 and moved["offloaded"]["host"] == 0
+    assert moved["prefetched"]["ssd"] == moved["offloaded"]["ssd"]
+    teraio.validate_trace(trace_path.read_text())
+    # The executor wrote its objects through the engine.
+    assert store.info()["object_count"] > 0
+
+
+def test_tiny_budget_still_exact_with_on_demand_fetches(store: teraio.Store) -> None:
+    # A budget below the persistent tensors cannot fit: the plan says so, and training stays exact.
+    reference = _reference()
+    losses, state, report, _ = _offloaded_run(gpu_memory=1 << 20, host_memory=1 << 20, store=store)
+    _assert_same(reference, losses, state)
+    assert report.plan_summary["fits"] is False
+
+
+def test_report_text_mentions_figures() -> None:
+    peak, activations = _unplanned_peak_and_activations()
+    _, _, report, _ = _offloaded_run(gpu_memory=peak - activations // 2, host_memory=1 << 30)
+    text = str(report)
+    assert "measured" in text and "predicted" in text and "offloaded per iteration" in text

@@ -1,0 +1,110 @@
+"""The planner binding: plans, predictions, validation errors, pinned kinds."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import teraio
+
+MIB = 1 << 20
+
+
+def _trace() -> dict[str, Any]:
+    # 8 ops; a 64 MiB activation written at op 0 and read at op 7; a 64 MiB weight read at 0 and 7.
+    ops = [
+        {"name": f"op{i}", "duration_us": 10_000.0, "phase": "forward" if i < 4 else "backward"}
+        for i in range(8)
+    ]
+    tensors = [
+        {
+            "id": 1,
+            "name": "w",
+            "size_bytes": 64 * MIB,
+            "kind": "weight",
+            "alloc_op": None,
+            "free_op": None,
+            "uses": [{"op": 0, "access": "read"}, {"op": 7, "access": "read"}],
+        },
+        {
+            "id": 2,
+            "name": "act",
+            "size_bytes": 64 * MIB,
+            "kind": "activation",
+            "alloc_op": 0,
+            "free_op": 7,
+            "uses": [{"op": 0, "access": "write"}, {"op": 7, "access": "read"}],
+        },
+        {
+            "id": 3,
+            "name": "tmp",
+            "size_bytes": 16 * MIB,
+            "kind": "temporary",
+            "alloc_op": 3,
+            "free_op": 4,
+            "uses": [{"op": 3, "access": "write"}, {"op": 4, "access": "read"}],
+        },
+    ]
+    return {
+        "format_version": 1,
+        "description": "unit",
+        "gpu_capacity_bytes": 1 << 30,
+        "ops": ops,
+        "tensors": tensors,
+    }
+
+
+def test_plan_fits_and_predicts() -> None:
+    result = teraio.plan(_trace(), gpu_memory="130MiB", ssd_read_bandwidth="6.5GB/s", host_memory=0)
+    plan, prediction = result["plan"], result["prediction"]
+    assert plan["fits"] is True
+    assert prediction["unplanned_peak_bytes"] == 144 * MIB
+    assert prediction["peak_gpu_bytes"] <= 130 * MIB
+    assert prediction["ideal_time_us"] == pytest.approx(80_000.0)
+    assert prediction["iteration_time_us"] >= prediction["ideal_time_us"]
+    kinds = {a["kind"] for a in plan["actions"]}
+    assert {"prefetch"} <= kinds and kinds & {"offload", "drop"}
+    assert all(a["tier"] == "ssd" for a in plan["actions"])
+
+
+def test_movable_kinds_pin_the_rest() -> None:
+    result = teraio.plan(
+        _trace(), gpu_memory="130MiB", ssd_read_bandwidth=6.5e9, movable_kinds=["activation"]
+    )
+    assert {m["tensor_id"] for m in result["plan"]["migrations"]} == {2}
+    pinned = teraio.plan(_trace(), gpu_memory="130MiB", ssd_read_bandwidth=6.5e9, movable_kinds=["weight"])
+    assert {m["tensor_id"] for m in pinned["plan"]["migrations"]} <= {1}
+
+
+def test_host_tier_when_ssd_is_slow() -> None:
+    result = teraio.plan(
+        _trace(),
+        gpu_memory="130MiB",
+        ssd_read_bandwidth="10MB/s",
+        host_memory="1GiB",
+        movable_kinds=["activation"],
+    )
+    assert [m["tier"] for m in result["plan"]["migrations"]] == ["host"]
+    assert result["prediction"]["host_written_bytes"] == 64 * MIB
+
+
+def test_invalid_trace_names_the_rule() -> None:
+    trace = _trace()
+    trace["tensors"][1]["uses"] = [{"op": 7, "access": "read"}, {"op": 0, "access": "write"}]
+    with pytest.raises(
+        teraio.PlannerError, match=r"tensor 2 \(act\): uses must be in strictly increasing op order"
+    ):
+        teraio.validate_trace(json.dumps(trace))
+    with pytest.raises(teraio.PlannerError, match="format_version"):
+        teraio.plan(dict(_trace(), format_version=2), gpu_memory=1 << 30)
+    with pytest.raises(ValueError, match="unknown tensor kind"):
+        teraio.plan(_trace(), gpu_memory=1 << 30, movable_kinds=["activations"])
+
+
+def test_parse_size() -> None:
+    assert teraio.parse_size("24GiB") == 24 << 30
+    assert teraio.parse_size("1.5GB") == 1_500_000_000
+    assert teraio.parse_size(4096) == 4096
+    with pytest.raises(ValueError):
+        teraio.parse_size("lots")

@@ -1,0 +1,83 @@
+"""The store from Python: numpy, torch CPU tensors, bytes, handles, errors."""
+
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+import pytest
+import teraio
+
+
+def test_numpy_round_trip_and_metadata(store: teraio.Store) -> None:
+    rng = np.random.default_rng(7)
+    data = rng.standard_normal(300_001).astype(np.float32)  # not a block multiple
+    store.put(5, data, meta=b"layer0")
+    out = np.empty_like(data)
+    assert store.get(5, out) is out
+    assert np.array_equal(out, data)
+    info = store.stat(5)
+    assert info is not None
+    assert info["len_bytes"] == data.nbytes
+    assert info["meta"] == b"layer0"
+    assert [o["id"] for o in store.list()] == [5]
+    assert store.delete(5) is True
+    assert store.delete(5) is False
+    assert store.stat(5) is None
+
+
+def test_torch_cpu_tensor_in_place(store: teraio.Store) -> None:
+    torch = pytest.importorskip("torch")
+    src = torch.arange(1 << 20, dtype=torch.int32)
+    handle = store.put_async(1, src)
+    assert handle.wait(timeout_s=30.0) is True
+    assert handle.is_done()
+    dst = torch.zeros(1 << 20, dtype=torch.int32)
+    ptr = dst.data_ptr()
+    store.get_async(1, dst, urgent=True).wait()
+    assert dst.data_ptr() == ptr  # read in place, no new tensor
+    assert torch.equal(dst, src)
+
+
+def test_bytes_and_larger_buffer(store: teraio.Store) -> None:
+    store.put(9, b"hello teraio")
+    assert store.get_bytes(9) == b"hello teraio"
+    out = np.zeros(100, dtype=np.uint8)
+    store.get(9, out)
+    assert bytes(out[:12]) == b"hello teraio" and not out[12:].any()
+
+
+def test_errors_carry_engine_messages(store: teraio.Store) -> None:
+    out = np.empty(16, dtype=np.uint8)
+    with pytest.raises(teraio.NotFoundError, match="object 77 not found"):
+        store.get(77, out)
+    store.put(3, np.ones(1000, dtype=np.uint8))
+    with pytest.raises(teraio.InvalidArgumentError, match="too small"):
+        store.get(3, np.empty(10, dtype=np.uint8))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        store.put(4, np.ones((10, 10))[:, ::2])
+    assert issubclass(teraio.NotFoundError, teraio.TeraioError)
+    assert issubclass(teraio.NoSpaceError, teraio.TeraioError)
+
+
+def test_no_space(store_dir: pathlib.Path) -> None:
+    with teraio.Store.create([store_dir / "small"], file_size_bytes=16 << 20, durable=False) as small:
+        with pytest.raises(teraio.NoSpaceError, match="not enough free space"):
+            small.put(1, np.zeros(64 << 20, dtype=np.uint8))
+
+
+def test_reopen_keeps_objects_and_close_is_final(store_dir: pathlib.Path) -> None:
+    paths = [store_dir / "a"]
+    data = np.arange(5000, dtype=np.float64)
+    with teraio.Store.create(paths, file_size_bytes=64 << 20) as s:
+        s.put(11, data)
+    s2 = teraio.Store.open(paths)
+    assert np.array_equal(s2.get(11, np.empty_like(data)), data)
+    s2.close()
+    s2.close()
+    assert s2.closed
+    with pytest.raises(teraio.ClosedError):
+        s2.stat(11)
+    with pytest.raises(teraio.DeviceError, match="not a teraio device"):
+        (store_dir / "junk").write_bytes(b"\0" * (8 << 20))
+        teraio.Store.open([store_dir / "junk"])
