@@ -113,6 +113,8 @@ pub struct OpenConfig {
     /// A crashed writer's lock is released only once the kernel has finished its last requests.
     /// Default 2 s.
     pub lock_wait_ms: u64,
+    /// GPU data paths (used from the first GPU put/get on). Default: `GpuOptions::default()`.
+    pub gpu: GpuOptions,
 }
 
 impl Default for OpenConfig {
@@ -130,6 +132,7 @@ impl Default for OpenConfig {
             fault_injector: None,
             lock_wait_ms: 2000,
             power_cut_log_dir: None,
+            gpu: GpuOptions::default(),
         }
     }
 }
@@ -152,6 +155,67 @@ impl OpenConfig {
             )));
         }
         Ok(())
+    }
+}
+
+/// How GPU memory moves to and from the SSDs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GpuPath {
+    /// cuFile if libcufile works here and a short measurement finds it faster than the pinned
+    /// bounce path, else the bounce path; the report says what was measured and chosen.
+    #[default]
+    Auto,
+    /// Through the store's pinned bounce chunks, with overlapped host<->device copies.
+    Bounce,
+    /// Through libcufile, in true GDS or compatibility mode (the report says which, and why).
+    Cufile,
+    /// Through libcufile in true GDS mode only: an error (naming the reasons) where only
+    /// compatibility mode is possible.
+    Gds,
+}
+
+impl GpuPath {
+    pub fn name(self) -> &'static str {
+        match self {
+            GpuPath::Auto => "auto",
+            GpuPath::Bounce => "bounce",
+            GpuPath::Cufile => "cufile",
+            GpuPath::Gds => "gds",
+        }
+    }
+}
+
+impl std::str::FromStr for GpuPath {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "auto" => Ok(GpuPath::Auto),
+            "bounce" | "pinned" | "compat" => Ok(GpuPath::Bounce),
+            "cufile" => Ok(GpuPath::Cufile),
+            "gds" => Ok(GpuPath::Gds),
+            other => Err(Error::InvalidConfig(format!("unknown GPU path {other:?}; use auto, bounce, cufile or gds"))),
+        }
+    }
+}
+
+/// GPU data path settings, read when a store's first GPU op sets its GPU state up.
+/// NOTE: the pinned host memory the bounce path uses is the store's bounce slab, so
+/// `OpenConfig::bounce_pool_bytes` bounds it (pinned memory can never exhaust RAM).
+#[derive(Debug, Clone)]
+pub struct GpuOptions {
+    /// Default `Auto`.
+    pub path: GpuPath,
+    /// CUDA streams per GPU for bounce copies. Default 4.
+    pub copy_streams: usize,
+    /// Threads per store device issuing cuFile calls (they block). Default 8.
+    pub cufile_threads_per_device: usize,
+    /// Bytes `Auto` reads through each path to compare them. Default 64 MiB.
+    pub auto_probe_bytes: u64,
+}
+
+impl Default for GpuOptions {
+    fn default() -> Self {
+        GpuOptions { path: GpuPath::Auto, copy_streams: 4, cufile_threads_per_device: 8, auto_probe_bytes: 64 * MIB }
     }
 }
 

@@ -83,6 +83,9 @@ pub enum Error {
 
     #[error("the store is closed")]
     Closed,
+
+    #[error("CUDA call {call} failed: {detail}")]
+    Gpu { call: &'static str, detail: String },
 }
 
 impl Error {
@@ -167,6 +170,7 @@ impl Clone for Error {
             }
             Error::Io { context, source } => Error::Io { context: context.clone(), source: c(source) },
             Error::Closed => Error::Closed,
+            Error::Gpu { call, detail } => Error::Gpu { call, detail: detail.clone() },
         }
     }
 }

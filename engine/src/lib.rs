@@ -5,12 +5,14 @@
 //! [`layout::stripe`] (which device bytes hold which object bytes) -> the dispatcher and the
 //! in-flight budget -> [`queue`] (one worker per device, urgent lane first) -> [`backend`]
 //! (io_uring or psync, or a fault-injecting wrapper). The on-disk format is in `docs/format.md`.
+//! GPU memory (put/get from CUDA device pointers, the pinned bounce and cuFile paths) is in [`gpu`].
 
 pub mod backend;
 pub mod buffer;
 pub mod config;
 pub mod device;
 pub mod error;
+pub mod gpu;
 pub mod layout;
 pub mod queue;
 pub mod stats;
@@ -19,7 +21,7 @@ pub mod store;
 pub use backend::fault::{Fault, FaultInjector, FaultRule};
 pub use backend::{BackendKind, IoKind, UringOptions};
 pub use buffer::AlignedBuf;
-pub use config::{parse_size, FormatConfig, OpenConfig, GIB, KIB, MIB};
+pub use config::{parse_size, FormatConfig, GpuOptions, GpuPath, OpenConfig, GIB, KIB, MIB};
 pub use error::{Error, Result};
 pub use queue::Priority;
 pub use stats::{IoCounters, LatencySummary, OpCounters, StatsSnapshot};

@@ -160,8 +160,9 @@ impl Worker {
             token: slot as u64,
             kind: r.kind,
             offset: r.offset + done as u64,
-            // SAFETY: done_bytes < len, so this stays inside the request's buffer.
-            buf: unsafe { r.buf.add(done as usize) },
+            // done_bytes < len, so this stays inside the request's buffer (which may be a GPU
+            // address for the cuFile backend: wrapping arithmetic, never dereferenced here).
+            buf: r.buf.wrapping_add(done as usize),
             len: r.len - done,
             fixed_index: r.fixed_index,
         };

@@ -4,6 +4,7 @@
 //! reaps completions from it; the backend never decides order or priority, so a new backend
 //! (cuFile, NVMe passthrough, an emulated device) plugs in without touching the queue code.
 
+pub mod cufile;
 pub mod fault;
 pub mod powercut;
 pub mod psync;

@@ -2,6 +2,12 @@
 //! first, even in the middle of a large normal op), cuts them along the stripe map into device
 //! requests, holds them to the in-flight byte budget, bounces what O_DIRECT cannot take straight
 //! from the caller's memory, and hands the requests to the per-device queues.
+//!
+//! GPU ops (caller memory on a CUDA device) take one of two ways per piece: through a pinned
+//! bounce chunk with the host<->device copy on the GPU's copy engine (put: copy, then disk write;
+//! get: disk read, then copy), or, on the cuFile path, straight to the cuFile queue of the device
+//! with the GPU address as the buffer. Partial blocks (object tail, unaligned range ends) always
+//! bounce: cuFile must never touch GPU bytes outside the caller's range.
 
 use super::object::Object;
 use super::ticket::Completion;
@@ -9,6 +15,9 @@ use super::Shared;
 use crate::backend::IoKind;
 use crate::buffer::BounceChunk;
 use crate::error::{Error, Result};
+use crate::gpu::copy::CopyDirection;
+use crate::gpu::handoff::HandoffSlot;
+use crate::gpu::runtime::GpuDevice;
 use crate::layout::stripe::{Piece, StripeMap};
 use crate::queue::{Priority, Request};
 use std::collections::VecDeque;
@@ -52,6 +61,20 @@ pub(crate) struct Op {
     pub devices_written: AtomicU64,
     pub started: Instant,
     pub verify: bool,
+    /// Set for ops on CUDA device memory (`user_ptr` is then a device address).
+    pub gpu: Option<GpuOp>,
+}
+
+/// What a GPU op carries besides a host op's state.
+pub(crate) struct GpuOp {
+    pub device: Arc<GpuDevice>,
+    /// Whole blocks go through cuFile (else every piece bounces).
+    pub use_cufile: bool,
+    /// (object offset, bytes, crc32c) of each bounced piece's caller bytes: a put's stripe-unit
+    /// checksums and a verified get's check are built from these, since the caller's bytes are
+    /// only ever on the host inside a bounce chunk.
+    pub piece_crcs: Option<Mutex<Vec<(u64, u64, u32)>>>,
+    pub handoff: Option<HandoffSlot>,
 }
 
 impl Op {
@@ -80,6 +103,7 @@ impl Op {
             devices_written: AtomicU64::new(0),
             started: Instant::now(),
             verify,
+            gpu: None,
         }
     }
 
@@ -200,12 +224,52 @@ impl Shared {
             return;
         }
         match op.kind {
-            OpKind::Put => self.send_to_commit(op.clone()),
+            OpKind::Put => {
+                if let (Some(gpu), OpObject::Put(object)) = (&op.gpu, &op.object) {
+                    if let Some(crcs) = &gpu.piece_crcs {
+                        let pieces = std::mem::take(&mut *crcs.lock().expect("piece crcs"));
+                        let su = self.geometry.stripe_unit;
+                        let units = unit_crcs_from_pieces(pieces, su, op.user_end, 0, op.user_end);
+                        if let Some(o) = object.lock().expect("put object").as_mut() {
+                            o.record.unit_crcs = units.into_iter().map(|(_, crc)| crc).collect();
+                        }
+                    }
+                }
+                self.send_to_commit(op.clone())
+            }
             OpKind::Get => {
-                let result = if op.verify { self.verify_get(op) } else { Ok(()) };
+                let result = match (&op.gpu, op.verify) {
+                    (_, false) => Ok(()),
+                    (None, true) => self.verify_get(op),
+                    (Some(gpu), true) => self.verify_gpu_get(op, gpu),
+                };
                 self.finish_op(op, result);
             }
         }
+    }
+
+    /// A verified GPU get: the checksums of the bounced pieces against the record's.
+    fn verify_gpu_get(&self, op: &Op, gpu: &GpuOp) -> Result<()> {
+        let OpObject::Get(object) = &op.object else { unreachable!("verify on a get") };
+        let r = &object.record;
+        let Some(crcs) = &gpu.piece_crcs else { return Ok(()) };
+        if r.unit_crcs.is_empty() {
+            return Ok(());
+        }
+        let pieces = std::mem::take(&mut *crcs.lock().expect("piece crcs"));
+        let su = self.geometry.stripe_unit;
+        for (unit, crc) in unit_crcs_from_pieces(pieces, su, r.len_bytes, op.user_start, op.user_end) {
+            if unit < r.unit_crcs.len() as u64 && r.unit_crcs[unit as usize] != crc {
+                let map = StripeMap::new(r, su, self.geometry.block_size, self.geometry.device_count);
+                let mut at = None;
+                map.for_each_piece(unit * su..unit * su + self.geometry.block_size, self.geometry.block_size, |p| {
+                    at.get_or_insert((p.device, p.device_offset));
+                });
+                let (device, device_offset) = at.expect("a unit has a first block");
+                return Err(Error::ChecksumMismatch { id: op.id, unit, device, device_offset });
+            }
+        }
+        Ok(())
     }
 
     /// Completes an op: wakes its ticket and updates the counters.
@@ -227,6 +291,10 @@ impl Shared {
             }
         }
         op.completion.finish(result);
+        if let Some(GpuOp { device, handoff: Some(slot), .. }) = &op.gpu {
+            // After the ticket is done, so a stream that passed the hand-off finds `is_done`.
+            device.handoff.signal(*slot);
+        }
         self.op_finished();
     }
 
@@ -329,11 +397,20 @@ fn dispatch_slice(shared: &Arc<Shared>, pending: &mut PendingOp, may_block: bool
             );
         }
     }
-    let mut per_device: Vec<Vec<Request>> = (0..g.device_count).map(|_| Vec::new()).collect();
+    // Requests for the devices' host-memory queues, and (GPU ops on the cuFile path) for their
+    // cuFile queues: index device_count + d.
+    let queue_count = g.device_count as usize * if op.gpu.is_some() { 2 } else { 1 };
+    let mut per_device: Vec<Vec<Request>> = (0..queue_count).map(|_| Vec::new()).collect();
+    let gpu_state = shared.gpu.get().and_then(|r| r.as_ref().ok());
     let flush = |per_device: &mut Vec<Vec<Request>>| {
-        for (device, requests) in per_device.iter_mut().enumerate() {
-            if !requests.is_empty() {
-                shared.queues[device].submit(requests.drain(..));
+        for (queue, requests) in per_device.iter_mut().enumerate() {
+            if requests.is_empty() {
+                continue;
+            }
+            match queue.checked_sub(g.device_count as usize) {
+                None => shared.queues[queue].submit(requests.drain(..)),
+                Some(device) => gpu_state.expect("cuFile requests only with GPU state").cufile_queues[device]
+                    .submit(requests.drain(..)),
             }
         }
     };
@@ -346,7 +423,10 @@ fn dispatch_slice(shared: &Arc<Shared>, pending: &mut PendingOp, may_block: bool
                 return false;
             }
         }
-        let needs_bounce = !is_direct(shared, &op, piece);
+        let needs_bounce = match &op.gpu {
+            None => !is_direct(shared, &op, piece),
+            Some(gpu) => !(gpu.use_cufile && covers(&op, piece)),
+        };
         let chunk = if needs_bounce {
             match shared.pool.try_take() {
                 Some(c) => Some(c),
@@ -365,16 +445,250 @@ fn dispatch_slice(shared: &Arc<Shared>, pending: &mut PendingOp, may_block: bool
         } else {
             None
         };
-        if op.kind == OpKind::Put && g.checksums && piece.object_offset % g.stripe_unit == 0 {
-            pending.unit_crcs.push(unit_crc(&op, piece.unit, g.stripe_unit));
+        match (&op.gpu, chunk) {
+            (None, chunk) => {
+                if op.kind == OpKind::Put && g.checksums && piece.object_offset % g.stripe_unit == 0 {
+                    pending.unit_crcs.push(unit_crc(&op, piece.unit, g.stripe_unit));
+                }
+                let request = build_request(shared, &op, piece, chunk);
+                per_device[piece.device as usize].push(request);
+            }
+            (Some(_), None) => {
+                let request = build_cufile_request(shared, &op, piece);
+                per_device[g.device_count as usize + piece.device as usize].push(request);
+            }
+            (Some(gpu), Some(chunk)) => {
+                if let Some(request) = build_gpu_bounce(shared, &op, gpu, piece, chunk) {
+                    per_device[piece.device as usize].push(request);
+                }
+            }
         }
-        let request = build_request(shared, &op, piece, chunk);
-        per_device[piece.device as usize].push(request);
         pending.cursor = piece.object_offset + piece.len;
     }
     flush(&mut per_device);
     pending.cursor = slice_end;
     slice_end == pending.end
+}
+
+/// Whether the caller's range covers the whole piece.
+fn covers(op: &Op, piece: Piece) -> bool {
+    piece.object_offset >= op.user_start && piece.object_offset + piece.len <= op.user_end
+}
+
+/// Per stripe unit lying wholly in `[start, end)` (a unit ends at the next unit or at
+/// `object_len`), the crc32c of its bytes, combined from the crcs of the pieces that tile it.
+pub(crate) fn unit_crcs_from_pieces(
+    mut pieces: Vec<(u64, u64, u32)>,
+    stripe_unit: u64,
+    object_len: u64,
+    start: u64,
+    end: u64,
+) -> Vec<(u64, u32)> {
+    pieces.sort_unstable_by_key(|p| p.0);
+    let mut out = Vec::new();
+    let mut current: Option<(u64, u64, u32)> = None; // (unit, bytes covered so far from the unit start, crc)
+    for (offset, len, crc) in pieces {
+        let unit = offset / stripe_unit;
+        let unit_start = unit * stripe_unit;
+        let unit_end = (unit_start + stripe_unit).min(object_len);
+        if unit_start < start || unit_end > end {
+            continue;
+        }
+        current = match current {
+            Some((u, covered, c)) if u == unit && unit_start + covered == offset => {
+                Some((u, covered + len, crc32c::crc32c_combine(c, crc, len as usize)))
+            }
+            _ if offset == unit_start => Some((unit, len, crc)),
+            _ => None,
+        };
+        if let Some((u, covered, c)) = current {
+            if unit_start + covered == unit_end {
+                out.push((u, c));
+                current = None;
+            }
+        }
+    }
+    out
+}
+
+/// What to do when a device request of an op finishes: give back its bounce chunk and budget,
+/// record an error, count the request done.
+#[allow(clippy::too_many_arguments)]
+fn finish_device_request(
+    shared: &Arc<Shared>,
+    op: &Arc<Op>,
+    chunk: Option<BounceChunk>,
+    kind: IoKind,
+    device: u16,
+    device_offset: u64,
+    len: u64,
+    result: std::io::Result<()>,
+) {
+    if let Some(chunk) = chunk {
+        shared.pool.put(chunk);
+    }
+    shared.release_budget(len);
+    if let Err(source) = result {
+        op.set_error(Error::DeviceIo {
+            device,
+            path: shared.devices[device as usize].path.clone(),
+            op: kind.name(),
+            offset: device_offset,
+            source,
+        });
+    }
+    shared.request_done(op);
+}
+
+/// A piece of a GPU op on the cuFile path: the device request's buffer is the GPU address.
+fn build_cufile_request(shared: &Arc<Shared>, op: &Arc<Op>, piece: Piece) -> Request {
+    let kind = if op.kind == OpKind::Put { IoKind::Write } else { IoKind::Read };
+    if kind == IoKind::Write {
+        op.devices_written.fetch_or(1u64 << piece.device, Ordering::Relaxed);
+    }
+    op.remaining.fetch_add(1, Ordering::AcqRel);
+    let device_address = op.user_ptr as u64 + (piece.object_offset - op.user_start);
+    let (s, o) = (shared.clone(), op.clone());
+    let (device, device_offset, len) = (piece.device, piece.device_offset, piece.len);
+    Request {
+        kind,
+        offset: piece.device_offset,
+        buf: device_address as usize as *mut u8,
+        len: piece.len as u32,
+        fixed_index: None,
+        priority: op.priority,
+        on_complete: Box::new(move |result| {
+            finish_device_request(&s, &o, None, kind, device, device_offset, len, result)
+        }),
+    }
+}
+
+/// A piece of a GPU op through a pinned bounce chunk. A get returns its disk read, whose
+/// completion queues the host->device copy. A put zero-fills the chunk's padding and queues the
+/// device->host copy now; the copy's completion submits the disk write, so it returns None.
+fn build_gpu_bounce(
+    shared: &Arc<Shared>,
+    op: &Arc<Op>,
+    gpu: &GpuOp,
+    piece: Piece,
+    chunk: BounceChunk,
+) -> Option<Request> {
+    let (piece_start, piece_end) = (piece.object_offset, piece.object_offset + piece.len);
+    let (overlap_start, overlap_end) = (piece_start.max(op.user_start), piece_end.min(op.user_end));
+    let overlap_len = overlap_end.saturating_sub(overlap_start) as usize;
+    let in_chunk = overlap_start.saturating_sub(piece_start) as usize;
+    let device_address = op.user_ptr as u64 + (overlap_start.max(op.user_start) - op.user_start);
+    let (device, device_offset, len) = (piece.device, piece.device_offset, piece.len);
+    let priority = op.priority;
+    op.remaining.fetch_add(1, Ordering::AcqRel);
+    let copy_engine = gpu.device.clone();
+    let chunk_ptr = SendPtr(chunk.ptr);
+    let chunk_host = chunk.ptr;
+    match op.kind {
+        OpKind::Put => {
+            op.devices_written.fetch_or(1u64 << piece.device, Ordering::Relaxed);
+            // SAFETY: the chunk is ours and at least piece.len long.
+            unsafe {
+                std::ptr::write_bytes(chunk.ptr, 0, in_chunk);
+                std::ptr::write_bytes(
+                    chunk.ptr.add(in_chunk + overlap_len),
+                    0,
+                    piece.len as usize - in_chunk - overlap_len,
+                );
+            }
+            let (s, o) = (shared.clone(), op.clone());
+            let then: crate::gpu::copy::AfterCopy = Box::new(move |copied: Result<()>| {
+                let chunk_ptr = chunk_ptr;
+                if let Err(e) = copied {
+                    o.set_error(e);
+                    s.pool.put(chunk);
+                    s.release_budget(len);
+                    s.request_done(&o);
+                    return;
+                }
+                if let Some(crcs) = o.gpu.as_ref().and_then(|g| g.piece_crcs.as_ref()) {
+                    // SAFETY: the copy filled these chunk bytes.
+                    let bytes = unsafe { std::slice::from_raw_parts(chunk_ptr.0.add(in_chunk), overlap_len) };
+                    crcs.lock().expect("piece crcs").push((overlap_start, overlap_len as u64, crc32c::crc32c(bytes)));
+                }
+                let (s2, o2) = (s.clone(), o.clone());
+                let request = Request {
+                    kind: IoKind::Write,
+                    offset: device_offset,
+                    buf: chunk_ptr.0,
+                    len: len as u32,
+                    fixed_index: None,
+                    priority,
+                    on_complete: Box::new(move |result| {
+                        finish_device_request(&s2, &o2, Some(chunk), IoKind::Write, device, device_offset, len, result)
+                    }),
+                };
+                s.queues[device as usize].submit(std::iter::once(request));
+            });
+            if overlap_len == 0 {
+                then(Ok(()));
+            } else {
+                // SAFETY: the chunk is pinned (the slab) and held until `then` runs; the device
+                // range lies in the caller's buffer, which the ticket keeps alive.
+                unsafe {
+                    copy_engine.copy.copy(
+                        CopyDirection::DeviceToHost,
+                        chunk_host.add(in_chunk),
+                        device_address,
+                        overlap_len,
+                        then,
+                    )
+                };
+            }
+            None
+        }
+        OpKind::Get => {
+            let (s, o) = (shared.clone(), op.clone());
+            let buf = chunk.ptr;
+            Some(Request {
+                kind: IoKind::Read,
+                offset: device_offset,
+                buf,
+                len: len as u32,
+                fixed_index: None,
+                priority,
+                on_complete: Box::new(move |result| {
+                    let chunk_ptr = chunk_ptr;
+                    if result.is_err() {
+                        finish_device_request(&s, &o, Some(chunk), IoKind::Read, device, device_offset, len, result);
+                        return;
+                    }
+                    if let Some(crcs) = o.gpu.as_ref().and_then(|g| g.piece_crcs.as_ref()) {
+                        // SAFETY: the read filled the chunk.
+                        let bytes = unsafe { std::slice::from_raw_parts(chunk_ptr.0.add(in_chunk), overlap_len) };
+                        crcs.lock().expect("piece crcs").push((
+                            overlap_start,
+                            overlap_len as u64,
+                            crc32c::crc32c(bytes),
+                        ));
+                    }
+                    let (s2, o2) = (s.clone(), o.clone());
+                    let then = Box::new(move |copied: Result<()>| {
+                        if let Err(e) = copied {
+                            o2.set_error(e);
+                        }
+                        finish_device_request(&s2, &o2, Some(chunk), IoKind::Read, device, device_offset, len, Ok(()));
+                    });
+                    // SAFETY: the chunk is pinned and held until `then` runs; the destination lies
+                    // in the caller's buffer, which the ticket keeps alive.
+                    unsafe {
+                        copy_engine.copy.copy(
+                            CopyDirection::HostToDevice,
+                            chunk_ptr.0.add(in_chunk),
+                            device_address,
+                            overlap_len,
+                            then,
+                        )
+                    };
+                }),
+            })
+        }
+    }
 }
 
 /// crc32c of a stripe unit's true bytes, read from the caller's buffer of a put.
@@ -474,5 +788,27 @@ fn build_request(shared: &Arc<Shared>, op: &Arc<Op>, piece: Piece, chunk: Option
             }
             shared_done.request_done(&op_done);
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::unit_crcs_from_pieces;
+
+    #[test]
+    fn unit_crcs_combine_pieces_and_skip_partial_units() {
+        let data: Vec<u8> = (0..10_000u32).map(|i| (i * 7 + 3) as u8).collect();
+        let crc = |a: usize, b: usize| crc32c::crc32c(&data[a..b]);
+        // Stripe unit 4096, object of 10_000 bytes cut into pieces of at most 1024 (shuffled).
+        let mut pieces: Vec<(u64, u64, u32)> = (0..10_000usize)
+            .step_by(1024)
+            .map(|a| (a as u64, (10_000 - a).min(1024) as u64, crc(a, (a + 1024).min(10_000))))
+            .collect();
+        pieces.reverse();
+        let all = unit_crcs_from_pieces(pieces.clone(), 4096, 10_000, 0, 10_000);
+        assert_eq!(all, vec![(0, crc(0, 4096)), (1, crc(4096, 8192)), (2, crc(8192, 10_000))]);
+        // A range that ends inside unit 2 and starts inside unit 0 checks unit 1 only.
+        let inner: Vec<_> = pieces.into_iter().filter(|p| p.0 >= 1024 && p.0 + p.1 <= 9216).collect();
+        assert_eq!(unit_crcs_from_pieces(inner, 4096, 10_000, 1024, 9216), vec![(1, crc(4096, 8192))]);
     }
 }

@@ -15,6 +15,7 @@ use crate::buffer::{AlignedBuf, BouncePool};
 use crate::config::{FormatConfig, OpenConfig, MAX_DEVICES, MIB};
 use crate::device::{self, Device};
 use crate::error::{Error, Result};
+use crate::gpu::runtime::StoreGpu;
 use crate::layout::alloc::DeviceAllocator;
 use crate::layout::codec::{round_down, round_up};
 use crate::layout::metadata::encode_checkpoint;
@@ -97,6 +98,9 @@ pub(crate) struct Shared {
     pub geometry: Geometry,
     pub config: OpenConfig,
     pub superblocks: Vec<Superblock>,
+    /// GPU state, set up by the first GPU op. Before `queues`, `devices` and `pool`: its cuFile
+    /// queues stop and the slab is unpinned before the device files close and the slab is freed.
+    pub gpu: std::sync::OnceLock<Result<StoreGpu>>,
     /// Before `devices`: the queues' workers stop before the device files close.
     pub queues: Vec<DeviceQueue>,
     pub devices: Vec<Device>,
@@ -352,6 +356,7 @@ impl Store {
             geometry,
             config,
             superblocks,
+            gpu: std::sync::OnceLock::new(),
             queues,
             devices,
             pool,
@@ -779,6 +784,427 @@ impl Drop for Store {
     fn drop(&mut self) {
         let _ = self.shutdown();
     }
+}
+
+/// GPU memory: put and get from CUDA device pointers, on the store's GPU path.
+impl Store {
+    /// Sets up GPU I/O for CUDA device `ordinal` now (else the first GPU op does it): pins the
+    /// bounce slab, chooses the path per `OpenConfig::gpu` (measuring both where `auto` may pick
+    /// either) and returns what was chosen and why. Later calls return the first outcome.
+    pub fn gpu_setup(&self, ordinal: u32) -> Result<crate::gpu::GpuPathReport> {
+        self.gpu_state(ordinal).map(|g| g.report.clone())
+    }
+
+    /// The GPU path report, if GPU I/O has been set up.
+    pub fn gpu_report(&self) -> Option<crate::gpu::GpuPathReport> {
+        self.shared.gpu.get().and_then(|r| r.as_ref().ok()).map(|g| g.report.clone())
+    }
+
+    fn gpu_state(&self, ordinal: u32) -> Result<&StoreGpu> {
+        self.shared.gpu.get_or_init(|| init_gpu(&self.shared, ordinal)).as_ref().map_err(Clone::clone)
+    }
+
+    /// Starts writing device memory `data` as object `id`; the ticket hands `data` back when the
+    /// put is durable. The caller's writes to `data` must be complete (e.g. its stream
+    /// synchronized) before this call.
+    pub fn put_gpu<B: crate::gpu::DeviceIoBuf>(
+        &self,
+        id: u64,
+        data: B,
+        meta: &[u8],
+        priority: Priority,
+    ) -> Result<crate::gpu::GpuTicket<B>> {
+        let slice =
+            crate::gpu::DeviceSlice { ptr: data.device_ptr(), len: data.device_len(), device: data.device_ordinal() };
+        // SAFETY: the ticket owns `data`.
+        let t = unsafe { self.put_gpu_raw(id, slice, meta, priority)? };
+        Ok(crate::gpu::GpuTicket {
+            ticket: Ticket { completion: t.ticket.completion.clone(), buffer: Some(data) },
+            handoff: t.handoff,
+        })
+    }
+
+    /// Starts reading the whole of object `id` into device memory `buf` (at least as long as the
+    /// object; the rest is left untouched).
+    pub fn get_gpu<B: crate::gpu::DeviceIoBuf>(
+        &self,
+        id: u64,
+        buf: B,
+        priority: Priority,
+    ) -> Result<crate::gpu::GpuTicket<B>> {
+        let slice =
+            crate::gpu::DeviceSlice { ptr: buf.device_ptr(), len: buf.device_len(), device: buf.device_ordinal() };
+        // SAFETY: the ticket owns `buf`.
+        let t = unsafe { self.get_gpu_raw(id, 0, slice, true, priority)? };
+        Ok(crate::gpu::GpuTicket {
+            ticket: Ticket { completion: t.ticket.completion.clone(), buffer: Some(buf) },
+            handoff: t.handoff,
+        })
+    }
+
+    /// Starts reading `buf.device_len()` bytes of object `id` from byte `offset` into device memory.
+    pub fn get_gpu_range<B: crate::gpu::DeviceIoBuf>(
+        &self,
+        id: u64,
+        offset: u64,
+        buf: B,
+        priority: Priority,
+    ) -> Result<crate::gpu::GpuTicket<B>> {
+        let slice =
+            crate::gpu::DeviceSlice { ptr: buf.device_ptr(), len: buf.device_len(), device: buf.device_ordinal() };
+        // SAFETY: the ticket owns `buf`.
+        let t = unsafe { self.get_gpu_raw(id, offset, slice, false, priority)? };
+        Ok(crate::gpu::GpuTicket {
+            ticket: Ticket { completion: t.ticket.completion.clone(), buffer: Some(buf) },
+            handoff: t.handoff,
+        })
+    }
+
+    /// `put_gpu` from a raw device range (for the C ABI, Python and framework tensors).
+    ///
+    /// # Safety
+    /// `src` must be device memory of `src.device`, unchanged and allocated until the ticket is done.
+    pub unsafe fn put_gpu_raw(
+        &self,
+        id: u64,
+        src: crate::gpu::DeviceSlice,
+        meta: &[u8],
+        priority: Priority,
+    ) -> Result<crate::gpu::GpuTicket<()>> {
+        let gpu = self.gpu_op(src, OpKind::Put)?;
+        self.check_meta(meta)?;
+        self.shared.op_started()?;
+        let object = match self.allocate(id, src.len as u64, meta) {
+            Ok(o) => o,
+            Err(e) => {
+                self.shared.op_finished();
+                return Err(e);
+            }
+        };
+        let padded = round_up(src.len as u64, self.shared.geometry.block_size);
+        let mut op = Op::new(
+            OpKind::Put,
+            id,
+            priority,
+            OpObject::Put(Mutex::new(Some(object))),
+            src.ptr as usize,
+            0,
+            src.len as u64,
+            false,
+        );
+        let handoff = gpu.handoff.map(|slot| (gpu.device.handoff.clone(), slot));
+        op.gpu = Some(gpu);
+        let op = Arc::new(op);
+        let completion = op.completion.clone();
+        self.shared.enqueue(op, 0, padded);
+        Ok(crate::gpu::GpuTicket { ticket: Ticket { completion, buffer: Some(()) }, handoff })
+    }
+
+    /// `get_gpu_range` into a raw device range; with `whole`, `dst.len` may exceed the object.
+    ///
+    /// # Safety
+    /// `dst` must be device memory of `dst.device`, allocated and not otherwise accessed until the
+    /// ticket is done.
+    pub unsafe fn get_gpu_raw(
+        &self,
+        id: u64,
+        offset: u64,
+        dst: crate::gpu::DeviceSlice,
+        whole: bool,
+        priority: Priority,
+    ) -> Result<crate::gpu::GpuTicket<()>> {
+        let object = self.shared.table.read().expect("table").get(&id).cloned().ok_or(Error::NotFound { id })?;
+        let object_len = object.record.len_bytes;
+        let end = if whole && offset == 0 {
+            if (dst.len as u64) < object_len {
+                return Err(Error::BufferTooSmall { needed_bytes: object_len, given_bytes: dst.len as u64 });
+            }
+            object_len
+        } else {
+            let end = offset.saturating_add(dst.len as u64);
+            if end > object_len {
+                return Err(Error::RangeOutOfBounds { id, offset, len: dst.len as u64, object_len });
+            }
+            end
+        };
+        let gpu = self.gpu_op(dst, OpKind::Get)?;
+        self.shared.op_started()?;
+        let block = self.shared.geometry.block_size;
+        let verify = self.shared.config.verify_checksums;
+        let mut op = Op::new(OpKind::Get, id, priority, OpObject::Get(object), dst.ptr as usize, offset, end, verify);
+        let handoff = gpu.handoff.map(|slot| (gpu.device.handoff.clone(), slot));
+        op.gpu = Some(gpu);
+        let op = Arc::new(op);
+        let completion = op.completion.clone();
+        self.shared.enqueue(op, round_down(offset, block), round_up(end, block));
+        Ok(crate::gpu::GpuTicket { ticket: Ticket { completion, buffer: Some(()) }, handoff })
+    }
+
+    /// The GPU part of a new op on `mem`: checks the pointer, finds the device's state and path.
+    fn gpu_op(&self, mem: crate::gpu::DeviceSlice, kind: OpKind) -> Result<dispatch::GpuOp> {
+        let state = self.gpu_state(mem.device)?;
+        if mem.len > 0 {
+            crate::gpu::cuda::check_device_pointer(mem.ptr, mem.len, mem.device)?;
+        }
+        let device = state.device(mem.device)?;
+        let use_cufile = state.uses_cufile(mem.device);
+        // Checksums of a GPU op come from its bounced pieces; on the cuFile path the data never
+        // passes through host memory, so objects put that way keep no checksums (documented in
+        // docs/gpu.md) and gets there are not verified.
+        let crcs = match kind {
+            OpKind::Put => self.shared.geometry.checksums && !use_cufile,
+            OpKind::Get => self.shared.config.verify_checksums && !use_cufile,
+        };
+        let handoff = device.handoff.claim();
+        Ok(dispatch::GpuOp { device, use_cufile, piece_crcs: crcs.then(|| Mutex::new(Vec::new())), handoff })
+    }
+}
+
+/// Builds a store's GPU state on its first GPU op (see `GpuOptions` and docs/gpu.md).
+fn init_gpu(shared: &Arc<Shared>, ordinal: u32) -> Result<StoreGpu> {
+    use crate::config::GpuPath;
+    use crate::gpu::{cuda, cufile, probe, GpuPathReport};
+    let options = shared.config.gpu.clone();
+    let ctx = cuda::context(ordinal)?;
+    let (slab, slab_bytes) = shared.pool.slab();
+    // SAFETY: the slab lives in `shared.pool`, which is dropped after `shared.gpu`.
+    let pinned = unsafe { cuda::PinnedRegistration::new(ctx, slab, slab_bytes)? };
+    let mut report = GpuPathReport {
+        path: GpuPath::Bounce,
+        device: ordinal,
+        cufile_mode: Vec::new(),
+        reason: String::new(),
+        measured_gbps: None,
+        pinned_bytes: slab_bytes as u64,
+    };
+    let mut gpu = StoreGpu {
+        cufile_queues: Vec::new(),
+        devices: Mutex::new(HashMap::new()),
+        report: report.clone(),
+        copy_streams: options.copy_streams,
+        _pinned: pinned,
+    };
+    if options.path == GpuPath::Bounce {
+        gpu.report.reason = "bounce requested: pinned bounce chunks with overlapped copies".into();
+        tracing::info!(report = %gpu.report, "teraio GPU path");
+        return Ok(gpu);
+    }
+    // cuFile: what mode each device would run in, then its queues.
+    let mut compat_reasons = Vec::new();
+    for d in &shared.devices {
+        let why = probe::gds_obstacles(&d.path);
+        if why.is_empty() {
+            report.cufile_mode.push(format!("{}: true GDS", d.path.display()));
+        } else {
+            report.cufile_mode.push(format!("{}: compatibility mode ({})", d.path.display(), why.join(", ")));
+            compat_reasons.push(format!("{}: {}", d.path.display(), why.join(", ")));
+        }
+    }
+    if options.path == GpuPath::Gds && !compat_reasons.is_empty() {
+        return Err(Error::BackendUnavailable {
+            backend: "gds",
+            reason: format!(
+                "true GDS is not possible, cuFile would run in compatibility mode: {}",
+                compat_reasons.join("; ")
+            ),
+        });
+    }
+    let queues = cufile::cufile().and_then(|_| {
+        shared
+            .devices
+            .iter()
+            .enumerate()
+            .map(|(i, d)| {
+                let b = crate::backend::cufile::CufileBackend::new(d, options.cufile_threads_per_device, ordinal)?;
+                DeviceQueue::start(i as u16, Box::new(b), shared.config.queue_depth)
+                    .map_err(|e| Error::io("starting a cuFile queue thread", e))
+            })
+            .collect::<Result<Vec<_>>>()
+    });
+    let queues = match (queues, options.path) {
+        (Ok(q), _) => q,
+        (Err(e), GpuPath::Auto) => {
+            report.reason = format!("auto: cuFile unavailable ({e}); using the pinned bounce path");
+            report.cufile_mode.clear();
+            tracing::warn!("{}", report.reason);
+            gpu.report = report;
+            return Ok(gpu);
+        }
+        (Err(e), _) => return Err(e),
+    };
+    gpu.cufile_queues = queues;
+    let mode = if compat_reasons.is_empty() { "true GDS".to_string() } else { "compatibility mode".to_string() };
+    if options.path != GpuPath::Auto {
+        report.path = options.path;
+        report.reason = format!("{} requested: cuFile in {mode}", options.path.name());
+        gpu.report = report;
+        tracing::info!(report = %gpu.report, "teraio GPU path");
+        return Ok(gpu);
+    }
+    let (bounce, direct) = match measure_gpu_paths(shared, &gpu, ordinal, options.auto_probe_bytes) {
+        Ok((b, c)) => (Ok(b), Ok(c)),
+        Err(e) => (Err(e.clone()), Err(e)),
+    };
+    match (bounce, direct) {
+        (Ok(b), Ok(c)) => {
+            report.measured_gbps = Some((b, c));
+            if c > b {
+                report.path = GpuPath::Cufile;
+                report.reason = format!("auto: cuFile ({mode}) measured faster than the pinned bounce path");
+            } else {
+                report.path = GpuPath::Bounce;
+                report.reason = format!("auto: the pinned bounce path measured faster than cuFile ({mode})");
+                gpu.cufile_queues.clear();
+            }
+        }
+        (_, Err(e)) | (Err(e), _) => {
+            report.path = GpuPath::Bounce;
+            report.reason = format!("auto: could not measure the two paths ({e}); using the pinned bounce path");
+            tracing::warn!("{}", report.reason);
+            gpu.cufile_queues.clear();
+        }
+    }
+    gpu.report = report;
+    tracing::info!(report = %gpu.report, "teraio GPU path");
+    Ok(gpu)
+}
+
+/// The short measurement of `auto`: takes a free run of device 0 (no object lives there), writes
+/// `bytes` to it so that the reads below hit the disk rather than a hole of a sparse file, then
+/// reads it into GPU memory through each path twice, alternating, and keeps each path's best GB/s.
+/// The run is given back to the allocator before returning.
+fn measure_gpu_paths(shared: &Arc<Shared>, gpu: &StoreGpu, ordinal: u32, bytes: u64) -> Result<(f64, f64)> {
+    let g = &shared.geometry;
+    let chunk = shared.pool.chunk_bytes() as u64;
+    let bytes = round_up(bytes.max(chunk), chunk);
+    let extent = {
+        let mut allocators = shared.allocators.lock().expect("allocators");
+        let mut run = allocators[0].allocate(bytes / g.block_size, 1, g.block_size)?;
+        run.pop().expect("one extent")
+    };
+    let start = extent.start_block * g.block_size;
+    let result = (|| {
+        write_measurement_run(shared, start, bytes)?;
+        let (mut bounce, mut direct) = (0f64, 0f64);
+        for _ in 0..2 {
+            bounce = bounce.max(measure_gpu_read(shared, gpu, ordinal, false, start, bytes)?);
+            direct = direct.max(measure_gpu_read(shared, gpu, ordinal, true, start, bytes)?);
+        }
+        Ok((bounce, direct))
+    })();
+    shared.allocators.lock().expect("allocators")[0].free(extent);
+    result
+}
+
+/// Writes `bytes` at `start` of device 0 from bounce chunks (whatever they hold), waiting.
+fn write_measurement_run(shared: &Arc<Shared>, start: u64, bytes: u64) -> Result<()> {
+    use crate::backend::IoKind;
+    use crate::queue::Request;
+    let chunk = shared.pool.chunk_bytes() as u64;
+    let (tx, rx) = std::sync::mpsc::channel::<Result<()>>();
+    let pieces = bytes / chunk;
+    for i in 0..pieces {
+        let c = shared.pool.take();
+        let (s, tx) = (shared.clone(), tx.clone());
+        let request = Request {
+            kind: IoKind::Write,
+            offset: start + i * chunk,
+            buf: c.ptr,
+            len: chunk as u32,
+            fixed_index: None,
+            priority: Priority::Normal,
+            on_complete: Box::new(move |r| {
+                s.pool.put(c);
+                let _ = tx.send(r.map_err(|e| Error::io("writing the GPU path measurement run", e)));
+            }),
+        };
+        shared.queues[0].submit(std::iter::once(request));
+    }
+    drop(tx);
+    for _ in 0..pieces {
+        rx.recv().map_err(|_| Error::Closed)??;
+    }
+    Ok(())
+}
+
+/// Reads `bytes` at `start` of device 0 into GPU memory through one path; returns GB/s.
+/// Bounce: disk -> pinned chunk -> copy engine; cuFile: the cuFile queue straight into GPU memory.
+fn measure_gpu_read(
+    shared: &Arc<Shared>,
+    gpu: &StoreGpu,
+    ordinal: u32,
+    via_cufile: bool,
+    start: u64,
+    bytes: u64,
+) -> Result<f64> {
+    use crate::backend::IoKind;
+    use crate::queue::Request;
+    let chunk = shared.pool.chunk_bytes() as u64;
+    let scratch = crate::gpu::DeviceBuffer::new(ordinal, bytes as usize)?;
+    let device = gpu.device(ordinal)?;
+    let (tx, rx) = std::sync::mpsc::channel::<Result<()>>();
+    let pieces = bytes / chunk;
+    let begin = std::time::Instant::now();
+    for i in 0..pieces {
+        let tx = tx.clone();
+        let dst = scratch.ptr() + i * chunk;
+        let request = if via_cufile {
+            Request {
+                kind: IoKind::Read,
+                offset: start + i * chunk,
+                buf: dst as usize as *mut u8,
+                len: chunk as u32,
+                fixed_index: None,
+                priority: Priority::Normal,
+                on_complete: Box::new(move |r| {
+                    let _ = tx.send(r.map_err(|e| Error::io("cuFile read while measuring", e)));
+                }),
+            }
+        } else {
+            let c = shared.pool.take();
+            let (s, d, ptr) = (shared.clone(), device.clone(), c.ptr as usize);
+            Request {
+                kind: IoKind::Read,
+                offset: start + i * chunk,
+                buf: c.ptr,
+                len: chunk as u32,
+                fixed_index: None,
+                priority: Priority::Normal,
+                on_complete: Box::new(move |r| {
+                    if let Err(e) = r {
+                        s.pool.put(c);
+                        let _ = tx.send(Err(Error::io("read while measuring", e)));
+                        return;
+                    }
+                    let s2 = s.clone();
+                    // SAFETY: the chunk is pinned and held until the continuation; dst is ours.
+                    unsafe {
+                        d.copy.copy(
+                            crate::gpu::copy::CopyDirection::HostToDevice,
+                            ptr as *mut u8,
+                            dst,
+                            chunk as usize,
+                            Box::new(move |r| {
+                                s2.pool.put(c);
+                                let _ = tx.send(r);
+                            }),
+                        )
+                    };
+                }),
+            }
+        };
+        if via_cufile {
+            gpu.cufile_queues[0].submit(std::iter::once(request));
+        } else {
+            shared.queues[0].submit(std::iter::once(request));
+        }
+    }
+    drop(tx);
+    for _ in 0..pieces {
+        rx.recv().map_err(|_| Error::Closed)??;
+    }
+    let seconds = begin.elapsed().as_secs_f64();
+    Ok(bytes as f64 / seconds / 1e9)
 }
 
 /// What `format` reports.
