@@ -56,7 +56,7 @@ for devices in $DEVICE_COUNTS; do
     jq -r --arg name "$name" --arg devices "$devices" '[
         $name, $devices,
         (.report.gb_per_s | tostring), (.fio | ((.read_bytes_per_s + .write_bytes_per_s) / 1e9) | tostring),
-        (.report.ops_per_s | tostring), (.fio | (.read_iops + .write_iops) | tostring),
+        (.report.aggregate | (.read.iops + .write.iops) | tostring), (.fio | (.read_iops + .write_iops) | tostring),
         (.report.aggregate | (if .read.ops > 0 then .read else .write end).latency.p99_us | tostring),
         (.fio.p99_us | tostring),
         (.report.cpu.cores_busy | tostring), (.fio.cores_busy | tostring),
@@ -70,4 +70,5 @@ while IFS=$'\t' read -r name devices tgb fgb tiops fiops tp99 fp99 tcpu fcpu rat
   printf '%-20s %7s %11.3f %9.3f %11.0f %11.0f %12.0f %9.0f %11.2f %9.2f %10.3f\n' \
     "$name" "$devices" "$tgb" "$fgb" "$tiops" "$fiops" "$tp99" "$fp99" "$tcpu" "$fcpu" "$ratio"
 done < "$RESULTS"
-echo "(cpu = cores busy; teraio/fio = teraio GB/s over fio GB/s on the same files in the same run)"
+echo "(IOPS: device requests per second; p99: device request latency; cpu: cores busy;"
+echo " teraio/fio: teraio GB/s over fio GB/s on the same files in the same run)"

@@ -6,6 +6,7 @@
 //! IOPS, latency percentiles and host CPU. `--sweep` repeats the timed phase over a grid of
 //! settings; `--compare-fio` runs fio's twin of the workload on the same files afterwards.
 
+pub mod buffer;
 pub mod fio;
 pub mod pattern;
 pub mod report;
@@ -30,6 +31,8 @@ use workload::{BufferKind, Limit, Pattern, Progress, Workload};
 const DEFAULT_DATA_BYTES: u64 = 4 * GIB;
 /// Default largest object of the data set.
 const DEFAULT_OBJECT_BYTES: u64 = 256 * MIB;
+/// Largest queue depth per device: the engine's limit (4096) less its urgent reserve.
+const MAX_QUEUE_DEPTH: usize = 3584;
 /// Devices of the embedded default store.
 const DEFAULT_DEVICE_COUNT: usize = 4;
 /// Checkpoint slots of bench stores: the table of a bench store is small (at most a few
@@ -206,8 +209,11 @@ fn workload_from_args(args: &BenchArgs, data_bytes: u64) -> CliResult<Workload> 
     if request_bytes == 0 {
         return Err(CliError::input("--request-size 0 is impossible; give a size such as 4KiB or 4MiB"));
     }
-    if args.queue_depth == 0 || args.queue_depth > 4096 {
-        return Err(CliError::input(format!("--queue-depth {} is impossible; give 1..=4096", args.queue_depth)));
+    if args.queue_depth == 0 || args.queue_depth > MAX_QUEUE_DEPTH {
+        return Err(CliError::input(format!(
+            "--queue-depth {} is impossible; give 1..={MAX_QUEUE_DEPTH}",
+            args.queue_depth
+        )));
     }
     if args.threads == 0 || args.threads > 256 {
         return Err(CliError::input(format!("--threads {} is impossible; give 1..=256", args.threads)));
@@ -318,7 +324,7 @@ pub fn open_config(args: &BenchArgs, w: &Workload) -> OpenConfig {
     let max_inflight_bytes = (queued * 8 / 7 + 2 * max_io_bytes).max(64 * MIB);
     OpenConfig {
         backend: backend_kind(args.backend),
-        queue_depth: w.queue_depth,
+        queue_depth: engine_queue_depth(w.queue_depth),
         direct_io: !args.buffered,
         max_io_bytes,
         max_inflight_bytes,
@@ -327,6 +333,14 @@ pub fn open_config(args: &BenchArgs, w: &Workload) -> OpenConfig {
         durable: args.durable,
         ..OpenConfig::default()
     }
+}
+
+/// The engine holds back max(depth / 8, 1) of each device queue (depth > 1) for urgent work;
+/// the bench's ops are normal priority, so it asks for the smallest depth that leaves exactly
+/// `queue_depth` for them, as fio's `iodepth` would.
+pub fn engine_queue_depth(queue_depth: usize) -> usize {
+    let normal = |depth: usize| if depth > 1 { depth - (depth / 8).max(1) } else { depth };
+    (queue_depth..).find(|&d| normal(d) >= queue_depth).expect("a depth exists")
 }
 
 /// Bytes each device must hold for the data set, replacements in flight and metadata.
@@ -688,4 +702,17 @@ fn print_json<T: Serialize>(value: &T) -> CliResult<()> {
     let text = serde_json::to_string_pretty(value).map_err(|e| CliError::failed(format!("cannot write JSON: {e}")))?;
     println!("{text}");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn engine_depth_leaves_the_asked_depth_for_normal_ops() {
+        assert_eq!(engine_queue_depth(1), 1);
+        assert_eq!(engine_queue_depth(32), 36);
+        assert_eq!(engine_queue_depth(128), 146);
+        assert!(engine_queue_depth(MAX_QUEUE_DEPTH) <= 4096);
+    }
 }

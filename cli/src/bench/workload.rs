@@ -14,6 +14,7 @@
 //!   [`RANDOM_WRITE_IDS`] (each put replaces the earlier object of that id).
 //! - Mixed: each op is a read with probability `read_percent`, else a write, as above.
 
+use super::buffer::HostBuf;
 use super::pattern::{self, Rng};
 use crate::error::{CliError, CliResult};
 use crate::units::format_bytes;
@@ -21,7 +22,7 @@ use serde::Serialize;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
-use teraio_engine::{AlignedBuf, Priority, Store, Ticket};
+use teraio_engine::{Priority, Store, Ticket};
 
 /// Object ids of the random-write set start here (far above the data set's ids).
 pub const RANDOM_WRITE_ID_BASE: u64 = 1 << 40;
@@ -192,23 +193,6 @@ impl PhaseTotals {
     }
 }
 
-/// Allocates one op buffer: aligned to the block size, and locked in RAM for pinned buffers.
-pub fn new_buffer(bytes: u64, kind: BufferKind) -> CliResult<AlignedBuf> {
-    let buf = AlignedBuf::new(bytes as usize, 4096)?;
-    if kind == BufferKind::Pinned {
-        // SAFETY: mlock on memory we own; it stays locked until the buffer is freed (munlock is
-        // implied by free/munmap).
-        if unsafe { libc::mlock(buf.as_ptr() as *const libc::c_void, buf.len()) } != 0 {
-            return Err(CliError::input(format!(
-                "cannot pin {} of buffer memory: {}; raise the locked-memory limit (ulimit -l) or use --buffer host",
-                format_bytes(bytes),
-                std::io::Error::last_os_error()
-            )));
-        }
-    }
-    Ok(buf)
-}
-
 /// Writes the whole data set (and the random-write set when the workload writes randomly), so
 /// reads find data and writes replace objects as a steady-state device would.
 pub fn prefill(store: &Store, w: &Workload, progress: &Progress) -> CliResult<()> {
@@ -217,8 +201,8 @@ pub fn prefill(store: &Store, w: &Workload, progress: &Progress) -> CliResult<()
     if w.pattern == Pattern::Random && w.writes() {
         jobs.extend((0..w.random_write_ids()).map(|i| (RANDOM_WRITE_ID_BASE + i, w.request_bytes)));
     }
-    let mut free: Vec<AlignedBuf> = Vec::new();
-    let mut inflight: VecDeque<(Ticket<AlignedBuf>, u64)> = VecDeque::new();
+    let mut free: Vec<HostBuf> = Vec::new();
+    let mut inflight: VecDeque<(Ticket<HostBuf>, u64)> = VecDeque::new();
     for (id, bytes) in jobs {
         if inflight.len() >= depth {
             let (ticket, len) = inflight.pop_front().expect("non-empty");
@@ -227,7 +211,7 @@ pub fn prefill(store: &Store, w: &Workload, progress: &Progress) -> CliResult<()
         }
         let mut buf = match free.iter().position(|b| b.len() as u64 == bytes) {
             Some(i) => free.swap_remove(i),
-            None => AlignedBuf::new(bytes as usize, 4096)?,
+            None => HostBuf::new(bytes as usize, w.buffer)?,
         };
         pattern::fill(&mut buf, id, 0);
         inflight.push_back((store.put(id, buf, &[], Priority::Normal)?, bytes));
@@ -241,7 +225,7 @@ pub fn prefill(store: &Store, w: &Workload, progress: &Progress) -> CliResult<()
 
 /// What one in-flight op is.
 struct Issued {
-    ticket: Ticket<AlignedBuf>,
+    ticket: Ticket<HostBuf>,
     read: bool,
     id: u64,
     offset: u64,
@@ -302,7 +286,7 @@ fn worker_loop(
     let op_bytes = w.op_bytes();
     let mut free = Vec::with_capacity(depth);
     for _ in 0..depth {
-        free.push(new_buffer(op_bytes, w.buffer)?);
+        free.push(HostBuf::new(op_bytes as usize, w.buffer)?);
     }
     let my_objects = w.objects_of_worker(worker);
     if w.pattern == Pattern::Sequential && my_objects.is_empty() {
@@ -351,29 +335,52 @@ fn worker_loop(
             };
             inflight.push_back(Issued { ticket, read, id, offset, bytes: op_bytes });
         }
-        let Some(op) = inflight.pop_front() else { break };
-        let buf = op.ticket.wait()?;
-        if op.read {
-            totals.read_ops += 1;
-            totals.read_bytes += op.bytes;
-            if w.verify {
-                if let Some(at) = pattern::check(&buf[..op.bytes as usize], op.id, op.offset) {
-                    stop.store(true, Ordering::Relaxed);
-                    return Err(CliError::failed(format!(
-                        "verify failed: object {} byte {at} differs from what was written; the data path is corrupting data (run `teraio fsck` on the targets)",
-                        op.id
-                    )));
+        // Wait for the oldest op, then also take every other op that has finished meanwhile,
+        // so that one slow request does not hold finished slots idle (random latencies).
+        let Some(oldest) = inflight.pop_front() else { break };
+        let mut finished = vec![oldest];
+        if inflight.len() > 1 {
+            let mut still_running = VecDeque::with_capacity(inflight.len());
+            for op in inflight.drain(..) {
+                if op.ticket.is_done() {
+                    finished.push(op);
+                } else {
+                    still_running.push_back(op);
                 }
-                totals.verified_bytes += op.bytes;
             }
-        } else {
-            totals.write_ops += 1;
-            totals.write_bytes += op.bytes;
+            inflight = still_running;
         }
-        progress.bytes_done.fetch_add(op.bytes, Ordering::Relaxed);
-        free.push(buf);
+        for Issued { ticket, read, id, offset, bytes } in finished {
+            let buf = ticket.wait()?;
+            account(w, (read, id, offset, bytes), &buf, &mut totals)
+                .inspect_err(|_| stop.store(true, Ordering::Relaxed))?;
+            progress.bytes_done.fetch_add(bytes, Ordering::Relaxed);
+            free.push(buf);
+        }
     }
     Ok(totals)
+}
+
+/// Counts a finished op and, with verify, checks every byte a read brought back.
+/// `op` is (read, object id, object offset, bytes).
+fn account(w: &Workload, op: (bool, u64, u64, u64), buf: &[u8], totals: &mut PhaseTotals) -> CliResult<()> {
+    let (read, id, offset, bytes) = op;
+    if read {
+        totals.read_ops += 1;
+        totals.read_bytes += bytes;
+        if w.verify {
+            if let Some(at) = pattern::check(&buf[..bytes as usize], id, offset) {
+                return Err(CliError::failed(format!(
+                    "verify failed: object {id} byte {at} differs from what was written; the data path is corrupting data (run `teraio fsck` on the targets)"
+                )));
+            }
+            totals.verified_bytes += bytes;
+        }
+    } else {
+        totals.write_ops += 1;
+        totals.write_bytes += bytes;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
