@@ -265,8 +265,8 @@ fn bad_flags_and_impossible_sizes_get_one_line() {
         (&["bench", "--data-size", "0"], "--data-size 0"),
         (&["bench", "--request-size", "lots"], "not a size"),
         (&["bench", "--rw", "sideways"], "sideways"),
-        (&["bench", "--backend", "cufile"], "cuFile"),
-        (&["bench", "--buffer", "gpu"], "GPU buffers"),
+        (&["bench", "--backend", "cufile"], "add --buffer gpu"),
+        (&["bench", "--buffer", "gpu", "--compare-fio"], "host memory"),
     ];
     for (args, needle) in cases {
         let line = one_line_error(teraio().args(args).arg(&t), 2);

@@ -2,13 +2,15 @@
 //! and backed by transparent huge pages where the kernel allows: a 4 MiB request then spans two
 //! physically contiguous pieces instead of 1024 pages, which the block layer would otherwise
 //! split into several device requests (a virtio disk takes 254 segments per request). Small
-//! ones are ordinary page-aligned allocations. Pinned buffers are also locked in RAM.
+//! ones are ordinary page-aligned allocations. Pinned buffers are also locked in RAM. GPU
+//! buffers are CUDA device allocations, moved by the engine's GPU paths (pinned bounce or cuFile).
 
 use super::workload::BufferKind;
 use crate::error::{CliError, CliResult};
 use crate::units::format_bytes;
 use std::ops::{Deref, DerefMut};
-use teraio_engine::{AlignedBuf, IoBuf, IoBufMut};
+use teraio_engine::gpu::{DeviceBuffer, GpuTicket};
+use teraio_engine::{AlignedBuf, IoBuf, IoBufMut, Priority, Store, Ticket};
 
 /// Size and alignment of a transparent huge page on x86-64 and arm64 (4 KiB base pages).
 const HUGE_PAGE_BYTES: usize = 2 << 20;
@@ -123,6 +125,90 @@ unsafe impl IoBuf for HostBuf {
 unsafe impl IoBufMut for HostBuf {
     fn io_mut_ptr(&mut self) -> *mut u8 {
         self.as_mut_ptr()
+    }
+}
+
+/// One op's buffer, in host or GPU memory.
+pub enum OpBuf {
+    Host(HostBuf),
+    Gpu(DeviceBuffer),
+}
+
+impl OpBuf {
+    /// A buffer of `len` bytes of `kind` (GPU memory on CUDA device `gpu_ordinal`).
+    pub fn new(len: usize, kind: BufferKind, gpu_ordinal: u32) -> CliResult<OpBuf> {
+        Ok(match kind {
+            BufferKind::Gpu => OpBuf::Gpu(DeviceBuffer::new(gpu_ordinal, len)?),
+            _ => OpBuf::Host(HostBuf::new(len, kind)?),
+        })
+    }
+
+    /// Writes `bytes` at the start of the buffer (a copy to the GPU for GPU buffers).
+    pub fn write_from(&mut self, bytes: &[u8]) -> CliResult<()> {
+        match self {
+            OpBuf::Host(b) => b[..bytes.len()].copy_from_slice(bytes),
+            OpBuf::Gpu(b) => b.copy_from_host(0, bytes)?,
+        }
+        Ok(())
+    }
+
+    /// Runs `check` on the first `len` bytes (copied to the host first for GPU buffers).
+    pub fn inspect<T>(&self, len: usize, check: impl FnOnce(&[u8]) -> T) -> CliResult<T> {
+        Ok(match self {
+            OpBuf::Host(b) => check(&b[..len]),
+            OpBuf::Gpu(b) => {
+                let mut host = vec![0u8; len];
+                b.copy_to_host(0, &mut host)?;
+                check(&host)
+            }
+        })
+    }
+
+    /// Starts a whole-object get into this buffer.
+    pub fn get(self, store: &Store, id: u64) -> CliResult<OpTicket> {
+        Ok(match self {
+            OpBuf::Host(b) => OpTicket::Host(store.get(id, b, Priority::Normal)?),
+            OpBuf::Gpu(b) => OpTicket::Gpu(store.get_gpu(id, b, Priority::Normal)?),
+        })
+    }
+
+    /// Starts a get of the buffer's length from byte `offset` of object `id`.
+    pub fn get_range(self, store: &Store, id: u64, offset: u64) -> CliResult<OpTicket> {
+        Ok(match self {
+            OpBuf::Host(b) => OpTicket::Host(store.get_range(id, offset, b, Priority::Normal)?),
+            OpBuf::Gpu(b) => OpTicket::Gpu(store.get_gpu_range(id, offset, b, Priority::Normal)?),
+        })
+    }
+
+    /// Starts a put of the whole buffer as object `id`.
+    pub fn put(self, store: &Store, id: u64) -> CliResult<OpTicket> {
+        Ok(match self {
+            OpBuf::Host(b) => OpTicket::Host(store.put(id, b, &[], Priority::Normal)?),
+            OpBuf::Gpu(b) => OpTicket::Gpu(store.put_gpu(id, b, &[], Priority::Normal)?),
+        })
+    }
+}
+
+/// The ticket of an op on an [`OpBuf`].
+pub enum OpTicket {
+    Host(Ticket<HostBuf>),
+    Gpu(GpuTicket<DeviceBuffer>),
+}
+
+impl OpTicket {
+    pub fn is_done(&self) -> bool {
+        match self {
+            OpTicket::Host(t) => t.is_done(),
+            OpTicket::Gpu(t) => t.is_done(),
+        }
+    }
+
+    /// Waits for the op and hands the buffer back.
+    pub fn wait(self) -> CliResult<OpBuf> {
+        Ok(match self {
+            OpTicket::Host(t) => OpBuf::Host(t.wait()?),
+            OpTicket::Gpu(t) => OpBuf::Gpu(t.wait()?),
+        })
     }
 }
 

@@ -24,7 +24,7 @@ use serde::Serialize;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
-use teraio_engine::{BackendKind, FormatConfig, OpenConfig, Store, GIB, MIB};
+use teraio_engine::{BackendKind, FormatConfig, GpuOptions, GpuPath, OpenConfig, Store, GIB, MIB};
 use workload::{BufferKind, Limit, Pattern, Progress, Workload};
 
 /// Default data set: 4 GiB, shrunk to fit the targets.
@@ -67,7 +67,7 @@ pub enum BackendArg {
     #[value(name = "io_uring", alias = "uring")]
     IoUring,
     Psync,
-    /// GPUDirect Storage (not in this build).
+    /// GPUDirect Storage through libcufile, for --buffer gpu (the host path stays auto).
     Cufile,
 }
 
@@ -110,6 +110,9 @@ pub struct BenchArgs {
     /// Where the I/O buffers live.
     #[arg(long, value_enum, default_value = "host")]
     pub buffer: BufferKind,
+    /// CUDA device of GPU buffers.
+    #[arg(long, default_value_t = 0)]
+    pub gpu_device: u32,
     /// Run the timed phase this long (e.g. 10s) [default: move the data size once].
     #[arg(long, value_parser = duration_arg, conflicts_with = "size")]
     pub runtime: Option<Duration>,
@@ -279,18 +282,13 @@ fn workload_from_args(args: &BenchArgs, data_bytes: u64) -> CliResult<Workload> 
             format_bytes(request_bytes)
         )));
     }
-    match args.backend {
-        BackendArg::Cufile => {
-            return Err(CliError::input(
-                "the cuFile (GPUDirect Storage) backend is not in this build; use --backend auto, io_uring or psync",
-            ))
-        }
-        _ if args.buffer == BufferKind::Gpu => {
-            return Err(CliError::input(
-                "GPU buffers need the cuFile backend, which is not in this build; use --buffer host or pinned",
-            ))
-        }
-        _ => {}
+    if args.backend == BackendArg::Cufile && args.buffer != BufferKind::Gpu {
+        return Err(CliError::input(
+            "--backend cufile moves data between SSDs and GPU memory; add --buffer gpu (or use --backend auto, io_uring or psync)",
+        ));
+    }
+    if args.compare_fio && args.buffer == BufferKind::Gpu {
+        return Err(CliError::input("fio's twin jobs use host memory; compare with --buffer host or pinned"));
     }
     Ok(Workload {
         pattern: args.pattern(),
@@ -304,6 +302,7 @@ fn workload_from_args(args: &BenchArgs, data_bytes: u64) -> CliResult<Workload> 
         devices: args.device_count(),
         verify: args.verify,
         buffer: args.buffer,
+        gpu_ordinal: args.gpu_device,
     })
 }
 
@@ -328,9 +327,19 @@ pub fn open_config(args: &BenchArgs, w: &Workload) -> OpenConfig {
         direct_io: !args.buffered,
         max_io_bytes,
         max_inflight_bytes,
-        bounce_pool_bytes: 16 * MIB,
+        // Host buffers are aligned and never bounce (but for partial blocks); GPU ops on the
+        // bounce path go through it, so there it must hold a full queue of requests.
+        bounce_pool_bytes: if w.buffer == BufferKind::Gpu {
+            (queued + 2 * max_io_bytes).clamp(64 * MIB, GIB)
+        } else {
+            16 * MIB
+        },
         verify_checksums: w.verify,
         durable: args.durable,
+        gpu: GpuOptions {
+            path: if args.backend == BackendArg::Cufile { GpuPath::Cufile } else { GpuPath::Auto },
+            ..GpuOptions::default()
+        },
         ..OpenConfig::default()
     }
 }
@@ -389,6 +398,12 @@ pub fn run(args: &BenchArgs) -> CliResult<()> {
     if args.emit_fio {
         print!("{}", fio::job_text(&draft));
         return Ok(());
+    }
+    if args.buffer == BufferKind::Gpu {
+        // Fail on a machine without CUDA (or that GPU) before any target is touched.
+        buffer::OpBuf::new(4096, BufferKind::Gpu, args.gpu_device).map_err(|e| {
+            CliError::input(format!("--buffer gpu: {}; use --buffer host or pinned on this machine", e.message))
+        })?;
     }
     if args.compare_fio {
         fio::check_fio()?;
@@ -591,6 +606,12 @@ pub fn fill_and_measure(
     limit: Option<Limit>,
 ) -> CliResult<BenchReport> {
     let show = !args.json && !args.no_progress;
+    // GPU buffers: set the GPU path up now (pinning, and auto's measurement) so that it is not
+    // timed, and so that a machine without CUDA or cuFile fails here with the engine's reason.
+    let gpu_path = match w.buffer {
+        BufferKind::Gpu => Some(store.gpu_setup(w.gpu_ordinal)?.to_string()),
+        _ => None,
+    };
     if fill {
         let progress = Progress::default();
         with_progress(show, "writing data set", ProgressKind::Bytes(w.data_bytes()), &progress, || {
@@ -620,7 +641,9 @@ pub fn fill_and_measure(
     let cpu_before = CpuTimes::now();
     let totals = with_progress(show, "measuring", kind, &measured, || workload::run_phase(store, w, limit, &measured))?;
     let cpu = CpuTimes::now().since(&cpu_before);
-    Ok(BenchReport::new(w, names, &store.stats(), &totals, cpu))
+    let mut report = BenchReport::new(w, names, &store.stats(), &totals, cpu);
+    report.gpu_path = gpu_path;
+    Ok(report)
 }
 
 /// What a progress bar counts.

@@ -108,6 +108,8 @@ pub struct BenchReport {
     pub object_put: DirectionResult,
     pub cpu: CpuResult,
     pub verified_bytes: u64,
+    /// With GPU buffers: the engine's GPU path (bounce or cuFile) and why it was chosen.
+    pub gpu_path: Option<String>,
 }
 
 impl BenchReport {
@@ -162,6 +164,7 @@ impl BenchReport {
                 cores_per_gb_per_s: if gb_per_s > 0.0 { cores_busy / gb_per_s } else { 0.0 },
             },
             verified_bytes: totals.verified_bytes,
+            gpu_path: None,
         }
     }
 
@@ -170,9 +173,13 @@ impl BenchReport {
         let mut out = String::new();
         out.push_str(&format!("teraio bench: {}\n", self.workload.describe()));
         out.push_str(&format!(
-            "backend {} ({}); timed phase {:.1} s\n\n",
+            "backend {} ({}); timed phase {:.1} s\n",
             self.backend, self.backend_reason, self.elapsed_s
         ));
+        if let Some(gpu) = &self.gpu_path {
+            out.push_str(&format!("GPU path: {gpu}\n"));
+        }
+        out.push('\n');
         out.push_str(&table_header());
         for d in &self.devices {
             push_device_rows(&mut out, d);

@@ -14,7 +14,7 @@
 //!   [`RANDOM_WRITE_IDS`] (each put replaces the earlier object of that id).
 //! - Mixed: each op is a read with probability `read_percent`, else a write, as above.
 
-use super::buffer::HostBuf;
+use super::buffer::{HostBuf, OpBuf, OpTicket};
 use super::pattern::{self, Rng};
 use crate::error::{CliError, CliResult};
 use crate::units::format_bytes;
@@ -45,7 +45,7 @@ pub enum BufferKind {
     Host,
     /// Page-aligned host memory locked in RAM (mlock), as pinned buffers for GPU copies are.
     Pinned,
-    /// GPU memory (needs the cuFile backend; not in this build).
+    /// CUDA device memory, moved by the engine's GPU path (pinned bounce or cuFile).
     Gpu,
 }
 
@@ -67,6 +67,8 @@ pub struct Workload {
     /// With verify: every byte read is checked against the pattern it was written with.
     pub verify: bool,
     pub buffer: BufferKind,
+    /// CUDA device of GPU buffers.
+    pub gpu_ordinal: u32,
 }
 
 impl Workload {
@@ -225,7 +227,7 @@ pub fn prefill(store: &Store, w: &Workload, progress: &Progress) -> CliResult<()
 
 /// What one in-flight op is.
 struct Issued {
-    ticket: Ticket<HostBuf>,
+    ticket: OpTicket,
     read: bool,
     id: u64,
     offset: u64,
@@ -286,7 +288,7 @@ fn worker_loop(
     let op_bytes = w.op_bytes();
     let mut free = Vec::with_capacity(depth);
     for _ in 0..depth {
-        free.push(HostBuf::new(op_bytes as usize, w.buffer)?);
+        free.push(OpBuf::new(op_bytes as usize, w.buffer, w.gpu_ordinal)?);
     }
     let my_objects = w.objects_of_worker(worker);
     if w.pattern == Pattern::Sequential && my_objects.is_empty() {
@@ -323,15 +325,17 @@ fn worker_loop(
             };
             let ticket = if read {
                 match w.pattern {
-                    Pattern::Sequential => store.get(id, buf, Priority::Normal)?,
-                    Pattern::Random => store.get_range(id, offset, buf, Priority::Normal)?,
+                    Pattern::Sequential => buf.get(store, id)?,
+                    Pattern::Random => buf.get_range(store, id, offset)?,
                 }
             } else {
                 if w.verify {
                     // Only with verify: writes must carry the bytes later reads expect.
-                    pattern::fill(&mut buf, id, 0);
+                    let mut bytes = vec![0u8; op_bytes as usize];
+                    pattern::fill(&mut bytes, id, 0);
+                    buf.write_from(&bytes)?;
                 }
-                store.put(id, buf, &[], Priority::Normal)?
+                buf.put(store, id)?
             };
             inflight.push_back(Issued { ticket, read, id, offset, bytes: op_bytes });
         }
@@ -352,8 +356,17 @@ fn worker_loop(
         }
         for Issued { ticket, read, id, offset, bytes } in finished {
             let buf = ticket.wait()?;
-            account(w, (read, id, offset, bytes), &buf, &mut totals)
-                .inspect_err(|_| stop.store(true, Ordering::Relaxed))?;
+            if read && w.verify {
+                let mismatch = buf.inspect(bytes as usize, |data| pattern::check(data, id, offset))?;
+                if let Some(at) = mismatch {
+                    stop.store(true, Ordering::Relaxed);
+                    return Err(CliError::failed(format!(
+                        "verify failed: object {id} byte {at} differs from what was written; the data path is corrupting data (run `teraio fsck` on the targets)"
+                    )));
+                }
+                totals.verified_bytes += bytes;
+            }
+            account(read, bytes, &mut totals);
             progress.bytes_done.fetch_add(bytes, Ordering::Relaxed);
             free.push(buf);
         }
@@ -361,26 +374,15 @@ fn worker_loop(
     Ok(totals)
 }
 
-/// Counts a finished op and, with verify, checks every byte a read brought back.
-/// `op` is (read, object id, object offset, bytes).
-fn account(w: &Workload, op: (bool, u64, u64, u64), buf: &[u8], totals: &mut PhaseTotals) -> CliResult<()> {
-    let (read, id, offset, bytes) = op;
+/// Counts a finished op.
+fn account(read: bool, bytes: u64, totals: &mut PhaseTotals) {
     if read {
         totals.read_ops += 1;
         totals.read_bytes += bytes;
-        if w.verify {
-            if let Some(at) = pattern::check(&buf[..bytes as usize], id, offset) {
-                return Err(CliError::failed(format!(
-                    "verify failed: object {id} byte {at} differs from what was written; the data path is corrupting data (run `teraio fsck` on the targets)"
-                )));
-            }
-            totals.verified_bytes += bytes;
-        }
     } else {
         totals.write_ops += 1;
         totals.write_bytes += bytes;
     }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -400,6 +402,7 @@ mod tests {
             devices: 1,
             verify: false,
             buffer: BufferKind::Host,
+            gpu_ordinal: 0,
         }
     }
 
