@@ -99,6 +99,30 @@ def test_tiny_budget_still_exact_with_on_demand_fetches(store: teraio.Store) -> 
     assert report.plan_summary["fits"] is False
 
 
+def test_restored_copies_are_released_after_backward() -> None:
+    # A restored activation must live only as long as autograd needs it: the executor may not
+    # keep offloaded storages (or their GPU copies) alive past backward.
+    peak, activations = _unplanned_peak_and_activations()
+    model, optimizer = make()
+    data = batches(4, rows=ROWS)
+    with teraio.offload(
+        model,
+        optimizer,
+        gpu_memory=peak - activations // 2,
+        reserve=0,
+        min_bytes=64 << 10,
+        host_memory=1 << 30,
+    ) as run:
+        for x in data:
+            loss = model(x)
+            assert run.executor.live_slots() > 0
+            loss.backward()
+            assert run.executor.live_slots() == 0
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        assert run.executor.stats.offloads > 0
+
+
 def test_report_text_mentions_figures() -> None:
     peak, activations = _unplanned_peak_and_activations()
     _, _, report, _ = _offloaded_run(gpu_memory=peak - activations // 2, host_memory=1 << 30)

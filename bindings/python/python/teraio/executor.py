@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -77,7 +78,6 @@ class PackDecision:
     size_bytes: int
     tier: Optional[str]
     prefetch_event: Optional[int] = None
-    host_offset: Optional[int] = None
 
 
 class _Slot:
@@ -95,7 +95,6 @@ class _Slot:
         "h2d_event",
         "weak",
         "key",
-        "static_host",
         "__weakref__",
     )
 
@@ -111,7 +110,6 @@ class _Slot:
         self.h2d_event: Any = None
         self.weak: Any = None
         self.key: Any = None
-        self.static_host = False
 
 
 class _Packed:
@@ -162,11 +160,11 @@ class ActivationExecutor:
         self.profiler: Any = None
         self.decisions: Optional[list[PackDecision]] = None
         self.prefetch_at_event: dict[int, list[int]] = {}
-        self._static_host: Optional[torch.Tensor] = None
         self._pack_index = 0
         self._event_index = 0
-        self._slots_by_pack: dict[int, Any] = {}
-        self._dedup: dict[Any, _Slot] = {}
+        # Weak: a slot (and the GPU copy it restores) lives only as long as autograd holds it.
+        self._slots_by_pack: dict[int, weakref.ref[_Slot]] = {}
+        self._dedup: dict[Any, weakref.ref[_Slot]] = {}
         self._pending_puts: deque[_Slot] = deque()
         self._pending_gets: list[_Slot] = []
         self._inflight: deque[tuple[Any, int]] = deque()
@@ -180,23 +178,25 @@ class ActivationExecutor:
     # -- plan ----------------------------------------------------------------------------------
 
     def set_plan(self, decisions: list[PackDecision]) -> None:
-        """Installs per-pack decisions; host-tier entries get fixed regions of one pinned slab."""
+        """Installs per-pack decisions. Host-tier entries beyond `host_memory_bytes` (counted in
+        pack order) go to the SSD tier if there is a store, else stay on the GPU.
+
+        Host buffers come from PyTorch's caching pinned allocator: the planned iterations reuse
+        the blocks the warm-up iterations pinned (pinning memory is slow: about 1 GB/s), and a
+        block is reused only after the copies that use it are done (the allocator records events).
+        """
         self.decisions = decisions
         self.prefetch_at_event = {}
-        offset = 0
+        host_bytes = 0
         for index, decision in enumerate(decisions):
-            if decision.tier is not None and decision.prefetch_event is not None:
-                self.prefetch_at_event.setdefault(decision.prefetch_event, []).append(index)
             if decision.tier == HOST:
-                aligned = (decision.size_bytes + 4095) // 4096 * 4096
-                if offset + aligned > self.host_memory_bytes:
+                if host_bytes + decision.size_bytes > self.host_memory_bytes:
                     decision.tier = SSD if self.store is not None else None
                     self.stats.host_cap_demotions += 1
-                    continue
-                decision.host_offset = offset
-                offset += aligned
-        if offset > 0:
-            self._static_host = torch.empty(offset, dtype=torch.uint8, pin_memory=self.cuda)
+                else:
+                    host_bytes += decision.size_bytes
+            if decision.tier is not None and decision.prefetch_event is not None:
+                self.prefetch_at_event.setdefault(decision.prefetch_event, []).append(index)
 
     # -- iteration boundaries ------------------------------------------------------------------
 
@@ -205,6 +205,10 @@ class ActivationExecutor:
         self._event_index = 0
         self._slots_by_pack.clear()
         self._dedup.clear()
+
+    def live_slots(self) -> int:
+        """Offloaded storages of this iteration still held by autograd (0 after backward)."""
+        return sum(1 for ref in set(self._slots_by_pack.values()) if ref() is not None)
 
     def end_iteration(self) -> None:
         """Finishes the SSD writes still pending (their pinned buffers return to the pool)."""
@@ -232,20 +236,21 @@ class ActivationExecutor:
         key = storage.data_ptr()
         if key in self.skip_storages:
             return tensor
-        slot = self._dedup.get(key)
+        slot_ref = self._dedup.get(key)
+        slot = slot_ref() if slot_ref is not None else None
         if slot is not None and not slot.weak.expired():
-            self._slots_by_pack[pack_index] = slot
+            self._slots_by_pack[pack_index] = slot_ref  # type: ignore[assignment]
             return _Packed(slot, tensor, pack_index, tensor_id)
-        tier, host_offset = self._decide(pack_index, nbytes)
+        tier = self._decide(pack_index, nbytes)
         if tier is None:
             self.stats.kept += 1
             return tensor
         slot = _Slot(tier, nbytes, self.object_id_base + pack_index)
         slot.weak = StorageWeakRef(storage)
         slot.key = key
-        self._offload(slot, tensor, host_offset)
-        self._dedup[key] = slot
-        self._slots_by_pack[pack_index] = slot
+        self._offload(slot, tensor)
+        self._dedup[key] = weakref.ref(slot)
+        self._slots_by_pack[pack_index] = weakref.ref(slot)
         return _Packed(slot, tensor, pack_index, tensor_id)
 
     def unpack(self, packed: Any) -> torch.Tensor:
@@ -289,31 +294,29 @@ class ActivationExecutor:
 
     # -- policy --------------------------------------------------------------------------------
 
-    def _decide(self, pack_index: int, nbytes: int) -> tuple[Optional[str], Optional[int]]:
+    def _decide(self, pack_index: int, nbytes: int) -> Optional[str]:
         if self.decisions is not None:
             if pack_index >= len(self.decisions) or self.decisions[pack_index].size_bytes != nbytes:
                 self.stats.plan_mismatches += 1
-                return None, None
+                return None
             decision = self.decisions[pack_index]
-            return decision.tier, decision.host_offset
+            return decision.tier
         # No plan yet (warm-up and profiled iterations): host memory up to the cap, then SSD.
         if self._host_in_use + nbytes <= self.host_memory_bytes:
-            return HOST, None
+            return HOST
         if self.store is not None:
-            return SSD, None
-        return None, None
+            return SSD
+        return None
 
     # -- transfers -----------------------------------------------------------------------------
 
-    def _host_buffer(self, nbytes: int, host_offset: Optional[int]) -> tuple[torch.Tensor, bool]:
-        if host_offset is not None and self._static_host is not None:
-            return self._static_host[host_offset : host_offset + nbytes], True
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda), False
+    def _host_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
 
-    def _offload(self, slot: _Slot, tensor: torch.Tensor, host_offset: Optional[int]) -> None:
+    def _offload(self, slot: _Slot, tensor: torch.Tensor) -> None:
         source = _flat_bytes(tensor)
-        slot.host, slot.static_host = self._host_buffer(slot.nbytes, host_offset)
-        if not slot.static_host and slot.tier == HOST:
+        slot.host = self._host_buffer(slot.nbytes)
+        if slot.tier == HOST:
             self._host_in_use += slot.nbytes
         self.stats.offloads += 1
         self.stats.offloaded_bytes[slot.tier] += slot.nbytes
@@ -370,7 +373,7 @@ class ActivationExecutor:
             if wait or slot.put_handle.is_done():
                 slot.put_handle.wait()
                 slot.put_handle = None
-                if slot.gpu is None and not slot.static_host:
+                if slot.gpu is None:
                     slot.host = None
                 continue
             still.append(slot)
@@ -392,7 +395,8 @@ class ActivationExecutor:
         if not indices:
             return
         for pack_index in indices:
-            slot = self._slots_by_pack.get(pack_index)
+            slot_ref = self._slots_by_pack.get(pack_index)
+            slot = slot_ref() if slot_ref is not None else None
             if slot is None or slot.gpu is not None:
                 continue
             self.stats.prefetches_planned += 1
@@ -425,8 +429,7 @@ class ActivationExecutor:
             self._copy_up(slot)
         else:
             slot.gpu = host.clone()
-            if not slot.static_host:
-                self._host_in_use -= slot.nbytes
+            self._host_in_use -= slot.nbytes
             slot.host = None
 
     def _copy_up(self, slot: _Slot) -> None:
@@ -441,11 +444,10 @@ class ActivationExecutor:
             slot.h2d_event = torch.cuda.Event()
             slot.h2d_event.record(self.h2d_stream)
         gpu.record_stream(self.h2d_stream)
-        if not slot.static_host:
-            if slot.tier == HOST:
-                self._host_in_use -= slot.nbytes
-            # The caching host allocator keeps the block until the copy is done.
-            slot.host = None
+        if slot.tier == HOST:
+            self._host_in_use -= slot.nbytes
+        # The caching host allocator keeps the block until the copy is done.
+        slot.host = None
 
     def _finish_put(self, slot: _Slot) -> None:
         if slot in self._pending_puts or slot.put_handle is not None:

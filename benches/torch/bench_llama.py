@@ -1,0 +1,307 @@
+"""Llama-shaped fp32 AdamW training under a GPU memory cap: teraio vs ideal vs other offloaders.
+
+One mode per process (each needs its own CUDA memory state and cap):
+
+    python3 benches/torch/bench_llama.py --mode ideal --steps 20
+    python3 benches/torch/bench_llama.py --mode teraio --cap-gib 25.5 --store-dir /root/teraio-bench
+    python3 benches/torch/bench_llama.py --mode save_on_cpu --cap-gib 25.5 --steps 8
+
+Prints one JSON line (prefix `RESULT `) with ms/iter (median of the steps after the warm-up ones),
+peak GPU memory over those steps, the losses, and for teraio its report. Model: transformers'
+LlamaForCausalLM, 14 layers, hidden 2048, 16 heads, FFN 5632, vocab 32000 (0.85B parameters),
+eager attention (deterministic, so losses can be compared bitwise), fp32 weights and math
+(TF32 off, PyTorch's default), AdamW.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+import traceback
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+GIB = 1 << 30
+
+
+def build_model(seed: int = 0) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=14,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config)
+    model.config.use_cache = False
+    return model
+
+
+def make_batches(steps: int, batch: int, seq: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1234)
+    return [torch.randint(0, 32000, (batch, seq), generator=generator) for _ in range(steps)]
+
+
+def load_torchtune_offloader() -> Any:
+    """torchtune's OffloadActivations from its wheel, with its package-level imports stubbed.
+
+    torchtune/__init__ imports torchao and all of torchtune (datasets, models, ...); the
+    activation-offloading module itself needs only torch, psutil, and two names from torchao and
+    torchtune (NF4Tensor, TiedLinear: type checks) plus a logger. Those names are stubbed when the
+    real packages cannot be imported; the offloading code that runs is torchtune's.
+    """
+    spec = importlib.util.find_spec("torchtune")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("torchtune is not installed")
+    root = list(spec.submodule_search_locations)[0]
+    try:
+        import torchao.dtypes.nf4tensor
+    except Exception:  # any import failure means: stub it
+        torchao = types.ModuleType("torchao")
+        dtypes = types.ModuleType("torchao.dtypes")
+        nf4 = types.ModuleType("torchao.dtypes.nf4tensor")
+
+        class NF4Tensor(torch.Tensor):  # never instantiated: isinstance checks only
+            pass
+
+        nf4.NF4Tensor = NF4Tensor  # type: ignore[attr-defined]
+        sys.modules.update(
+            {
+                "torchao": torchao,
+                "torchao.dtypes": dtypes,
+                "torchao.dtypes.nf4tensor": nf4,
+            }
+        )
+    package = types.ModuleType("torchtune")
+    package.__path__ = [root]  # type: ignore[attr-defined]
+    modules = types.ModuleType("torchtune.modules")
+
+    class TiedLinear:  # isinstance checks only
+        pass
+
+    modules.TiedLinear = TiedLinear  # type: ignore[attr-defined]
+    utils = types.ModuleType("torchtune.utils")
+    utils.get_logger = lambda level=None: logging.getLogger("torchtune")  # type: ignore[attr-defined]
+    training = types.ModuleType("torchtune.training")
+    training.__path__ = [os.path.join(root, "training")]  # type: ignore[attr-defined]
+    sys.modules.update(
+        {
+            "torchtune": package,
+            "torchtune.modules": modules,
+            "torchtune.utils": utils,
+            "torchtune.training": training,
+        }
+    )
+    path = os.path.join(root, "training", "_activation_offloading.py")
+    module_spec = importlib.util.spec_from_file_location("torchtune.training._activation_offloading", path)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.OffloadActivations
+
+
+def measure_link_bytes_per_s() -> tuple[float, float]:
+    """Pinned host <-> GPU copy bandwidth (1 GiB each way), bytes/s."""
+    host = torch.empty(GIB, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(GIB, dtype=torch.uint8, device="cuda")
+    rates = []
+    for direction in ("d2h", "h2d"):
+        best = 0.0
+        for _ in range(3):
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            if direction == "d2h":
+                host.copy_(dev, non_blocking=True)
+            else:
+                dev.copy_(host, non_blocking=True)
+            torch.cuda.synchronize()
+            best = max(best, GIB / (time.perf_counter() - started))
+        rates.append(best)
+    del host, dev
+    return rates[0], rates[1]
+
+
+def measure_store_bytes_per_s(store: Any) -> tuple[float, float]:
+    """Engine write and read bandwidth from pinned memory, 2 GiB in 256 MiB objects."""
+    chunk = 256 << 20
+    bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True).random_(0, 255) for _ in range(8)]
+    started = time.perf_counter()
+    handles = [store.put_async((1 << 50) + i, b) for i, b in enumerate(bufs)]
+    for h in handles:
+        h.wait()
+    write = 8 * chunk / (time.perf_counter() - started)
+    outs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(8)]
+    started = time.perf_counter()
+    handles = [store.get_async((1 << 50) + i, o) for i, o in enumerate(outs)]
+    for h in handles:
+        h.wait()
+    read = 8 * chunk / (time.perf_counter() - started)
+    assert all(torch.equal(a, b) for a, b in zip(bufs, outs)), "store round trip mismatch"
+    for i in range(8):
+        store.delete((1 << 50) + i)
+    return write, read
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    total = torch.cuda.get_device_properties(0).total_memory
+    result: dict[str, Any] = {
+        "mode": args.mode,
+        "batch": args.batch,
+        "seq": args.seq,
+        "steps": args.steps,
+    }
+    if args.cap_gib:
+        cap = int(args.cap_gib * GIB)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
+        result["cap_bytes"] = cap
+    model = build_model()
+    result["params"] = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batches = make_batches(args.steps, args.batch, args.seq)
+    forward_context: Callable[[], Any] = contextlib.nullcontext
+    outer: Any = contextlib.nullcontext()
+    run_handle = None
+    if args.mode == "save_on_cpu":
+
+        def forward_context() -> Any:
+            return torch.autograd.graph.save_on_cpu(pin_memory=True)
+
+    elif args.mode == "torchtune":
+        offloader = load_torchtune_offloader()
+
+        def forward_context() -> Any:
+            return offloader(use_pin_memory=True, use_streams=True)
+
+    elif args.mode == "teraio":
+        import teraio
+
+        d2h, h2d = measure_link_bytes_per_s()
+        result["link_d2h_bytes_per_s"], result["link_h2d_bytes_per_s"] = d2h, h2d
+        os.makedirs(args.store_dir, exist_ok=True)
+        store = teraio.Store.create(
+            [os.path.join(args.store_dir, "dev0")],
+            file_size_bytes=24 * GIB,
+            durable=False,
+            force=True,
+        )
+        write, read = measure_store_bytes_per_s(store)
+        result["ssd_write_bytes_per_s"], result["ssd_read_bytes_per_s"] = write, read
+        cap = int(args.cap_gib * GIB) if args.cap_gib else int(args.gpu_memory_gib * GIB)
+        outer = teraio.offload(
+            model,
+            optimizer,
+            store=store,
+            gpu_memory=cap,
+            host_memory=int(args.host_gib * GIB),
+            ssd_bandwidth=read * 0.9,
+            ssd_write_bandwidth=write * 0.9,
+            host_link_bandwidth=min(d2h, h2d) * 0.9,
+            reserve=int(args.reserve_gib * GIB),
+            trace_path=os.path.join(args.out_dir, f"trace-b{args.batch}.json") if args.out_dir else None,
+            plan_path=os.path.join(args.out_dir, f"plan-b{args.batch}.json") if args.out_dir else None,
+        )
+        run_handle = outer
+    losses: list[float] = []
+    times_ms: list[float] = []
+    peak = 0
+    with outer:
+        for step, tokens in enumerate(batches):
+            if step == args.warmup:
+                torch.cuda.reset_peak_memory_stats()
+            tokens = tokens.cuda(non_blocking=True)
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            with forward_context():
+                loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            torch.cuda.synchronize()
+            times_ms.append((time.perf_counter() - started) * 1e3)
+            print(
+                f"  [{args.mode} b{args.batch}] step {step}: loss {losses[-1]:.6f} {times_ms[-1]:.0f} ms",
+                flush=True,
+            )
+        peak = torch.cuda.max_memory_allocated()
+    measured = times_ms[args.warmup :] if len(times_ms) > args.warmup else times_ms
+    result.update(
+        {
+            "ms_per_iter": statistics.median(measured),
+            "ms_per_iter_mean": statistics.fmean(measured),
+            "step_ms": times_ms,
+            "peak_bytes": peak,
+            "losses": losses,
+            "warmup": args.warmup,
+        }
+    )
+    if run_handle is not None:
+        report = run_handle.report()
+        result["teraio_report"] = report.as_dict()
+        result["teraio_report_text"] = str(report)
+        print(report, flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--mode", choices=["ideal", "teraio", "save_on_cpu", "torchtune"], required=True)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3, help="steps left out of the timing")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument(
+        "--cap-gib",
+        type=float,
+        default=0.0,
+        help="torch.cuda.set_per_process_memory_fraction",
+    )
+    parser.add_argument("--gpu-memory-gib", type=float, default=76.0, help="teraio budget without a cap")
+    parser.add_argument("--host-gib", type=float, default=64.0)
+    parser.add_argument("--reserve-gib", type=float, default=3.0)
+    parser.add_argument("--store-dir", default="/root/teraio-bench")
+    parser.add_argument("--out-dir", default="")
+    args = parser.parse_args(argv)
+    try:
+        result = run(args)
+    except torch.cuda.OutOfMemoryError as error:
+        result = {
+            "mode": args.mode,
+            "batch": args.batch,
+            "error": "CUDA out of memory: " + str(error).split("\n")[0],
+        }
+    except Exception as error:  # report whatever stopped the run
+        traceback.print_exc()
+        result = {
+            "mode": args.mode,
+            "batch": args.batch,
+            "error": f"{type(error).__name__}: {error}"[:600],
+        }
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

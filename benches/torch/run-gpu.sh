@@ -1,0 +1,88 @@
+#!/bin/bash
+# The GPU machine's checks and benchmark in one call (docs/python.md):
+#   benches/torch/run-gpu.sh probe   # setup check: CUDA tests + a small teraio run (about 1 min)
+#   benches/torch/run-gpu.sh full    # CUDA tests + the Llama benchmark (about 6 min)
+#   benches/torch/run-gpu.sh deepspeed CAP_GIB   # DeepSpeed ZeRO-Infinity attempt (time-boxed)
+# Needs .whl-py/ (the teraio wheel built on the dev machine, torchtune, DeepSpeed and its deps).
+# Logs and RESULT lines go to $OUT; the table is printed last.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/teraio-gpu-out}
+mkdir -p "$OUT"
+what=${1:-full}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  .whl-py/teraio-*.whl .whl-py/torchtune-*.whl || exit 1
+export PYTHONPATH=/tmp/site
+export PYTHONUNBUFFERED=1
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+export CUBLAS_WORKSPACE_CONFIG=:4096:8
+export TERAIO_TEST_DIR=/root/teraio-test
+B=benches/torch
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c 'import torch, transformers, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__)'
+df -hT /root | tail -1; free -g | head -2
+
+if [ "$what" = probe ] || [ "$what" = full ]; then
+  echo "== CUDA tests (pytest, bindings/python/tests)"
+  timeout 240 python3 -m pytest -q -s -p no:cacheprovider bindings/python/tests 2>&1 | tee "$OUT/pytest.log" | tail -40
+fi
+
+if [ "$what" = probe ]; then
+  timeout 120 python3 $B/bench_llama.py --mode ideal --steps 3 --warmup 1 --batch 1 --seq 512 | tee "$OUT/probe-ideal.log" | tail -3
+  timeout 150 python3 $B/bench_llama.py --mode teraio --steps 5 --warmup 3 --batch 1 --seq 512 --cap-gib 16.5 \
+    --host-gib 8 --out-dir "$OUT" | tee "$OUT/probe-teraio.log" | tail -12
+  timeout 90 python3 $B/bench_llama.py --mode torchtune --steps 2 --warmup 1 --batch 1 --seq 512 --cap-gib 16.5 \
+    | tee "$OUT/probe-torchtune.log" | tail -3
+  python3 $B/summarize.py "$OUT"/probe-*.log
+  exit 0
+fi
+
+if [ "$what" = full ] || [ "$what" = rerun ]; then
+  # rerun: everything but the save_on_cpu / torchtune baselines (their first step alone pins
+  # ~35 GiB of host memory, ~30 s each), to fit one call with the DeepSpeed attempt.
+  echo "== ideal (no cap)"
+  timeout 90 python3 $B/bench_llama.py --mode ideal --steps 20 > "$OUT/b4-1-ideal.log" 2>&1; tail -2 "$OUT/b4-1-ideal.log"
+  CAP=$(python3 -c "
+import json,sys
+r=[json.loads(l[7:]) for l in open('$OUT/b4-1-ideal.log') if l.startswith('RESULT ')][0]
+print(round(r['peak_bytes']/2**30/2, 2) if 'peak_bytes' in r else 22.5)")
+  echo "== cap = half of the ideal peak: $CAP GiB"
+  timeout 150 python3 $B/bench_llama.py --mode teraio --steps 20 --cap-gib "$CAP" --out-dir "$OUT" > "$OUT/b4-2-teraio.log" 2>&1
+  grep -v RESULT "$OUT/b4-2-teraio.log" | tail -14
+  if [ "$what" = full ]; then
+    timeout 120 python3 $B/bench_llama.py --mode save_on_cpu --steps 8 --warmup 2 --cap-gib "$CAP" > "$OUT/b4-3-save_on_cpu.log" 2>&1
+    tail -2 "$OUT/b4-3-save_on_cpu.log"
+    timeout 120 python3 $B/bench_llama.py --mode torchtune --steps 8 --warmup 2 --cap-gib "$CAP" > "$OUT/b4-4-torchtune.log" 2>&1
+    tail -2 "$OUT/b4-4-torchtune.log"
+  fi
+  echo "== batch 8: without offload, then with teraio"
+  timeout 60 python3 $B/bench_llama.py --mode ideal --steps 2 --warmup 1 --batch 8 > "$OUT/b8-1-ideal.log" 2>&1
+  tail -1 "$OUT/b8-1-ideal.log" | cut -c1-300
+  timeout 150 python3 $B/bench_llama.py --mode teraio --steps 7 --warmup 3 --batch 8 --gpu-memory-gib 74 --host-gib 96 \
+    --out-dir "$OUT" > "$OUT/b8-2-teraio.log" 2>&1
+  grep -v RESULT "$OUT/b8-2-teraio.log" | tail -12
+  echo "$CAP" > "$OUT/cap.txt"
+  if [ "$what" = rerun ] && [ $SECONDS -lt 400 ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/ds-site .whl-py/ds/*.whl
+    (ls /usr/include/libaio.h; ldconfig -p | grep -i libaio) 2>&1 | head -3
+    PYTHONPATH=/tmp/ds-site:/tmp/site timeout $((540 - SECONDS)) python3 $B/bench_deepspeed.py --device nvme \
+      --cap-gib "$CAP" --steps 5 > "$OUT/ds-nvme.log" 2>&1
+    grep -E "Error|error|step" "$OUT/ds-nvme.log" | tail -6 | cut -c1-400
+  fi
+  cat "$OUT"/b4-*.log "$OUT"/b8-*.log "$OUT"/ds-*.log 2>/dev/null | grep '^RESULT' > "$OUT/results.jsonl"
+  python3 $B/summarize.py "$OUT/results.jsonl" | tee "$OUT/summary.md"
+fi
+
+if [ "$what" = deepspeed ]; then
+  CAP=${2:-25.5}
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/ds-site .whl-py/ds/*.whl || exit 1
+  export PYTHONPATH=/tmp/ds-site:/tmp/site
+  (ls /usr/include/libaio.h; ldconfig -p | grep -i libaio) 2>&1 | head -3
+  timeout 300 python3 $B/bench_deepspeed.py --device nvme --cap-gib "$CAP" --steps 6 > "$OUT/ds-nvme.log" 2>&1
+  grep -E "RESULT|Error|error" "$OUT/ds-nvme.log" | tail -8
+  if grep -q '"error"' "$OUT/ds-nvme.log"; then
+    timeout 240 python3 $B/bench_deepspeed.py --device cpu --cap-gib "$CAP" --steps 6 > "$OUT/ds-cpu.log" 2>&1
+    grep -E "RESULT|Error" "$OUT/ds-cpu.log" | tail -5
+  fi
+  python3 $B/summarize.py "$OUT"/ds-*.log | tee "$OUT/summary-ds.md"
+fi
