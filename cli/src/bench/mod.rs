@@ -459,7 +459,15 @@ pub fn run(args: &BenchArgs) -> CliResult<()> {
     // The data set must fit what the store has.
     let w = fit_to_store(args, &targets, &draft)?;
     check_buffer_memory(&w)?;
-    let names: Vec<String> = targets.iter().enumerate().map(|(i, p)| format!("{i} {}", p.display())).collect();
+    // Device names fit the table's column: the index, then the path's distinctive end.
+    let names: Vec<String> = targets
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let index = i.to_string();
+            format!("{index} {}", report::shorten(&p.display().to_string(), 33 - index.len()))
+        })
+        .collect();
     if !args.json {
         eprintln!("teraio bench on {}", targets.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", "));
     }

@@ -251,7 +251,7 @@ pub fn row(name: &str, op: &str, r: &DirectionResult) -> String {
 }
 
 /// Keeps the end of long paths (the distinctive part).
-fn shorten(name: &str, width: usize) -> String {
+pub fn shorten(name: &str, width: usize) -> String {
     let count = name.chars().count();
     if count <= width {
         name.to_string()

@@ -20,6 +20,7 @@ pub struct SweepPoint {
     pub threads: usize,
     pub stripe_unit_bytes: u64,
     pub gb_per_s: f64,
+    /// Device requests per second.
     pub iops: f64,
     pub p99_us: u64,
     pub cores_per_gb_per_s: f64,
@@ -79,7 +80,7 @@ pub fn run(args: &BenchArgs, targets: &[PathBuf], base: &Workload, names: &[Stri
                         threads,
                         stripe_unit_bytes,
                         gb_per_s: report.gb_per_s,
-                        iops: report.ops_per_s,
+                        iops: report.aggregate.read.iops + report.aggregate.write.iops,
                         p99_us,
                         cores_per_gb_per_s: report.cpu.cores_per_gb_per_s,
                     };
