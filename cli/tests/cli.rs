@@ -357,3 +357,29 @@ fn planner_commands_trace_plan_and_sim() {
     let line = one_line_error(teraio().arg("plan").arg(tmp.path().join("missing.json")), 1);
     assert!(line.contains("missing.json"), "{line}");
 }
+
+#[test]
+fn interrupted_bench_removes_its_temporary_store() {
+    let tmp = scratch();
+    let child = std::process::Command::new(assert_cmd::cargo::cargo_bin("teraio"))
+        .env("TMPDIR", tmp.path())
+        .args(["bench", "--data-size", "32MiB", "--object-size", "8MiB", "--runtime", "60s", "--no-progress"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait until the store exists, then a little into the run, and interrupt.
+    let started = std::time::Instant::now();
+    while std::fs::read_dir(tmp.path()).unwrap().count() == 0 && started.elapsed().as_secs() < 20 {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("interrupted"), "{stderr}");
+    assert!(started.elapsed().as_secs() < 30, "the run must stop soon after the signal");
+    assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0, "the temporary store must be removed");
+}

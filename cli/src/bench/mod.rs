@@ -433,6 +433,9 @@ pub fn run(args: &BenchArgs) -> CliResult<()> {
         }
     }
 
+    // From here on Ctrl-C stops the run cleanly (the temporary store is removed).
+    workload::catch_interrupts();
+
     // Targets: explicit ones, or the embedded temporary store.
     let file_bytes =
         args.file_size.unwrap_or_else(|| sizing_workload(args, &draft).map_or(0, |w| bytes_per_device(&w)));
@@ -629,6 +632,9 @@ pub fn fill_and_measure(
     if args.drop_caches {
         drop_page_cache()?;
     }
+    if workload::interrupted() {
+        return Err(CliError::failed("interrupted while writing the data set"));
+    }
     if !args.warmup.is_zero() {
         let warm = Progress::default();
         with_progress(show, "warm-up", ProgressKind::Time(args.warmup), &warm, || {
@@ -648,6 +654,9 @@ pub fn fill_and_measure(
     let measured = Progress::default();
     let cpu_before = CpuTimes::now();
     let totals = with_progress(show, "measuring", kind, &measured, || workload::run_phase(store, w, limit, &measured))?;
+    if workload::interrupted() {
+        return Err(CliError::failed("interrupted; the timed phase was cut short and is not reported"));
+    }
     let cpu = CpuTimes::now().since(&cpu_before);
     let mut report = BenchReport::new(w, names, &store.stats(), &totals, cpu);
     report.gpu_path = gpu_path;

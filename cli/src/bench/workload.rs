@@ -195,6 +195,31 @@ impl PhaseTotals {
     }
 }
 
+/// Set by SIGINT or SIGTERM during a bench: workers stop issuing, drain what is in flight, and
+/// the run ends with an error, so that the temporary store is still removed.
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    INTERRUPTED.store(true, Ordering::Relaxed);
+}
+
+/// Routes SIGINT and SIGTERM to [`interrupted`] instead of killing the process.
+pub fn catch_interrupts() {
+    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+    unsafe {
+        let mut action: libc::sigaction = std::mem::zeroed();
+        action.sa_sigaction = on_signal as *const () as libc::sighandler_t;
+        libc::sigemptyset(&mut action.sa_mask);
+        libc::sigaction(libc::SIGINT, &action, std::ptr::null_mut());
+        libc::sigaction(libc::SIGTERM, &action, std::ptr::null_mut());
+    }
+}
+
+/// Whether the user asked the bench to stop.
+pub fn interrupted() -> bool {
+    INTERRUPTED.load(Ordering::Relaxed)
+}
+
 /// Writes the whole data set (and the random-write set when the workload writes randomly), so
 /// reads find data and writes replace objects as a steady-state device would.
 pub fn prefill(store: &Store, w: &Workload, progress: &Progress) -> CliResult<()> {
@@ -206,6 +231,9 @@ pub fn prefill(store: &Store, w: &Workload, progress: &Progress) -> CliResult<()
     let mut free: Vec<HostBuf> = Vec::new();
     let mut inflight: VecDeque<(Ticket<HostBuf>, u64)> = VecDeque::new();
     for (id, bytes) in jobs {
+        if interrupted() {
+            break;
+        }
         if inflight.len() >= depth {
             let (ticket, len) = inflight.pop_front().expect("non-empty");
             free.push(ticket.wait()?);
@@ -300,7 +328,7 @@ fn worker_loop(
     let mut inflight: VecDeque<Issued> = VecDeque::with_capacity(depth);
     let mut totals = PhaseTotals::default();
     loop {
-        while inflight.len() < depth && !stop.load(Ordering::Relaxed) {
+        while inflight.len() < depth && !stop.load(Ordering::Relaxed) && !interrupted() {
             if deadline.is_some_and(|d| Instant::now() >= d) {
                 break;
             }
