@@ -147,12 +147,14 @@ class ActivationExecutor:
         max_inflight_bytes: int = 2 << 30,
         object_id_base: int = 1 << 40,
         skip_storages: Optional[set[Any]] = None,
+        gpu_memory_bytes: int = 0,
     ) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
         self.store = store
         self.host_memory_bytes = host_memory_bytes
         self.min_bytes = min_bytes
+        self.gpu_memory_bytes = gpu_memory_bytes
         self.max_inflight_bytes = max_inflight_bytes
         self.object_id_base = object_id_base
         self.skip_storages = skip_storages if skip_storages is not None else set()
@@ -301,7 +303,14 @@ class ActivationExecutor:
                 return None
             decision = self.decisions[pack_index]
             return decision.tier
-        # No plan yet (warm-up and profiled iterations): host memory up to the cap, then SSD.
+        # No plan yet (warm-up and profiled iterations): keep tensors while the GPU is less than
+        # half full (CUDA), then host memory up to the cap, then SSD.
+        if (
+            self.cuda
+            and self.gpu_memory_bytes
+            and torch.cuda.memory_allocated(self.device) + nbytes < self.gpu_memory_bytes // 2
+        ):
+            return None
         if self._host_in_use + nbytes <= self.host_memory_bytes:
             return HOST
         if self.store is not None:

@@ -143,6 +143,7 @@ class offload:
             min_bytes=min_bytes,
             max_inflight_bytes=parse_size(max_inflight_bytes),
             skip_storages=skip,
+            gpu_memory_bytes=self.gpu_memory_bytes,
         )
         self.profiler: Optional[Profiler] = None
         self.trace: Optional[dict[str, Any]] = None
