@@ -46,6 +46,9 @@ struct Lanes {
     urgent: VecDeque<Request>,
     normal: VecDeque<Request>,
     shutdown: bool,
+    /// The worker sleeps on `work_ready` (nothing in flight): only then does a submit wake it,
+    /// since a wake is a system call.
+    worker_idle: bool,
 }
 
 struct Shared {
@@ -76,7 +79,12 @@ impl DeviceQueue {
         assert!(depth > 0);
         let backend_name = backend.name();
         let shared = Arc::new(Shared {
-            lanes: Mutex::new(Lanes { urgent: VecDeque::new(), normal: VecDeque::new(), shutdown: false }),
+            lanes: Mutex::new(Lanes {
+                urgent: VecDeque::new(),
+                normal: VecDeque::new(),
+                shutdown: false,
+                worker_idle: false,
+            }),
             work_ready: Condvar::new(),
             waker: backend.waker(),
             waiting_in_backend: AtomicBool::new(false),
@@ -99,8 +107,11 @@ impl DeviceQueue {
             }
         }
         let wake = self.shared.waiting_in_backend.load(Ordering::Acquire);
+        let idle = lanes.worker_idle;
         drop(lanes);
-        self.shared.work_ready.notify_one();
+        if idle {
+            self.shared.work_ready.notify_one();
+        }
         if wake {
             (self.shared.waker)();
         }
@@ -193,7 +204,9 @@ impl Worker {
                     if lanes.shutdown && lanes.urgent.is_empty() && lanes.normal.is_empty() {
                         return;
                     }
-                    let _unused = shared.work_ready.wait(lanes).expect("lanes");
+                    lanes.worker_idle = true;
+                    let mut lanes = shared.work_ready.wait(lanes).expect("lanes");
+                    lanes.worker_idle = false;
                     continue;
                 }
                 let can_admit = (!lanes.urgent.is_empty() && self.in_flight.len() < self.depth)

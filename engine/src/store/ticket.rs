@@ -78,34 +78,50 @@ unsafe impl IoBuf for &'static [u8] {
 /// Completion state shared by a ticket and the engine.
 #[derive(Default)]
 pub(crate) struct Completion {
-    result: Mutex<Option<Result<()>>>,
+    state: Mutex<CompletionState>,
     done: Condvar,
+}
+
+#[derive(Default)]
+struct CompletionState {
+    result: Option<Result<()>>,
+    /// Threads blocked in `wait`: finishing wakes the condvar only when there are some, since a
+    /// wake is a system call and most ops finish before anyone waits (or are polled).
+    waiters: usize,
 }
 
 impl Completion {
     pub(crate) fn finish(&self, result: Result<()>) {
-        let mut slot = self.result.lock().expect("completion");
-        debug_assert!(slot.is_none(), "op finished twice");
-        *slot = Some(result);
-        drop(slot);
-        self.done.notify_all();
-    }
-    pub(crate) fn is_done(&self) -> bool {
-        self.result.lock().expect("completion").is_some()
-    }
-    pub(crate) fn wait(&self) -> Result<()> {
-        let mut slot = self.result.lock().expect("completion");
-        loop {
-            if let Some(r) = slot.as_ref() {
-                return r.clone();
-            }
-            slot = self.done.wait(slot).expect("completion");
+        let mut state = self.state.lock().expect("completion");
+        debug_assert!(state.result.is_none(), "op finished twice");
+        state.result = Some(result);
+        let wake = state.waiters > 0;
+        drop(state);
+        if wake {
+            self.done.notify_all();
         }
     }
+    pub(crate) fn is_done(&self) -> bool {
+        self.state.lock().expect("completion").result.is_some()
+    }
+    pub(crate) fn wait(&self) -> Result<()> {
+        let mut state = self.state.lock().expect("completion");
+        state.waiters += 1;
+        let result = loop {
+            if let Some(r) = state.result.as_ref() {
+                break r.clone();
+            }
+            state = self.done.wait(state).expect("completion");
+        };
+        state.waiters -= 1;
+        result
+    }
     pub(crate) fn wait_timeout(&self, timeout: Duration) -> Option<Result<()>> {
-        let slot = self.result.lock().expect("completion");
-        let (slot, _) = self.done.wait_timeout_while(slot, timeout, |s| s.is_none()).expect("completion");
-        slot.clone()
+        let mut state = self.state.lock().expect("completion");
+        state.waiters += 1;
+        let (mut state, _) = self.done.wait_timeout_while(state, timeout, |s| s.result.is_none()).expect("completion");
+        state.waiters -= 1;
+        state.result.clone()
     }
 }
 
