@@ -50,6 +50,11 @@ def main():
     results = []
     same = True
     with kvikio.CuFile(path, "r+") as f:
+        try:
+            # True: kvikio does POSIX I/O plus its own bounce copies; False: it calls cuFile.
+            print(f"kvikio file handle prefers compat (POSIX) mode: {f.is_compat_mode_preferred()}")
+        except Exception as e:  # older kvikio
+            print(f"kvikio file handle mode: unknown ({e})")
         for _ in range(rounds):
             drop_caches()
             c0, t0 = cpu_seconds(), time.perf_counter()

@@ -20,10 +20,12 @@ def ratio(a, b):
     return f"{r[a][0] / r[b][0]:.2f}" if a in r and b in r else "n/a"
 
 
-for d in ("bounce", "cufile", "auto"):
+for d in ("bounce", "cufile", "auto", "bounce_qd32", "cufile_qd32"):
     get, put = f"d_read_teraio_{d}", f"d_write_teraio_{d}"
-    print(f"get {d}: x(a) {ratio(get, 'a_read_odirect_pinned')}  x(b) {ratio(get, 'b_read_cufile')}  "
+    if get not in r:
+        continue
+    print(f"get {d}: x(a) {ratio(get, 'a_read_odirect_pinned')}  x(a32) {ratio(get, 'a_read_odirect_pinned_qd32')}  x(b) {ratio(get, 'b_read_cufile')}  "
           f"x(b1) {ratio(get, 'b1_read_cufile_one_call')}  x(c) {ratio(get, 'c_read_kvikio')}")
     if put in r:
-        print(f"put {d}: x(a) {ratio(put, 'a_write_pinned_odirect')}  x(b) {ratio(put, 'b_write_cufile')}  "
+        print(f"put {d}: x(a) {ratio(put, 'a_write_pinned_odirect')}  x(a32) {ratio(put, 'a_write_pinned_odirect_qd32')}  x(b) {ratio(put, 'b_write_cufile')}  "
               f"x(b1) {ratio(put, 'b1_write_cufile_one_call')}  x(c) {ratio(put, 'c_write_kvikio')}")

@@ -14,7 +14,10 @@
 //! Each measurement runs `--rounds` times, interleaved with the others; the RESULT lines and the
 //! summary give the median round, and every round is printed too.
 //!
-//! Usage: gpu_bench FILE [--bytes 4GiB] [--threads 8] [--io-bytes 4MiB] [--rounds 3] [--region-out PATH]
+//! `--depths 8,32` also runs (a) with that many threads and teraio with that queue depth.
+//!
+//! Usage: gpu_bench FILE [--bytes 4GiB] [--threads 8] [--io-bytes 4MiB] [--rounds 3] [--depths 8]
+//!                  [--region-out PATH]
 
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::sync::Arc;
@@ -165,6 +168,7 @@ fn main() -> Result<(), Failure> {
     let (mut bytes, mut threads, mut io) = (4 * GIB, 8usize, 4 * MIB);
     let mut region_out = None;
     let mut rounds = 3usize;
+    let mut depths = vec![8usize];
     let mut i = 2;
     while i < args.len() {
         match args[i].as_str() {
@@ -173,11 +177,15 @@ fn main() -> Result<(), Failure> {
             "--io-bytes" => io = parse_size(&args[i + 1])?,
             "--region-out" => region_out = Some(args[i + 1].clone()),
             "--rounds" => rounds = args[i + 1].parse()?,
+            "--depths" => depths = args[i + 1].split(',').map(str::parse).collect::<Result<_, _>>()?,
             other => return Err(format!("unknown argument {other}").into()),
         }
         i += 2;
     }
     println!("{}", gpu::probe());
+    // Measurement names carry the depth only where it differs from --threads (the
+    // comparison with (b) and kvikio, which run --threads I/Os at a time).
+    let suffix = |depth: usize| if depth == threads { String::new() } else { format!("_qd{depth}") };
     let _ = std::fs::remove_file(&file);
     let format = FormatConfig {
         create_file_bytes: Some(2 * bytes + GIB),
@@ -193,8 +201,7 @@ fn main() -> Result<(), Failure> {
     }
     // Requests in flight per device = the threads of (a) and (b) (and kvikio's), so every
     // contender keeps the same number of I/Os at the disk.
-    let queue_depth = threads;
-    let open = |path: GpuPath| OpenConfig {
+    let open = |path: GpuPath, queue_depth: usize| OpenConfig {
         queue_depth,
         max_io_bytes: 4 * MIB,
         max_inflight_bytes: 256 * MIB,
@@ -215,12 +222,13 @@ fn main() -> Result<(), Failure> {
     let mut gpu_src = DeviceBuffer::new(0, bytes as usize)?;
     gpu_src.copy_from_host(0, &host_data)?;
     let gpu_dst = DeviceBuffer::new(0, bytes as usize)?;
-    let pinned = Arc::new(PinnedHost::new((threads as u64 * io) as usize)?);
+    let max_depth = depths.iter().copied().max().unwrap_or(threads).max(threads);
+    let pinned = Arc::new(PinnedHost::new((max_depth as u64 * io) as usize)?);
     // SAFETY: no other slice is live yet.
     unsafe { pinned.slice_mut(0, pinned.len) }.iter_mut().enumerate().for_each(|(i, b)| *b = i as u8);
 
     let raw = std::fs::OpenOptions::new().read(true).write(true).custom_flags(libc::O_DIRECT).open(&file)?;
-    let slot = |at: u64| ((at / io) as usize % threads) * io as usize;
+    let slot = |at: u64, t: usize| ((at / io) as usize % t) * io as usize;
 
     let mut results = Rounds::default();
     let b1_io = bytes; // (b1): the whole transfer in one cuFile call, as a plain user would write it
@@ -230,14 +238,17 @@ fn main() -> Result<(), Failure> {
     let mut path_reports = Vec::new();
     // Writes, `rounds` times, interleaved so that drifts of the (virtual) disk hit all alike.
     for _ in 0..rounds {
-        let r = measure("a_write_pinned_odirect", bytes, || {
-            parallel(threads, bytes, io, |at, n| {
-                raw.write_all_at(pinned.slice(slot(at), n as usize), region + at).map_err(|e| e.to_string())
+        for &depth in &depths {
+            let name = format!("a_write_pinned_odirect{}", suffix(depth));
+            let r = measure(&name, bytes, || {
+                parallel(depth, bytes, io, |at, n| {
+                    raw.write_all_at(pinned.slice(slot(at, depth), n as usize), region + at).map_err(|e| e.to_string())
+                })?;
+                raw.sync_data()?;
+                Ok(())
             })?;
-            raw.sync_data()?;
-            Ok(())
-        })?;
-        results.add("a_write_pinned_odirect", "(a) write: pinned host -> O_DIRECT disk", r);
+            results.add(&name, &format!("(a) write: pinned host -> O_DIRECT disk, {depth} threads"), r);
+        }
         for (name, label, t, n) in [
             ("b_write_cufile", "(b) write: cuFile from GPU, 8 threads", threads, io),
             ("b1_write_cufile_one_call", "(b1) write: cuFile from GPU, one call", 1, b1_io),
@@ -254,32 +265,35 @@ fn main() -> Result<(), Failure> {
             results.add(name, label, r);
         }
         // One object id for both paths: each put replaces the last, so two regions suffice.
-        for path in [GpuPath::Bounce, GpuPath::Cufile] {
-            let store = Store::open(&[&file], open(path))?;
+        for (path, depth) in depths.iter().flat_map(|&d| [(GpuPath::Bounce, d), (GpuPath::Cufile, d)]) {
+            let store = Store::open(&[&file], open(path, depth))?;
             let report = store.gpu_setup(0)?;
             path_reports.push(format!("{}: {report}", path.name()));
             let slice = gpu_src.slice(0, bytes as usize);
-            let name = format!("d_write_teraio_{}", path.name());
+            let name = format!("d_write_teraio_{}{}", path.name(), suffix(depth));
             let r = measure(&name, bytes, || {
                 // SAFETY: gpu_src outlives the wait.
                 unsafe { store.put_gpu_raw(1, slice, b"", Priority::Normal)? }.wait()?;
                 Ok(())
             })?;
-            results.add(&name, &format!("(d) write: teraio put_gpu, {}", path.name()), r);
+            results.add(&name, &format!("(d) write: teraio put_gpu, {}, depth {depth}", path.name()), r);
             store.close()?;
         }
     }
     // Reads.
     let mut check = vec![0u8; bytes as usize];
     for round in 0..rounds {
-        let r = measure("a_read_odirect_pinned", bytes, || {
-            parallel(threads, bytes, io, |at, n| {
-                // SAFETY: each worker owns its slot of the pinned buffer.
-                let slot = unsafe { pinned.slice_mut(slot(at), n as usize) };
-                raw.read_exact_at(slot, region + at).map_err(|e| e.to_string())
-            })
-        })?;
-        results.add("a_read_odirect_pinned", "(a) read: O_DIRECT disk -> pinned host", r);
+        for &depth in &depths {
+            let name = format!("a_read_odirect_pinned{}", suffix(depth));
+            let r = measure(&name, bytes, || {
+                parallel(depth, bytes, io, |at, n| {
+                    // SAFETY: each worker owns its slot of the pinned buffer.
+                    let slot = unsafe { pinned.slice_mut(slot(at, depth), n as usize) };
+                    raw.read_exact_at(slot, region + at).map_err(|e| e.to_string())
+                })
+            })?;
+            results.add(&name, &format!("(a) read: O_DIRECT disk -> pinned host, {depth} threads"), r);
+        }
         for (name, label, t, n) in [
             ("b_read_cufile", "(b) read: cuFile into GPU, 8 threads", threads, io),
             ("b1_read_cufile_one_call", "(b1) read: cuFile into GPU, one call", 1, b1_io),
@@ -293,23 +307,23 @@ fn main() -> Result<(), Failure> {
             })?;
             results.add(name, label, r);
         }
-        let paths: &[GpuPath] = if round == 0 {
-            &[GpuPath::Bounce, GpuPath::Cufile, GpuPath::Auto]
-        } else {
-            &[GpuPath::Bounce, GpuPath::Cufile]
-        };
-        for &path in paths {
-            let store = Store::open(&[&file], open(path))?;
+        let mut paths: Vec<(GpuPath, usize)> =
+            depths.iter().flat_map(|&d| [(GpuPath::Bounce, d), (GpuPath::Cufile, d)]).collect();
+        if round == 0 {
+            paths.push((GpuPath::Auto, threads));
+        }
+        for (path, depth) in paths {
+            let store = Store::open(&[&file], open(path, depth))?;
             let report = store.gpu_setup(0)?;
             path_reports.push(format!("{}: {report}", path.name()));
             let slice = gpu_dst.slice(0, bytes as usize);
-            let name = format!("d_read_teraio_{}", path.name());
+            let name = format!("d_read_teraio_{}{}", path.name(), suffix(depth));
             let r = measure(&name, bytes, || {
                 // SAFETY: gpu_dst outlives the wait.
                 unsafe { store.get_gpu_raw(1, 0, slice, true, Priority::Normal)? }.wait()?;
                 Ok(())
             })?;
-            results.add(&name, &format!("(d) read: teraio get_gpu, {}", path.name()), r);
+            results.add(&name, &format!("(d) read: teraio get_gpu, {}, depth {depth}", path.name()), r);
             gpu_dst.copy_to_host(0, &mut check)?;
             if check != host_data {
                 return Err(format!("teraio {} get returned different bytes than were put", path.name()).into());

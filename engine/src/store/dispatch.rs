@@ -75,6 +75,26 @@ pub(crate) struct GpuOp {
     /// only ever on the host inside a bounce chunk.
     pub piece_crcs: Option<Mutex<Vec<(u64, u64, u32)>>>,
     pub handoff: Option<HandoffSlot>,
+    pub handoff_signalled: std::sync::atomic::AtomicBool,
+}
+
+impl GpuOp {
+    /// Sets the op's hand-off flag and frees its slot, once.
+    pub fn signal_handoff(&self) {
+        if let Some(slot) = self.handoff {
+            if !self.handoff_signalled.swap(true, Ordering::AcqRel) {
+                self.device.handoff.signal(slot);
+            }
+        }
+    }
+}
+
+impl Drop for GpuOp {
+    /// An op refused before it was queued (bad metadata, no space, store closed) still gives its
+    /// hand-off slot back.
+    fn drop(&mut self) {
+        self.signal_handoff();
+    }
 }
 
 impl Op {
@@ -291,9 +311,9 @@ impl Shared {
             }
         }
         op.completion.finish(result);
-        if let Some(GpuOp { device, handoff: Some(slot), .. }) = &op.gpu {
+        if let Some(gpu) = &op.gpu {
             // After the ticket is done, so a stream that passed the hand-off finds `is_done`.
-            device.handoff.signal(*slot);
+            gpu.signal_handoff();
         }
         self.op_finished();
     }

@@ -956,7 +956,13 @@ impl Store {
             OpKind::Get => self.shared.config.verify_checksums && !use_cufile,
         };
         let handoff = device.handoff.claim();
-        Ok(dispatch::GpuOp { device, use_cufile, piece_crcs: crcs.then(|| Mutex::new(Vec::new())), handoff })
+        Ok(dispatch::GpuOp {
+            device,
+            use_cufile,
+            piece_crcs: crcs.then(|| Mutex::new(Vec::new())),
+            handoff,
+            handoff_signalled: AtomicBool::new(false),
+        })
     }
 }
 
