@@ -89,6 +89,25 @@ pub enum BackendKind {
     Auto,
     IoUring,
     Psync,
+    /// A backend from another crate, registered with [`register_external`] (teraio-nvme's NVMe
+    /// passthrough).
+    External(&'static str),
+}
+
+/// Builds one device's backend for an [`BackendKind::External`] kind: (device, depth, bounce pool).
+pub type ExternalFactory = fn(&Device, usize, &BouncePool) -> Result<Box<dyn Backend>>;
+
+static EXTERNAL: std::sync::Mutex<Vec<(&'static str, ExternalFactory)>> = std::sync::Mutex::new(Vec::new());
+
+/// Makes `BackendKind::External(name)` (and the name in `FromStr`) usable; registering again replaces.
+pub fn register_external(name: &'static str, factory: ExternalFactory) {
+    let mut list = EXTERNAL.lock().expect("external backends");
+    list.retain(|(n, _)| *n != name);
+    list.push((name, factory));
+}
+
+fn external(name: &str) -> Option<(&'static str, ExternalFactory)> {
+    EXTERNAL.lock().expect("external backends").iter().find(|(n, _)| *n == name).copied()
 }
 
 impl std::str::FromStr for BackendKind {
@@ -98,6 +117,7 @@ impl std::str::FromStr for BackendKind {
             "auto" => Ok(BackendKind::Auto),
             "io_uring" | "uring" | "io-uring" => Ok(BackendKind::IoUring),
             "psync" => Ok(BackendKind::Psync),
+            other if external(other).is_some() => Ok(BackendKind::External(external(other).unwrap().0)),
             other => Err(Error::InvalidConfig(format!("unknown backend {other:?}; use auto, io_uring or psync"))),
         }
     }
@@ -124,6 +144,10 @@ pub struct BackendChoice {
 pub fn choose(requested: BackendKind, uring: &UringOptions) -> Result<BackendChoice> {
     match requested {
         BackendKind::Psync => Ok(BackendChoice { kind: BackendKind::Psync, reason: "psync requested".into() }),
+        BackendKind::External(name) => match external(name) {
+            Some(_) => Ok(BackendChoice { kind: requested, reason: format!("{name} requested") }),
+            None => Err(Error::BackendUnavailable { backend: name, reason: "not registered".into() }),
+        },
         BackendKind::IoUring => match uring::probe(uring) {
             Ok(()) => Ok(BackendChoice { kind: BackendKind::IoUring, reason: "io_uring requested".into() }),
             Err(e) => Err(Error::BackendUnavailable { backend: "io_uring", reason: e.to_string() }),
@@ -150,6 +174,10 @@ pub fn build(
     match kind {
         BackendKind::IoUring => Ok(Box::new(uring::UringBackend::new(device, depth, uring_options, pool)?)),
         BackendKind::Psync => Ok(Box::new(psync::PsyncBackend::new(device, depth)?)),
+        BackendKind::External(name) => match external(name) {
+            Some((_, factory)) => factory(device, depth, pool),
+            None => Err(Error::BackendUnavailable { backend: name, reason: "not registered".into() }),
+        },
         BackendKind::Auto => unreachable!("resolve Auto with choose() first"),
     }
 }
