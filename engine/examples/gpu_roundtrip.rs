@@ -89,6 +89,9 @@ fn main() -> Result<(), Failure> {
         let open =
             OpenConfig { gpu: GpuOptions { path, ..Default::default() }, verify_checksums: true, ..Default::default() };
         let store = Store::create(&[&file], &format, open)?;
+        // On the cuFile path the put source and the GPU get/range destinations are registered with
+        // cuFile (cuFileBufRegister) and the host-put -> GPU-get destination is not: both kinds.
+        let register = path == GpuPath::Cufile;
         println!("path {}: {}", path.name(), store.gpu_setup(0)?);
         for (n, &size) in sizes.iter().enumerate() {
             let size = size as usize;
@@ -101,14 +104,15 @@ fn main() -> Result<(), Failure> {
                 // GPU put (from an odd device address), checked by a host get.
                 let mut src = DeviceBuffer::new(0, size + 8192)?;
                 src.copy_from_host(align, &data)?;
-                store.put_gpu(id, SubBuffer::new(src, align, size), b"gpu", Priority::Normal)?.wait()?;
+                store.put_gpu(id, SubBuffer::new(src, align, size, register)?, b"gpu", Priority::Normal)?.wait()?;
                 expect_equal("GPU put -> host get", &store.get_to_vec(id)?, &data)?;
                 checks += 1;
                 // GPU get into a poisoned buffer at another odd address; the stream hand-off
                 // orders a copy on the caller's stream after it without the CPU waiting.
                 let mut dst = DeviceBuffer::new(0, size + 8192)?;
                 dst.fill(0xA5)?;
-                let ticket = store.get_gpu_range(id, 0, SubBuffer::new(dst, align2, size), Priority::Urgent)?;
+                let ticket =
+                    store.get_gpu_range(id, 0, SubBuffer::new(dst, align2, size, register)?, Priority::Urgent)?;
                 let mut via_stream = vec![0u8; size];
                 let stream = StreamOwned::new()?;
                 // SAFETY: our stream, of device 0's primary context.
@@ -135,7 +139,7 @@ fn main() -> Result<(), Failure> {
                     let (offset, len) = ((size / 3) | 1, size / 3);
                     let dst = DeviceBuffer::new(0, len + 8192)?;
                     let dst = store
-                        .get_gpu_range(id, offset as u64, SubBuffer::new(dst, 3, len), Priority::Normal)?
+                        .get_gpu_range(id, offset as u64, SubBuffer::new(dst, 3, len, register)?, Priority::Normal)?
                         .wait()?;
                     let mut back = vec![0u8; len];
                     dst.inner.copy_to_host(3, &mut back)?;
@@ -169,17 +173,34 @@ fn main() -> Result<(), Failure> {
     }
 }
 
-/// `len` bytes at byte `offset` of an owned buffer, handed to the store as device memory.
+/// `len` bytes at byte `offset` of an owned buffer, handed to the store as device memory;
+/// optionally registered with cuFile for its life.
 struct SubBuffer {
     inner: DeviceBuffer,
     offset: usize,
     len: usize,
+    registered: bool,
 }
 
 impl SubBuffer {
-    fn new(inner: DeviceBuffer, offset: usize, len: usize) -> Self {
+    fn new(inner: DeviceBuffer, offset: usize, len: usize, register: bool) -> Result<Self, Failure> {
         assert!(offset + len <= inner.len());
-        SubBuffer { inner, offset, len }
+        if register {
+            // SAFETY: deregistered in Drop, before the allocation is freed.
+            unsafe { gpu::register_gpu_buffer(inner.slice(0, inner.len()))? };
+        }
+        Ok(SubBuffer { inner, offset, len, registered: register })
+    }
+}
+
+impl Drop for SubBuffer {
+    fn drop(&mut self) {
+        if self.registered {
+            // SAFETY: registered in `new`; the ticket that used it is done.
+            if let Err(e) = unsafe { gpu::deregister_gpu_buffer(self.inner.ptr()) } {
+                eprintln!("cuFileBufDeregister: {e}");
+            }
+        }
     }
 }
 

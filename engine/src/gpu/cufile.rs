@@ -8,8 +8,21 @@
 
 use crate::error::{Error, Result};
 use libloading::Library;
+use std::collections::BTreeMap;
 use std::ffi::{c_int, c_void};
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
+
+/// GPU buffers registered with cuFile (base address -> bytes): an I/O into one is issued as
+/// (base, offset), the form under which cuFile uses the registration instead of its own bounce
+/// buffers.
+static REGISTERED: Mutex<BTreeMap<u64, usize>> = Mutex::new(BTreeMap::new());
+
+/// The registered buffer holding `[ptr, ptr + len)`, as (base, offset of ptr in it).
+fn registered_base(ptr: u64, len: usize) -> Option<(u64, u64)> {
+    let map = REGISTERED.lock().expect("cufile registrations");
+    let (&base, &bytes) = map.range(..=ptr).next_back()?;
+    (ptr + len as u64 <= base + bytes as u64).then_some((base, ptr - base))
+}
 
 /// `CUfileError_t`: a cuFile status and, for `CU_FILE_CUDA_DRIVER_ERROR`, the CUDA result.
 #[repr(C)]
@@ -202,12 +215,15 @@ impl CuFile {
     /// `[ptr, ptr + len)` must be a device allocation that outlives the registration.
     pub unsafe fn register_buffer(&self, ptr: u64, len: usize) -> Result<()> {
         // SAFETY: forwarded contract.
-        status_result(unsafe { (self.buf_register)(ptr as *const c_void, len, 0) }, "cuFileBufRegister")
+        status_result(unsafe { (self.buf_register)(ptr as *const c_void, len, 0) }, "cuFileBufRegister")?;
+        REGISTERED.lock().expect("cufile registrations").insert(ptr, len);
+        Ok(())
     }
 
     /// # Safety
     /// `ptr` must have been registered with `register_buffer`.
     pub unsafe fn deregister_buffer(&self, ptr: u64) -> Result<()> {
+        REGISTERED.lock().expect("cufile registrations").remove(&ptr);
         // SAFETY: forwarded contract.
         status_result(unsafe { (self.buf_deregister)(ptr as *const c_void) }, "cuFileBufDeregister")
     }
@@ -231,8 +247,12 @@ impl FileHandle {
     /// # Safety
     /// `buf` must be valid for `len` bytes.
     pub unsafe fn read(&self, buf: u64, len: usize, offset: u64) -> std::result::Result<usize, (i32, String)> {
+        let (base, at) = registered_base(buf, len).unwrap_or((buf, 0));
         // SAFETY: forwarded contract.
-        io_result(unsafe { (self.lib.read)(self.raw, buf as *mut c_void, len, offset as i64, 0) }, "cuFileRead")
+        io_result(
+            unsafe { (self.lib.read)(self.raw, base as *mut c_void, len, offset as i64, at as i64) },
+            "cuFileRead",
+        )
     }
 
     /// Writes `len` bytes from device (or registered host) memory at `buf` to file `offset`.
@@ -240,8 +260,12 @@ impl FileHandle {
     /// # Safety
     /// `buf` must be valid for `len` bytes.
     pub unsafe fn write(&self, buf: u64, len: usize, offset: u64) -> std::result::Result<usize, (i32, String)> {
+        let (base, at) = registered_base(buf, len).unwrap_or((buf, 0));
         // SAFETY: forwarded contract.
-        io_result(unsafe { (self.lib.write)(self.raw, buf as *const c_void, len, offset as i64, 0) }, "cuFileWrite")
+        io_result(
+            unsafe { (self.lib.write)(self.raw, base as *const c_void, len, offset as i64, at as i64) },
+            "cuFileWrite",
+        )
     }
 }
 

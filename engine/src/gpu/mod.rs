@@ -31,6 +31,28 @@ use handoff::{HandoffFlags, HandoffSlot};
 use std::sync::Arc;
 use std::time::Duration;
 
+/// Registers device memory with cuFile once (`cuFileBufRegister`), so that cuFile-path I/O into
+/// any part of it uses the registration instead of a per-I/O mapping or cuFile's bounce buffers
+/// (this matters in true GDS mode; compatibility mode ignores it). Registration is per process.
+///
+/// # Safety
+/// `mem` must stay allocated until [`deregister_gpu_buffer`] is called with `mem.ptr`, and no I/O
+/// into it may run during deregistration.
+pub unsafe fn register_gpu_buffer(mem: DeviceSlice) -> Result<()> {
+    cuda::check_device_pointer(mem.ptr, mem.len, mem.device)?;
+    // SAFETY: forwarded contract.
+    unsafe { cufile::cufile()?.register_buffer(mem.ptr, mem.len) }
+}
+
+/// Undoes [`register_gpu_buffer`].
+///
+/// # Safety
+/// `ptr` must have been registered, and no I/O into it may be running.
+pub unsafe fn deregister_gpu_buffer(ptr: DevicePtr) -> Result<()> {
+    // SAFETY: forwarded contract.
+    unsafe { cufile::cufile()?.deregister_buffer(ptr) }
+}
+
 /// What a store chose for GPU I/O, and why.
 #[derive(Debug, Clone)]
 pub struct GpuPathReport {
