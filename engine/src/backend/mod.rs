@@ -8,6 +8,7 @@ pub mod cufile;
 pub mod fault;
 pub mod powercut;
 pub mod psync;
+pub mod throttle;
 pub mod uring;
 
 use crate::buffer::BouncePool;
