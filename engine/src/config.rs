@@ -109,6 +109,9 @@ pub struct OpenConfig {
     /// Keep a power-cut undo log of unflushed writes in this directory (reliability runs; slow).
     /// Default None.
     pub power_cut_log_dir: Option<std::path::PathBuf>,
+    /// Make every device behave like an SSD of this bandwidth and latency (an emulated array:
+    /// see `backend::throttle`). Default None (the devices as they are).
+    pub emulate: Option<crate::backend::throttle::DeviceModel>,
     /// How long to wait for a device lock held by another writer before failing with `Locked`.
     /// A crashed writer's lock is released only once the kernel has finished its last requests.
     /// Default 2 s.
@@ -132,6 +135,7 @@ impl Default for OpenConfig {
             fault_injector: None,
             lock_wait_ms: 2000,
             power_cut_log_dir: None,
+            emulate: None,
             gpu: GpuOptions::default(),
         }
     }

@@ -158,6 +158,22 @@ pub(crate) struct DispatchState {
     pub normal: VecDeque<PendingOp>,
     pub inflight_bytes: u64,
     pub shutdown: bool,
+    /// Threads asleep on `dispatch_cv`: completions and new ops wake it only when this is
+    /// non-zero, since a wake is a system call on every request otherwise.
+    pub sleepers: usize,
+}
+
+impl DispatchState {
+    /// Sleeps on `cv`, counted in `sleepers`.
+    fn sleep<'a>(
+        mut guard: std::sync::MutexGuard<'a, DispatchState>,
+        cv: &std::sync::Condvar,
+    ) -> std::sync::MutexGuard<'a, DispatchState> {
+        guard.sleepers += 1;
+        let mut guard = cv.wait(guard).expect("dispatch");
+        guard.sleepers -= 1;
+        guard
+    }
 }
 
 impl Shared {
@@ -187,15 +203,21 @@ impl Shared {
             Priority::Urgent => st.urgent.push_back(pending),
             Priority::Normal => st.normal.push_back(pending),
         }
+        let wake = st.sleepers > 0;
         drop(st);
-        self.dispatch_cv.notify_all();
+        if wake {
+            self.dispatch_cv.notify_all();
+        }
     }
 
     fn release_budget(&self, bytes: u64) {
         let mut st = self.dispatch.lock().expect("dispatch");
         st.inflight_bytes -= bytes;
+        let wake = st.sleepers > 0;
         drop(st);
-        self.dispatch_cv.notify_all();
+        if wake {
+            self.dispatch_cv.notify_all();
+        }
     }
 
     /// Takes `bytes` of budget for an op of `priority` if it is free now.
@@ -223,7 +245,7 @@ impl Shared {
             if priority == Priority::Normal && !st.urgent.is_empty() {
                 return false;
             }
-            st = self.dispatch_cv.wait(st).expect("dispatch");
+            st = DispatchState::sleep(st, &self.dispatch_cv);
         }
     }
 
@@ -365,7 +387,7 @@ pub(crate) fn run_dispatcher(shared: Arc<Shared>) {
                 if st.shutdown {
                     return;
                 }
-                st = shared.dispatch_cv.wait(st).expect("dispatch");
+                st = DispatchState::sleep(st, &shared.dispatch_cv);
             }
         };
         if dispatch_slice(&shared, &mut pending, true) {

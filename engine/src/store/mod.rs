@@ -131,7 +131,8 @@ impl Shared {
     pub(crate) fn op_finished(&self) {
         let mut n = self.ops_outstanding.lock().expect("ops");
         *n -= 1;
-        if *n == 0 {
+        // Only `close` waits for this (it sets `closed` under the same lock first).
+        if *n == 0 && self.closed.load(Ordering::Acquire) {
             self.ops_idle.notify_all();
         }
     }
@@ -344,6 +345,9 @@ impl Store {
             }
             if let Some(dir) = &config.power_cut_log_dir {
                 b = Box::new(PowerCutBackend::new(b, i as u16, &d.file, dir, block as usize)?);
+            }
+            if let Some(model) = config.emulate {
+                b = Box::new(crate::backend::throttle::ThrottledBackend::new(b, model));
             }
             queues.push(
                 DeviceQueue::start(i as u16, b, config.queue_depth)
