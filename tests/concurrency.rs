@@ -49,10 +49,10 @@ fn threads_on_overlapping_ids_never_see_torn_data_and_stats_add_up() {
                         let seed = (t as u64) << 40 | n;
                         let private = 100 + t as u64 * 10 + n % 3;
                         let shared = n.wrapping_mul(2654435761) % shared_ids;
-                        let prio = if n % 7 == 0 { Priority::Urgent } else { Priority::Normal };
+                        let prio = if n.is_multiple_of(7) { Priority::Urgent } else { Priority::Normal };
                         match n % 5 {
                             0 | 1 => {
-                                let id = if n % 2 == 0 { shared } else { private };
+                                let id = if n.is_multiple_of(2) { shared } else { private };
                                 store.put(id, object(seed), &seed.to_le_bytes(), prio).unwrap().wait().unwrap();
                                 puts_acked.fetch_add(1, Ordering::Relaxed);
                                 if id == private {
@@ -60,7 +60,7 @@ fn threads_on_overlapping_ids_never_see_torn_data_and_stats_add_up() {
                                 }
                             }
                             2 | 3 => {
-                                let id = if n % 2 == 0 { shared } else { private };
+                                let id = if n.is_multiple_of(2) { shared } else { private };
                                 // The object may be replaced or deleted between stat and get:
                                 // then NotFound or the new version, never a mix.
                                 let Some(info) = store.stat(id) else { continue };

@@ -150,7 +150,8 @@ mod tests {
         let device = crate::device::Device::open(&path, false).unwrap();
         let inner = Box::new(super::super::psync::PsyncBackend::new(&device, 4).unwrap());
         // 200 MB/s: 32 MiB take ~168 ms whatever the file underneath can do.
-        let model = DeviceModel { read_bytes_per_s: 200e6, write_bytes_per_s: 200e6, latency: Duration::from_micros(50) };
+        let model =
+            DeviceModel { read_bytes_per_s: 200e6, write_bytes_per_s: 200e6, latency: Duration::from_micros(50) };
         let mut b = ThrottledBackend::new(inner, model);
         let mut buf = vec![0u8; 1 << 20];
         let started = Instant::now();
