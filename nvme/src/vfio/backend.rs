@@ -98,6 +98,11 @@ impl VfioBackend {
         })
     }
 
+    /// Completions the device posted for command ids not in flight (ignored).
+    pub fn spurious_completions(&self) -> u64 {
+        self.queue.as_ref().map_or(0, |q| q.spurious_completions)
+    }
+
     pub fn controller(&self) -> &Arc<Controller> {
         &self.controller
     }
@@ -261,6 +266,13 @@ impl Drop for VfioBackend {
             self.reap(&mut sink);
         }
         if let Some(q) = self.queue.take() {
+            if q.spurious_completions > 0 {
+                tracing::warn!(queue = q.qid, count = q.spurious_completions, "spurious NVMe completions were ignored");
+                eprintln!(
+                    "teraio-nvme: {} ignored completions on queue {} of {}",
+                    q.spurious_completions, q.qid, self.controller.bdf
+                );
+            }
             self.controller.delete_queue(q.qid);
         }
         let _ = &self.memory;

@@ -17,7 +17,14 @@ pub struct QueuePair {
     cq_doorbell: *mut u32,
     /// Command ids not in flight; at most entries - 1 in flight so the SQ can never overflow.
     free_ids: Vec<u16>,
+    /// Which command ids are in flight: a completion for any other id is ignored and counted
+    /// (as Linux's nvme driver does with "invalid id ... completed").
+    in_flight: Vec<bool>,
+    /// Completions ignored because their command id was not in flight.
+    pub spurious_completions: u64,
     unrung: bool,
+    /// The CQ head moved since the head doorbell was last rung.
+    head_moved: bool,
 }
 
 // SAFETY: the queue's memory and doorbells are used by one thread at a time (the owner).
@@ -50,7 +57,10 @@ impl QueuePair {
             sq_doorbell: doorbells.0,
             cq_doorbell: doorbells.1,
             free_ids: (0..entries - 1).rev().collect(),
+            in_flight: vec![false; entries as usize],
+            spurious_completions: 0,
             unrung: false,
+            head_moved: false,
         }
     }
 
@@ -71,6 +81,8 @@ impl QueuePair {
     /// Queues `cmd` (its command id is assigned here and returned); None when full.
     pub fn submit(&mut self, mut cmd: Command) -> Option<u16> {
         let id = self.free_ids.pop()?;
+        debug_assert!(!self.in_flight[id as usize]);
+        self.in_flight[id as usize] = true;
         cmd.command_id = id;
         // SAFETY: sq_tail < entries, inside the SQ memory.
         unsafe { std::ptr::write_volatile(self.sq.add(self.sq_tail as usize), cmd) };
@@ -91,32 +103,55 @@ impl QueuePair {
     }
 
     fn take(&mut self) -> Option<Completion> {
-        // SAFETY: cq_head < entries, inside the CQ memory written by the device.
-        let c = unsafe { std::ptr::read_volatile(self.cq.add(self.cq_head as usize)) };
-        if c.phase() != self.phase {
-            return None;
+        loop {
+            // SAFETY: cq_head < entries, inside the CQ memory written by the device.
+            let entry = unsafe { self.cq.add(self.cq_head as usize) };
+            // The status word (with the phase tag) first; the rest only once it is current.
+            // SAFETY: as above; `status` is the last, 2-byte aligned field of the entry.
+            let status = unsafe { std::ptr::read_volatile(std::ptr::addr_of!((*entry).status)) };
+            if (status & 1 == 1) != self.phase {
+                return None;
+            }
+            fence(Ordering::Acquire);
+            // SAFETY: as above.
+            let c = unsafe { std::ptr::read_volatile(entry) };
+            self.head_moved = true;
+            self.cq_head += 1;
+            if self.cq_head == self.entries {
+                self.cq_head = 0;
+                self.phase = !self.phase;
+            }
+            let id = c.command_id as usize;
+            if id >= self.in_flight.len() || !self.in_flight[id] {
+                self.spurious_completions += 1;
+                tracing::warn!(
+                    queue = self.qid,
+                    command_id = id,
+                    "NVMe completion for a command not in flight; ignored"
+                );
+                continue;
+            }
+            self.in_flight[id] = false;
+            self.free_ids.push(c.command_id);
+            return Some(c);
         }
-        fence(Ordering::Acquire);
-        self.cq_head += 1;
-        if self.cq_head == self.entries {
-            self.cq_head = 0;
-            self.phase = !self.phase;
-        }
-        self.free_ids.push(c.command_id);
-        Some(c)
     }
 
     fn ring_head(&mut self) {
+        if !self.head_moved {
+            return;
+        }
         fence(Ordering::SeqCst);
         // SAFETY: the completion doorbell of this queue inside the mapped BAR.
         unsafe { std::ptr::write_volatile(self.cq_doorbell, self.cq_head as u32) };
+        self.head_moved = false;
     }
 
     /// One completion, if there is one (rings the head doorbell).
     pub fn poll_one(&mut self) -> Option<Completion> {
-        let c = self.take()?;
+        let c = self.take();
         self.ring_head();
-        Some(c)
+        c
     }
 
     /// Moves up to `max` completions into `out`; rings the head doorbell once. Returns how many.
@@ -127,9 +162,7 @@ impl QueuePair {
             out.push(c);
             n += 1;
         }
-        if n > 0 {
-            self.ring_head();
-        }
+        self.ring_head();
         n
     }
 
