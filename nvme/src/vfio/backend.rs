@@ -18,6 +18,18 @@ use teraio_engine::backend::{Backend, BackendCompletion, BackendRequest, IoKind,
 pub const MAX_DEPTH: usize = 4096;
 /// PRP entries in one list page.
 const PRP_ENTRIES_PER_PAGE: usize = PAGE_BYTES / 8;
+/// Bounce slots (one transfer limit each) for caller memory that is not registered DMA memory
+/// or not dword-aligned: such commands are copied through them, at most this many at a time.
+const BOUNCE_SLOTS: usize = 16;
+
+/// A command whose data goes through a bounce slot.
+#[derive(Debug, Clone, Copy)]
+struct Bounced {
+    slot: usize,
+    caller_buf: usize,
+    len: usize,
+    read: bool,
+}
 
 #[derive(Debug, Clone, Copy)]
 struct Parent {
@@ -50,6 +62,10 @@ pub struct VfioBackend {
     free_parents: Vec<usize>,
     waiting: VecDeque<Piece>,
     ready: Vec<BackendCompletion>,
+    /// Bounce memory: BOUNCE_SLOTS slots of max_transfer_bytes each, allocated on first use.
+    bounce: Option<(DmaMemory, Arc<DmaRegion>)>,
+    free_bounce_slots: Vec<usize>,
+    bounced: Vec<Option<Bounced>>,
     completions: Vec<Completion>,
     lba_shift: u32,
     woken: Arc<AtomicBool>,
@@ -93,6 +109,9 @@ impl VfioBackend {
             free_parents: (0..depth).rev().collect(),
             waiting: VecDeque::new(),
             ready: Vec::new(),
+            bounce: None,
+            free_bounce_slots: (0..BOUNCE_SLOTS).rev().collect(),
+            bounced: vec![None; entries as usize],
             completions: Vec::with_capacity(entries as usize),
             woken: Arc::new(AtomicBool::new(false)),
         })
@@ -116,11 +135,45 @@ impl VfioBackend {
         Some(r)
     }
 
-    /// Submits waiting pieces while the SQ has room.
+    /// Whether [addr, addr+len) can be handed to the device as it is.
+    fn direct(&mut self, addr: usize, len: usize) -> bool {
+        addr.is_multiple_of(4) && self.region_of(addr, len).is_some()
+    }
+
+    /// Submits waiting pieces while the SQ (and, for bounced ones, a bounce slot) has room.
     fn issue(&mut self) {
-        while let Some(piece) = self.waiting.front().copied() {
+        while let Some(mut piece) = self.waiting.front().copied() {
             let queue = self.queue.as_mut().expect("queue");
             let Some(id) = queue.next_id() else { break };
+            let mut bounced = None;
+            if piece.opcode != spec::IO_FLUSH && !self.direct(piece.buf, piece.len as usize) {
+                let Some(slot) = self.free_bounce_slots.pop() else { break };
+                if self.bounce.is_none() {
+                    let bytes = BOUNCE_SLOTS * self.controller.max_transfer_bytes as usize;
+                    match DmaMemory::allocate(bytes).and_then(|m| Ok((self.controller.register(m.base, m.len)?, m))) {
+                        Ok((region, memory)) => self.bounce = Some((memory, region)),
+                        Err(e) => {
+                            tracing::error!(error = %e, "nvme-vfio: no bounce memory");
+                            self.free_bounce_slots.push(slot);
+                            self.waiting.pop_front();
+                            self.fail_piece(piece.parent, -libc::ENOMEM);
+                            continue;
+                        }
+                    }
+                }
+                let base = self.bounce.as_ref().unwrap().0.base as usize;
+                let slot_buf = base + slot * self.controller.max_transfer_bytes as usize;
+                let read = piece.opcode == spec::IO_READ;
+                if !read {
+                    // SAFETY: the caller's buffer is valid for len bytes (push's contract) and the
+                    // slot is ours and as long as the transfer limit.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(piece.buf as *const u8, slot_buf as *mut u8, piece.len as usize)
+                    };
+                }
+                bounced = Some(Bounced { slot, caller_buf: piece.buf, len: piece.len as usize, read });
+                piece.buf = slot_buf;
+            }
             self.waiting.pop_front();
             let mut cmd = if piece.opcode == spec::IO_FLUSH {
                 Command { opcode: spec::IO_FLUSH, nsid: self.controller.nsid, ..Default::default() }
@@ -129,7 +182,7 @@ impl VfioBackend {
                 Command::read_write(piece.opcode, self.controller.nsid, piece.offset >> self.lba_shift, blocks)
             };
             if piece.opcode != spec::IO_FLUSH {
-                let region = self.region_of(piece.buf, piece.len as usize).expect("checked in push");
+                let region = self.region_of(piece.buf, piece.len as usize).expect("direct or bounced");
                 let first = (PAGE_BYTES - piece.buf % PAGE_BYTES).min(piece.len as usize);
                 cmd.prp1 = region.iova_of(piece.buf);
                 let rest = piece.len as usize - first;
@@ -146,6 +199,7 @@ impl VfioBackend {
                     cmd.prp2 = self.memory_region.iova_of(list);
                 }
             }
+            self.bounced[id as usize] = bounced;
             let queue = self.queue.as_mut().expect("queue");
             let submitted = queue.submit(cmd);
             debug_assert_eq!(submitted, Some(id));
@@ -159,6 +213,16 @@ impl VfioBackend {
         self.completions.clear();
         let n = queue.poll(&mut self.completions, usize::MAX);
         for c in &self.completions {
+            if let Some(b) = self.bounced[c.command_id as usize].take() {
+                if b.read && c.is_ok() {
+                    let base = self.bounce.as_ref().expect("bounce memory").0.base as usize;
+                    let slot_buf = base + b.slot * self.controller.max_transfer_bytes as usize;
+                    // SAFETY: the device has finished writing the slot; the caller's buffer is
+                    // valid for len bytes until its completion is returned.
+                    unsafe { std::ptr::copy_nonoverlapping(slot_buf as *const u8, b.caller_buf as *mut u8, b.len) };
+                }
+                self.free_bounce_slots.push(b.slot);
+            }
             let index = self.parent_of_command[c.command_id as usize];
             let parent = self.parents[index].as_mut().expect("completion for a request not in flight");
             if !c.is_ok() && parent.error == 0 {
@@ -179,6 +243,22 @@ impl VfioBackend {
     }
 }
 
+impl VfioBackend {
+    /// Fails one piece of `parent` without sending it.
+    fn fail_piece(&mut self, parent: usize, errno: i32) {
+        let p = self.parents[parent].as_mut().expect("parent in flight");
+        if p.error == 0 {
+            p.error = errno;
+        }
+        p.pieces_left -= 1;
+        if p.pieces_left == 0 {
+            let p = self.parents[parent].take().unwrap();
+            self.free_parents.push(parent);
+            self.ready.push(BackendCompletion { token: p.token, result: p.error });
+        }
+    }
+}
+
 impl Backend for VfioBackend {
     fn name(&self) -> &'static str {
         "nvme-vfio"
@@ -187,17 +267,9 @@ impl Backend for VfioBackend {
     unsafe fn push(&mut self, r: BackendRequest) {
         let lba_mask = (1u64 << self.lba_shift) - 1;
         if r.kind != IoKind::Flush {
-            if r.offset & lba_mask != 0
-                || r.len as u64 & lba_mask != 0
-                || r.len == 0
-                || !(r.buf as usize).is_multiple_of(4)
-            {
+            // Memory that is not registered (or not dword-aligned) is bounced, not refused.
+            if r.offset & lba_mask != 0 || r.len as u64 & lba_mask != 0 || r.len == 0 {
                 self.ready.push(BackendCompletion { token: r.token, result: -libc::EINVAL });
-                return;
-            }
-            if self.region_of(r.buf as usize, r.len as usize).is_none() {
-                tracing::error!("nvme-vfio: buffer {:p}+{} is not registered DMA memory", r.buf, r.len);
-                self.ready.push(BackendCompletion { token: r.token, result: -libc::EFAULT });
                 return;
             }
         }
