@@ -213,10 +213,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             store=store,
             gpu_memory=cap,
             host_memory=int(args.host_gib * GIB),
-            ssd_bandwidth=read * 0.9,
-            ssd_write_bandwidth=write * 0.9,
+            # One device: reads and writes share its bandwidth (the planner's channels are separate).
+            ssd_bandwidth=read * args.ssd_share,
+            ssd_write_bandwidth=write * args.ssd_share,
             host_link_bandwidth=min(d2h, h2d) * 0.9,
             reserve=int(args.reserve_gib * GIB),
+            max_inflight_bytes=int(args.max_inflight_gib * GIB),
             trace_path=os.path.join(args.out_dir, f"trace-b{args.batch}.json") if args.out_dir else None,
             plan_path=os.path.join(args.out_dir, f"plan-b{args.batch}.json") if args.out_dir else None,
         )
@@ -244,6 +246,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 flush=True,
             )
         peak = torch.cuda.max_memory_allocated()
+    if run_handle is not None:
+        # teraio.offload resets the peak at each iteration boundary: take its own figure.
+        peak = run_handle.report().peak_gpu_bytes or peak
     measured = times_ms[args.warmup :] if len(times_ms) > args.warmup else times_ms
     result.update(
         {
@@ -281,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-memory-gib", type=float, default=76.0, help="teraio budget without a cap")
     parser.add_argument("--host-gib", type=float, default=64.0)
     parser.add_argument("--reserve-gib", type=float, default=3.0)
+    parser.add_argument("--max-inflight-gib", type=float, default=2.0, help="device-to-host bytes in flight")
+    parser.add_argument("--ssd-share", type=float, default=0.9, help="SSD bandwidth share per direction")
     parser.add_argument("--store-dir", default="/root/teraio-bench")
     parser.add_argument("--out-dir", default="")
     args = parser.parse_args(argv)

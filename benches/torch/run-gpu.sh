@@ -73,6 +73,24 @@ print(round(r['peak_bytes']/2**30/2, 2) if 'peak_bytes' in r else 22.5)")
   python3 $B/summarize.py "$OUT/results.jsonl" | tee "$OUT/summary.md"
 fi
 
+if [ "$what" = final ]; then
+  # CUDA tests, teraio at the cap of the earlier ideal run (CAP, GiB), DeepSpeed with CPU offload.
+  CAP=${2:-22.53}
+  echo "== CUDA tests (pytest, bindings/python/tests)"
+  timeout 90 python3 -m pytest -q -s -p no:cacheprovider bindings/python/tests 2>&1 | tee "$OUT/pytest.log" \
+    | grep -E "passed|failed|FAILED|Error|^\[|peak GPU|offloaded per" | tail -20
+  timeout 150 python3 $B/bench_llama.py --mode teraio --steps 20 --cap-gib "$CAP" --out-dir "$OUT" > "$OUT/b4-2-teraio.log" 2>&1
+  grep -v RESULT "$OUT/b4-2-teraio.log" | tail -9
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/ds-site .whl-py/ds/*.whl
+  if [ $SECONDS -lt 330 ]; then
+    PYTHONPATH=/tmp/ds-site:/tmp/site timeout $((520 - SECONDS)) python3 $B/bench_deepspeed.py --device cpu \
+      --cap-gib "$CAP" --steps 5 > "$OUT/ds-cpu.log" 2>&1
+    grep -E "Error|error|step" "$OUT/ds-cpu.log" | tail -6 | cut -c1-400
+  fi
+  cat "$OUT"/b4-*.log "$OUT"/ds-*.log 2>/dev/null | grep '^RESULT' > "$OUT/results.jsonl"
+  python3 $B/summarize.py "$OUT/results.jsonl" | tee "$OUT/summary.md"
+fi
+
 if [ "$what" = deepspeed ]; then
   CAP=${2:-25.5}
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/ds-site .whl-py/ds/*.whl || exit 1
