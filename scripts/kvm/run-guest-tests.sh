@@ -108,7 +108,6 @@ for serial in tio-k0 tio-k1 tio-v0 tio-v1; do
 done
 LOG=$WORK/console.log
 echo "run-guest-tests: booting $KVER ($ACCEL) with 4 emulated NVMe drives (mode $MODE)" >&2
-echo "TERAIO-HOST accel=$ACCEL kernel=$KVER qemu=$(qemu-system-x86_64 --version | head -1)" > "$WORK/host.txt"
 START=$(date +%s)
 set +e
 timeout "$TIMEOUT" qemu-system-x86_64 \
@@ -126,11 +125,12 @@ RESULT=$(tr -d '\r' < "$LOG" | grep -a '^TERAIO-GUEST-RESULT' | tail -1 || true)
 [ -n "$RESULT" ] || fail "the guest printed no result line (crashed or failed to boot; see the log above)"
 echo "run-guest-tests: $RESULT" >&2
 if [ "$MODE" != tests ]; then
-    tr -d '\r' < "$LOG" | python3 "$HERE/bench-report.py" | tee "${TERAIO_KVM_BENCH_OUT:-/dev/null}"
+    { echo "Guest: $KVER under $ACCEL, $(qemu-system-x86_64 --version | head -1), ${SECONDS_PER_RUN} s per run."; echo
+      tr -d '\r' < "$LOG" | python3 "$HERE/bench-report.py"; } | tee "${TERAIO_KVM_BENCH_OUT:-/dev/null}"
 fi
 case "$MODE" in
     tests) [[ "$RESULT" == *"tests=0 "* ]] ;;
     bench) [[ "$RESULT" == *"bench=0"* ]] ;;
     all) [[ "$RESULT" == *"tests=0 "* && "$RESULT" == *"bench=0"* ]] ;;
 esac || fail "$RESULT"
-echo "run-guest-tests: PASS ($MODE)" >&2
+echo "run-guest-tests: PASS ($MODE, $ACCEL)" >&2
