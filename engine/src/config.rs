@@ -33,6 +33,9 @@ pub struct FormatConfig {
     pub create_file_bytes: Option<u64>,
     /// Overwrite devices that already hold a teraio store. Default false.
     pub force: bool,
+    /// Open the devices with O_DIRECT while formatting. Default true; false for file systems
+    /// without O_DIRECT (tmpfs), which must then be opened with `OpenConfig::direct_io` false too.
+    pub direct_io: bool,
 }
 
 impl Default for FormatConfig {
@@ -46,6 +49,7 @@ impl Default for FormatConfig {
             journal_bytes: None,
             create_file_bytes: None,
             force: false,
+            direct_io: true,
         }
     }
 }

@@ -24,6 +24,7 @@ use serde::Serialize;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
+use teraio_engine::backend::throttle::DeviceModel;
 use teraio_engine::{BackendKind, FormatConfig, GpuOptions, GpuPath, OpenConfig, Store, GIB, MIB};
 use workload::{BufferKind, Limit, Pattern, Progress, Workload};
 
@@ -131,6 +132,11 @@ pub struct BenchArgs {
     /// Go through the page cache instead of O_DIRECT.
     #[arg(long)]
     pub buffered: bool,
+    /// Make every target behave like an SSD of this bandwidth and latency: `6.5GB/s`,
+    /// `7/6.5GB/s` (read/write), optionally `@20us`. With targets on a fast medium (tmpfs with
+    /// --buffered) this emulates arrays the machine does not have, e.g. 8 x 6.5 GB/s.
+    #[arg(long, value_parser = parse_device_model)]
+    pub emulate: Option<DeviceModel>,
     /// Flush before each put is acknowledged (fio: fsync per write). Default: like fio, no flush.
     #[arg(long)]
     pub durable: bool,
@@ -287,6 +293,11 @@ fn workload_from_args(args: &BenchArgs, data_bytes: u64) -> CliResult<Workload> 
             "--backend cufile moves data between SSDs and GPU memory; add --buffer gpu (or use --backend auto, io_uring or psync)",
         ));
     }
+    if args.compare_fio && args.emulate.is_some() {
+        return Err(CliError::input(
+            "--compare-fio measures the real devices; fio cannot emulate them: drop --emulate or --compare-fio",
+        ));
+    }
     if args.compare_fio && args.buffer == BufferKind::Gpu {
         return Err(CliError::input("fio's twin jobs use host memory; compare with --buffer host or pinned"));
     }
@@ -304,6 +315,10 @@ fn workload_from_args(args: &BenchArgs, data_bytes: u64) -> CliResult<Workload> 
         buffer: args.buffer,
         gpu_ordinal: args.gpu_device,
     })
+}
+
+fn parse_device_model(text: &str) -> Result<DeviceModel, String> {
+    DeviceModel::parse(text)
 }
 
 fn backend_kind(b: BackendArg) -> BackendKind {
@@ -336,6 +351,7 @@ pub fn open_config(args: &BenchArgs, w: &Workload) -> OpenConfig {
         },
         verify_checksums: w.verify,
         durable: args.durable,
+        emulate: args.emulate,
         gpu: GpuOptions {
             path: if args.backend == BackendArg::Cufile { GpuPath::Cufile } else { GpuPath::Auto },
             ..GpuOptions::default()
@@ -575,6 +591,7 @@ fn format_store(args: &BenchArgs, paths: &[PathBuf], stripe_unit_bytes: u64, cre
         create_file_bytes: create,
         // The targets were checked (and --force given where they hold data) above.
         force: true,
+        direct_io: !args.buffered,
         ..FormatConfig::default()
     };
     Store::format(paths, &config)?;
@@ -584,7 +601,8 @@ fn format_store(args: &BenchArgs, paths: &[PathBuf], stripe_unit_bytes: u64, cre
 /// Re-derives the workload against the formatted store: the default data size shrinks to what
 /// fits; an explicit one that does not fit is an error that says how much does.
 fn fit_to_store(args: &BenchArgs, targets: &[PathBuf], draft: &Workload) -> CliResult<Workload> {
-    let store = Store::open(targets, OpenConfig { queue_depth: 4, ..OpenConfig::default() })?;
+    let store =
+        Store::open(targets, OpenConfig { queue_depth: 4, direct_io: !args.buffered, ..OpenConfig::default() })?;
     let info = store.info();
     store.close()?;
     let free_per_device = info.devices.iter().map(|d| d.free_bytes).min().unwrap_or(0);

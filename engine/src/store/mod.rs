@@ -169,10 +169,7 @@ impl Store {
                     }
                 }
             }
-            let d = Device::open(path, true).map_err(|e| match e {
-                Error::DirectIoUnsupported { .. } => e,
-                other => other,
-            })?;
+            let d = Device::open(path, config.direct_io)?;
             if d.is_block_device && !config.force {
                 if let Some(m) = device::mounted_at(path) {
                     return Err(Error::InvalidConfig(format!(
