@@ -214,6 +214,8 @@ fn format_config(o: &teraio_format_options) -> FormatConfig {
         journal_bytes: some(o.journal_bytes),
         create_file_bytes: some(o.create_file_bytes),
         force: o.force != 0,
+        // The C API formats with O_DIRECT (its stores live on disk file systems or devices).
+        direct_io: true,
     }
 }
 
