@@ -172,6 +172,10 @@ pub fn build(
     uring_options: &UringOptions,
     pool: &BouncePool,
 ) -> Result<Box<dyn Backend>> {
+    if device.external.is_some() && !matches!(kind, BackendKind::External(_)) {
+        let reason = format!("{} is driven from userspace; open it with its own backend", device.path.display());
+        return Err(Error::BackendUnavailable { backend: "io_uring/psync", reason });
+    }
     match kind {
         BackendKind::IoUring => Ok(Box::new(uring::UringBackend::new(device, depth, uring_options, pool)?)),
         BackendKind::Psync => Ok(Box::new(psync::PsyncBackend::new(device, depth)?)),

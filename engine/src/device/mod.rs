@@ -1,5 +1,6 @@
 //! Where bytes live: a backing device is a regular file (pre-allocated) or a raw block device,
-//! opened once with O_DIRECT and locked against a second writer.
+//! opened once with O_DIRECT and locked against a second writer, or an external device that no
+//! kernel file reaches (an NVMe namespace driven from userspace over VFIO, see teraio-nvme).
 
 use crate::error::{Error, Result};
 use std::fs::{File, OpenOptions};
@@ -7,13 +8,40 @@ use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 
+/// A device no kernel file reaches (teraio-nvme's VFIO namespaces): the store's synchronous
+/// open-time I/O goes through it, the data path through the backend registered for it.
+pub trait ExternalDevice: Send + Sync + std::fmt::Debug {
+    fn size_bytes(&self) -> u64;
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()>;
+    fn write_at(&self, buf: &[u8], offset: u64) -> std::io::Result<()>;
+    fn flush(&self) -> std::io::Result<()>;
+    /// For the backend factory to reach its own type.
+    fn as_any(&self) -> &dyn std::any::Any;
+}
+
+/// Opens `path` as an external device, or says `None` when the path is not its kind.
+pub type ExternalOpener = fn(&Path) -> Result<Option<std::sync::Arc<dyn ExternalDevice>>>;
+
+static EXTERNAL_OPENERS: std::sync::Mutex<Vec<ExternalOpener>> = std::sync::Mutex::new(Vec::new());
+
+/// Lets `Device::open` hand paths of another kind (e.g. `vfio:0000:00:04.0`) to `opener`.
+pub fn register_external_device(opener: ExternalOpener) {
+    let mut openers = EXTERNAL_OPENERS.lock().expect("external openers");
+    if !openers.contains(&opener) {
+        openers.push(opener);
+    }
+}
+
 /// An open, locked backing device.
 #[derive(Debug)]
 pub struct Device {
     pub path: PathBuf,
+    /// For an external device: /dev/null, a placeholder that holds no data (the external device
+    /// keeps other writers out itself: a VFIO group opens once).
     pub file: File,
     pub size_bytes: u64,
     pub is_block_device: bool,
+    pub external: Option<std::sync::Arc<dyn ExternalDevice>>,
 }
 
 impl Device {
@@ -38,6 +66,24 @@ impl Device {
 
     /// Opens `path` read-write (O_DIRECT unless `direct_io` is false) and takes an exclusive lock.
     pub fn open(path: &Path, direct_io: bool) -> Result<Device> {
+        let openers = EXTERNAL_OPENERS.lock().expect("external openers").clone();
+        for opener in openers {
+            if let Some(external) = opener(path)? {
+                let file = OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .open("/dev/null")
+                    .map_err(|source| Error::DeviceOpen { path: path.to_path_buf(), source })?;
+                let size_bytes = external.size_bytes();
+                return Ok(Device {
+                    path: path.to_path_buf(),
+                    file,
+                    size_bytes,
+                    is_block_device: true,
+                    external: Some(external),
+                });
+            }
+        }
         let mut options = OpenOptions::new();
         options.read(true).write(true);
         if direct_io {
@@ -62,7 +108,7 @@ impl Device {
         let metadata = file.metadata().map_err(|e| Error::io(format!("stat {}", path.display()), e))?;
         let is_block_device = metadata.file_type().is_block_device();
         let size_bytes = if is_block_device { block_device_size(&file, path)? } else { metadata.len() };
-        Ok(Device { path: path.to_path_buf(), file, size_bytes, is_block_device })
+        Ok(Device { path: path.to_path_buf(), file, size_bytes, is_block_device, external: None })
     }
 
     pub fn fd(&self) -> i32 {
@@ -72,21 +118,29 @@ impl Device {
     /// Reads exactly `buf.len()` bytes at `offset` (synchronously; for superblocks at open time).
     pub fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> Result<()> {
         use std::os::unix::fs::FileExt;
-        self.file
-            .read_exact_at(buf, offset)
-            .map_err(|e| Error::io(format!("reading {} bytes at {} of {}", buf.len(), offset, self.path.display()), e))
+        match &self.external {
+            Some(e) => e.read_at(buf, offset),
+            None => self.file.read_exact_at(buf, offset),
+        }
+        .map_err(|e| Error::io(format!("reading {} bytes at {} of {}", buf.len(), offset, self.path.display()), e))
     }
 
     /// Writes all of `buf` at `offset` (synchronously; for superblocks at format time).
     pub fn write_all_at(&self, buf: &[u8], offset: u64) -> Result<()> {
         use std::os::unix::fs::FileExt;
-        self.file
-            .write_all_at(buf, offset)
-            .map_err(|e| Error::io(format!("writing {} bytes at {} of {}", buf.len(), offset, self.path.display()), e))
+        match &self.external {
+            Some(e) => e.write_at(buf, offset),
+            None => self.file.write_all_at(buf, offset),
+        }
+        .map_err(|e| Error::io(format!("writing {} bytes at {} of {}", buf.len(), offset, self.path.display()), e))
     }
 
     pub fn sync(&self) -> Result<()> {
-        self.file.sync_data().map_err(|e| Error::io(format!("flushing {}", self.path.display()), e))
+        match &self.external {
+            Some(e) => e.flush(),
+            None => self.file.sync_data(),
+        }
+        .map_err(|e| Error::io(format!("flushing {}", self.path.display()), e))
     }
 }
 

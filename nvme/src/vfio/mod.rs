@@ -10,6 +10,7 @@
 
 pub mod backend;
 pub mod dma;
+pub mod namespace;
 pub mod queue;
 pub mod sys;
 
