@@ -179,6 +179,7 @@ pub const IOPOLL_MIN_KERNEL: (u32, u32) = (6, 6);
 pub fn check_iopoll_kernel() -> Result<()> {
     // SAFETY: uname fills the struct.
     let mut u: libc::utsname = unsafe { std::mem::zeroed() };
+    // SAFETY: a system call on our own fd/struct, whose arguments outlive it.
     unsafe { libc::uname(&mut u) };
     // SAFETY: release is a NUL-terminated string.
     let release = unsafe { std::ffi::CStr::from_ptr(u.release.as_ptr()) }.to_string_lossy().to_string();

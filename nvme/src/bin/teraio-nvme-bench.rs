@@ -20,6 +20,7 @@ const REGION_BYTES: u64 = 1 << 30;
 fn cpu_seconds() -> f64 {
     // SAFETY: getrusage fills the struct.
     let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: a system call on our own fd/struct, whose arguments outlive it.
     unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
     let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 / 1e6;
     t(u.ru_utime) + t(u.ru_stime)

@@ -187,6 +187,7 @@ impl Controller {
             return Err(ioctl_err("API version mismatch"));
         }
         let mut status = sys::GroupStatus { argsz: 8, flags: 0 };
+        // SAFETY: a system call on our own fd/struct, whose arguments outlive it.
         if unsafe { libc::ioctl(group.as_raw_fd(), sys::VFIO_GROUP_GET_STATUS, &mut status) } != 0 {
             return Err(ioctl_err("group status"));
         }
@@ -197,12 +198,14 @@ impl Controller {
             });
         }
         let container_fd = container.as_raw_fd();
+        // SAFETY: a system call on our own fd/struct, whose arguments outlive it.
         if unsafe { libc::ioctl(group.as_raw_fd(), sys::VFIO_GROUP_SET_CONTAINER, &container_fd) } != 0 {
             return Err(ioctl_err("set container"));
         }
         let iommu_type = match mode {
             IommuMode::NoIommu => sys::VFIO_NOIOMMU_IOMMU,
             IommuMode::Type1 => {
+                // SAFETY: a system call on our own fd/struct, whose arguments outlive it.
                 if unsafe { libc::ioctl(container_fd, sys::VFIO_CHECK_EXTENSION, sys::VFIO_TYPE1V2_IOMMU) } == 1 {
                     sys::VFIO_TYPE1V2_IOMMU
                 } else {
@@ -210,10 +213,12 @@ impl Controller {
                 }
             }
         };
+        // SAFETY: a system call on our own fd/struct, whose arguments outlive it.
         if unsafe { libc::ioctl(container_fd, sys::VFIO_SET_IOMMU, iommu_type) } != 0 {
             return Err(ioctl_err("set IOMMU type"));
         }
         let name = std::ffi::CString::new(bdf).map_err(|_| NvmeError::NoSuchPciDevice { bdf: bdf.into() })?;
+        // SAFETY: a system call on our own fd/struct, whose arguments outlive it.
         let device_fd = unsafe { libc::ioctl(group.as_raw_fd(), sys::VFIO_GROUP_GET_DEVICE_FD, name.as_ptr()) };
         if device_fd < 0 {
             return Err(ioctl_err("get device fd"));
@@ -223,6 +228,7 @@ impl Controller {
 
         // Enable memory space and bus mastering in the PCI command register.
         let mut config = sys::RegionInfo { argsz: 32, index: sys::VFIO_PCI_CONFIG_REGION_INDEX, ..Default::default() };
+        // SAFETY: a system call on our own fd/struct, whose arguments outlive it.
         if unsafe { libc::ioctl(device_fd, sys::VFIO_DEVICE_GET_REGION_INFO, &mut config) } != 0 {
             return Err(ioctl_err("config region info"));
         }
@@ -236,6 +242,7 @@ impl Controller {
             .map_err(|source| NvmeError::Vfio { what: "write PCI command", source })?;
 
         let mut bar0 = sys::RegionInfo { argsz: 32, index: sys::VFIO_PCI_BAR0_REGION_INDEX, ..Default::default() };
+        // SAFETY: a system call on our own fd/struct, whose arguments outlive it.
         if unsafe { libc::ioctl(device_fd, sys::VFIO_DEVICE_GET_REGION_INFO, &mut bar0) } != 0 {
             return Err(ioctl_err("BAR0 region info"));
         }
