@@ -156,9 +156,9 @@ impl Handle {
 
 impl Drop for Handle {
     fn drop(&mut self) {
-        // The memory must stay valid until the engine is done with it.
+        // The memory must stay valid until the engine is done with it; wait without the GIL.
         if let Some(ticket) = self.ticket.take() {
-            let _ = ticket.wait();
+            Python::with_gil(|py| py.allow_threads(|| drop(ticket.wait())));
         }
     }
 }
@@ -221,6 +221,7 @@ impl Store {
             checksums,
             create_file_bytes: file_size_bytes,
             force,
+            direct_io,
             ..FormatConfig::default()
         };
         let open = open_config(durable, direct_io, queue_depth, backend, max_inflight_bytes, verify_checksums)?;

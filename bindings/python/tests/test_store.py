@@ -39,6 +39,18 @@ def test_torch_cpu_tensor_in_place(store: teraio.Store) -> None:
     assert torch.equal(dst, src)
 
 
+def test_dropped_handle_finishes_its_io(store: teraio.Store) -> None:
+    data = np.random.default_rng(3).integers(0, 255, 8 << 20, dtype=np.uint8)
+    handle = store.put_async(8, data.copy())  # the handle owns the only reference to the copy
+    del handle  # dropping it waits for the put (without the GIL) before releasing the memory
+    assert np.array_equal(store.get(8, np.empty_like(data)), data)
+    out = np.empty_like(data)
+    pending = store.get_async(8, out)
+    assert pending.wait(timeout_s=60.0) is True
+    assert pending.wait() is True  # a second wait returns the same result
+    assert np.array_equal(out, data)
+
+
 def test_bytes_and_larger_buffer(store: teraio.Store) -> None:
     store.put(9, b"hello teraio")
     assert store.get_bytes(9) == b"hello teraio"
@@ -81,3 +93,12 @@ def test_reopen_keeps_objects_and_close_is_final(store_dir: pathlib.Path) -> Non
     with pytest.raises(teraio.DeviceError, match="not a teraio device"):
         (store_dir / "junk").write_bytes(b"\0" * (8 << 20))
         teraio.Store.open([store_dir / "junk"])
+
+
+def test_without_direct_io(store_dir: pathlib.Path) -> None:
+    # For file systems without O_DIRECT (older tmpfs): formatted and opened with buffered I/O.
+    paths = [store_dir / "buffered"]
+    with teraio.Store.create(paths, file_size_bytes=16 << 20, direct_io=False) as s:
+        s.put(1, b"buffered")
+    with teraio.Store.open(paths, direct_io=False) as s:
+        assert s.get_bytes(1) == b"buffered"

@@ -362,7 +362,7 @@ class ActivationExecutor:
 
     def _pump(self, wait: bool) -> None:
         """Starts SSD writes whose device-to-host copy is done; drops pinned buffers written out."""
-        assert_store = self.store
+        store = self.store
         pending = self._pending_puts
         still: deque[_Slot] = deque()
         while pending:
@@ -373,10 +373,10 @@ class ActivationExecutor:
                         still.append(slot)
                         continue
                     slot.d2h_event.synchronize()
-                assert assert_store is not None
+                assert store is not None
                 host = slot.host
                 assert host is not None
-                slot.put_handle = assert_store._native.put_address(
+                slot.put_handle = store._native.put_address(
                     slot.object_id, host.data_ptr(), slot.nbytes, host, b"", False
                 )
             if wait or slot.put_handle.is_done():
