@@ -1,10 +1,15 @@
 #!/bin/bash
 # The GPU machine's checks and benchmark in one call (docs/python.md):
-#   benches/torch/run-gpu.sh probe   # setup check: CUDA tests + a small teraio run (about 1 min)
-#   benches/torch/run-gpu.sh full    # CUDA tests + the Llama benchmark (about 6 min)
-#   benches/torch/run-gpu.sh deepspeed CAP_GIB   # DeepSpeed ZeRO-Infinity attempt (time-boxed)
-# Needs .whl-py/ (the teraio wheel built on the dev machine, torchtune, DeepSpeed and its deps).
-# Logs and RESULT lines go to $OUT; the table is printed last.
+#   benches/torch/run-gpu.sh probe        # setup check: CUDA tests + a small run of each mode (~2 min)
+#   benches/torch/run-gpu.sh full         # CUDA tests + ideal, teraio, save_on_cpu, torchtune at the cap
+#                                         #   (half the ideal peak), batch 8 with and without teraio (~7 min)
+#   benches/torch/run-gpu.sh rerun        # full without the two baselines, plus DeepSpeed ZeRO-Infinity (NVMe)
+#   benches/torch/run-gpu.sh final [CAP]  # CUDA tests, teraio at CAP GiB, DeepSpeed ZeRO-3 with CPU offload
+#   benches/torch/run-gpu.sh deepspeed [CAP]
+# Needs .whl-py/ (ignored by git; carry it): the teraio wheel built on the dev machine
+# (`maturin build --release --strip -m bindings/python/Cargo.toml -o .whl-py`), torchtune 0.6.1,
+# and .whl-py/ds/: DeepSpeed 0.19.8 (built with `pip wheel --no-deps`) and its dependencies.
+# Logs and RESULT lines go to $OUT; the table is printed last (summarize.py).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/teraio-gpu-out}
