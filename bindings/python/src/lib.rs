@@ -370,6 +370,24 @@ impl Store {
         Ok(dict)
     }
 
+    /// Device I/O totals over the store since open: `read_ops`, `read_bytes`, `write_ops`,
+    /// `write_bytes`, `flush_ops`, `errors`, `retries`, `urgent_ops`, and `backend`.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let snapshot = self.store()?.stats();
+        let total = &snapshot.total;
+        let dict = PyDict::new(py);
+        dict.set_item("backend", &snapshot.backend)?;
+        dict.set_item("read_ops", total.read_ops)?;
+        dict.set_item("read_bytes", total.read_bytes)?;
+        dict.set_item("write_ops", total.write_ops)?;
+        dict.set_item("write_bytes", total.write_bytes)?;
+        dict.set_item("flush_ops", total.flush_ops)?;
+        dict.set_item("errors", total.errors)?;
+        dict.set_item("retries", total.retries)?;
+        dict.set_item("urgent_ops", total.urgent_ops)?;
+        Ok(dict)
+    }
+
     /// Engine counters (ops, bytes, latencies) as text; for logs.
     fn stats_text(&self) -> PyResult<String> {
         Ok(format!("{:#?}", self.store()?.stats()))

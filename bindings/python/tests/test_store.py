@@ -21,6 +21,8 @@ def test_numpy_round_trip_and_metadata(store: teraio.Store) -> None:
     assert info["len_bytes"] == data.nbytes
     assert info["meta"] == b"layer0"
     assert [o["id"] for o in store.list()] == [5]
+    io = store.stats()
+    assert io["write_bytes"] >= data.nbytes and io["read_bytes"] >= data.nbytes
     assert store.delete(5) is True
     assert store.delete(5) is False
     assert store.stat(5) is None

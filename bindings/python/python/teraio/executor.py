@@ -145,7 +145,7 @@ class ActivationExecutor:
         host_memory_bytes: int = 0,
         min_bytes: int = 1 << 20,
         max_inflight_bytes: int = 2 << 30,
-        object_id_base: int = 1 << 40,
+        object_id_base: int = 1 << 40,  # SSD-tier objects: ids object_id_base + pack index
         skip_storages: Optional[set[Any]] = None,
         gpu_memory_bytes: int = 0,
     ) -> None:
@@ -172,7 +172,7 @@ class ActivationExecutor:
         self._inflight: deque[tuple[Any, int]] = deque()
         self._inflight_bytes = 0
         self._host_in_use = 0
-        self._fallback_packs: list[Any] = []
+        self._written_objects: set[int] = set()
         if self.cuda:
             self.d2h_stream = torch.cuda.Stream(device)
             self.h2d_stream = torch.cuda.Stream(device)
@@ -216,6 +216,14 @@ class ActivationExecutor:
         """Finishes the SSD writes still pending (their pinned buffers return to the pool)."""
         self._pump(wait=True)
         self._dedup.clear()
+
+    def close(self) -> None:
+        """Finishes pending writes and deletes the executor's objects from the store."""
+        self._pump(wait=True)
+        if self.store is not None and not self.store.closed:
+            for object_id in sorted(self._written_objects):
+                self.store.delete(object_id)
+        self._written_objects.clear()
 
     # -- hooks ---------------------------------------------------------------------------------
 
@@ -379,6 +387,7 @@ class ActivationExecutor:
                 slot.put_handle = store._native.put_address(
                     slot.object_id, host.data_ptr(), slot.nbytes, host, b"", False
                 )
+                self._written_objects.add(slot.object_id)
             if wait or slot.put_handle.is_done():
                 slot.put_handle.wait()
                 slot.put_handle = None
@@ -468,6 +477,7 @@ class ActivationExecutor:
                 slot.put_handle = self.store._native.put_address(
                     slot.object_id, slot.host.data_ptr(), slot.nbytes, slot.host, b"", True
                 )
+                self._written_objects.add(slot.object_id)
             slot.put_handle.wait()
             slot.put_handle = None
             self._pending_puts = deque(s for s in self._pending_puts if s is not slot)

@@ -178,6 +178,7 @@ class offload:
             hook.remove()
         self._hooks.clear()
         self.executor.end_iteration()
+        self.executor.close()
 
     # -- iteration boundaries ------------------------------------------------------------------
 

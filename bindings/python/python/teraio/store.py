@@ -256,6 +256,10 @@ class Store:
         """Layout, devices and backend of the store."""
         return self._native.info()
 
+    def stats(self) -> dict[str, Any]:
+        """Device I/O totals since open (`read_bytes`, `write_bytes`, ops, errors, backend)."""
+        return self._native.stats()
+
     def stats_text(self) -> str:
         """The engine's counters (ops, bytes, latency percentiles), for logs."""
         return self._native.stats_text()
