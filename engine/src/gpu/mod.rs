@@ -90,6 +90,18 @@ pub struct GpuTicket<B = ()> {
     pub(crate) handoff: Option<(Arc<HandoffFlags>, HandoffSlot)>,
 }
 
+impl GpuTicket<()> {
+    /// The same op's ticket, now owning the caller's buffer. The raw ticket lets go of the op
+    /// without waiting for it (a ticket that still held its buffer would wait when dropped).
+    pub(crate) fn holding<B>(mut self, buffer: B) -> GpuTicket<B> {
+        self.ticket.buffer = None;
+        GpuTicket {
+            ticket: Ticket { completion: self.ticket.completion.clone(), buffer: Some(buffer) },
+            handoff: self.handoff,
+        }
+    }
+}
+
 impl<B> GpuTicket<B> {
     /// Waits for the op; returns the buffer or the op's error.
     pub fn wait(self) -> Result<B> {

@@ -819,10 +819,7 @@ impl Store {
             crate::gpu::DeviceSlice { ptr: data.device_ptr(), len: data.device_len(), device: data.device_ordinal() };
         // SAFETY: the ticket owns `data`.
         let t = unsafe { self.put_gpu_raw(id, slice, meta, priority)? };
-        Ok(crate::gpu::GpuTicket {
-            ticket: Ticket { completion: t.ticket.completion.clone(), buffer: Some(data) },
-            handoff: t.handoff,
-        })
+        Ok(t.holding(data))
     }
 
     /// Starts reading the whole of object `id` into device memory `buf` (at least as long as the
@@ -837,10 +834,7 @@ impl Store {
             crate::gpu::DeviceSlice { ptr: buf.device_ptr(), len: buf.device_len(), device: buf.device_ordinal() };
         // SAFETY: the ticket owns `buf`.
         let t = unsafe { self.get_gpu_raw(id, 0, slice, true, priority)? };
-        Ok(crate::gpu::GpuTicket {
-            ticket: Ticket { completion: t.ticket.completion.clone(), buffer: Some(buf) },
-            handoff: t.handoff,
-        })
+        Ok(t.holding(buf))
     }
 
     /// Starts reading `buf.device_len()` bytes of object `id` from byte `offset` into device memory.
@@ -855,10 +849,7 @@ impl Store {
             crate::gpu::DeviceSlice { ptr: buf.device_ptr(), len: buf.device_len(), device: buf.device_ordinal() };
         // SAFETY: the ticket owns `buf`.
         let t = unsafe { self.get_gpu_raw(id, offset, slice, false, priority)? };
-        Ok(crate::gpu::GpuTicket {
-            ticket: Ticket { completion: t.ticket.completion.clone(), buffer: Some(buf) },
-            handoff: t.handoff,
-        })
+        Ok(t.holding(buf))
     }
 
     /// `put_gpu` from a raw device range (for the C ABI, Python and framework tensors).
