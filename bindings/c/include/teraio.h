@@ -9,7 +9,8 @@
  * - Lifecycle: teraio_create/teraio_open -> calls -> teraio_close (optional; later calls give
  *   TERAIO_ERR_CLOSED) -> teraio_store_free (always). Every ticket from a *_async call is passed
  *   to teraio_ticket_wait exactly once.
- * - Buffers are host memory for now; device (GPU) pointers will come as separate functions.
+ * - Buffers are host memory, except for teraio_put_gpu / teraio_get_gpu, which take CUDA device
+ *   pointers (blocking calls; UNSUPPORTED where no CUDA driver is found).
  * - A store handle may be used from many threads at once; no call needs outside locking.
  * - No panic or exception crosses this boundary (TERAIO_ERR_PANIC instead).
  */
@@ -492,8 +493,8 @@ enum teraio_status teraio_store_free(struct teraio_store *store);
  *
  * Errors: `BAD_HANDLE`, `CLOSED`, `INVALID_ARGUMENT` (NULL with a length, metadata over the
  * store's limit), `NO_SPACE`, `IO`.
- * Ownership: `data` and `meta` are only read during the call. Memory: host memory only for
- * now (no GPU pointers). Any alignment works; 4096-byte aligned buffers avoid a bounce copy.
+ * Ownership: `data` and `meta` are only read during the call. Memory: host memory (GPU memory:
+ * `teraio_put_gpu`). Any alignment works; 4096-byte aligned buffers avoid a bounce copy.
  * Threads: safe; any number of threads may put and get on one store at once. Concurrent puts
  * of the same id: one wins, each is whole.
  *
@@ -515,7 +516,8 @@ enum teraio_status teraio_put(struct teraio_store *store,
  *
  * Errors: `BAD_HANDLE`, `CLOSED`, `NOT_FOUND`, `BUFFER_TOO_SMALL`, `INVALID_ARGUMENT`
  * (`buf` NULL with a length), `IO`, `CORRUPT`.
- * Ownership: `buf` is written during the call only. Memory: host memory only for now.
+ * Ownership: `buf` is written during the call only. Memory: host memory (GPU memory:
+ * `teraio_get_gpu`).
  * Threads: safe. If another thread replaces the object meanwhile, the bytes are one whole
  * version, but `*out_len` is the length seen just before the read was queued (a put of the same
  * id landing in between can make them differ; do not race puts and gets of one id).
@@ -528,6 +530,47 @@ enum teraio_status teraio_get(struct teraio_store *store,
                               void *buf,
                               size_t buf_len,
                               uint64_t *out_len);
+
+/**
+ * Writes `len` bytes of CUDA device memory at `device_ptr` (on GPU `device`, a CUDA device
+ * ordinal) as object `id`, and waits until it is durable. The engine moves the data through its
+ * pinned bounce path or cuFile, whichever its GPU set-up chose (see docs/gpu.md).
+ *
+ * Errors: as `teraio_put`, plus `UNSUPPORTED` where no CUDA driver is found (the message says
+ * what is missing) and `INVALID_ARGUMENT` where `device_ptr` is not memory of GPU `device`.
+ * Ownership: the device memory is only read during the call; the caller's work on it must be
+ * finished (stream synchronized) before the call. Threads: as `teraio_put`.
+ *
+ * # Safety
+ * `device_ptr` must be device memory of `len` bytes on GPU `device`; `meta` valid for reads of
+ * `meta_len` bytes.
+ */
+enum teraio_status teraio_put_gpu(struct teraio_store *store,
+                                  uint64_t id,
+                                  uint64_t device_ptr,
+                                  size_t len,
+                                  uint32_t device,
+                                  const void *meta,
+                                  size_t meta_len);
+
+/**
+ * Reads the whole of object `id` into CUDA device memory `device_ptr[0..buf_len]` on GPU
+ * `device` and waits for it; `*out_len` (if not NULL) is the object's length, or on
+ * `BUFFER_TOO_SMALL` the length needed.
+ *
+ * Errors: as `teraio_get`, plus `UNSUPPORTED` (no CUDA driver) and `INVALID_ARGUMENT`
+ * (`device_ptr` is not memory of GPU `device`). Threads: as `teraio_get`.
+ *
+ * # Safety
+ * `device_ptr` must be device memory of `buf_len` bytes on GPU `device`, not used by other
+ * work until the call returns; `out_len` NULL or valid for a write.
+ */
+enum teraio_status teraio_get_gpu(struct teraio_store *store,
+                                  uint64_t id,
+                                  uint64_t device_ptr,
+                                  size_t buf_len,
+                                  uint32_t device,
+                                  uint64_t *out_len);
 
 /**
  * Reads exactly `len` bytes of object `id` starting at byte `offset` into `buf`.
@@ -553,7 +596,7 @@ enum teraio_status teraio_get_range(struct teraio_store *store,
  *
  * Ownership: `data` must stay valid and unchanged until the ticket is done (waited on, or
  * polled done); `meta` is copied before the call returns. The caller owns the ticket and must
- * pass it to `teraio_ticket_wait` exactly once. Memory: host memory only for now.
+ * pass it to `teraio_ticket_wait` exactly once. Memory: host memory (the GPU calls are blocking).
  * Threads: safe; the ticket may be polled and waited on from any thread.
  *
  * # Safety
@@ -576,7 +619,7 @@ enum teraio_status teraio_put_async(struct teraio_store *store,
  *
  * Ownership: `buf` must stay valid, and must not be read or written, until the ticket is
  * done. The caller owns the ticket and must pass it to `teraio_ticket_wait` exactly once.
- * Memory: host memory only for now. Threads: as `teraio_put_async`.
+ * Memory: host memory (the GPU calls are blocking). Threads: as `teraio_put_async`.
  *
  * # Safety
  * `buf` valid for writes of `buf_len` bytes until the ticket is done; `out_ticket` valid for

@@ -24,6 +24,7 @@ use std::ptr::NonNull;
 use std::sync::{RwLock, RwLockReadGuard};
 use std::time::Duration;
 
+use teraio_engine::gpu::DeviceSlice;
 use teraio_engine::{BackendKind, Error, FormatConfig, OpenConfig, Priority, Store, Ticket};
 
 use registry::Registry;
@@ -491,8 +492,8 @@ pub unsafe extern "C" fn teraio_store_free(store: *mut teraio_store) -> teraio_s
 ///
 /// Errors: `BAD_HANDLE`, `CLOSED`, `INVALID_ARGUMENT` (NULL with a length, metadata over the
 /// store's limit), `NO_SPACE`, `IO`.
-/// Ownership: `data` and `meta` are only read during the call. Memory: host memory only for
-/// now (no GPU pointers). Any alignment works; 4096-byte aligned buffers avoid a bounce copy.
+/// Ownership: `data` and `meta` are only read during the call. Memory: host memory (GPU memory:
+/// `teraio_put_gpu`). Any alignment works; 4096-byte aligned buffers avoid a bounce copy.
 /// Threads: safe; any number of threads may put and get on one store at once. Concurrent puts
 /// of the same id: one wins, each is whole.
 ///
@@ -524,7 +525,8 @@ pub unsafe extern "C" fn teraio_put(
 ///
 /// Errors: `BAD_HANDLE`, `CLOSED`, `NOT_FOUND`, `BUFFER_TOO_SMALL`, `INVALID_ARGUMENT`
 /// (`buf` NULL with a length), `IO`, `CORRUPT`.
-/// Ownership: `buf` is written during the call only. Memory: host memory only for now.
+/// Ownership: `buf` is written during the call only. Memory: host memory (GPU memory:
+/// `teraio_get_gpu`).
 /// Threads: safe. If another thread replaces the object meanwhile, the bytes are one whole
 /// version, but `*out_len` is the length seen just before the read was queued (a put of the same
 /// id landing in between can make them differ; do not race puts and gets of one id).
@@ -545,6 +547,79 @@ pub unsafe extern "C" fn teraio_get(
             let object_len = s.stat(id).ok_or(Error::NotFound { id })?.len_bytes;
             // SAFETY: caller contract; we wait for the ticket before returning.
             match unsafe { s.get_raw_ticket(id, 0, ptr, buf_len, true, Priority::Normal) } {
+                Ok(ticket) => Ok((ticket, object_len)),
+                Err(Error::BufferTooSmall { needed_bytes, given_bytes }) => {
+                    // SAFETY: caller contract.
+                    unsafe { set_out(out_len, needed_bytes) };
+                    Err(Error::BufferTooSmall { needed_bytes, given_bytes }.into())
+                }
+                Err(e) => Err(e.into()),
+            }
+        })?;
+        ticket.wait()?;
+        // SAFETY: caller contract.
+        unsafe { set_out(out_len, object_len) };
+        Ok(())
+    })
+}
+
+/// Writes `len` bytes of CUDA device memory at `device_ptr` (on GPU `device`, a CUDA device
+/// ordinal) as object `id`, and waits until it is durable. The engine moves the data through its
+/// pinned bounce path or cuFile, whichever its GPU set-up chose (see docs/gpu.md).
+///
+/// Errors: as `teraio_put`, plus `UNSUPPORTED` where no CUDA driver is found (the message says
+/// what is missing) and `INVALID_ARGUMENT` where `device_ptr` is not memory of GPU `device`.
+/// Ownership: the device memory is only read during the call; the caller's work on it must be
+/// finished (stream synchronized) before the call. Threads: as `teraio_put`.
+///
+/// # Safety
+/// `device_ptr` must be device memory of `len` bytes on GPU `device`; `meta` valid for reads of
+/// `meta_len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn teraio_put_gpu(
+    store: *mut teraio_store,
+    id: u64,
+    device_ptr: u64,
+    len: usize,
+    device: u32,
+    meta: *const c_void,
+    meta_len: usize,
+) -> teraio_status {
+    guard(|| {
+        // SAFETY: caller contract (meta is copied by the engine before put_gpu_raw returns).
+        let meta = unsafe { bytes(meta, meta_len, "meta")? };
+        let slice = DeviceSlice { ptr: device_ptr, len, device };
+        // SAFETY: caller contract; we wait for the ticket before returning.
+        let ticket = with_store(store, |s| Ok(unsafe { s.put_gpu_raw(id, slice, meta, Priority::Normal)? }))?;
+        Ok(ticket.wait()?)
+    })
+}
+
+/// Reads the whole of object `id` into CUDA device memory `device_ptr[0..buf_len]` on GPU
+/// `device` and waits for it; `*out_len` (if not NULL) is the object's length, or on
+/// `BUFFER_TOO_SMALL` the length needed.
+///
+/// Errors: as `teraio_get`, plus `UNSUPPORTED` (no CUDA driver) and `INVALID_ARGUMENT`
+/// (`device_ptr` is not memory of GPU `device`). Threads: as `teraio_get`.
+///
+/// # Safety
+/// `device_ptr` must be device memory of `buf_len` bytes on GPU `device`, not used by other
+/// work until the call returns; `out_len` NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn teraio_get_gpu(
+    store: *mut teraio_store,
+    id: u64,
+    device_ptr: u64,
+    buf_len: usize,
+    device: u32,
+    out_len: *mut u64,
+) -> teraio_status {
+    guard(|| {
+        let slice = DeviceSlice { ptr: device_ptr, len: buf_len, device };
+        let (ticket, object_len) = with_store(store, |s| {
+            let object_len = s.stat(id).ok_or(Error::NotFound { id })?.len_bytes;
+            // SAFETY: caller contract; we wait for the ticket before returning.
+            match unsafe { s.get_gpu_raw(id, 0, slice, true, Priority::Normal) } {
                 Ok(ticket) => Ok((ticket, object_len)),
                 Err(Error::BufferTooSmall { needed_bytes, given_bytes }) => {
                     // SAFETY: caller contract.
@@ -642,7 +717,7 @@ unsafe fn get_ticket(
 ///
 /// Ownership: `data` must stay valid and unchanged until the ticket is done (waited on, or
 /// polled done); `meta` is copied before the call returns. The caller owns the ticket and must
-/// pass it to `teraio_ticket_wait` exactly once. Memory: host memory only for now.
+/// pass it to `teraio_ticket_wait` exactly once. Memory: host memory (the GPU calls are blocking).
 /// Threads: safe; the ticket may be polled and waited on from any thread.
 ///
 /// # Safety
@@ -676,7 +751,7 @@ pub unsafe extern "C" fn teraio_put_async(
 ///
 /// Ownership: `buf` must stay valid, and must not be read or written, until the ticket is
 /// done. The caller owns the ticket and must pass it to `teraio_ticket_wait` exactly once.
-/// Memory: host memory only for now. Threads: as `teraio_put_async`.
+/// Memory: host memory (the GPU calls are blocking). Threads: as `teraio_put_async`.
 ///
 /// # Safety
 /// `buf` valid for writes of `buf_len` bytes until the ticket is done; `out_ticket` valid for
@@ -906,4 +981,53 @@ pub unsafe extern "C" fn teraio_get_stats(
         unsafe { types::write_versioned(&c, out_stats, stats_size) };
         Ok(())
     })
+}
+
+#[cfg(test)]
+mod gpu_tests {
+    use super::*;
+
+    /// Without a CUDA driver (CI) the GPU calls fail with UNSUPPORTED and a message naming what
+    /// is missing; on a GPU machine a host pointer is refused as not being device memory.
+    #[test]
+    fn gpu_calls_say_what_is_missing() {
+        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/c-gpu-test");
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(format!("d0-{}", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        teraio_engine::device::create_file(&path, 16 << 20).unwrap();
+        let format = FormatConfig {
+            stripe_unit_bytes: 64 * 1024,
+            checkpoint_slot_bytes: Some(1 << 20),
+            journal_bytes: Some(1 << 20),
+            ..FormatConfig::default()
+        };
+        let store = Store::create(&[&path], &format, OpenConfig::default()).unwrap();
+        let mut handle: *mut teraio_store = std::ptr::null_mut();
+        // SAFETY: `handle` is a valid place for the handle.
+        unsafe { hand_out_store(store, &mut handle) };
+        let host = vec![7u8; 4096];
+        // SAFETY: a registered handle; the pointer is deliberately not device memory.
+        let status = unsafe { teraio_put_gpu(handle, 1, host.as_ptr() as u64, host.len(), 0, std::ptr::null(), 0) };
+        assert_ne!(status, TERAIO_OK);
+        let cuda_present = teraio_engine::gpu::probe().to_string().contains("CUDA driver: version");
+        if cuda_present {
+            assert_eq!(status, TERAIO_ERR_INVALID_ARGUMENT);
+        } else {
+            assert_eq!(status, TERAIO_ERR_UNSUPPORTED);
+            let message =
+                unsafe { std::ffi::CStr::from_ptr(teraio_last_error_message()) }.to_string_lossy().into_owned();
+            assert!(message.contains("CUDA"), "{message}");
+        }
+        let mut len = 0u64;
+        // SAFETY: as above.
+        let status = unsafe { teraio_get_gpu(handle, 1, host.as_ptr() as u64, host.len(), 0, &mut len) };
+        assert_ne!(status, TERAIO_OK);
+        // SAFETY: the handle is ours.
+        unsafe {
+            assert_eq!(teraio_close(handle), TERAIO_OK);
+            assert_eq!(teraio_store_free(handle), TERAIO_OK);
+        }
+        std::fs::remove_file(&path).unwrap();
+    }
 }
