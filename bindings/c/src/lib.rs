@@ -543,23 +543,16 @@ pub unsafe extern "C" fn teraio_get(
 ) -> teraio_status {
     guard(|| {
         let ptr = data_ptr(buf, buf_len, "buf")?;
-        let (ticket, object_len) = with_store(store, |s| {
-            let object_len = s.stat(id).ok_or(Error::NotFound { id })?.len_bytes;
-            // SAFETY: caller contract; we wait for the ticket before returning.
-            match unsafe { s.get_raw_ticket(id, 0, ptr, buf_len, true, Priority::Normal) } {
-                Ok(ticket) => Ok((ticket, object_len)),
-                Err(Error::BufferTooSmall { needed_bytes, given_bytes }) => {
-                    // SAFETY: caller contract.
-                    unsafe { set_out(out_len, needed_bytes) };
-                    Err(Error::BufferTooSmall { needed_bytes, given_bytes }.into())
-                }
-                Err(e) => Err(e.into()),
-            }
-        })?;
-        ticket.wait()?;
-        // SAFETY: caller contract.
-        unsafe { set_out(out_len, object_len) };
-        Ok(())
+        // SAFETY: caller contract; get_whole waits for the ticket before returning.
+        unsafe {
+            get_whole(
+                store,
+                id,
+                out_len,
+                |s| s.get_raw_ticket(id, 0, ptr, buf_len, true, Priority::Normal),
+                |t| t.wait(),
+            )
+        }
     })
 }
 
@@ -616,23 +609,8 @@ pub unsafe extern "C" fn teraio_get_gpu(
 ) -> teraio_status {
     guard(|| {
         let slice = DeviceSlice { ptr: device_ptr, len: buf_len, device };
-        let (ticket, object_len) = with_store(store, |s| {
-            let object_len = s.stat(id).ok_or(Error::NotFound { id })?.len_bytes;
-            // SAFETY: caller contract; we wait for the ticket before returning.
-            match unsafe { s.get_gpu_raw(id, 0, slice, true, Priority::Normal) } {
-                Ok(ticket) => Ok((ticket, object_len)),
-                Err(Error::BufferTooSmall { needed_bytes, given_bytes }) => {
-                    // SAFETY: caller contract.
-                    unsafe { set_out(out_len, needed_bytes) };
-                    Err(Error::BufferTooSmall { needed_bytes, given_bytes }.into())
-                }
-                Err(e) => Err(e.into()),
-            }
-        })?;
-        ticket.wait()?;
-        // SAFETY: caller contract.
-        unsafe { set_out(out_len, object_len) };
-        Ok(())
+        // SAFETY: caller contract; get_whole waits for the ticket before returning.
+        unsafe { get_whole(store, id, out_len, |s| s.get_gpu_raw(id, 0, slice, true, Priority::Normal), |t| t.wait()) }
     })
 }
 
@@ -685,6 +663,37 @@ unsafe fn put_ticket(
     let meta = unsafe { bytes(meta, meta_len, "meta")? };
     // SAFETY: caller contract: `data` stays valid until the ticket is done.
     *out = Some(with_store(store, |s| Ok(unsafe { s.put_raw_ticket(id, ptr, len, meta, priority)? }))?);
+    Ok(())
+}
+
+/// A blocking whole-object get for `teraio_get` and `teraio_get_gpu`: `start` queues it under the
+/// store's lock, `wait` waits outside it (so a concurrent close is not held up by the I/O), and
+/// `*out_len` gets the object's length, or the length needed when the buffer is too small.
+///
+/// # Safety
+/// `out_len` NULL or valid for a write; `start`'s memory valid until `wait` returns.
+unsafe fn get_whole<T>(
+    store: *mut teraio_store,
+    id: u64,
+    out_len: *mut u64,
+    start: impl FnOnce(&Store) -> Result<T, Error>,
+    wait: impl FnOnce(T) -> Result<(), Error>,
+) -> Result<(), Failure> {
+    let (ticket, object_len) = with_store(store, |s| {
+        let object_len = s.stat(id).ok_or(Error::NotFound { id })?.len_bytes;
+        match start(s) {
+            Ok(ticket) => Ok((ticket, object_len)),
+            Err(Error::BufferTooSmall { needed_bytes, given_bytes }) => {
+                // SAFETY: caller contract.
+                unsafe { set_out(out_len, needed_bytes) };
+                Err(Error::BufferTooSmall { needed_bytes, given_bytes }.into())
+            }
+            Err(e) => Err(e.into()),
+        }
+    })?;
+    wait(ticket)?;
+    // SAFETY: caller contract.
+    unsafe { set_out(out_len, object_len) };
     Ok(())
 }
 
