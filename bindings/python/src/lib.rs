@@ -76,11 +76,40 @@ fn priority(urgent: bool) -> Priority {
     }
 }
 
+/// The engine's ticket behind a [`Handle`]: host memory or GPU memory.
+enum AnyTicket {
+    Host(Ticket<()>),
+    Gpu(teraio_engine::gpu::GpuTicket<()>),
+}
+
+impl AnyTicket {
+    fn wait(self) -> Result<(), EngineError> {
+        match self {
+            AnyTicket::Host(t) => t.wait(),
+            AnyTicket::Gpu(t) => t.wait(),
+        }
+    }
+
+    fn wait_timeout(&self, timeout: Duration) -> Option<Result<(), EngineError>> {
+        match self {
+            AnyTicket::Host(t) => t.wait_timeout(timeout),
+            AnyTicket::Gpu(t) => t.wait_timeout(timeout),
+        }
+    }
+
+    fn is_done(&self) -> bool {
+        match self {
+            AnyTicket::Host(t) => t.is_done(),
+            AnyTicket::Gpu(t) => t.is_done(),
+        }
+    }
+}
+
 /// An I/O in flight. Keeps the memory's owner alive until the I/O is done, also when the handle
 /// is dropped without a wait (the drop then waits).
 #[pyclass(module = "teraio._native")]
 struct Handle {
-    ticket: Option<Ticket<()>>,
+    ticket: Option<AnyTicket>,
     owner: Option<PyObject>,
     /// The result once waited for (errors are kept so that a second wait raises again).
     result: Option<Result<(), EngineError>>,
@@ -88,7 +117,11 @@ struct Handle {
 
 impl Handle {
     fn new(ticket: Ticket<()>, owner: PyObject) -> Self {
-        Handle { ticket: Some(ticket), owner: Some(owner), result: None }
+        Handle { ticket: Some(AnyTicket::Host(ticket)), owner: Some(owner), result: None }
+    }
+
+    fn new_gpu(ticket: teraio_engine::gpu::GpuTicket<()>, owner: PyObject) -> Self {
+        Handle { ticket: Some(AnyTicket::Gpu(ticket)), owner: Some(owner), result: None }
     }
 
     fn finish(&mut self, result: Result<(), EngineError>) -> PyResult<()> {
@@ -182,12 +215,21 @@ fn open_config(
     backend: &str,
     max_inflight_bytes: Option<u64>,
     verify_checksums: bool,
+    emulate: Option<&str>,
+    gpu: &str,
 ) -> PyResult<OpenConfig> {
     let backend = teraio_engine::store::parse_backend(backend).map_err(to_py_err)?;
     let mut config = OpenConfig { durable, direct_io, queue_depth, backend, verify_checksums, ..OpenConfig::default() };
     if let Some(bytes) = max_inflight_bytes {
         config.max_inflight_bytes = bytes;
     }
+    if let Some(model) = emulate {
+        config.emulate = Some(
+            teraio_engine::backend::throttle::DeviceModel::parse(model)
+                .map_err(|e| InvalidArgumentError::new_err(format!("emulate={model:?}: {e}")))?,
+        );
+    }
+    config.gpu.path = gpu.parse().map_err(to_py_err)?;
     Ok(config)
 }
 
@@ -198,7 +240,7 @@ impl Store {
     #[staticmethod]
     #[pyo3(signature = (paths, *, file_size_bytes=None, stripe_unit_bytes=1<<20, block_size=4096,
         checksums=true, force=false, durable=true, direct_io=true, queue_depth=32, backend="auto",
-        max_inflight_bytes=None, verify_checksums=false))]
+        max_inflight_bytes=None, verify_checksums=false, emulate=None, gpu="auto"))]
     #[allow(clippy::too_many_arguments)]
     fn create(
         py: Python<'_>,
@@ -214,6 +256,8 @@ impl Store {
         backend: &str,
         max_inflight_bytes: Option<u64>,
         verify_checksums: bool,
+        emulate: Option<&str>,
+        gpu: &str,
     ) -> PyResult<Store> {
         let format = FormatConfig {
             stripe_unit_bytes,
@@ -224,7 +268,8 @@ impl Store {
             direct_io,
             ..FormatConfig::default()
         };
-        let open = open_config(durable, direct_io, queue_depth, backend, max_inflight_bytes, verify_checksums)?;
+        let open =
+            open_config(durable, direct_io, queue_depth, backend, max_inflight_bytes, verify_checksums, emulate, gpu)?;
         let store = py.allow_threads(|| EngineStore::create(&paths, &format, open)).map_err(to_py_err)?;
         Ok(Store { inner: std::sync::Mutex::new(Some(std::sync::Arc::new(store))) })
     }
@@ -232,7 +277,7 @@ impl Store {
     /// Opens the existing store on `paths` (all of its devices, in any order).
     #[staticmethod]
     #[pyo3(signature = (paths, *, durable=true, direct_io=true, queue_depth=32, backend="auto",
-        max_inflight_bytes=None, verify_checksums=false))]
+        max_inflight_bytes=None, verify_checksums=false, emulate=None, gpu="auto"))]
     #[allow(clippy::too_many_arguments)]
     fn open(
         py: Python<'_>,
@@ -243,8 +288,11 @@ impl Store {
         backend: &str,
         max_inflight_bytes: Option<u64>,
         verify_checksums: bool,
+        emulate: Option<&str>,
+        gpu: &str,
     ) -> PyResult<Store> {
-        let open = open_config(durable, direct_io, queue_depth, backend, max_inflight_bytes, verify_checksums)?;
+        let open =
+            open_config(durable, direct_io, queue_depth, backend, max_inflight_bytes, verify_checksums, emulate, gpu)?;
         let store = py.allow_threads(|| EngineStore::open(&paths, open)).map_err(to_py_err)?;
         Ok(Store { inner: std::sync::Mutex::new(Some(std::sync::Arc::new(store))) })
     }
@@ -307,6 +355,67 @@ impl Store {
             })
             .map_err(to_py_err)?;
         Ok(Handle::new(ticket, owner))
+    }
+
+    /// Starts writing `length` bytes of CUDA device memory at `address` (device `device`) as
+    /// object `id`, through the store's GPU path (pinned bounce or cuFile; `gpu_report` says
+    /// which and why).
+    ///
+    /// Unsafe contract (the Python layer keeps it): the memory is device memory of that device,
+    /// its contents are final (the producing stream was synchronized) and unchanged until the
+    /// handle is done; `owner` is kept alive by the handle until then.
+    #[pyo3(signature = (id, address, length, device, owner, meta=b"".to_vec(), urgent=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn put_device(
+        &self,
+        py: Python<'_>,
+        id: u64,
+        address: u64,
+        length: usize,
+        device: u32,
+        owner: PyObject,
+        meta: Vec<u8>,
+        urgent: bool,
+    ) -> PyResult<Handle> {
+        let store = self.store()?;
+        let slice = teraio_engine::gpu::DeviceSlice { ptr: address, len: length, device };
+        // SAFETY: as documented above; the engine checks that the pointer is device memory.
+        let ticket =
+            py.allow_threads(|| unsafe { store.put_gpu_raw(id, slice, &meta, priority(urgent)) }).map_err(to_py_err)?;
+        Ok(Handle::new_gpu(ticket, owner))
+    }
+
+    /// Starts reading object `id` from byte `offset` into `length` bytes of CUDA device memory at
+    /// `address` through the store's GPU path. With `whole`, the whole object is read.
+    ///
+    /// Unsafe contract: the memory is device memory of that device, not otherwise used until the
+    /// handle is done; `owner` is kept alive by the handle until then.
+    #[pyo3(signature = (id, address, length, device, owner, offset=0, whole=true, urgent=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn get_device(
+        &self,
+        py: Python<'_>,
+        id: u64,
+        address: u64,
+        length: usize,
+        device: u32,
+        owner: PyObject,
+        offset: u64,
+        whole: bool,
+        urgent: bool,
+    ) -> PyResult<Handle> {
+        let store = self.store()?;
+        let slice = teraio_engine::gpu::DeviceSlice { ptr: address, len: length, device };
+        // SAFETY: as documented above.
+        let ticket = py
+            .allow_threads(|| unsafe { store.get_gpu_raw(id, offset, slice, whole, priority(urgent)) })
+            .map_err(to_py_err)?;
+        Ok(Handle::new_gpu(ticket, owner))
+    }
+
+    /// What the store chose for GPU I/O and why (one line), or None before the first GPU op.
+    fn gpu_report(&self) -> PyResult<Option<String>> {
+        Ok(self.store()?.gpu_report().map(|r| r.to_string()))
     }
 
     /// Writes `data` as object `id` and waits until it is acknowledged.
@@ -595,9 +704,16 @@ fn validate_trace(trace_json: &str) -> PyResult<()> {
     trace.validate().map_err(planner_err)
 }
 
+/// What this machine offers for GPU I/O (CUDA driver, devices, cuFile and its mode), as text.
+#[pyfunction]
+fn gpu_probe(py: Python<'_>) -> String {
+    py.allow_threads(|| teraio_engine::gpu::probe().to_string())
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
+    m.add_function(wrap_pyfunction!(gpu_probe, m)?)?;
     m.add_class::<Store>()?;
     m.add_class::<Handle>()?;
     m.add_function(wrap_pyfunction!(plan, m)?)?;

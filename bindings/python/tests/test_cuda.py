@@ -29,6 +29,29 @@ def test_store_round_trips_cuda_tensors(store: teraio.Store) -> None:
     assert torch.equal(pinned.view(3, -1).to(DEVICE), src)
 
 
+@pytest.mark.parametrize("path", ["bounce", "cufile"])
+def test_cuda_tensors_take_the_engine_gpu_path(path: str, store_dir: Any) -> None:
+    store = teraio.Store.create(
+        [store_dir / "dev0", store_dir / "dev1"], file_size_bytes=256 << 20, durable=False, gpu=path
+    )
+    with store:
+        # Odd lengths (a partial last block) and a tensor at an unaligned device address.
+        src = torch.randn(1_000_003, device=DEVICE)
+        store.put(7, src)
+        report = store.gpu_report()
+        assert report is not None and report.startswith(path), report
+        dst = torch.full_like(src, float("nan"))
+        store.get(7, dst)
+        assert torch.equal(dst, src)
+        offset = torch.arange(4097, dtype=torch.uint8, device=DEVICE)[1:]
+        store.put(8, offset)
+        back = torch.zeros(4097, dtype=torch.uint8, device=DEVICE)[1:]
+        store.get(8, back)
+        assert torch.equal(back, offset)
+        with pytest.raises(teraio.InvalidArgumentError):
+            store.get(7, torch.empty(10, device=DEVICE))
+
+
 def _reference() -> tuple[list[float], dict[str, Any], int]:
     model, optimizer = make(device=DEVICE)
     data = batches(STEPS, rows=ROWS, device=DEVICE)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import time
 
 import numpy as np
 import pytest
@@ -104,3 +105,30 @@ def test_without_direct_io(store_dir: pathlib.Path) -> None:
         s.put(1, b"buffered")
     with teraio.Store.open(paths, direct_io=False) as s:
         assert s.get_bytes(1) == b"buffered"
+
+
+def test_emulated_array_paces_to_its_model(store_dir: pathlib.Path) -> None:
+    paths = [store_dir / "dev0", store_dir / "dev1"]
+    # Two emulated SSDs of 0.1 GB/s: 16 MiB striped over both takes at least ~84 ms.
+    with teraio.Store.create(
+        paths, file_size_bytes=64 << 20, durable=False, direct_io=False, emulate="0.1GB/s@20us"
+    ) as store:
+        data = np.random.default_rng(3).integers(0, 255, 16 << 20, dtype=np.uint8)
+        started = time.perf_counter()
+        store.put(1, data)
+        elapsed = time.perf_counter() - started
+        assert elapsed >= 0.5 * (16 << 20) / 2 / 0.1e9, elapsed
+        out = np.zeros_like(data)
+        store.get(1, out)
+        assert np.array_equal(out, data)
+    with pytest.raises(teraio.InvalidArgumentError, match="emulate"):
+        teraio.Store.open(paths, direct_io=False, emulate="fast")
+
+
+def test_gpu_options_and_probe_say_what_they_found(store_dir: pathlib.Path) -> None:
+    probe = teraio.gpu_probe()
+    assert "CUDA driver" in probe or "no CUDA driver found" in probe, probe
+    with pytest.raises(teraio.InvalidArgumentError, match="unknown GPU path"):
+        teraio.Store.create([store_dir / "dev0"], file_size_bytes=64 << 20, gpu="warp")
+    with teraio.Store.create([store_dir / "dev1"], file_size_bytes=64 << 20, durable=False) as store:
+        assert store.gpu_report() is None  # no GPU op yet

@@ -1,6 +1,7 @@
 """teraio: tensor offload to NVMe SSDs and host memory for PyTorch training.
 
 - `Store`: the engine's tensor-object store (put/get torch tensors, numpy arrays, bytes).
+- `gpu_probe`: what this machine offers for GPU I/O (CUDA, cuFile, GDS or its compatibility mode).
 - `plan`: the lifetime planner on a trace (docs/trace.md).
 - `Profiler`: records training iterations into a trace (needs torch).
 - `offload`: profile, plan and offload activations around an unchanged training loop (needs torch).
@@ -25,7 +26,7 @@ from ._native import (
     TeraioError,
 )
 from .planning import parse_size, plan, validate_trace
-from .store import Handle, Store
+from .store import Handle, Store, gpu_probe
 
 __all__ = [
     "TRACE_FORMAT_VERSION",
@@ -45,6 +46,7 @@ __all__ = [
     "offload",
     "parse_size",
     "plan",
+    "gpu_probe",
     "validate_trace",
 ]
 

@@ -34,6 +34,8 @@ class Store:
         backend: str = "auto",
         max_inflight_bytes: Optional[int] = None,
         verify_checksums: bool = False,
+        emulate: Optional[str] = None,
+        gpu: str = "auto",
     ) -> Store: ...
     @staticmethod
     def open(
@@ -45,6 +47,8 @@ class Store:
         backend: str = "auto",
         max_inflight_bytes: Optional[int] = None,
         verify_checksums: bool = False,
+        emulate: Optional[str] = None,
+        gpu: str = "auto",
     ) -> Store: ...
     def put_address(
         self, id: int, address: int, length: int, owner: Any, meta: bytes = b"", urgent: bool = False
@@ -59,6 +63,28 @@ class Store:
         whole: bool = True,
         urgent: bool = False,
     ) -> Handle: ...
+    def put_device(
+        self,
+        id: int,
+        address: int,
+        length: int,
+        device: int,
+        owner: Any,
+        meta: bytes = b"",
+        urgent: bool = False,
+    ) -> Handle: ...
+    def get_device(
+        self,
+        id: int,
+        address: int,
+        length: int,
+        device: int,
+        owner: Any,
+        offset: int = 0,
+        whole: bool = True,
+        urgent: bool = False,
+    ) -> Handle: ...
+    def gpu_report(self) -> Optional[str]: ...
     def put_bytes(self, id: int, data: bytes, meta: bytes = b"") -> None: ...
     def get_bytes(self, id: int) -> bytes: ...
     def delete(self, id: int) -> bool: ...
@@ -71,6 +97,7 @@ class Store:
     def close(self) -> None: ...
     def is_closed(self) -> bool: ...
 
+def gpu_probe() -> str: ...
 def plan(
     trace_json: str,
     *,

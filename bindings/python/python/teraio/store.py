@@ -3,8 +3,10 @@
 Host memory (numpy arrays, CPU tensors, pinned tensors) goes to the engine by address, with no
 copy on the Python side: the engine reads or writes it in place (straight to the disk with
 O_DIRECT when the address and length are aligned to the store's block size, through the engine's
-bounce pool otherwise). CUDA tensors are staged through a pinned host buffer on a dedicated CUDA
-stream (the engine's GPU path will replace this seam: see docs/python.md).
+bounce pool otherwise). CUDA tensors go through the engine's GPU path by device address: its
+pinned bounce slab with overlapped copies, or cuFile (GPUDirect Storage, or its compatibility
+mode), whichever `gpu=` asks for; `Store.gpu_report()` says which one runs and why, and
+`teraio.gpu_probe()` what the machine offers. There is no Python-side staging copy.
 """
 
 from __future__ import annotations
@@ -48,28 +50,36 @@ def _torch_or_none() -> Any:
     return torch
 
 
+def _cuda_index(tensor: torch.Tensor) -> int:
+    index = tensor.device.index
+    if index is None:
+        import torch
+
+        index = torch.cuda.current_device()
+    return int(index)
+
+
+def gpu_probe() -> str:
+    """What this machine offers for GPU I/O: CUDA driver, devices, cuFile and its mode."""
+    return _native.gpu_probe()
+
+
 class Handle:
     """An I/O in flight: `wait()` blocks (without the GIL) and raises the engine's error, if any.
 
-    A handle keeps the memory it reads or writes alive until the I/O is done. For a get into a
-    CUDA tensor, `wait()` also issues the host-to-GPU copy and waits for it.
+    A handle keeps the memory it reads or writes alive until the I/O is done; for a CUDA tensor,
+    done means the bytes are in GPU memory (get) or on the store (put).
     """
 
-    def __init__(self, native: _native.Handle, after: Optional[Any] = None) -> None:
+    def __init__(self, native: _native.Handle) -> None:
         self._native = native
-        self._after = after
 
     def wait(self, timeout_s: Optional[float] = None) -> bool:
         """Waits until done; returns False if `timeout_s` passed first. Raises TeraioError subclasses."""
-        if not self._native.wait(timeout_s):
-            return False
-        if self._after is not None:
-            after, self._after = self._after, None
-            after()
-        return True
+        return self._native.wait(timeout_s)
 
     def is_done(self) -> bool:
-        """True once the engine's part of the I/O has completed; never blocks."""
+        """True once the I/O has completed; never blocks."""
         return self._native.is_done()
 
     def __repr__(self) -> str:
@@ -85,7 +95,6 @@ class Store:
 
     def __init__(self, native: _native.Store) -> None:
         self._native = native
-        self._stream: Any = None
 
     @classmethod
     def create(
@@ -102,11 +111,16 @@ class Store:
         queue_depth: int = 32,
         backend: str = "auto",
         max_inflight_bytes: Optional[int] = None,
+        emulate: Optional[str] = None,
+        gpu: str = "auto",
     ) -> Store:
         """Formats `paths` as one store and opens it. Missing files are created with `file_size_bytes`.
 
         `durable=False` skips the flushes that make each put survive power loss (spilled
         activations need no durability); `direct_io=False` is for file systems without O_DIRECT.
+        `emulate="6.5GB/s@20us"` makes every device behave like an SSD of that bandwidth and
+        latency (an emulated array: put the files in tmpfs with `direct_io=False`). `gpu` picks the
+        path for CUDA tensors: "auto" (measured choice), "bounce", "cufile" or "gds" (true GDS only).
         """
         native = _native.Store.create(
             _path_list(paths),
@@ -120,6 +134,8 @@ class Store:
             queue_depth=queue_depth,
             backend=backend,
             max_inflight_bytes=max_inflight_bytes,
+            emulate=emulate,
+            gpu=gpu,
         )
         return cls(native)
 
@@ -133,8 +149,10 @@ class Store:
         queue_depth: int = 32,
         backend: str = "auto",
         max_inflight_bytes: Optional[int] = None,
+        emulate: Optional[str] = None,
+        gpu: str = "auto",
     ) -> Store:
-        """Opens the store on `paths` (every device of it, in any order)."""
+        """Opens the store on `paths` (every device of it, in any order); options as in `create`."""
         native = _native.Store.open(
             _path_list(paths),
             durable=durable,
@@ -142,6 +160,8 @@ class Store:
             queue_depth=queue_depth,
             backend=backend,
             max_inflight_bytes=max_inflight_bytes,
+            emulate=emulate,
+            gpu=gpu,
         )
         return cls(native)
 
@@ -151,7 +171,8 @@ class Store:
         """Starts writing `data` (torch tensor, numpy array, bytes-like) as object `object_id`.
 
         Host memory is written in place: do not change it until the handle is done. A CUDA tensor
-        is first copied to a pinned host buffer (on a side stream; this call waits for that copy).
+        goes through the engine's GPU path; this call first waits for the work queued on the
+        current CUDA stream (the tensor's producer), then the engine reads it on its own streams.
         """
         if _is_tensor(data):
             if data.device.type == "cuda":
@@ -176,24 +197,20 @@ class Store:
     def _put_cuda(self, object_id: int, tensor: torch.Tensor, meta: bytes, urgent: bool) -> Handle:
         import torch
 
-        if not tensor.is_contiguous():
-            raise ValueError("tensor must be contiguous (use .contiguous())")
-        stream = self._cuda_stream(tensor.device)
-        staging = torch.empty(tensor.numel() * tensor.element_size(), dtype=torch.uint8, pin_memory=True)
-        stream.wait_stream(torch.cuda.current_stream(tensor.device))
-        with torch.cuda.stream(stream):
-            staging.copy_(tensor.reshape(-1).view(torch.uint8), non_blocking=True)
-            tensor.record_stream(stream)
-        stream.synchronize()
-        address, length = _tensor_address(staging)
-        return Handle(self._native.put_address(object_id, address, length, staging, meta, urgent))
+        address, length = _tensor_address(tensor)
+        # The engine copies on its own CUDA streams: whatever produces the tensor must be done.
+        torch.cuda.current_stream(tensor.device).synchronize()
+        return Handle(
+            self._native.put_device(object_id, address, length, _cuda_index(tensor), tensor, meta, urgent)
+        )
 
     # -- reads ------------------------------------------------------------------------------
 
     def get_async(self, object_id: int, out: Any, urgent: bool = False) -> Handle:
         """Starts reading object `object_id` into `out` (torch tensor or writable numpy array),
         which must be at least as large as the object. Do not use `out` until the handle is done.
-        For a CUDA tensor the data lands in a pinned buffer and `wait()` copies it to the GPU."""
+        A CUDA tensor is filled through the engine's GPU path (after the work already queued on
+        the current CUDA stream, which may still be using it)."""
         if _is_tensor(out):
             if out.device.type == "cuda":
                 return self._get_cuda(object_id, out, urgent)
@@ -212,31 +229,17 @@ class Store:
     def _get_cuda(self, object_id: int, tensor: torch.Tensor, urgent: bool) -> Handle:
         import torch
 
-        if not tensor.is_contiguous():
-            raise ValueError("tensor must be contiguous (use .contiguous())")
-        length = tensor.numel() * tensor.element_size()
-        staging = torch.empty(length, dtype=torch.uint8, pin_memory=True)
-        address, _ = _tensor_address(staging)
-        native = self._native.get_address(object_id, address, length, staging, urgent=urgent)
-        stream = self._cuda_stream(tensor.device)
-
-        def to_gpu() -> None:
-            with torch.cuda.stream(stream):
-                tensor.reshape(-1).view(torch.uint8).copy_(staging, non_blocking=True)
-            stream.synchronize()
-
-        return Handle(native, after=to_gpu)
+        address, length = _tensor_address(tensor)
+        torch.cuda.current_stream(tensor.device).synchronize()
+        return Handle(self._native.get_device(object_id, address, length, _cuda_index(tensor), tensor, urgent=urgent))
 
     def get_bytes(self, object_id: int) -> bytes:
         """Reads the whole object into new bytes."""
         return self._native.get_bytes(object_id)
 
-    def _cuda_stream(self, device: Any) -> Any:
-        import torch
-
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device)
-        return self._stream
+    def gpu_report(self) -> Optional[str]:
+        """The GPU path this store uses for CUDA tensors and why (None before the first one)."""
+        return self._native.gpu_report()
 
     # -- metadata ---------------------------------------------------------------------------
 
