@@ -27,7 +27,7 @@ import time
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -160,6 +160,8 @@ class ActivationExecutor:
         self.skip_storages = skip_storages if skip_storages is not None else set()
         self.stats = TransferStats()
         self.profiler: Any = None
+        # Called with each event's index (the optimizer-state executor's clock).
+        self.on_event: Optional[Callable[[int], None]] = None
         self.decisions: Optional[list[PackDecision]] = None
         self.prefetch_at_event: dict[int, list[int]] = {}
         self._pack_index = 0
@@ -239,6 +241,8 @@ class ActivationExecutor:
     def _pack(self, tensor: torch.Tensor, pack_index: int, event_index: int, tensor_id: Optional[int]) -> Any:
         self._pump(wait=False)
         self._issue_prefetches(event_index)
+        if self.on_event is not None:
+            self.on_event(event_index)
         storage = tensor.untyped_storage()
         nbytes = storage.nbytes()
         if tensor.device != self.device or nbytes < self.min_bytes or isinstance(tensor, torch.nn.Parameter):
@@ -286,6 +290,8 @@ class ActivationExecutor:
     def _unpack(self, packed: Any, event_index: int) -> torch.Tensor:
         self._pump(wait=False)
         self._issue_prefetches(event_index)
+        if self.on_event is not None:
+            self.on_event(event_index)
         if isinstance(packed, torch.Tensor):
             return packed
         slot = packed.slot

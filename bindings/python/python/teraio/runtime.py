@@ -29,6 +29,7 @@ import torch
 from .executor import HOST, SSD, ActivationExecutor, PackDecision
 from .planning import parse_size, plan
 from .profiler import Profiler, SaveEvent
+from .state import StateExecutor, pin_within_iteration
 from .store import Store
 
 
@@ -50,6 +51,8 @@ class Report:
     bytes_per_iteration: dict[str, dict[str, int]]
     stalls: dict[str, Any]
     plan_summary: dict[str, Any] = field(default_factory=dict)
+    #: Optimizer state moved between steps, per iteration: {"offloaded"|"prefetched": {tier: bytes}}.
+    state_bytes_per_iteration: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items()}
@@ -75,6 +78,12 @@ class Report:
         for direction, tiers in self.bytes_per_iteration.items():
             lines.append(
                 f"  {direction} per iteration: host {gib(tiers.get(HOST, 0))}, ssd {gib(tiers.get(SSD, 0))}"
+                " (activations)"
+            )
+        for direction, tiers in self.state_bytes_per_iteration.items():
+            lines.append(
+                f"  {direction} per iteration: host {gib(tiers.get(HOST, 0))}, ssd {gib(tiers.get(SSD, 0))}"
+                " (optimizer state)"
             )
         lines.append("  stalls: " + ", ".join(f"{k} {v}" for k, v in self.stalls.items()))
         return "\n".join(lines)
@@ -93,6 +102,8 @@ class offload:
         reserve: GPU memory the planner keeps free for allocator slack (default 10% of gpu_memory).
         warmup_steps: iterations before the profiled one (default 1: optimizer state exists then).
         min_bytes: saved tensors smaller than this stay on the GPU.
+        offload_optimizer_state: let the plan also move optimizer state between steps (default
+            True; the planner moves it only where that pays).
         trace_path / plan_path: where to write the trace and the plan (JSON), if given.
     """
 
@@ -114,6 +125,7 @@ class offload:
         trace_path: Optional[str] = None,
         plan_path: Optional[str] = None,
         sync_each_step: bool = True,
+        offload_optimizer_state: bool = True,
     ) -> None:
         first = next(iter(model.parameters()))
         self.device = first.device
@@ -145,6 +157,14 @@ class offload:
             skip_storages=skip,
             gpu_memory_bytes=self.gpu_memory_bytes,
         )
+        self.offload_optimizer_state = offload_optimizer_state
+        self.state = StateExecutor(
+            self.device,
+            store=store,
+            d2h_stream=getattr(self.executor, "d2h_stream", None),
+            h2d_stream=getattr(self.executor, "h2d_stream", None),
+        )
+        self.executor.on_event = self.state.on_event
         self.profiler: Optional[Profiler] = None
         self.trace: Optional[dict[str, Any]] = None
         self.plan_result: Optional[dict[str, Any]] = None
@@ -156,6 +176,7 @@ class offload:
         self._planned_from_step: Optional[int] = None
         self._peaks: list[int] = []
         self._stats_at_plan: Optional[dict[str, Any]] = None
+        self._state_stats_at_plan: Optional[dict[str, Any]] = None
 
     # -- context -------------------------------------------------------------------------------
 
@@ -179,6 +200,7 @@ class offload:
         self._hooks.clear()
         self.executor.end_iteration()
         self.executor.close()
+        self.state.close()
 
     # -- iteration boundaries ------------------------------------------------------------------
 
@@ -193,10 +215,12 @@ class offload:
         self._step_started = time.perf_counter()
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.state.before_step()
         if self.profiler is not None and self.profiler._mode is not None:
             self.profiler.before_step()
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.state.after_step()
         self.executor.end_iteration()
         if self.sync_each_step and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -210,6 +234,8 @@ class offload:
             self._make_plan(self.profiler)
             self._planned_from_step = self.step + 1
             self._stats_at_plan = self.executor.stats.as_dict()
+            self._state_stats_at_plan = self.state.stats.as_dict()
+            self.state.after_step()
         self.step += 1
         self._begin_iteration()
 
@@ -221,6 +247,11 @@ class offload:
         if self.trace_path:
             with open(self.trace_path, "w") as f:
                 json.dump(trace, f)
+        movable = ["activation"]
+        if self.offload_optimizer_state:
+            # Optimizer state may move only between steps (see teraio.state).
+            pin_within_iteration(trace, "optimizer_state")
+            movable.append("optimizer_state")
         result = plan(
             trace,
             gpu_memory=self.gpu_memory_bytes,
@@ -230,7 +261,7 @@ class offload:
             host_memory=self.host_memory_bytes,
             host_link_bandwidth=self.host_link_bandwidth,
             reserve=self.reserve_bytes,
-            movable_kinds=["activation"],
+            movable_kinds=movable,
         )
         if self.store is None:
             for migration in result["plan"]["migrations"]:
@@ -240,6 +271,9 @@ class offload:
         if self.plan_path:
             with open(self.plan_path, "w") as f:
                 json.dump(result, f)
+        moves = state_moves_from_plan(trace, profiler, result["plan"])
+        self.state.set_plan(moves)
+        self.executor.host_memory_bytes = max(0, self.host_memory_bytes - self.state.planned_bytes(HOST))
         self.executor.set_plan(decisions_from_plan(trace, profiler.events, result["plan"]))
 
     # -- report --------------------------------------------------------------------------------
@@ -266,6 +300,19 @@ class offload:
                 t: (stats["prefetched_bytes"][t] - base["prefetched_bytes"][t]) // count for t in (HOST, SSD)
             },
         }
+        state = self.state.stats.as_dict()
+        state_base = self._state_stats_at_plan or {
+            "offloaded_bytes": {HOST: 0, SSD: 0},
+            "prefetched_bytes": {HOST: 0, SSD: 0},
+        }
+        state_per_iteration = {
+            "offloaded": {
+                t: (state["offloaded_bytes"][t] - state_base["offloaded_bytes"][t]) // count for t in (HOST, SSD)
+            },
+            "prefetched": {
+                t: (state["prefetched_bytes"][t] - state_base["prefetched_bytes"][t]) // count for t in (HOST, SSD)
+            },
+        }
         stall_keys = (
             "prefetches_on_demand",
             "prefetches_planned",
@@ -275,6 +322,8 @@ class offload:
         )
         stalls = {k: stats[k] - (self._stats_at_plan or {}).get(k, 0) for k in stall_keys}
         stalls["plan_mismatches"] = stats["plan_mismatches"]
+        for key in ("prefetches_on_demand", "step_wait_s"):
+            stalls[f"state_{key}"] = state[key] - (self._state_stats_at_plan or {}).get(key, 0)
         summary: dict[str, Any] = {}
         if self.plan_result is not None:
             migrations = self.plan_result["plan"]["migrations"]
@@ -302,6 +351,7 @@ class offload:
             bytes_per_iteration=per_iteration,
             stalls=stalls,
             plan_summary=summary,
+            state_bytes_per_iteration=state_per_iteration,
         )
 
 
@@ -356,3 +406,39 @@ def decisions_from_plan(
                 break
         decisions.append(PackDecision(tensor_id, size, migration["tier"], prefetch_event=min(trigger, limit)))
     return decisions
+
+
+def state_moves_from_plan(
+    trace: dict[str, Any], profiler: Profiler, plan_doc: dict[str, Any]
+) -> list[tuple[torch.Tensor, str, Optional[int]]]:
+    """The optimizer-state tensors the plan moves between steps, with their tier and the event at
+    which to restore them: the last `saved_tensors_hooks` event whose next op is at or before the
+    planned prefetch op (None: the prefetch is in the step itself, so it is issued at the step)."""
+    kinds = {t["id"]: t["kind"] for t in trace["tensors"]}
+    wrapping = {
+        m["tensor_id"]: m
+        for m in plan_doc["migrations"]
+        if m["wraps"] and kinds.get(m["tensor_id"]) == "optimizer_state"
+    }
+    if not wrapping or profiler.optimizer is None:
+        return []
+    moves: list[tuple[torch.Tensor, str, Optional[int]]] = []
+    events = profiler.events
+    seen: set[int] = set()
+    for state in profiler.optimizer.state.values():
+        for value in state.values():
+            if not isinstance(value, torch.Tensor):
+                continue
+            record = profiler._lookup(value)
+            if record is None or record.id in seen or record.id not in wrapping:
+                continue
+            seen.add(record.id)
+            migration = wrapping[record.id]
+            trigger: Optional[int] = None
+            for index, event in enumerate(events):
+                if event.next_op <= migration["prefetch_op"]:
+                    trigger = index
+                else:
+                    break
+            moves.append((value, migration["tier"], trigger))
+    return moves

@@ -1,0 +1,296 @@
+"""Executes a plan for optimizer state: release after the step, restore before the next one.
+
+Optimizer state (AdamW's `exp_avg` and `exp_avg_sq`: twice the parameters' bytes) is used only
+inside `optimizer.step()`, so between two steps it is dead weight on the GPU, exactly when the
+forward pass peaks. For each state tensor the plan moves, the executor
+
+- after the step (`offload`): copies the bytes to their tier (pinned host memory, or the SSD
+  tier through the engine) on its own CUDA stream, then releases the GPU memory by shrinking the
+  tensor's storage to zero bytes (`untyped_storage().resize_(0)`: the tensor object and every view
+  of it stay valid, which is what the optimizer holds);
+- at the event the plan maps the prefetch to (a `saved_tensors_hooks` event in the backward pass
+  of the next iteration), grows the storage back and copies the bytes up (host tier: a host-to-
+  device copy on its own stream; SSD tier: the engine's GPU path reads straight into it);
+- before the next step (`before_step`), issues whatever was not issued yet (counted as on demand)
+  and makes the compute stream wait for every restore, so the step always sees its exact bytes.
+
+Only the period that wraps from one step to the next is moved (the trace pins optimizer state
+inside the step: `pin_within_iteration`). On a CPU "device" the same logic runs with synchronous
+copies, for tests and CPU-only stacks.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from .store import Store
+
+HOST = "host"
+SSD = "ssd"
+
+
+@dataclass
+class StateStats:
+    """What the state executor moved, and how long the step waited for it."""
+
+    offloaded_bytes: dict[str, int] = field(default_factory=lambda: {HOST: 0, SSD: 0})
+    prefetched_bytes: dict[str, int] = field(default_factory=lambda: {HOST: 0, SSD: 0})
+    prefetches_planned: int = 0
+    prefetches_on_demand: int = 0
+    step_wait_s: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "offloaded_bytes": dict(self.offloaded_bytes),
+            "prefetched_bytes": dict(self.prefetched_bytes),
+            "prefetches_planned": self.prefetches_planned,
+            "prefetches_on_demand": self.prefetches_on_demand,
+            "step_wait_s": self.step_wait_s,
+        }
+
+
+class _StateSlot:
+    """One optimizer-state tensor the plan moves."""
+
+    __slots__ = ("tensor", "tier", "nbytes", "object_id", "host", "resident", "d2h_event", "restore", "put", "get")
+
+    def __init__(self, tensor: torch.Tensor, tier: str, object_id: int) -> None:
+        self.tensor = tensor
+        self.tier = tier
+        self.nbytes = int(tensor.untyped_storage().nbytes())
+        self.object_id = object_id
+        self.host: Optional[torch.Tensor] = None  # pinned copy (host tier; SSD tier while staged)
+        self.resident = True  # the GPU storage holds the bytes (or a queued copy will)
+        self.d2h_event: Any = None
+        self.restore: Any = None  # CUDA event of the host-to-device copy in flight
+        self.put: Any = None  # engine handle of the SSD write in flight
+        self.get: Any = None  # engine handle of the SSD read in flight
+
+
+def _flat(storage: Any, device: torch.device) -> torch.Tensor:
+    flat = torch.empty(0, dtype=torch.uint8, device=device)
+    flat.set_(storage, 0, (storage.nbytes(),), (1,))
+    return flat
+
+
+class StateExecutor:
+    """Moves optimizer-state tensors between steps per a plan (see the module docstring)."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        store: Optional[Store] = None,
+        object_id_base: int = 1 << 41,  # SSD-tier objects: ids object_id_base + slot index
+        d2h_stream: Any = None,
+        h2d_stream: Any = None,
+    ) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.store = store
+        self.object_id_base = object_id_base
+        self.stats = StateStats()
+        self.slots: list[_StateSlot] = []
+        self.prefetch_at_event: dict[int, list[int]] = {}
+        self._issued: set[int] = set()
+        self._pending: list[_StateSlot] = []  # SSD tier: staged writes and reads in flight
+        if self.cuda:
+            self.d2h_stream = d2h_stream if d2h_stream is not None else torch.cuda.Stream(device)
+            self.h2d_stream = h2d_stream if h2d_stream is not None else torch.cuda.Stream(device)
+
+    def set_plan(self, moves: list[tuple[torch.Tensor, str, Optional[int]]]) -> None:
+        """`moves`: (state tensor, tier, prefetch event index or None = at the step)."""
+        self.slots = []
+        self.prefetch_at_event = {}
+        for index, (tensor, tier, event) in enumerate(moves):
+            if tier == SSD and self.store is None:
+                tier = HOST
+            self.slots.append(_StateSlot(tensor, tier, self.object_id_base + index))
+            if event is not None:
+                self.prefetch_at_event.setdefault(event, []).append(index)
+
+    def planned_bytes(self, tier: str) -> int:
+        return sum(slot.nbytes for slot in self.slots if slot.tier == tier)
+
+    # -- after the step: out ---------------------------------------------------------------------
+
+    def after_step(self) -> None:
+        """Copies every planned state tensor to its tier and releases its GPU memory."""
+        self._issued.clear()
+        if not self.slots:
+            return
+        if self.cuda:
+            self.d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
+        for slot in self.slots:
+            self._offload(slot)
+        self.poll()
+
+    def _offload(self, slot: _StateSlot) -> None:
+        storage = slot.tensor.untyped_storage()
+        source = _flat(storage, self.device)
+        if slot.host is None:
+            slot.host = torch.empty(slot.nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+        if self.cuda:
+            with torch.cuda.stream(self.d2h_stream):
+                slot.host.copy_(source, non_blocking=True)
+            # The allocator keeps the block until the copy has read it.
+            source.record_stream(self.d2h_stream)
+            slot.d2h_event = torch.cuda.Event()
+            slot.d2h_event.record(self.d2h_stream)
+        else:
+            slot.host.copy_(source)
+        del source
+        storage.resize_(0)
+        slot.resident = False
+        self.stats.offloaded_bytes[slot.tier] += slot.nbytes
+        if slot.tier == SSD:
+            self._pending.append(slot)
+
+    def poll(self) -> None:
+        """Moves SSD-tier work along without blocking: starts writes whose device-to-host copy
+        is done, frees their staging once written, copies reads up once they are in."""
+        still = []
+        for slot in self._pending:
+            if slot.get is not None:
+                if slot.get.is_done():
+                    self._finish_get(slot)
+                    continue
+            elif slot.put is None:
+                if slot.d2h_event is None or slot.d2h_event.query():
+                    self._start_put(slot)
+            elif slot.put.is_done():
+                slot.put.wait()
+                slot.put = None
+                slot.host = None  # the pinned block goes back to PyTorch's pool
+                continue
+            still.append(slot)
+        self._pending = still
+
+    def _start_put(self, slot: _StateSlot) -> None:
+        assert self.store is not None and slot.host is not None
+        slot.put = self.store._native.put_address(
+            slot.object_id, slot.host.data_ptr(), slot.nbytes, slot.host, b"", False
+        )
+
+    # -- during the next iteration: back ---------------------------------------------------------
+
+    def on_event(self, event_index: int) -> None:
+        """Issues the restores the plan maps to this `saved_tensors_hooks` event."""
+        if self._pending:
+            self.poll()
+        for index in self.prefetch_at_event.get(event_index, ()):
+            if index not in self._issued:
+                self.stats.prefetches_planned += 1
+                self._restore(index)
+
+    def before_step(self) -> None:
+        """Restores what is still out and makes the step wait for every restore."""
+        started = time.perf_counter()
+        for index, slot in enumerate(self.slots):
+            if index not in self._issued and not slot.resident:
+                self.stats.prefetches_on_demand += 1
+                self._restore(index)
+        for slot in self.slots:
+            if slot.get is not None:
+                self._pending.remove(slot)
+                self._finish_get(slot)
+        current = torch.cuda.current_stream(self.device) if self.cuda else None
+        for slot in self.slots:
+            restore, slot.restore = slot.restore, None
+            if restore is not None and current is not None:
+                current.wait_event(restore)
+        self.stats.step_wait_s += time.perf_counter() - started
+
+    def _restore(self, index: int) -> None:
+        self._issued.add(index)
+        slot = self.slots[index]
+        if slot.resident:
+            return
+        self.stats.prefetched_bytes[slot.tier] += slot.nbytes
+        if slot.tier == SSD:
+            if slot.get is not None:
+                return
+            if slot.put is not None or slot in self._pending:
+                # Still being written: finish the write first (the read needs the object).
+                if slot.put is None:
+                    if slot.d2h_event is not None:
+                        slot.d2h_event.synchronize()
+                    self._start_put(slot)
+                slot.put.wait()
+                slot.put = None
+                self._pending.remove(slot)
+            if slot.host is None:
+                slot.host = torch.empty(slot.nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+            assert self.store is not None
+            slot.get = self.store._native.get_address(
+                slot.object_id, slot.host.data_ptr(), slot.nbytes, slot.host, 0, True, True
+            )
+            self._pending.append(slot)
+            return
+        self._copy_up(slot)
+
+    def _finish_get(self, slot: _StateSlot) -> None:
+        slot.get.wait()
+        slot.get = None
+        self._copy_up(slot)
+        slot.host = None  # the pinned block returns to the pool once the copy is done
+
+    def _copy_up(self, slot: _StateSlot) -> None:
+        host = slot.host
+        assert host is not None
+        storage = slot.tensor.untyped_storage()
+        # Grown on the compute stream: the copy must not start before the compute work queued
+        # so far, which may still use the memory the allocator hands out here.
+        storage.resize_(slot.nbytes)
+        target = _flat(storage, self.device)
+        slot.resident = True
+        if self.cuda:
+            self.h2d_stream.wait_stream(torch.cuda.current_stream(self.device))
+            if slot.d2h_event is not None:
+                self.h2d_stream.wait_event(slot.d2h_event)
+            with torch.cuda.stream(self.h2d_stream):
+                target.copy_(host, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.h2d_stream)
+            target.record_stream(self.h2d_stream)
+            slot.restore = event
+        else:
+            target.copy_(host)
+
+    def close(self) -> None:
+        """Brings every state tensor back (the optimizer is usable without teraio afterwards) and
+        deletes the executor's objects from the store."""
+        for index, slot in enumerate(self.slots):
+            if not slot.resident:
+                self._restore(index)
+        self.before_step()
+        if self.cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        for slot in self._pending:
+            if slot.put is not None:
+                slot.put.wait()
+        self._pending = []
+        if self.store is not None and not self.store.closed:
+            for slot in self.slots:
+                if slot.tier == SSD:
+                    self.store.delete(slot.object_id)
+        self.slots = []
+
+
+def _index(device: torch.device) -> int:
+    return int(device.index) if device.index is not None else int(torch.cuda.current_device())
+
+
+def pin_within_iteration(trace: dict[str, Any], kind: str) -> None:
+    """Gives each `kind` tensor a read at every op between its first and last use, so that the
+    planner may move it only over the period that wraps into the next iteration."""
+    for tensor in trace["tensors"]:
+        if tensor["kind"] != kind or not tensor["uses"]:
+            continue
+        accesses = {use["op"]: use["access"] for use in tensor["uses"]}
+        first, last = min(accesses), max(accesses)
+        tensor["uses"] = [{"op": op, "access": accesses.get(op, "read")} for op in range(first, last + 1)]

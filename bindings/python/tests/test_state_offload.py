@@ -1,0 +1,99 @@
+"""Optimizer state moved between steps (teraio.state) on a CPU "device": bitwise-equal training.
+
+The model is wide and the batch short, so AdamW's state (twice the parameters) is a large share
+of the forward pass's peak, and the planner has a reason to move it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import teraio  # noqa: E402
+from tiny import batches, make, train  # noqa: E402
+
+STEPS = 6
+SHAPE = {"dim": 512, "hidden": 2048}
+ROWS = 2048
+
+
+def _data() -> list[torch.Tensor]:
+    return batches(STEPS, rows=ROWS, dim=SHAPE["dim"])
+
+
+def _reference() -> tuple[list[float], dict[str, Any]]:
+    model, optimizer = make(**SHAPE)
+    losses = train(model, optimizer, _data())
+    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _budget() -> int:
+    """The unplanned peak less 90% of the optimizer state: something must move."""
+    model, optimizer = make(**SHAPE)
+    data = _data()
+    train(model, optimizer, data[:1])
+    profiler = teraio.Profiler(model, optimizer)
+    with profiler:
+        train(model, optimizer, data[1:2])
+    trace = profiler.trace()
+    peak = teraio.plan(trace, gpu_memory=1 << 40, ssd_read_bandwidth=1e9)["prediction"]["unplanned_peak_bytes"]
+    state = sum(t["size_bytes"] for t in trace["tensors"] if t["kind"] == "optimizer_state")
+    return peak - state * 9 // 10
+
+
+def _run(**options: Any) -> tuple[list[float], Any, torch.optim.Optimizer, teraio.Report, Any]:
+    model, optimizer = make(**SHAPE)
+    with teraio.offload(model, optimizer, min_bytes=64 << 10, reserve=0, **options) as run:
+        losses = train(model, optimizer, _data())
+    return losses, model, optimizer, run.report(), run
+
+
+def _assert_exact(reference: tuple[list[float], dict[str, Any]], losses: list[float], model: Any) -> None:
+    assert losses == reference[0]
+    for name, value in reference[1].items():
+        assert torch.equal(model.state_dict()[name], value), name
+
+
+def _assert_state_back(optimizer: torch.optim.Optimizer) -> None:
+    # After the block every state tensor holds its memory again: plain training can go on.
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                assert value.untyped_storage().nbytes() == value.numel() * value.element_size()
+
+
+def test_state_to_host_between_steps_is_exact() -> None:
+    reference = _reference()
+    losses, model, optimizer, report, run = _run(gpu_memory=_budget(), host_memory=1 << 30)
+    _assert_exact(reference, losses, model)
+    moved = report.state_bytes_per_iteration
+    assert moved["offloaded"]["host"] > 0, str(report)
+    assert moved["prefetched"]["host"] == moved["offloaded"]["host"]
+    assert report.stalls["state_prefetches_on_demand"] == 0
+    assert "(optimizer state)" in str(report)
+    _assert_state_back(optimizer)
+    train(model, optimizer, _data()[:1])  # usable without teraio
+
+
+def test_state_to_ssd_between_steps_is_exact(store: teraio.Store) -> None:
+    reference = _reference()
+    losses, model, optimizer, report, _ = _run(
+        gpu_memory=_budget(), host_memory=0, store=store, ssd_bandwidth="4GB/s"
+    )
+    _assert_exact(reference, losses, model)
+    moved = report.state_bytes_per_iteration
+    assert moved["offloaded"]["ssd"] > 0 and moved["offloaded"]["host"] == 0, str(report)
+    assert store.info()["object_count"] == 0  # the executors deleted their objects
+    assert store.stats()["errors"] == 0
+    _assert_state_back(optimizer)
+
+
+def test_state_stays_when_asked() -> None:
+    reference = _reference()
+    losses, model, _, report, _ = _run(gpu_memory=_budget(), host_memory=1 << 30, offload_optimizer_state=False)
+    _assert_exact(reference, losses, model)
+    assert report.state_bytes_per_iteration["offloaded"] == {"host": 0, "ssd": 0}
+    assert report.bytes_per_iteration["offloaded"]["host"] > 0
