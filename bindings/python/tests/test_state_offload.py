@@ -39,7 +39,9 @@ def _budget() -> int:
     with profiler:
         train(model, optimizer, data[1:2])
     trace = profiler.trace()
-    peak = teraio.plan(trace, gpu_memory=1 << 40, ssd_read_bandwidth=1e9)["prediction"]["unplanned_peak_bytes"]
+    peak = teraio.plan(trace, gpu_memory=1 << 40, ssd_read_bandwidth=1e9)["prediction"][
+        "unplanned_peak_bytes"
+    ]
     state = sum(t["size_bytes"] for t in trace["tensors"] if t["kind"] == "optimizer_state")
     return peak - state * 9 // 10
 
@@ -93,7 +95,9 @@ def test_state_to_ssd_between_steps_is_exact(store: teraio.Store) -> None:
 
 def test_state_stays_when_asked() -> None:
     reference = _reference()
-    losses, model, _, report, _ = _run(gpu_memory=_budget(), host_memory=1 << 30, offload_optimizer_state=False)
+    losses, model, _, report, _ = _run(
+        gpu_memory=_budget(), host_memory=1 << 30, offload_optimizer_state=False
+    )
     _assert_exact(reference, losses, model)
     assert report.state_bytes_per_iteration["offloaded"] == {"host": 0, "ssd": 0}
     assert report.bytes_per_iteration["offloaded"]["host"] > 0

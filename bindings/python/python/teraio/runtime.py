@@ -307,10 +307,12 @@ class offload:
         }
         state_per_iteration = {
             "offloaded": {
-                t: (state["offloaded_bytes"][t] - state_base["offloaded_bytes"][t]) // count for t in (HOST, SSD)
+                t: (state["offloaded_bytes"][t] - state_base["offloaded_bytes"][t]) // count
+                for t in (HOST, SSD)
             },
             "prefetched": {
-                t: (state["prefetched_bytes"][t] - state_base["prefetched_bytes"][t]) // count for t in (HOST, SSD)
+                t: (state["prefetched_bytes"][t] - state_base["prefetched_bytes"][t]) // count
+                for t in (HOST, SSD)
             },
         }
         stall_keys = (

@@ -56,7 +56,18 @@ class StateStats:
 class _StateSlot:
     """One optimizer-state tensor the plan moves."""
 
-    __slots__ = ("tensor", "tier", "nbytes", "object_id", "host", "resident", "d2h_event", "restore", "put", "get")
+    __slots__ = (
+        "tensor",
+        "tier",
+        "nbytes",
+        "object_id",
+        "host",
+        "resident",
+        "d2h_event",
+        "restore",
+        "put",
+        "get",
+    )
 
     def __init__(self, tensor: torch.Tensor, tier: str, object_id: int) -> None:
         self.tensor = tensor

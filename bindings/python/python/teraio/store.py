@@ -231,7 +231,9 @@ class Store:
 
         address, length = _tensor_address(tensor)
         torch.cuda.current_stream(tensor.device).synchronize()
-        return Handle(self._native.get_device(object_id, address, length, _cuda_index(tensor), tensor, urgent=urgent))
+        return Handle(
+            self._native.get_device(object_id, address, length, _cuda_index(tensor), tensor, urgent=urgent)
+        )
 
     def get_bytes(self, object_id: int) -> bytes:
         """Reads the whole object into new bytes."""
