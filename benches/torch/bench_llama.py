@@ -5,6 +5,8 @@ One mode per process (each needs its own CUDA memory state and cap):
     python3 benches/torch/bench_llama.py --mode ideal --steps 20
     python3 benches/torch/bench_llama.py --mode teraio --cap-gib 25.5 --store-dir /root/teraio-bench
     python3 benches/torch/bench_llama.py --mode save_on_cpu --cap-gib 25.5 --steps 8
+    python3 benches/torch/bench_llama.py --mode teraio --cap-gib 22.5 --host-gib 4 \
+        --store-dir /dev/shm/teraio --store-devices 4 --emulate 2.5GB/s@20us   # emulated SSD array
 
 Prints one JSON line (prefix `RESULT `) with ms/iter (median of the steps after the warm-up ones),
 peak GPU memory over those steps, the losses, and for teraio its report. Model: transformers'
@@ -198,12 +200,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         d2h, h2d = measure_link_bytes_per_s()
         result["link_d2h_bytes_per_s"], result["link_h2d_bytes_per_s"] = d2h, h2d
         os.makedirs(args.store_dir, exist_ok=True)
+        # An emulated array (--emulate) lives in tmpfs: no O_DIRECT there, and the device model,
+        # not the memory copy, sets each device's pace.
         store = teraio.Store.create(
-            [os.path.join(args.store_dir, "dev0")],
-            file_size_bytes=24 * GIB,
+            [os.path.join(args.store_dir, f"dev{i}") for i in range(args.store_devices)],
+            file_size_bytes=int(args.store_gib * GIB) // args.store_devices,
             durable=False,
             force=True,
+            direct_io=not args.emulate,
+            emulate=args.emulate or None,
         )
+        result["store_devices"] = args.store_devices
+        result["emulate"] = args.emulate
         write, read = measure_store_bytes_per_s(store)
         result["ssd_write_bytes_per_s"], result["ssd_read_bytes_per_s"] = write, read
         cap = int(args.cap_gib * GIB) if args.cap_gib else int(args.gpu_memory_gib * GIB)
@@ -219,6 +227,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             host_link_bandwidth=min(d2h, h2d) * 0.9,
             reserve=int(args.reserve_gib * GIB),
             max_inflight_bytes=int(args.max_inflight_gib * GIB),
+            offload_optimizer_state=not args.no_state_offload,
             trace_path=os.path.join(args.out_dir, f"trace-b{args.batch}.json") if args.out_dir else None,
             plan_path=os.path.join(args.out_dir, f"plan-b{args.batch}.json") if args.out_dir else None,
         )
@@ -289,6 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-inflight-gib", type=float, default=2.0, help="device-to-host bytes in flight")
     parser.add_argument("--ssd-share", type=float, default=0.9, help="SSD bandwidth share per direction")
     parser.add_argument("--store-dir", default="/root/teraio-bench")
+    parser.add_argument("--store-devices", type=int, default=1, help="files the store stripes over")
+    parser.add_argument("--store-gib", type=float, default=24.0, help="store size, all devices")
+    parser.add_argument("--emulate", default="", help="emulated SSDs, e.g. 2.5GB/s@20us (store in tmpfs)")
+    parser.add_argument("--no-state-offload", action="store_true", help="keep optimizer state on the GPU")
     parser.add_argument("--out-dir", default="")
     args = parser.parse_args(argv)
     try:

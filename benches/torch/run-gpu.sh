@@ -6,6 +6,9 @@
 #   benches/torch/run-gpu.sh rerun        # full without the two baselines, plus DeepSpeed ZeRO-Infinity (NVMe)
 #   benches/torch/run-gpu.sh final [CAP]  # CUDA tests, teraio at CAP GiB, DeepSpeed ZeRO-3 with CPU offload
 #   benches/torch/run-gpu.sh deepspeed [CAP]
+#   benches/torch/run-gpu.sh tune         # CUDA tests, ideal, teraio at the cap: reserve 3 vs 1 GiB (~6 min)
+#   benches/torch/run-gpu.sh tune2 [CAP]  # teraio without optimizer-state offload, and on an emulated
+#                                         #   4 x 2.5 GB/s SSD array in tmpfs with 4 GiB of host memory (~4 min)
 # Needs .whl-py/ (ignored by git; carry it): the teraio wheel built on the dev machine
 # (`maturin build --release --strip -m bindings/python/Cargo.toml -o .whl-py`), torchtune 0.6.1,
 # and .whl-py/ds/: DeepSpeed 0.19.8 (built with `pip wheel --no-deps`) and its dependencies.
@@ -27,7 +30,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, transformers, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__)'
 df -hT /root | tail -1; free -g | head -2
 
-if [ "$what" = probe ] || [ "$what" = full ]; then
+if [ "$what" = probe ] || [ "$what" = full ] || [ "$what" = tune ]; then
+  WORK=/root/teraio-work; mkdir -p "$WORK"
+  . benches/gpu/cufile-compat.sh   # for the tests of the cuFile path
+  python3 -c 'import teraio; print(teraio.gpu_probe())'
   echo "== CUDA tests (pytest, bindings/python/tests)"
   timeout 240 python3 -m pytest -q -s -p no:cacheprovider bindings/python/tests 2>&1 | tee "$OUT/pytest.log" | tail -40
 fi
@@ -39,6 +45,39 @@ if [ "$what" = probe ]; then
   timeout 90 python3 $B/bench_llama.py --mode torchtune --steps 2 --warmup 1 --batch 1 --seq 512 --cap-gib 16.5 \
     | tee "$OUT/probe-torchtune.log" | tail -3
   python3 $B/summarize.py "$OUT"/probe-*.log
+  exit 0
+fi
+
+if [ "$what" = tune ]; then
+  timeout 90 python3 $B/bench_llama.py --mode ideal --steps 15 > "$OUT/t-1-ideal.log" 2>&1; tail -1 "$OUT/t-1-ideal.log" | cut -c1-200
+  CAP=$(python3 -c "
+import json
+r=[json.loads(l[7:]) for l in open('$OUT/t-1-ideal.log') if l.startswith('RESULT ')][0]
+print(round(r['peak_bytes']/2**30/2, 2) if 'peak_bytes' in r else 22.5)")
+  echo "== cap = half of the ideal peak: $CAP GiB"; echo "$CAP" > "$OUT/cap.txt"
+  for reserve in 3 1; do
+    timeout 150 python3 $B/bench_llama.py --mode teraio --steps 15 --cap-gib "$CAP" --reserve-gib $reserve \
+      --out-dir "$OUT" > "$OUT/t-2-teraio-r$reserve.log" 2>&1
+    grep -v RESULT "$OUT/t-2-teraio-r$reserve.log" | tail -11
+  done
+  cat "$OUT"/t-*.log | grep '^RESULT' > "$OUT/results.jsonl"
+  python3 $B/summarize.py "$OUT/results.jsonl" | tee "$OUT/summary.md"
+  exit 0
+fi
+
+if [ "$what" = tune2 ]; then
+  CAP=${2:-22.55}
+  timeout 150 python3 $B/bench_llama.py --mode teraio --steps 15 --cap-gib "$CAP" --reserve-gib 1 --no-state-offload \
+    --out-dir "$OUT" > "$OUT/t-3-teraio-nostate.log" 2>&1
+  grep -v RESULT "$OUT/t-3-teraio-nostate.log" | tail -11
+  df -h /dev/shm | tail -1
+  timeout 200 python3 $B/bench_llama.py --mode teraio --steps 8 --warmup 3 --cap-gib "$CAP" --reserve-gib 1 \
+    --host-gib 4 --store-dir /dev/shm/teraio-emu --store-devices 4 --store-gib 32 --emulate 2.5GB/s@20us \
+    --out-dir "$OUT" > "$OUT/t-4-teraio-emulated.log" 2>&1
+  grep -v RESULT "$OUT/t-4-teraio-emulated.log" | tail -11
+  rm -rf /dev/shm/teraio-emu
+  cat "$OUT"/t-*.log | grep '^RESULT' > "$OUT/results.jsonl"
+  python3 $B/summarize.py "$OUT/results.jsonl" | tee "$OUT/summary.md"
   exit 0
 fi
 
