@@ -291,9 +291,16 @@ class Profiler:
             for param, state in self.optimizer.state.items():
                 base = self._param_names.get(storage_key(param), "param")
                 for key, value in state.items():
-                    if isinstance(value, torch.Tensor) and value.untyped_storage().nbytes() > 0:
-                        if self._lookup(value) is None:
-                            self._new_record(value, "optimizer_state", alloc_op=None, name=f"{base}.{key}")
+                    # Only state in the profiled device's memory (AdamW keeps `step` on the host).
+                    if self._on_device(value) and self._lookup(value) is None:
+                        self._new_record(value, "optimizer_state", alloc_op=None, name=f"{base}.{key}")
+
+    def _on_device(self, value: Any) -> bool:
+        return (
+            isinstance(value, torch.Tensor)
+            and value.device.type == self.device.type
+            and value.untyped_storage().nbytes() > 0
+        )
 
     def _new_record(
         self, tensor: torch.Tensor, kind: str, alloc_op: Optional[int], name: str
@@ -362,7 +369,7 @@ class Profiler:
         if self.optimizer is not None:
             for state in self.optimizer.state.values():
                 for value in state.values():
-                    if isinstance(value, torch.Tensor) and value.untyped_storage().nbytes() > 0:
+                    if self._on_device(value):
                         record = self._lookup(value)
                         if record is not None and record.kind != "weight":
                             record.kind = "optimizer_state"

@@ -85,6 +85,8 @@ class Report:
                 f"  {direction} per iteration: host {gib(tiers.get(HOST, 0))}, ssd {gib(tiers.get(SSD, 0))}"
                 " (optimizer state)"
             )
+        if self.plan_summary.get("fits") is False:
+            lines.append(f"  plan: does not fit the budget ({self.plan_summary.get('outcome')})")
         lines.append("  stalls: " + ", ".join(f"{k} {v}" for k, v in self.stalls.items()))
         return "\n".join(lines)
 
@@ -100,7 +102,9 @@ class offload:
         host_memory: pinned host memory the plan may use.
         ssd_bandwidth / host_link_bandwidth: what the planner assumes (bytes/s or "6GB/s").
         reserve: GPU memory the planner keeps free for allocator slack (default 10% of gpu_memory).
-        warmup_steps: iterations before the profiled one (default 1: optimizer state exists then).
+        warmup_steps: iterations before the profiled one (default 1: optimizer state exists then;
+            2 for a `DistributedDataParallel` model, whose second iteration rebuilds its
+            gradient buckets, one-off work that must not be planned for).
         min_bytes: saved tensors smaller than this stay on the GPU.
         offload_optimizer_state: let the plan also move optimizer state between steps (default
             True; the planner moves it only where that pays).
@@ -119,7 +123,7 @@ class offload:
         ssd_write_bandwidth: Optional[Union[float, str]] = None,
         host_link_bandwidth: Union[float, str] = 25e9,
         reserve: Optional[Union[int, str]] = None,
-        warmup_steps: int = 1,
+        warmup_steps: Optional[int] = None,
         min_bytes: int = 1 << 20,
         max_inflight_bytes: Union[int, str] = 2 << 30,
         trace_path: Optional[str] = None,
@@ -143,6 +147,9 @@ class offload:
         self.ssd_bandwidth = ssd_bandwidth
         self.ssd_write_bandwidth = ssd_write_bandwidth
         self.host_link_bandwidth = host_link_bandwidth
+        if warmup_steps is None:
+            ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+            warmup_steps = 2 if ddp else 1
         self.warmup_steps = warmup_steps
         self.trace_path = trace_path
         self.plan_path = plan_path
@@ -285,7 +292,11 @@ class offload:
         if self._planned_from_step is not None:
             planned_times = self._step_times_ms[self._planned_from_step :]
             planned_peaks = self._peaks[self._planned_from_step :]
-        prediction = (self.plan_result or {}).get("prediction", {})
+        prediction = dict((self.plan_result or {}).get("prediction", {}))
+        if prediction and not self.plan_result["plan"]["fits"]:
+            # The planner predicts nothing for a plan that does not fit (it reports zeros).
+            for key in ("iteration_time_us", "percent_of_ideal", "peak_gpu_bytes"):
+                prediction.pop(key, None)
         stats = self.executor.stats.as_dict()
         base = self._stats_at_plan or {
             "offloaded_bytes": {HOST: 0, SSD: 0},
@@ -334,6 +345,7 @@ class offload:
                 "host_migrations": sum(1 for m in migrations if m["tier"] == HOST),
                 "ssd_migrations": sum(1 for m in migrations if m["tier"] == SSD),
                 "fits": self.plan_result["plan"]["fits"],
+                "outcome": prediction.get("outcome"),
                 "planning_time_ms": prediction.get("planning_time_ms"),
                 "ops": len(self.trace["ops"]) if self.trace else None,
                 "tensors": len(self.trace["tensors"]) if self.trace else None,
@@ -342,7 +354,9 @@ class offload:
             steps=self.step,
             planned_steps=len(planned_times),
             ideal_iteration_ms=prediction.get("ideal_time_us", 0) / 1e3 if prediction else None,
-            predicted_iteration_ms=prediction.get("iteration_time_us", 0) / 1e3 if prediction else None,
+            predicted_iteration_ms=(
+                prediction["iteration_time_us"] / 1e3 if "iteration_time_us" in prediction else None
+            ),
             predicted_percent_of_ideal=prediction.get("percent_of_ideal"),
             measured_iteration_ms=statistics.median(planned_times) if planned_times else None,
             step_times_ms=list(self._step_times_ms),
@@ -429,7 +443,7 @@ def state_moves_from_plan(
     seen: set[int] = set()
     for state in profiler.optimizer.state.values():
         for value in state.values():
-            if not isinstance(value, torch.Tensor):
+            if not isinstance(value, torch.Tensor) or value.device.type != profiler.device.type:
                 continue
             record = profiler._lookup(value)
             if record is None or record.id in seen or record.id not in wrapping:
