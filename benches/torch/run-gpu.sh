@@ -7,8 +7,9 @@
 #   benches/torch/run-gpu.sh final [CAP]  # CUDA tests, teraio at CAP GiB, DeepSpeed ZeRO-3 with CPU offload
 #   benches/torch/run-gpu.sh deepspeed [CAP]
 #   benches/torch/run-gpu.sh tune         # CUDA tests, ideal, teraio at the cap: reserve 3 vs 1 GiB (~6 min)
-#   benches/torch/run-gpu.sh tune2 [CAP]  # teraio without optimizer-state offload, and on an emulated
-#                                         #   4 x 2.5 GB/s SSD array in tmpfs with 4 GiB of host memory (~4 min)
+#   benches/torch/run-gpu.sh tune2 [CAP]  # teraio without optimizer-state offload, with half the disk per
+#                                         #   direction, and on an emulated 4 x 2.5 GB/s SSD array in tmpfs
+#                                         #   with 4 GiB of host memory (~4 min)
 # Needs .whl-py/ (ignored by git; carry it): the teraio wheel built on the dev machine
 # (`maturin build --release --strip -m bindings/python/Cargo.toml -o .whl-py`), torchtune 0.6.1,
 # and .whl-py/ds/: DeepSpeed 0.19.8 (built with `pip wheel --no-deps`) and its dependencies.
@@ -66,15 +67,18 @@ print(round(r['peak_bytes']/2**30/2, 2) if 'peak_bytes' in r else 22.5)")
 fi
 
 if [ "$what" = tune2 ]; then
-  CAP=${2:-22.55}
-  timeout 150 python3 $B/bench_llama.py --mode teraio --steps 15 --cap-gib "$CAP" --reserve-gib 1 --no-state-offload \
+  CAP=${2:-22.53}
+  timeout 150 python3 $B/bench_llama.py --mode teraio --steps 15 --cap-gib "$CAP" --no-state-offload \
     --out-dir "$OUT" > "$OUT/t-3-teraio-nostate.log" 2>&1
   grep -v RESULT "$OUT/t-3-teraio-nostate.log" | tail -11
+  timeout 150 python3 $B/bench_llama.py --mode teraio --steps 15 --cap-gib "$CAP" --ssd-share 0.45 \
+    --out-dir "$OUT" > "$OUT/t-4-teraio-ssdshare.log" 2>&1
+  grep -v RESULT "$OUT/t-4-teraio-ssdshare.log" | tail -11
   df -h /dev/shm | tail -1
-  timeout 200 python3 $B/bench_llama.py --mode teraio --steps 8 --warmup 3 --cap-gib "$CAP" --reserve-gib 1 \
+  timeout 200 python3 $B/bench_llama.py --mode teraio --steps 8 --warmup 3 --cap-gib "$CAP" \
     --host-gib 4 --store-dir /dev/shm/teraio-emu --store-devices 4 --store-gib 32 --emulate 2.5GB/s@20us \
-    --out-dir "$OUT" > "$OUT/t-4-teraio-emulated.log" 2>&1
-  grep -v RESULT "$OUT/t-4-teraio-emulated.log" | tail -11
+    --out-dir "$OUT" > "$OUT/t-5-teraio-emulated.log" 2>&1
+  grep -v RESULT "$OUT/t-5-teraio-emulated.log" | tail -11
   rm -rf /dev/shm/teraio-emu
   cat "$OUT"/t-*.log | grep '^RESULT' > "$OUT/results.jsonl"
   python3 $B/summarize.py "$OUT/results.jsonl" | tee "$OUT/summary.md"
