@@ -10,6 +10,7 @@
 #   benches/torch/run-gpu.sh tune2 [CAP]  # teraio without optimizer-state offload, with half the disk per
 #                                         #   direction, and on an emulated 4 x 2.5 GB/s SSD array in tmpfs
 #                                         #   with 4 GiB of host memory (~4 min)
+#   benches/torch/run-gpu.sh emulated [CAP]  # only the last one
 # Needs .whl-py/ (ignored by git; carry it): the teraio wheel built on the dev machine
 # (`maturin build --release --strip -m bindings/python/Cargo.toml -o .whl-py`), torchtune 0.6.1,
 # and .whl-py/ds/: DeepSpeed 0.19.8 (built with `pip wheel --no-deps`) and its dependencies.
@@ -66,6 +67,24 @@ print(round(r['peak_bytes']/2**30/2, 2) if 'peak_bytes' in r else 22.5)")
   exit 0
 fi
 
+# The store in tmpfs (sparse: only what is written takes memory); objects are rewritten in place
+# each iteration, and a rewrite needs room for the new copy before the old one is freed.
+emulated() {
+  df -h /dev/shm | tail -1
+  timeout 280 python3 $B/bench_llama.py --mode teraio --steps 8 --warmup 3 --cap-gib "$1" \
+    --host-gib 4 --store-dir /dev/shm/teraio-emu --store-devices 4 --store-gib 96 --emulate 2.5GB/s@20us \
+    --out-dir "$OUT" > "$OUT/t-5-teraio-emulated.log" 2>&1
+  grep -v RESULT "$OUT/t-5-teraio-emulated.log" | tail -14
+  rm -rf /dev/shm/teraio-emu
+}
+
+if [ "$what" = emulated ]; then
+  emulated "${2:-22.53}"
+  grep '^RESULT' "$OUT/t-5-teraio-emulated.log" > "$OUT/results.jsonl"
+  python3 $B/summarize.py "$OUT/results.jsonl" | tee "$OUT/summary.md"
+  exit 0
+fi
+
 if [ "$what" = tune2 ]; then
   CAP=${2:-22.53}
   timeout 150 python3 $B/bench_llama.py --mode teraio --steps 15 --cap-gib "$CAP" --no-state-offload \
@@ -74,12 +93,7 @@ if [ "$what" = tune2 ]; then
   timeout 150 python3 $B/bench_llama.py --mode teraio --steps 15 --cap-gib "$CAP" --ssd-share 0.45 \
     --out-dir "$OUT" > "$OUT/t-4-teraio-ssdshare.log" 2>&1
   grep -v RESULT "$OUT/t-4-teraio-ssdshare.log" | tail -11
-  df -h /dev/shm | tail -1
-  timeout 200 python3 $B/bench_llama.py --mode teraio --steps 8 --warmup 3 --cap-gib "$CAP" \
-    --host-gib 4 --store-dir /dev/shm/teraio-emu --store-devices 4 --store-gib 32 --emulate 2.5GB/s@20us \
-    --out-dir "$OUT" > "$OUT/t-5-teraio-emulated.log" 2>&1
-  grep -v RESULT "$OUT/t-5-teraio-emulated.log" | tail -11
-  rm -rf /dev/shm/teraio-emu
+  emulated "$CAP"
   cat "$OUT"/t-*.log | grep '^RESULT' > "$OUT/results.jsonl"
   python3 $B/summarize.py "$OUT/results.jsonl" | tee "$OUT/summary.md"
   exit 0
