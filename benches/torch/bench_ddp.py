@@ -207,6 +207,13 @@ def make_offload(
             ssd_read_bytes_per_s=read,
         )
         link = min(d2h, h2d) * 0.9
+        # Stores of several ranks on one disk share it: each rank plans with its share.
+        disks: list[Any] = [None] * d.world
+        if d.world > 1:
+            dist.all_gather_object(disks, os.stat(store_dir).st_dev)
+        sharing = max(1, sum(1 for disk in disks if disk == os.stat(store_dir).st_dev))
+        read, write = read / sharing, write / sharing
+        info["ranks_per_disk"] = sharing
     else:
         # No pinned memory without CUDA: assume the figures given on the command line.
         write = read = args.ssd_gbps * 1e9
@@ -222,7 +229,7 @@ def make_offload(
         store=store,
         gpu_memory=budget,
         host_memory=int(args.host_gib * GIB),
-        # One device per store: reads and writes share its bandwidth.
+        # One device per store: reads and writes share its bandwidth (--ssd-share).
         ssd_bandwidth=read * args.ssd_share,
         ssd_write_bandwidth=write * args.ssd_share,
         host_link_bandwidth=link,
@@ -410,7 +417,12 @@ def main(argv: list[str] | None = None) -> int:
         "--teraio-warmup-steps", type=int, default=2, help="teraio.offload iterations before the profiled one"
     )
     parser.add_argument("--no-state-offload", action="store_true", help="keep optimizer state on the GPU")
-    parser.add_argument("--ssd-share", type=float, default=0.9, help="SSD bandwidth share per direction")
+    parser.add_argument(
+        "--ssd-share",
+        type=float,
+        default=0.5,
+        help="SSD bandwidth share per direction (reads and writes share a disk)",
+    )
     parser.add_argument("--ssd-gbps", type=float, default=2.0, help="assumed SSD GB/s (CPU runs)")
     parser.add_argument("--link-gbps", type=float, default=25.0, help="assumed host link GB/s (CPU runs)")
     parser.add_argument("--store-dir", default="/root/teraio-ddp", help="rank r's store: DIR/rank<r>/dev0")

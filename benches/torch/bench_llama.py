@@ -296,7 +296,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host-gib", type=float, default=64.0)
     parser.add_argument("--reserve-gib", type=float, default=3.0)
     parser.add_argument("--max-inflight-gib", type=float, default=2.0, help="device-to-host bytes in flight")
-    parser.add_argument("--ssd-share", type=float, default=0.9, help="SSD bandwidth share per direction")
+    parser.add_argument(
+        "--ssd-share",
+        type=float,
+        default=0.5,
+        help="SSD bandwidth share per direction (reads and writes share a disk)",
+    )
     parser.add_argument("--store-dir", default="/root/teraio-bench")
     parser.add_argument("--store-devices", type=int, default=1, help="files the store stripes over")
     parser.add_argument("--store-gib", type=float, default=24.0, help="store size, all devices")

@@ -11,6 +11,9 @@
 #                                         #   direction, and on an emulated 4 x 2.5 GB/s SSD array in tmpfs
 #                                         #   with 4 GiB of host memory (~4 min)
 #   benches/torch/run-gpu.sh emulated [CAP]  # only the last one
+#   benches/torch/run-gpu.sh sweep        # ideal, then teraio at the cap with 2, 4 and 1 GiB of
+#                                         #   device-to-host copies in flight (~5 min)
+#   benches/torch/run-gpu.sh baselines [CAP]  # save_on_cpu, torchtune, batch 8 without and with teraio
 # Needs .whl-py/ (ignored by git; carry it): the teraio wheel built on the dev machine
 # (`maturin build --release --strip -m bindings/python/Cargo.toml -o .whl-py`), torchtune 0.6.1,
 # and .whl-py/ds/: DeepSpeed 0.19.8 (built with `pip wheel --no-deps`) and its dependencies.
@@ -81,6 +84,39 @@ emulated() {
 if [ "$what" = emulated ]; then
   emulated "${2:-22.53}"
   grep '^RESULT' "$OUT/t-5-teraio-emulated.log" > "$OUT/results.jsonl"
+  python3 $B/summarize.py "$OUT/results.jsonl" | tee "$OUT/summary.md"
+  exit 0
+fi
+
+if [ "$what" = sweep ]; then
+  timeout 90 python3 $B/bench_llama.py --mode ideal --steps 15 > "$OUT/s-1-ideal.log" 2>&1; tail -1 "$OUT/s-1-ideal.log" | cut -c1-200
+  CAP=$(python3 -c "
+import json
+r=[json.loads(l[7:]) for l in open('$OUT/s-1-ideal.log') if l.startswith('RESULT ')][0]
+print(round(r['peak_bytes']/2**30/2, 2) if 'peak_bytes' in r else 22.5)")
+  echo "== cap = half of the ideal peak: $CAP GiB"; echo "$CAP" > "$OUT/cap.txt"
+  for inflight in 2 4 1; do
+    timeout 150 python3 $B/bench_llama.py --mode teraio --steps 15 --cap-gib "$CAP" --max-inflight-gib $inflight \
+      > "$OUT/s-2-teraio-i$inflight.log" 2>&1
+    grep -v RESULT "$OUT/s-2-teraio-i$inflight.log" | tail -12
+  done
+  cat "$OUT"/s-*.log | grep '^RESULT' > "$OUT/results.jsonl"
+  python3 $B/summarize.py "$OUT/results.jsonl" | tee "$OUT/summary.md"
+  exit 0
+fi
+
+if [ "$what" = baselines ]; then
+  CAP=${2:-22.53}
+  timeout 120 python3 $B/bench_llama.py --mode save_on_cpu --steps 8 --warmup 2 --cap-gib "$CAP" > "$OUT/b-3-save_on_cpu.log" 2>&1
+  tail -2 "$OUT/b-3-save_on_cpu.log" | cut -c1-300
+  timeout 120 python3 $B/bench_llama.py --mode torchtune --steps 8 --warmup 2 --cap-gib "$CAP" > "$OUT/b-4-torchtune.log" 2>&1
+  tail -2 "$OUT/b-4-torchtune.log" | cut -c1-300
+  timeout 60 python3 $B/bench_llama.py --mode ideal --steps 2 --warmup 1 --batch 8 > "$OUT/b8-1-ideal.log" 2>&1
+  tail -1 "$OUT/b8-1-ideal.log" | cut -c1-300
+  timeout 170 python3 $B/bench_llama.py --mode teraio --steps 7 --warmup 3 --batch 8 --gpu-memory-gib 74 --host-gib 96 \
+    > "$OUT/b8-2-teraio.log" 2>&1
+  grep -v RESULT "$OUT/b8-2-teraio.log" | tail -12
+  cat "$OUT"/b-*.log "$OUT"/b8-*.log | grep '^RESULT' > "$OUT/results.jsonl"
   python3 $B/summarize.py "$OUT/results.jsonl" | tee "$OUT/summary.md"
   exit 0
 fi

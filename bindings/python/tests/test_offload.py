@@ -133,3 +133,4 @@ def test_report_text_mentions_figures() -> None:
     _, _, report, _ = _offloaded_run(gpu_memory=peak - activations // 2, host_memory=1 << 30)
     text = str(report)
     assert "measured" in text and "predicted" in text and "offloaded per iteration" in text
+    assert "phases: forward" in text and set(report.phases_ms) == {"forward", "backward", "step"}

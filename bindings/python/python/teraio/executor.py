@@ -162,6 +162,9 @@ class ActivationExecutor:
         self.profiler: Any = None
         # Called with each event's index (the optimizer-state executor's clock).
         self.on_event: Optional[Callable[[int], None]] = None
+        # Called at the first unpack of an iteration (where backward starts to need saved tensors).
+        self.on_backward: Optional[Callable[[], None]] = None
+        self._unpacked = False
         self.decisions: Optional[list[PackDecision]] = None
         self.prefetch_at_event: dict[int, list[int]] = {}
         self._pack_index = 0
@@ -205,6 +208,7 @@ class ActivationExecutor:
     # -- iteration boundaries ------------------------------------------------------------------
 
     def begin_iteration(self) -> None:
+        self._unpacked = False
         self._pack_index = 0
         self._event_index = 0
         self._slots_by_pack.clear()
@@ -270,6 +274,10 @@ class ActivationExecutor:
     def unpack(self, packed: Any) -> torch.Tensor:
         event_index = self._event_index
         self._event_index += 1
+        if not self._unpacked:
+            self._unpacked = True
+            if self.on_backward is not None:
+                self.on_backward()
         if self.profiler is not None:
             tensor_id = None
             if isinstance(packed, torch.Tensor):

@@ -53,6 +53,8 @@ class Report:
     plan_summary: dict[str, Any] = field(default_factory=dict)
     #: Optimizer state moved between steps, per iteration: {"offloaded"|"prefetched": {tier: bytes}}.
     state_bytes_per_iteration: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: Median of the planned iterations, ms: {"forward"|"backward"|"step": {"measured", "profiled"}}.
+    phases_ms: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items()}
@@ -84,6 +86,14 @@ class Report:
             lines.append(
                 f"  {direction} per iteration: host {gib(tiers.get(HOST, 0))}, ssd {gib(tiers.get(SSD, 0))}"
                 " (optimizer state)"
+            )
+        if self.phases_ms:
+            lines.append(
+                "  phases: "
+                + ", ".join(
+                    f"{name} {v['measured']:.1f} ms (profiled ops {v['profiled']:.1f} ms)"
+                    for name, v in self.phases_ms.items()
+                )
             )
         if self.plan_summary.get("fits") is False:
             lines.append(f"  plan: does not fit the budget ({self.plan_summary.get('outcome')})")
@@ -172,6 +182,11 @@ class offload:
             h2d_stream=getattr(self.executor, "h2d_stream", None),
         )
         self.executor.on_event = self.state.on_event
+        self.executor.on_backward = lambda: self._mark("backward")
+        # Per iteration: when forward, backward and the step started and when the step ended
+        # (CUDA events on the compute stream, or host times on a CPU device).
+        self._marks: dict[str, Any] = {}
+        self._phase_marks: list[dict[str, Any]] = []
         self.profiler: Optional[Profiler] = None
         self.trace: Optional[dict[str, Any]] = None
         self.plan_result: Optional[dict[str, Any]] = None
@@ -220,13 +235,42 @@ class offload:
             self.executor.profiler = self.profiler
             self.profiler.start()
         self._step_started = time.perf_counter()
+        self._marks = {}
+        self._mark("forward")
+
+    def _mark(self, name: str) -> None:
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(self.device))
+            self._marks[name] = event
+        else:
+            self._marks[name] = time.perf_counter()
+
+    def phase_times_ms(self) -> list[dict[str, float]]:
+        """Forward, backward and step time of each iteration so far (ms; compute-stream time)."""
+        out = []
+        for marks in self._phase_marks:
+            names = [n for n in ("forward", "backward", "step", "end") if n in marks]
+            times: dict[str, float] = {}
+            for a, b in zip(names, names[1:]):
+                first, second = marks[a], marks[b]
+                if isinstance(first, float):
+                    times[a] = (second - first) * 1e3
+                else:
+                    second.synchronize()
+                    times[a] = float(first.elapsed_time(second))
+            out.append(times)
+        return out
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._mark("step")
         self.state.before_step()
         if self.profiler is not None and self.profiler._mode is not None:
             self.profiler.before_step()
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._mark("end")
+        self._phase_marks.append(self._marks)
         self.state.after_step()
         self.executor.end_iteration()
         if self.sync_each_step and self.device.type == "cuda":
@@ -368,7 +412,23 @@ class offload:
             stalls=stalls,
             plan_summary=summary,
             state_bytes_per_iteration=state_per_iteration,
+            phases_ms=self._phases_summary(),
         )
+
+    def _phases_summary(self) -> dict[str, dict[str, float]]:
+        if self._planned_from_step is None or self.trace is None:
+            return {}
+        planned = self.phase_times_ms()[self._planned_from_step :]
+        profiled: dict[str, float] = {}
+        for op in self.trace["ops"]:
+            phase = {"optimizer": "step", "other": "step"}.get(op["phase"], op["phase"])
+            profiled[phase] = profiled.get(phase, 0.0) + op["duration_us"] / 1e3
+        summary = {}
+        for name in ("forward", "backward", "step"):
+            values = [times[name] for times in planned if name in times]
+            if values:
+                summary[name] = {"measured": statistics.median(values), "profiled": profiled.get(name, 0.0)}
+        return summary
 
 
 def decisions_from_plan(
