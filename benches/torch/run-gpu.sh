@@ -13,6 +13,7 @@
 #   benches/torch/run-gpu.sh emulated [CAP]  # only the last one
 #   benches/torch/run-gpu.sh sweep        # ideal, then teraio at the cap with 2, 4 and 1 GiB of
 #                                         #   device-to-host copies in flight (~5 min)
+#   benches/torch/run-gpu.sh variants [CAP]  # teraio: default, prefetch slack 4, op times x0.87, both
 #   benches/torch/run-gpu.sh baselines [CAP]  # save_on_cpu, torchtune, batch 8 without and with teraio
 # Needs .whl-py/ (ignored by git; carry it): the teraio wheel built on the dev machine
 # (`maturin build --release --strip -m bindings/python/Cargo.toml -o .whl-py`), torchtune 0.6.1,
@@ -101,6 +102,19 @@ print(round(r['peak_bytes']/2**30/2, 2) if 'peak_bytes' in r else 22.5)")
     grep -v RESULT "$OUT/s-2-teraio-i$inflight.log" | tail -12
   done
   cat "$OUT"/s-*.log | grep '^RESULT' > "$OUT/results.jsonl"
+  python3 $B/summarize.py "$OUT/results.jsonl" | tee "$OUT/summary.md"
+  exit 0
+fi
+
+if [ "$what" = variants ]; then
+  CAP=${2:-22.53}
+  n=0
+  for variant in "" "--prefetch-slack 4" "--op-time-scale 0.87" "--op-time-scale 0.87 --prefetch-slack 4"; do
+    n=$((n + 1))
+    timeout 150 python3 $B/bench_llama.py --mode teraio --steps 15 --cap-gib "$CAP" $variant > "$OUT/v-$n.log" 2>&1
+    echo "== variant $n: ${variant:-default}"; grep -v RESULT "$OUT/v-$n.log" | grep -E "iteration:|phases|stalls" | tail -3
+  done
+  cat "$OUT"/v-*.log | grep '^RESULT' > "$OUT/results.jsonl"
   python3 $B/summarize.py "$OUT/results.jsonl" | tee "$OUT/summary.md"
   exit 0
 fi

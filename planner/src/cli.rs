@@ -55,6 +55,10 @@ pub struct HardwareArgs {
     /// Fixed cost of one host transfer, microseconds.
     #[arg(long, default_value_t = 10.0)]
     pub host_latency_us: f64,
+    /// SSD reads and writes share the drives' time (e.g. one disk); `--ssd` then gives each
+    /// direction's bandwidth when it runs alone.
+    #[arg(long)]
+    pub ssd_shared: bool,
 }
 
 impl HardwareArgs {
@@ -64,6 +68,7 @@ impl HardwareArgs {
         hardware.host_link_bytes_per_s = self.host_link;
         hardware.ssd_latency_us = self.ssd_latency_us;
         hardware.host_latency_us = self.host_latency_us;
+        hardware.ssd_shared = self.ssd_shared;
         hardware.validate()?;
         Ok(hardware)
     }

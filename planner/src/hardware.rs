@@ -84,6 +84,12 @@ pub struct Hardware {
     pub host_link_bytes_per_s: f64,
     /// Fixed cost per host transfer.
     pub host_latency_us: f64,
+    /// Reads and writes share the SSDs' time (a drive serves one request after another): the
+    /// read and write bandwidths are each what the array gives doing only that, and a slot's
+    /// SSD time is split between them. False (the default): independent channels, as for an
+    /// array whose reads and writes overlap (the paper's model).
+    #[serde(default)]
+    pub ssd_shared: bool,
 }
 
 impl Hardware {
@@ -98,6 +104,7 @@ impl Hardware {
             host_capacity_bytes,
             host_link_bytes_per_s: 25e9,
             host_latency_us: 10.0,
+            ssd_shared: false,
         }
     }
 

@@ -47,6 +47,8 @@ pub struct Ledger {
     host_held: PressureTree,
     /// Host memory the plan may hold at any time.
     pub host_capacity_bytes: u64,
+    /// SSD reads and writes share each slot's device time (`Hardware::ssd_shared`).
+    ssd_shared: bool,
 }
 
 /// A transfer's span: it runs from `first_slot` to `last_slot` (virtual slots, inclusive).
@@ -82,11 +84,20 @@ impl Ledger {
             latency_bytes: std::array::from_fn(|i| latency_us[i] * 1e-6 * rates[i]),
             host_held: PressureTree::new(&vec![0; slot_count], hardware.host_capacity_bytes, &timeline.duration_us),
             host_capacity_bytes: hardware.host_capacity_bytes,
+            ssd_shared: hardware.ssd_shared,
         }
     }
 
     fn free_bytes(&self, channel: usize, virtual_slot: usize) -> f64 {
         let slot = virtual_slot % self.slot_count;
+        if self.ssd_shared && channel < 2 {
+            // One device time for both directions: what is left of the slot, at this direction's rate.
+            let used: f64 = (0..2)
+                .filter(|&c| self.budget_bytes[c][slot] > 0.0)
+                .map(|c| self.committed_bytes[c][slot] / self.budget_bytes[c][slot])
+                .sum();
+            return ((1.0 - used) * self.budget_bytes[channel][slot]).max(0.0);
+        }
         (self.budget_bytes[channel][slot] - self.committed_bytes[channel][slot]).max(0.0)
     }
 

@@ -191,12 +191,6 @@ impl Channel {
             self.queue = items.into();
         }
     }
-
-    /// Makes a queued or running transfer urgent and lets it go first.
-    fn promote_now(&mut self, tensor: u32, now_us: f64) {
-        self.promote(tensor);
-        self.start_next(now_us);
-    }
 }
 
 const WRITE: usize = 0;
@@ -268,9 +262,33 @@ impl Simulator<'_> {
             remaining_bytes: self.size(tensor),
             started: false,
         };
-        let channel = &mut self.channels[channel];
-        channel.queue.push(Reverse(transfer));
-        channel.start_next(self.now_us);
+        self.channels[channel].queue.push(Reverse(transfer));
+        self.kick(channel);
+    }
+
+    /// Starts the next transfer on `channel` if it may run now. With a shared SSD
+    /// (`Hardware::ssd_shared`) the SSD's read and write channels take turns: neither starts
+    /// while the other runs, and when both are idle the more urgent head goes first.
+    fn kick(&mut self, channel: usize) {
+        let now = self.now_us;
+        if !(self.hardware.ssd_shared && channel < 2) {
+            self.channels[channel].start_next(now);
+            return;
+        }
+        let other = 1 - channel;
+        if self.channels[other].busy.is_some() {
+            return;
+        }
+        if self.channels[channel].busy.is_some() {
+            self.channels[channel].start_next(now);
+            return;
+        }
+        let first = match (self.channels[channel].queue.peek(), self.channels[other].queue.peek()) {
+            (Some(Reverse(mine)), Some(Reverse(theirs))) if theirs < mine => other,
+            (None, Some(_)) => other,
+            _ => channel,
+        };
+        self.channels[first].start_next(now);
     }
 
     fn next_completion(&self) -> Option<(f64, usize)> {
@@ -334,7 +352,10 @@ impl Simulator<'_> {
                 self.host_used_bytes -= size;
             }
         }
-        self.channels[channel_index].start_next(self.now_us);
+        self.kick(channel_index);
+        if self.hardware.ssd_shared && channel_index < 2 {
+            self.kick(1 - channel_index);
+        }
         self.serve_waiting();
     }
 
@@ -562,8 +583,9 @@ impl Simulator<'_> {
                     self.waiting.push_front(tensor);
                 }
                 Place::Reading(tier) => {
-                    let now = self.now_us;
-                    self.channels[channel_of(tier, READ)].promote_now(tensor, now);
+                    let channel = channel_of(tier, READ);
+                    self.channels[channel].promote(tensor);
+                    self.kick(channel);
                 }
                 Place::Writing(_) => state.cancel_offload = true,
                 Place::Gpu | Place::Unallocated => {}

@@ -572,12 +572,14 @@ fn hardware_from(
     host_link_bytes_per_s: f64,
     ssd_latency_us: f64,
     host_latency_us: f64,
+    ssd_shared: bool,
 ) -> PyResult<Hardware> {
     let ssd = ReadWriteBandwidth { read_bytes_per_s: ssd_read_bytes_per_s, write_bytes_per_s: ssd_write_bytes_per_s };
     let mut hardware = Hardware::new(gpu_memory_bytes, ssd, host_memory_bytes);
     hardware.host_link_bytes_per_s = host_link_bytes_per_s;
     hardware.ssd_latency_us = ssd_latency_us;
     hardware.host_latency_us = host_latency_us;
+    hardware.ssd_shared = ssd_shared;
     hardware.validate().map_err(planner_err)?;
     Ok(hardware)
 }
@@ -590,7 +592,7 @@ fn hardware_from(
 #[pyfunction]
 #[pyo3(signature = (trace_json, *, gpu_memory_bytes, ssd_read_bytes_per_s, ssd_write_bytes_per_s,
     host_memory_bytes=0, host_link_bytes_per_s=25e9, ssd_latency_us=20.0, host_latency_us=10.0,
-    reserve_bytes=0, prefetch_slack=1.0, movable_kinds=None))]
+    reserve_bytes=0, prefetch_slack=1.0, movable_kinds=None, ssd_shared=false))]
 #[allow(clippy::too_many_arguments)]
 fn plan(
     py: Python<'_>,
@@ -605,6 +607,7 @@ fn plan(
     reserve_bytes: u64,
     prefetch_slack: f64,
     movable_kinds: Option<Vec<String>>,
+    ssd_shared: bool,
 ) -> PyResult<String> {
     let mut trace: Trace =
         serde_json::from_str(trace_json).map_err(|e| PlannerError::new_err(format!("trace is not valid JSON: {e}")))?;
@@ -621,6 +624,7 @@ fn plan(
         host_link_bytes_per_s,
         ssd_latency_us,
         host_latency_us,
+        ssd_shared,
     )?;
     if !(prefetch_slack.is_finite() && prefetch_slack >= 0.0) {
         return Err(PyValueError::new_err("prefetch_slack must be a finite number >= 0"));
@@ -661,7 +665,7 @@ fn plan(
 /// Replays a trace under a plan (JSON plan file text) and returns the simulator's report as JSON.
 #[pyfunction]
 #[pyo3(signature = (trace_json, plan_json, *, gpu_memory_bytes, ssd_read_bytes_per_s, ssd_write_bytes_per_s,
-    host_memory_bytes=0, host_link_bytes_per_s=25e9, ssd_latency_us=20.0, host_latency_us=10.0))]
+    host_memory_bytes=0, host_link_bytes_per_s=25e9, ssd_latency_us=20.0, host_latency_us=10.0, ssd_shared=false))]
 #[allow(clippy::too_many_arguments)]
 fn simulate_plan(
     py: Python<'_>,
@@ -674,6 +678,7 @@ fn simulate_plan(
     host_link_bytes_per_s: f64,
     ssd_latency_us: f64,
     host_latency_us: f64,
+    ssd_shared: bool,
 ) -> PyResult<String> {
     let trace: Trace =
         serde_json::from_str(trace_json).map_err(|e| PlannerError::new_err(format!("trace is not valid JSON: {e}")))?;
@@ -689,6 +694,7 @@ fn simulate_plan(
         host_link_bytes_per_s,
         ssd_latency_us,
         host_latency_us,
+        ssd_shared,
     )?;
     py.allow_threads(move || {
         let report = simulate(&trace, &hardware, Policy::Planned(&plan), SimConfig::default()).map_err(planner_err)?;

@@ -111,6 +111,7 @@ def plan(
     reserve_bytes: int = 0,
     prefetch_slack: float = 1.0,
     movable_kinds: Optional[list[str]] = None,
+    ssd_shared: bool = False,
 ) -> str: ...
 def simulate_plan(
     trace_json: str,
@@ -123,5 +124,6 @@ def simulate_plan(
     host_link_bytes_per_s: float = 25e9,
     ssd_latency_us: float = 20.0,
     host_latency_us: float = 10.0,
+    ssd_shared: bool = False,
 ) -> str: ...
 def validate_trace(trace_json: str) -> None: ...

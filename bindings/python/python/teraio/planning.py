@@ -47,12 +47,15 @@ def plan(
     reserve: Union[int, str] = 0,
     prefetch_slack: float = 1.0,
     movable_kinds: Optional[Sequence[str]] = None,
+    ssd_shared: bool = False,
 ) -> dict[str, Any]:
     """Plans migrations for a trace (docs/trace.md) so that it fits in `gpu_memory`.
 
     Bandwidths are bytes per second (or strings like `"6.5GB/s"`). `movable_kinds` restricts the
     plan to tensor kinds the runtime can move (e.g. `["activation"]`); the others keep their
-    memory. Returns `{"plan": <plan, docs/planner.md>, "prediction": {...}}` where the prediction
+    memory. `ssd_shared`: the SSD's reads and writes share its time (one disk serves one request
+    after another); the two bandwidths are then what each direction gets alone.
+    Returns `{"plan": <plan, docs/planner.md>, "prediction": {...}}` where the prediction
     holds the simulated iteration time, stalls, peak and bytes per tier.
     """
     trace_json = trace if isinstance(trace, str) else json.dumps(trace)
@@ -70,6 +73,7 @@ def plan(
         reserve_bytes=parse_size(reserve),
         prefetch_slack=prefetch_slack,
         movable_kinds=list(movable_kinds) if movable_kinds is not None else None,
+        ssd_shared=ssd_shared,
     )
     return json.loads(result)
 

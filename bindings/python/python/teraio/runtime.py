@@ -116,6 +116,12 @@ class offload:
             2 for a `DistributedDataParallel` model, whose second iteration rebuilds its
             gradient buckets, one-off work that must not be planned for).
         min_bytes: saved tensors smaller than this stay on the GPU.
+        ssd_shared: the store's reads and writes share its devices' time (e.g. one disk, or
+            several ranks on one): the planner then splits each slot's SSD time between them.
+        prefetch_slack: the planner issues prefetches earlier by up to this multiple of their
+            transfer time where memory has room (default 1.0).
+        op_time_scale: multiplies the profiled op times before planning (the profiler's own
+            per-op cost makes short ops look longer than they run; default 1.0).
         offload_optimizer_state: let the plan also move optimizer state between steps (default
             True; the planner moves it only where that pays).
         trace_path / plan_path: where to write the trace and the plan (JSON), if given.
@@ -140,6 +146,9 @@ class offload:
         plan_path: Optional[str] = None,
         sync_each_step: bool = True,
         offload_optimizer_state: bool = True,
+        ssd_shared: bool = False,
+        prefetch_slack: float = 1.0,
+        op_time_scale: float = 1.0,
     ) -> None:
         first = next(iter(model.parameters()))
         self.device = first.device
@@ -175,6 +184,9 @@ class offload:
             gpu_memory_bytes=self.gpu_memory_bytes,
         )
         self.offload_optimizer_state = offload_optimizer_state
+        self.ssd_shared = ssd_shared
+        self.prefetch_slack = prefetch_slack
+        self.op_time_scale = op_time_scale
         self.state = StateExecutor(
             self.device,
             store=store,
@@ -298,6 +310,9 @@ class offload:
         if self.trace_path:
             with open(self.trace_path, "w") as f:
                 json.dump(trace, f)
+        if self.op_time_scale != 1.0:
+            for op in trace["ops"]:
+                op["duration_us"] *= self.op_time_scale
         movable = ["activation"]
         if self.offload_optimizer_state:
             # Optimizer state may move only between steps (see teraio.state).
@@ -313,6 +328,8 @@ class offload:
             host_link_bandwidth=self.host_link_bandwidth,
             reserve=self.reserve_bytes,
             movable_kinds=movable,
+            ssd_shared=self.ssd_shared,
+            prefetch_slack=self.prefetch_slack,
         )
         if self.store is None:
             for migration in result["plan"]["migrations"]:
