@@ -229,9 +229,11 @@ def make_offload(
         store=store,
         gpu_memory=budget,
         host_memory=int(args.host_gib * GIB),
-        # One device per store: reads and writes share its bandwidth (--ssd-share).
         ssd_bandwidth=read * args.ssd_share,
         ssd_write_bandwidth=write * args.ssd_share,
+        # The measured figures are each direction alone: a store device serves reads and
+        # writes one after another.
+        ssd_shared=True,
         host_link_bandwidth=link,
         reserve=int(args.reserve_gib * GIB),
         min_bytes=args.min_bytes,
@@ -418,10 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-state-offload", action="store_true", help="keep optimizer state on the GPU")
     parser.add_argument(
-        "--ssd-share",
-        type=float,
-        default=0.5,
-        help="SSD bandwidth share per direction (reads and writes share a disk)",
+        "--ssd-share", type=float, default=0.9, help="share of the measured SSD bandwidth the plan may use"
     )
     parser.add_argument("--ssd-gbps", type=float, default=2.0, help="assumed SSD GB/s (CPU runs)")
     parser.add_argument("--link-gbps", type=float, default=25.0, help="assumed host link GB/s (CPU runs)")
