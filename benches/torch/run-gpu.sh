@@ -71,12 +71,12 @@ print(round(r['peak_bytes']/2**30/2, 2) if 'peak_bytes' in r else 22.5)")
   exit 0
 fi
 
-# The store in tmpfs (sparse: only what is written takes memory); objects are rewritten in place
+# The store in tmpfs (pages allocated up front, 64 GiB of the 125 GiB of RAM); objects are rewritten
 # each iteration, and a rewrite needs room for the new copy before the old one is freed.
 emulated() {
   df -h /dev/shm | tail -1
   timeout 280 python3 $B/bench_llama.py --mode teraio --steps 8 --warmup 3 --cap-gib "$1" \
-    --host-gib 4 --store-dir /dev/shm/teraio-emu --store-devices 4 --store-gib 96 --emulate 2.5GB/s@20us \
+    --host-gib 4 --store-dir /dev/shm/teraio-emu --store-devices 4 --store-gib 64 --emulate 2.5GB/s@20us \
     --out-dir "$OUT" > "$OUT/t-5-teraio-emulated.log" 2>&1
   grep -v RESULT "$OUT/t-5-teraio-emulated.log" | tail -14
   rm -rf /dev/shm/teraio-emu
