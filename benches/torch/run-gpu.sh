@@ -10,7 +10,7 @@
 #   benches/torch/run-gpu.sh tune2 [CAP]  # teraio without optimizer-state offload, with half the disk per
 #                                         #   direction, and on an emulated 4 x 2.5 GB/s SSD array in tmpfs
 #                                         #   with 4 GiB of host memory (~4 min)
-#   benches/torch/run-gpu.sh emulated [CAP]  # only the last one
+#   benches/torch/run-gpu.sh emulated [CAP]  # the CUDA and store tests, then only the emulated run
 #   benches/torch/run-gpu.sh sweep        # ideal, then teraio at the cap with 2, 4 and 1 GiB of
 #                                         #   device-to-host copies in flight (~5 min)
 #   benches/torch/run-gpu.sh variants [CAP]  # teraio: default, prefetch slack 4, op times x0.87, both
@@ -83,6 +83,10 @@ emulated() {
 }
 
 if [ "$what" = emulated ]; then
+  WORK=/root/teraio-work; mkdir -p "$WORK"
+  . benches/gpu/cufile-compat.sh > /dev/null
+  timeout 120 python3 -m pytest -q -p no:cacheprovider bindings/python/tests/test_cuda.py bindings/python/tests/test_store.py \
+    2>&1 | tail -3
   emulated "${2:-22.53}"
   grep '^RESULT' "$OUT/t-5-teraio-emulated.log" > "$OUT/results.jsonl"
   python3 $B/summarize.py "$OUT/results.jsonl" | tee "$OUT/summary.md"
