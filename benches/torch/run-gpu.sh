@@ -13,6 +13,7 @@
 #   benches/torch/run-gpu.sh emulated [CAP]  # the CUDA and store tests, then only the emulated run
 #   benches/torch/run-gpu.sh sweep        # ideal, then teraio at the cap with 2, 4 and 1 GiB of
 #                                         #   device-to-host copies in flight (~5 min)
+#   benches/torch/run-gpu.sh one [CAP]   # teraio at the cap, 15 steps
 #   benches/torch/run-gpu.sh variants [CAP]  # teraio: default, prefetch slack 4, op times x0.87, both
 #   benches/torch/run-gpu.sh baselines [CAP]  # save_on_cpu, torchtune, batch 8 without and with teraio
 # Needs .whl-py/ (ignored by git; carry it): the teraio wheel built on the dev machine
@@ -100,13 +101,20 @@ import json
 r=[json.loads(l[7:]) for l in open('$OUT/s-1-ideal.log') if l.startswith('RESULT ')][0]
 print(round(r['peak_bytes']/2**30/2, 2) if 'peak_bytes' in r else 22.5)")
   echo "== cap = half of the ideal peak: $CAP GiB"; echo "$CAP" > "$OUT/cap.txt"
-  for inflight in 2 4 1; do
-    timeout 150 python3 $B/bench_llama.py --mode teraio --steps 15 --cap-gib "$CAP" --max-inflight-gib $inflight \
+  for inflight in ${INFLIGHTS:-2 4 1}; do
+    timeout 150 python3 $B/bench_llama.py --mode teraio --steps ${STEPS:-15} --cap-gib "$CAP" --max-inflight-gib $inflight \
       > "$OUT/s-2-teraio-i$inflight.log" 2>&1
     grep -v RESULT "$OUT/s-2-teraio-i$inflight.log" | tail -12
   done
   cat "$OUT"/s-*.log | grep '^RESULT' > "$OUT/results.jsonl"
   python3 $B/summarize.py "$OUT/results.jsonl" | tee "$OUT/summary.md"
+  exit 0
+fi
+
+if [ "$what" = one ]; then
+  CAP=${2:-22.53}
+  timeout 150 python3 $B/bench_llama.py --mode teraio --steps 15 --cap-gib "$CAP" > "$OUT/o-1.log" 2>&1
+  grep -v RESULT "$OUT/o-1.log" | grep -E "iteration:|peak|phases|stalls|step 1[0-4]:" | tail -9
   exit 0
 fi
 

@@ -127,6 +127,11 @@ class _Packed:
         self.pack_index = pack_index
 
 
+def _join_copy(device: torch.device, event: Any) -> None:
+    """Orders the compute stream after a copy into memory it is about to get back."""
+    torch.cuda.current_stream(device).wait_event(event)
+
+
 def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     storage = tensor.untyped_storage()
     flat = torch.empty(0, dtype=torch.uint8, device=tensor.device)
@@ -475,7 +480,12 @@ class ActivationExecutor:
             gpu.copy_(host, non_blocking=True)
             slot.h2d_event = torch.cuda.Event()
             slot.h2d_event.record(self.h2d_stream)
-        gpu.record_stream(self.h2d_stream)
+        # No `record_stream` here: it would hold the block, once backward frees it, until every
+        # copy queued on the prefetch stream by then is done (often most of the backward pass's
+        # prefetches), and a full allocator then blocks. Compute instead waits for this copy
+        # before it uses the tensor (`_await`) and, should it never use it, before the block is
+        # freed (the finalizer runs before the slot's tensors are released).
+        weakref.finalize(slot, _join_copy, self.device, slot.h2d_event)
         if slot.tier == HOST:
             self._host_in_use -= slot.nbytes
         # The caching host allocator keeps the block until the copy is done.
