@@ -16,6 +16,8 @@ def load(paths: list[str]) -> list[dict[str, Any]]:
             for line in f:
                 if line.startswith("RESULT "):
                     results.append(json.loads(line[len("RESULT ") :]))
+                elif line.startswith("{"):  # a saved results file (benches/torch/results/)
+                    results.append(json.loads(line))
     return results
 
 

@@ -3,9 +3,10 @@
 use proptest::prelude::*;
 use teraio_planner::baselines::{flashneuron_like, zero_infinity_like};
 use teraio_planner::greedy::{plan_teraio, PlannerConfig};
-use teraio_planner::hardware::Hardware;
+use teraio_planner::hardware::{gpu_preset, Hardware};
 use teraio_planner::lifetime::base_pressure_bytes;
 use teraio_planner::sim::{simulate, Outcome, Policy, SimConfig};
+use teraio_planner::synth::{generate, model_preset};
 use teraio_planner::trace::{Access, Op, Phase, Tensor, TensorKind, TensorUse, Trace, FORMAT_VERSION};
 
 /// One random tensor: kind, size in MB, op uses (any order, deduplicated later), write mask.
@@ -101,9 +102,11 @@ proptest! {
         host_mb in prop::sample::select(vec![0u64, 100, 1000]),
         ssd_gb_s in 0.5f64..30.0,
         clean_drop in any::<bool>(),
+        ssd_shared in any::<bool>(),
     ) {
         trace.validate().unwrap();
-        let hardware = hardware_for(&trace, capacity_fraction, host_mb, ssd_gb_s);
+        let mut hardware = hardware_for(&trace, capacity_fraction, host_mb, ssd_gb_s);
+        hardware.ssd_shared = ssd_shared;
         let config = PlannerConfig { clean_drop, ..PlannerConfig::default() };
         let outcome = plan_teraio(&trace, &hardware, config).unwrap();
         let plan = &outcome.plan;
@@ -128,7 +131,8 @@ proptest! {
         }
     }
 
-    /// Bandwidth-feasible commitments never exceed any channel's budget in any slot, and host
+    /// Bandwidth-feasible commitments never exceed any channel's budget in any slot (with a
+    /// shared SSD: the two directions' shares of a slot add up to at most all of it), and host
     /// memory never exceeds its cap.
     #[test]
     fn committed_bandwidth_stays_within_budget(
@@ -136,10 +140,22 @@ proptest! {
         capacity_fraction in 0.3f64..1.0,
         host_mb in prop::sample::select(vec![0u64, 100, 1000]),
         ssd_gb_s in 0.5f64..30.0,
+        ssd_shared in any::<bool>(),
     ) {
-        let hardware = hardware_for(&trace, capacity_fraction, host_mb, ssd_gb_s);
+        let mut hardware = hardware_for(&trace, capacity_fraction, host_mb, ssd_gb_s);
+        hardware.ssd_shared = ssd_shared;
         let mut outcome = plan_teraio(&trace, &hardware, PlannerConfig::default()).unwrap();
         prop_assert!(outcome.ledger.worst_overcommit_bytes() <= 1e-3);
+        if ssd_shared {
+            let ledger = &outcome.ledger;
+            for slot in 0..ledger.budget_bytes[0].len() {
+                let share: f64 = (0..2)
+                    .filter(|&c| ledger.budget_bytes[c][slot] > 0.0)
+                    .map(|c| ledger.committed_bytes[c][slot] / ledger.budget_bytes[c][slot])
+                    .sum();
+                prop_assert!(share <= 1.0 + 1e-6, "slot {} uses {} of its SSD time", slot, share);
+            }
+        }
         let held = outcome.ledger.host_held_bytes();
         prop_assert!(held.iter().all(|&h| h <= hardware.host_capacity_bytes));
     }
@@ -173,6 +189,30 @@ proptest! {
             prop_assert_eq!(report.residency_violations, 0);
         }
     }
+}
+
+/// On a shared SSD a read waits for a write in flight (and the reverse): replaying the same plan
+/// takes longer than with independent channels when the two overlap, and moves the same bytes.
+#[test]
+fn a_shared_ssd_serves_one_direction_at_a_time() {
+    let trace = generate(&model_preset("tiny").unwrap(), &gpu_preset("h100").unwrap()).unwrap();
+    // SSD only, slow enough that the forward pass's writes run into the backward pass's reads.
+    let mut hardware = hardware_for(&trace, 0.5, 0, 0.02);
+    let plan = plan_teraio(&trace, &hardware, PlannerConfig::default()).unwrap().plan;
+    assert!(!plan.migrations.is_empty());
+    let apart = simulate(&trace, &hardware, Policy::Planned(&plan), SimConfig::default()).unwrap();
+    hardware.ssd_shared = true;
+    let shared = simulate(&trace, &hardware, Policy::Planned(&plan), SimConfig::default()).unwrap();
+    assert_eq!(apart.outcome, Outcome::Completed);
+    assert_eq!(shared.outcome, Outcome::Completed);
+    assert!(
+        shared.iteration_time_us > apart.iteration_time_us,
+        "shared {} us vs apart {} us",
+        shared.iteration_time_us,
+        apart.iteration_time_us
+    );
+    assert_eq!(shared.ssd_written_bytes, apart.ssd_written_bytes);
+    assert_eq!(shared.ssd_read_bytes, apart.ssd_read_bytes);
 }
 
 /// The ideal replay takes exactly the sum of op times.

@@ -208,6 +208,8 @@ impl Store {
     }
 }
 
+// The arguments mirror the Python keyword arguments one to one.
+#[allow(clippy::too_many_arguments)]
 fn open_config(
     durable: bool,
     direct_io: bool,
@@ -564,6 +566,8 @@ fn pin_tensor(tensor: &mut Tensor, op_count: u32) {
         .collect();
 }
 
+// The arguments mirror the Python keyword arguments one to one.
+#[allow(clippy::too_many_arguments)]
 fn hardware_from(
     gpu_memory_bytes: u64,
     ssd_read_bytes_per_s: f64,

@@ -89,6 +89,28 @@ def test_host_tier_when_ssd_is_slow() -> None:
     assert result["prediction"]["host_written_bytes"] == 64 * MIB
 
 
+def test_shared_ssd_is_passed_to_the_planner_and_simulator() -> None:
+    options: dict[str, Any] = {"gpu_memory": "130MiB", "ssd_read_bandwidth": "6.5GB/s", "host_memory": 0}
+    apart = teraio.plan(_trace(), **options)
+    shared = teraio.plan(_trace(), ssd_shared=True, **options)
+    assert shared["plan"]["fits"] is True
+    # The same SSD time now serves both directions: never a faster prediction.
+    assert shared["prediction"]["iteration_time_us"] >= apart["prediction"]["iteration_time_us"]
+    from teraio import _native
+
+    replay = json.loads(
+        _native.simulate_plan(
+            json.dumps(_trace()),
+            json.dumps(shared["plan"]),
+            gpu_memory_bytes=130 * MIB,
+            ssd_read_bytes_per_s=6.5e9,
+            ssd_write_bytes_per_s=6.5e9,
+            ssd_shared=True,
+        )
+    )
+    assert replay["iteration_time_us"] == pytest.approx(shared["prediction"]["iteration_time_us"])
+
+
 def test_invalid_trace_names_the_rule() -> None:
     trace = _trace()
     trace["tensors"][1]["uses"] = [{"op": 7, "access": "read"}, {"op": 0, "access": "write"}]
