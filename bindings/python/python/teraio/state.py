@@ -27,6 +27,7 @@ from typing import Any, Optional
 
 import torch
 
+from .executor import _flat_bytes
 from .store import Store
 
 HOST = "host"
@@ -80,12 +81,6 @@ class _StateSlot:
         self.restore: Any = None  # CUDA event of the host-to-device copy in flight
         self.put: Any = None  # engine handle of the SSD write in flight
         self.get: Any = None  # engine handle of the SSD read in flight
-
-
-def _flat(storage: Any, device: torch.device) -> torch.Tensor:
-    flat = torch.empty(0, dtype=torch.uint8, device=device)
-    flat.set_(storage, 0, (storage.nbytes(),), (1,))
-    return flat
 
 
 class StateExecutor:
@@ -142,7 +137,7 @@ class StateExecutor:
 
     def _offload(self, slot: _StateSlot) -> None:
         storage = slot.tensor.untyped_storage()
-        source = _flat(storage, self.device)
+        source = _flat_bytes(slot.tensor)
         if slot.host is None:
             slot.host = torch.empty(slot.nbytes, dtype=torch.uint8, pin_memory=self.cuda)
         if self.cuda:
@@ -257,7 +252,7 @@ class StateExecutor:
         # Grown on the compute stream: the copy must not start before the compute work queued
         # so far, which may still use the memory the allocator hands out here.
         storage.resize_(slot.nbytes)
-        target = _flat(storage, self.device)
+        target = _flat_bytes(slot.tensor)
         slot.resident = True
         if self.cuda:
             self.h2d_stream.wait_stream(torch.cuda.current_stream(self.device))
