@@ -198,7 +198,10 @@ class offload:
         # Per iteration: when forward, backward and the step started and when the step ended
         # (CUDA events on the compute stream, or host times on a CPU device).
         self._marks: dict[str, Any] = {}
+        # Marks whose events may still be pending, then the phase times (floats: CUDA events are
+        # driver objects, so none is kept past its iteration).
         self._phase_marks: list[dict[str, Any]] = []
+        self._phase_times: list[dict[str, float]] = []
         self.profiler: Optional[Profiler] = None
         self.trace: Optional[dict[str, Any]] = None
         self.plan_result: Optional[dict[str, Any]] = None
@@ -260,8 +263,16 @@ class offload:
 
     def phase_times_ms(self) -> list[dict[str, float]]:
         """Forward, backward and step time of each iteration so far (ms; compute-stream time)."""
-        out = []
-        for marks in self._phase_marks:
+        self._collect_phases(wait=True)
+        return list(self._phase_times)
+
+    def _collect_phases(self, wait: bool) -> None:
+        while self._phase_marks:
+            marks = self._phase_marks[0]
+            end = marks["end"]
+            if not isinstance(end, float) and not wait and not end.query():
+                return
+            self._phase_marks.pop(0)
             names = [n for n in ("forward", "backward", "step", "end") if n in marks]
             times: dict[str, float] = {}
             for a, b in zip(names, names[1:]):
@@ -271,8 +282,7 @@ class offload:
                 else:
                     second.synchronize()
                     times[a] = float(first.elapsed_time(second))
-            out.append(times)
-        return out
+            self._phase_times.append(times)
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._mark("step")
@@ -283,6 +293,7 @@ class offload:
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._mark("end")
         self._phase_marks.append(self._marks)
+        self._collect_phases(wait=False)
         self.state.after_step()
         self.executor.end_iteration()
         if self.sync_each_step and self.device.type == "cuda":
