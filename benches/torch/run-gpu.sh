@@ -13,7 +13,8 @@
 #   benches/torch/run-gpu.sh emulated [CAP]  # the CUDA and store tests, then only the emulated run
 #   benches/torch/run-gpu.sh sweep        # ideal, then teraio at the cap with 2, 4 and 1 GiB of
 #                                         #   device-to-host copies in flight (~5 min)
-#   benches/torch/run-gpu.sh one [CAP]   # teraio at the cap, 15 steps
+#   benches/torch/run-gpu.sh one [CAP]   # teraio at the cap, 15 steps (TESTS=1: all Python tests
+#                                         #   first; EXTRA="--reserve-gib 1.5": more bench_llama options)
 #   benches/torch/run-gpu.sh variants [CAP]  # teraio: default, prefetch slack 4, op times x0.87, both
 #   benches/torch/run-gpu.sh baselines [CAP]  # save_on_cpu, torchtune, batch 8 without and with teraio
 # Needs .whl-py/ (ignored by git; carry it): the teraio wheel built on the dev machine
@@ -113,7 +114,11 @@ fi
 
 if [ "$what" = one ]; then
   CAP=${2:-22.53}
-  timeout 150 python3 $B/bench_llama.py --mode teraio --steps 15 --cap-gib "$CAP" > "$OUT/o-1.log" 2>&1
+  if [ -n "${TESTS:-}" ]; then
+    WORK=/root/teraio-work; mkdir -p "$WORK"; . benches/gpu/cufile-compat.sh > /dev/null
+    timeout 120 python3 -m pytest -q -p no:cacheprovider bindings/python/tests 2>&1 | tail -2
+  fi
+  timeout 150 python3 $B/bench_llama.py --mode teraio --steps 15 --cap-gib "$CAP" ${EXTRA:-} > "$OUT/o-1.log" 2>&1
   grep -v RESULT "$OUT/o-1.log" | grep -E "iteration:|peak|phases|stalls|step 1[0-4]:" | tail -9
   exit 0
 fi
