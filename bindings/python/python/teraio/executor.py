@@ -485,7 +485,8 @@ class ActivationExecutor:
         # prefetches), and a full allocator then blocks. Compute instead waits for this copy
         # before it uses the tensor (`_await`) and, should it never use it, before the block is
         # freed (the finalizer runs before the slot's tensors are released).
-        weakref.finalize(slot, _join_copy, self.device, slot.h2d_event)
+        finalizer = weakref.finalize(slot, _join_copy, self.device, slot.h2d_event)
+        finalizer.atexit = False  # nothing to order once the process exits
         if slot.tier == HOST:
             self._host_in_use -= slot.nbytes
         # The caching host allocator keeps the block until the copy is done.
