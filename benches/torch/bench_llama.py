@@ -237,6 +237,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             reserve=int(args.reserve_gib * GIB),
             max_inflight_bytes=int(args.max_inflight_gib * GIB),
             offload_optimizer_state=not args.no_state_offload,
+            offload_parameters=args.offload_parameters,
             prefetch_slack=args.prefetch_slack,
             op_time_scale=args.op_time_scale,
             trace_path=os.path.join(args.out_dir, f"trace-b{args.batch}.json") if args.out_dir else None,
@@ -315,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--store-gib", type=float, default=24.0, help="store size, all devices")
     parser.add_argument("--emulate", default="", help="emulated SSDs, e.g. 2.5GB/s@20us (store in tmpfs)")
     parser.add_argument("--no-state-offload", action="store_true", help="keep optimizer state on the GPU")
+    parser.add_argument(
+        "--offload-parameters", action="store_true", help="teraio.offload(offload_parameters=True)"
+    )
     parser.add_argument("--prefetch-slack", type=float, default=1.0, help="teraio.offload(prefetch_slack=)")
     parser.add_argument("--op-time-scale", type=float, default=1.0, help="teraio.offload(op_time_scale=)")
     parser.add_argument("--out-dir", default="")

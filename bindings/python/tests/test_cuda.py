@@ -76,8 +76,9 @@ def _peak_and_activations() -> tuple[int, int]:
     return result["prediction"]["unplanned_peak_bytes"], activations
 
 
+@pytest.mark.parametrize("parameters", [False, True])
 @pytest.mark.parametrize("tier", ["host", "ssd"])
-def test_cuda_offload_bitwise_equal(tier: str, store: teraio.Store) -> None:
+def test_cuda_offload_bitwise_equal(tier: str, parameters: bool, store: teraio.Store) -> None:
     ref_losses, ref_state, ref_peak = _reference()
     peak, activations = _peak_and_activations()
     budget = peak - activations // 2
@@ -85,6 +86,7 @@ def test_cuda_offload_bitwise_equal(tier: str, store: teraio.Store) -> None:
     options: dict[str, Any] = {"host_memory": 1 << 30}
     if tier == "ssd":
         options = {"host_memory": 0, "store": store}
+    options["offload_parameters"] = parameters
     torch.cuda.synchronize()
     with teraio.offload(model, optimizer, gpu_memory=budget, reserve=0, min_bytes=64 << 10, **options) as run:
         losses = train(model, optimizer, batches(STEPS, rows=ROWS, device=DEVICE))
@@ -98,4 +100,6 @@ def test_cuda_offload_bitwise_equal(tier: str, store: teraio.Store) -> None:
     # The planned steps use less GPU memory than the same steps without offload (measured by
     # PyTorch's allocator; the trace's own peak counts storages only).
     assert report.peak_gpu_bytes is not None and report.peak_gpu_bytes < ref_peak
-    print(f"\n[{tier}] {report}")
+    if parameters:  # every parameter holds its memory again
+        assert all(p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in model.parameters())
+    print(f"\n[{tier}, parameters {parameters}] {report}")

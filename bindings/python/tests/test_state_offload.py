@@ -101,3 +101,24 @@ def test_state_stays_when_asked() -> None:
     _assert_exact(reference, losses, model)
     assert report.state_bytes_per_iteration["offloaded"] == {"host": 0, "ssd": 0}
     assert report.bytes_per_iteration["offloaded"]["host"] > 0
+
+
+@pytest.mark.parametrize("tier", ["host", "ssd"])
+def test_parameters_between_the_passes_are_exact(tier: str, store: teraio.Store) -> None:
+    reference = _reference()
+    losses, model, optimizer, report, run = _run(
+        gpu_memory=_budget(),
+        host_memory=1 << 30,
+        store=store if tier == "ssd" else None,
+        offload_parameters=True,
+        offload_optimizer_state=False,
+    )
+    _assert_exact(reference, losses, model)
+    moved = report.parameter_bytes_per_iteration
+    assert moved["offloaded"][tier] > 0, str(report)
+    assert moved["prefetched"] == moved["offloaded"]
+    assert report.stalls["parameter_prefetches_on_demand"] == 0
+    assert "(parameters)" in str(report)
+    for param in model.parameters():  # every parameter holds its memory again
+        assert param.untyped_storage().nbytes() == param.numel() * param.element_size()
+    train(model, optimizer, _data()[:1])

@@ -29,7 +29,7 @@ import torch
 from .executor import HOST, SSD, ActivationExecutor, PackDecision
 from .planning import parse_size, plan
 from .profiler import Profiler, SaveEvent
-from .state import StateExecutor, pin_within_iteration
+from .state import Move, StateExecutor, pin_outside_forward_gap, pin_within_iteration
 from .store import Store
 
 
@@ -53,6 +53,8 @@ class Report:
     plan_summary: dict[str, Any] = field(default_factory=dict)
     #: Optimizer state moved between steps, per iteration: {"offloaded"|"prefetched": {tier: bytes}}.
     state_bytes_per_iteration: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: Parameters moved between the passes, per iteration (same shape).
+    parameter_bytes_per_iteration: dict[str, dict[str, int]] = field(default_factory=dict)
     #: Median of the planned iterations, ms: {"forward"|"backward"|"step": {"measured", "profiled"}}.
     phases_ms: dict[str, dict[str, float]] = field(default_factory=dict)
 
@@ -82,11 +84,15 @@ class Report:
                 f"  {direction} per iteration: host {gib(tiers.get(HOST, 0))}, ssd {gib(tiers.get(SSD, 0))}"
                 " (activations)"
             )
-        for direction, tiers in self.state_bytes_per_iteration.items():
-            lines.append(
-                f"  {direction} per iteration: host {gib(tiers.get(HOST, 0))}, ssd {gib(tiers.get(SSD, 0))}"
-                " (optimizer state)"
-            )
+        for label, moved in (
+            ("optimizer state", self.state_bytes_per_iteration),
+            ("parameters", self.parameter_bytes_per_iteration),
+        ):
+            for direction, tiers in moved.items():
+                if label == "parameters" and not any(tiers.values()):
+                    continue
+                host, ssd = gib(tiers.get(HOST, 0)), gib(tiers.get(SSD, 0))
+                lines.append(f"  {direction} per iteration: host {host}, ssd {ssd} ({label})")
         if self.phases_ms:
             lines.append(
                 "  phases: "
@@ -124,6 +130,8 @@ class offload:
             per-op cost makes short ops look longer than they run; default 1.0).
         offload_optimizer_state: let the plan also move optimizer state between steps (default
             True; the planner moves it only where that pays).
+        offload_parameters: let the plan also move parameters between their last forward use
+            and their first backward use (default False: tested on the CPU device only so far).
         trace_path / plan_path: where to write the trace and the plan (JSON), if given.
     """
 
@@ -149,6 +157,7 @@ class offload:
         ssd_shared: bool = False,
         prefetch_slack: float = 1.0,
         op_time_scale: float = 1.0,
+        offload_parameters: bool = False,
     ) -> None:
         first = next(iter(model.parameters()))
         self.device = first.device
@@ -193,7 +202,15 @@ class offload:
             d2h_stream=getattr(self.executor, "d2h_stream", None),
             h2d_stream=getattr(self.executor, "h2d_stream", None),
         )
-        self.executor.on_event = self.state.on_event
+        self.offload_parameters = offload_parameters
+        self.params = StateExecutor(
+            self.device,
+            store=store,
+            object_id_base=1 << 42,
+            d2h_stream=getattr(self.executor, "d2h_stream", None),
+            h2d_stream=getattr(self.executor, "h2d_stream", None),
+        )
+        self.executor.on_event = self._on_event
         self.executor.on_backward = lambda: self._mark("backward")
         # Per iteration: when forward, backward and the step started and when the step ended
         # (CUDA events on the compute stream, or host times on a CPU device).
@@ -214,6 +231,7 @@ class offload:
         self._peaks: list[int] = []
         self._stats_at_plan: Optional[dict[str, Any]] = None
         self._state_stats_at_plan: Optional[dict[str, Any]] = None
+        self._param_stats_at_plan: Optional[dict[str, Any]] = None
 
     # -- context -------------------------------------------------------------------------------
 
@@ -238,6 +256,7 @@ class offload:
         self.executor.end_iteration()
         self.executor.close()
         self.state.close()
+        self.params.close()
 
     # -- iteration boundaries ------------------------------------------------------------------
 
@@ -252,6 +271,10 @@ class offload:
         self._step_started = time.perf_counter()
         self._marks = {}
         self._mark("forward")
+
+    def _on_event(self, event_index: int) -> None:
+        self.state.on_event(event_index)
+        self.params.on_event(event_index)
 
     def _mark(self, name: str) -> None:
         if self.device.type == "cuda":
@@ -286,6 +309,7 @@ class offload:
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._mark("step")
+        self.params.before_step()
         self.state.before_step()
         if self.profiler is not None and self.profiler._mode is not None:
             self.profiler.before_step()
@@ -309,6 +333,7 @@ class offload:
             self._planned_from_step = self.step + 1
             self._stats_at_plan = self.executor.stats.as_dict()
             self._state_stats_at_plan = self.state.stats.as_dict()
+            self._param_stats_at_plan = self.params.stats.as_dict()
             self.state.after_step()
         self.step += 1
         self._begin_iteration()
@@ -329,6 +354,10 @@ class offload:
             # Optimizer state may move only between steps (see teraio.state).
             pin_within_iteration(trace, "optimizer_state")
             movable.append("optimizer_state")
+        if self.offload_parameters:
+            # Parameters may move only between the two passes (see teraio.state).
+            pin_outside_forward_gap(trace, "weight")
+            movable.append("weight")
         result = plan(
             trace,
             gpu_memory=self.gpu_memory_bytes,
@@ -350,9 +379,10 @@ class offload:
         if self.plan_path:
             with open(self.plan_path, "w") as f:
                 json.dump(result, f)
-        moves = state_moves_from_plan(trace, profiler, result["plan"])
-        self.state.set_plan(moves)
-        self.executor.host_memory_bytes = max(0, self.host_memory_bytes - self.state.planned_bytes(HOST))
+        self.state.set_plan(state_moves_from_plan(trace, profiler, result["plan"]))
+        self.params.set_plan(parameter_moves_from_plan(trace, profiler, result["plan"]))
+        held = self.state.planned_bytes(HOST) + self.params.planned_bytes(HOST)
+        self.executor.host_memory_bytes = max(0, self.host_memory_bytes - held)
         self.executor.set_plan(decisions_from_plan(trace, profiler.events, result["plan"]))
 
     # -- report --------------------------------------------------------------------------------
@@ -370,34 +400,12 @@ class offload:
             for key in ("iteration_time_us", "percent_of_ideal", "peak_gpu_bytes"):
                 prediction.pop(key, None)
         stats = self.executor.stats.as_dict()
-        base = self._stats_at_plan or {
-            "offloaded_bytes": {HOST: 0, SSD: 0},
-            "prefetched_bytes": {HOST: 0, SSD: 0},
-        }
         count = max(1, len(planned_times))
-        per_iteration = {
-            "offloaded": {
-                t: (stats["offloaded_bytes"][t] - base["offloaded_bytes"][t]) // count for t in (HOST, SSD)
-            },
-            "prefetched": {
-                t: (stats["prefetched_bytes"][t] - base["prefetched_bytes"][t]) // count for t in (HOST, SSD)
-            },
-        }
+        per_iteration = _per_iteration(stats, self._stats_at_plan, count)
         state = self.state.stats.as_dict()
-        state_base = self._state_stats_at_plan or {
-            "offloaded_bytes": {HOST: 0, SSD: 0},
-            "prefetched_bytes": {HOST: 0, SSD: 0},
-        }
-        state_per_iteration = {
-            "offloaded": {
-                t: (state["offloaded_bytes"][t] - state_base["offloaded_bytes"][t]) // count
-                for t in (HOST, SSD)
-            },
-            "prefetched": {
-                t: (state["prefetched_bytes"][t] - state_base["prefetched_bytes"][t]) // count
-                for t in (HOST, SSD)
-            },
-        }
+        state_per_iteration = _per_iteration(state, self._state_stats_at_plan, count)
+        params = self.params.stats.as_dict()
+        param_per_iteration = _per_iteration(params, self._param_stats_at_plan, count)
         stall_keys = (
             "prefetches_on_demand",
             "prefetches_planned",
@@ -409,6 +417,9 @@ class offload:
         stalls["plan_mismatches"] = stats["plan_mismatches"]
         for key in ("prefetches_on_demand", "step_wait_s"):
             stalls[f"state_{key}"] = state[key] - (self._state_stats_at_plan or {}).get(key, 0)
+        if self.offload_parameters:
+            for key in ("prefetches_planned", "prefetches_on_demand"):
+                stalls[f"parameter_{key}"] = params[key] - (self._param_stats_at_plan or {}).get(key, 0)
         summary: dict[str, Any] = {}
         if self.plan_result is not None:
             migrations = self.plan_result["plan"]["migrations"]
@@ -440,6 +451,7 @@ class offload:
             stalls=stalls,
             plan_summary=summary,
             state_bytes_per_iteration=state_per_iteration,
+            parameter_bytes_per_iteration=param_per_iteration,
             phases_ms=self._phases_summary(),
         )
 
@@ -512,9 +524,28 @@ def decisions_from_plan(
     return decisions
 
 
-def state_moves_from_plan(
-    trace: dict[str, Any], profiler: Profiler, plan_doc: dict[str, Any]
-) -> list[tuple[torch.Tensor, str, Optional[int]]]:
+def _per_iteration(
+    stats: dict[str, Any], base: Optional[dict[str, Any]], count: int
+) -> dict[str, dict[str, int]]:
+    """Bytes moved per planned iteration, per direction and tier, from two counter snapshots."""
+    out: dict[str, dict[str, int]] = {}
+    for direction, key in (("offloaded", "offloaded_bytes"), ("prefetched", "prefetched_bytes")):
+        before = (base or {}).get(key, {})
+        out[direction] = {t: (stats[key][t] - before.get(t, 0)) // count for t in (HOST, SSD)}
+    return out
+
+
+def _last_event_at_or_before(events: list[SaveEvent], op: int) -> Optional[int]:
+    """The last event whose next op is at or before `op` (None: every event comes later)."""
+    found: Optional[int] = None
+    for index, event in enumerate(events):
+        if event.next_op > op:
+            break
+        found = index
+    return found
+
+
+def state_moves_from_plan(trace: dict[str, Any], profiler: Profiler, plan_doc: dict[str, Any]) -> list[Move]:
     """The optimizer-state tensors the plan moves between steps, with their tier and the event at
     which to restore them: the last `saved_tensors_hooks` event whose next op is at or before the
     planned prefetch op (None: the prefetch is in the step itself, so it is issued at the step)."""
@@ -526,8 +557,7 @@ def state_moves_from_plan(
     }
     if not wrapping or profiler.optimizer is None:
         return []
-    moves: list[tuple[torch.Tensor, str, Optional[int]]] = []
-    events = profiler.events
+    moves: list[Move] = []
     seen: set[int] = set()
     for state in profiler.optimizer.state.values():
         for value in state.values():
@@ -538,11 +568,37 @@ def state_moves_from_plan(
                 continue
             seen.add(record.id)
             migration = wrapping[record.id]
-            trigger: Optional[int] = None
-            for index, event in enumerate(events):
-                if event.next_op <= migration["prefetch_op"]:
-                    trigger = index
-                else:
-                    break
-            moves.append((value, migration["tier"], trigger))
+            event = _last_event_at_or_before(profiler.events, migration["prefetch_op"])
+            moves.append(Move(value, migration["tier"], event))
+    return moves
+
+
+def parameter_moves_from_plan(
+    trace: dict[str, Any], profiler: Profiler, plan_doc: dict[str, Any]
+) -> list[Move]:
+    """The parameters the plan moves out between their last forward use and their first backward
+    use: released at the first event after the planned offload op, restored at the last event
+    at or before the planned prefetch op, and waited for at the last event before the use. A
+    migration that the events cannot bracket that way is left out (the parameter stays)."""
+    kinds = {t["id"]: t["kind"] for t in trace["tensors"]}
+    planned = {
+        m["tensor_id"]: m
+        for m in plan_doc["migrations"]
+        if not m["wraps"] and kinds.get(m["tensor_id"]) == "weight"
+    }
+    if not planned or profiler.model is None:
+        return []
+    events = profiler.events
+    moves: list[Move] = []
+    for param in profiler.model.parameters():
+        record = profiler._lookup(param)
+        if record is None or record.id not in planned:
+            continue
+        migration = planned.pop(record.id)
+        release = next((i for i, e in enumerate(events) if e.next_op >= migration["offload_op"]), None)
+        restore = _last_event_at_or_before(events, migration["prefetch_op"])
+        wait = _last_event_at_or_before(events, migration["next_use_op"])
+        if release is None or restore is None or wait is None or not release < restore <= wait:
+            continue
+        moves.append(Move(param, migration["tier"], restore, release_event=release, wait_event=wait))
     return moves

@@ -54,6 +54,20 @@ class StateStats:
         }
 
 
+@dataclass
+class Move:
+    """One tensor the plan moves: its tier and the `saved_tensors_hooks` events (indices within
+    an iteration) at which to act. `release_event` None: out after the optimizer step (optimizer
+    state); else out at that event (a parameter after its last forward use). `restore_event` None:
+    back at the step. `wait_event` None: compute waits at the step; else at that event."""
+
+    tensor: torch.Tensor
+    tier: str
+    restore_event: Optional[int]
+    release_event: Optional[int] = None
+    wait_event: Optional[int] = None
+
+
 class _StateSlot:
     """One optimizer-state tensor the plan moves."""
 
@@ -64,6 +78,7 @@ class _StateSlot:
         "object_id",
         "host",
         "resident",
+        "issued",
         "d2h_event",
         "restore",
         "put",
@@ -77,6 +92,7 @@ class _StateSlot:
         self.object_id = object_id
         self.host: Optional[torch.Tensor] = None  # pinned copy (host tier; SSD tier while staged)
         self.resident = True  # the GPU storage holds the bytes (or a queued copy will)
+        self.issued = False  # its restore has been issued since it was last moved out
         self.d2h_event: Any = None
         self.restore: Any = None  # CUDA event of the host-to-device copy in flight
         self.put: Any = None  # engine handle of the SSD write in flight
@@ -102,22 +118,31 @@ class StateExecutor:
         self.stats = StateStats()
         self.slots: list[_StateSlot] = []
         self.prefetch_at_event: dict[int, list[int]] = {}
-        self._issued: set[int] = set()
+        self.release_at_event: dict[int, list[int]] = {}
+        self.wait_at_event: dict[int, list[int]] = {}
+        self._between_steps: list[int] = []
         self._pending: list[_StateSlot] = []  # SSD tier: staged writes and reads in flight
         if self.cuda:
             self.d2h_stream = d2h_stream if d2h_stream is not None else torch.cuda.Stream(device)
             self.h2d_stream = h2d_stream if h2d_stream is not None else torch.cuda.Stream(device)
 
-    def set_plan(self, moves: list[tuple[torch.Tensor, str, Optional[int]]]) -> None:
-        """`moves`: (state tensor, tier, prefetch event index or None = at the step)."""
+    def set_plan(self, moves: list[Move]) -> None:
+        """Installs the moves (see `Move`)."""
         self.slots = []
         self.prefetch_at_event = {}
-        for index, (tensor, tier, event) in enumerate(moves):
-            if tier == SSD and self.store is None:
-                tier = HOST
-            self.slots.append(_StateSlot(tensor, tier, self.object_id_base + index))
-            if event is not None:
-                self.prefetch_at_event.setdefault(event, []).append(index)
+        self.release_at_event = {}
+        self.wait_at_event = {}
+        self._between_steps = [i for i, move in enumerate(moves) if move.release_event is None]
+        for index, move in enumerate(moves):
+            tier = HOST if move.tier == SSD and self.store is None else move.tier
+            self.slots.append(_StateSlot(move.tensor, tier, self.object_id_base + index))
+            for table, event in (
+                (self.prefetch_at_event, move.restore_event),
+                (self.release_at_event, move.release_event),
+                (self.wait_at_event, move.wait_event),
+            ):
+                if event is not None:
+                    table.setdefault(event, []).append(index)
 
     def planned_bytes(self, tier: str) -> int:
         return sum(slot.nbytes for slot in self.slots if slot.tier == tier)
@@ -125,15 +150,18 @@ class StateExecutor:
     # -- after the step: out ---------------------------------------------------------------------
 
     def after_step(self) -> None:
-        """Copies every planned state tensor to its tier and releases its GPU memory."""
-        self._issued.clear()
-        if not self.slots:
+        """Copies every state tensor moved between steps to its tier and releases its memory."""
+        self._move_out(self._between_steps)
+        self.poll()
+
+    def _move_out(self, indices: list[int]) -> None:
+        if not indices:
             return
         if self.cuda:
             self.d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
-        for slot in self.slots:
-            self._offload(slot)
-        self.poll()
+        for index in indices:
+            if self.slots[index].resident:
+                self._offload(self.slots[index])
 
     def _offload(self, slot: _StateSlot) -> None:
         storage = slot.tensor.untyped_storage()
@@ -152,6 +180,7 @@ class StateExecutor:
         del source
         storage.resize_(0)
         slot.resident = False
+        slot.issued = False
         self.stats.offloaded_bytes[slot.tier] += slot.nbytes
         if slot.tier == SSD:
             self._pending.append(slot)
@@ -185,35 +214,47 @@ class StateExecutor:
     # -- during the next iteration: back ---------------------------------------------------------
 
     def on_event(self, event_index: int) -> None:
-        """Issues the restores the plan maps to this `saved_tensors_hooks` event."""
+        """Does what the plan maps to this `saved_tensors_hooks` event: releases (tensors moved
+        within the iteration), restores, and makes compute wait for restores it needs next."""
         if self._pending:
             self.poll()
+        released = self.release_at_event.get(event_index)
+        if released:
+            self._move_out(released)
         for index in self.prefetch_at_event.get(event_index, ()):
-            if index not in self._issued:
+            if not self.slots[index].issued:
                 self.stats.prefetches_planned += 1
                 self._restore(index)
+        for index in self.wait_at_event.get(event_index, ()):
+            slot = self.slots[index]
+            if not slot.issued and not slot.resident:
+                self.stats.prefetches_on_demand += 1
+                self._restore(index)
+            self._join(slot)
 
     def before_step(self) -> None:
         """Restores what is still out and makes the step wait for every restore."""
         started = time.perf_counter()
         for index, slot in enumerate(self.slots):
-            if index not in self._issued and not slot.resident:
+            if not slot.issued and not slot.resident:
                 self.stats.prefetches_on_demand += 1
                 self._restore(index)
         for slot in self.slots:
-            if slot.get is not None:
-                self._pending.remove(slot)
-                self._finish_get(slot)
-        current = torch.cuda.current_stream(self.device) if self.cuda else None
-        for slot in self.slots:
-            restore, slot.restore = slot.restore, None
-            if restore is not None and current is not None:
-                current.wait_event(restore)
+            self._join(slot)
         self.stats.step_wait_s += time.perf_counter() - started
 
+    def _join(self, slot: _StateSlot) -> None:
+        """Makes the compute stream wait for the slot's restore (an SSD read is waited for)."""
+        if slot.get is not None:
+            self._pending.remove(slot)
+            self._finish_get(slot)
+        restore, slot.restore = slot.restore, None
+        if restore is not None and self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(restore)
+
     def _restore(self, index: int) -> None:
-        self._issued.add(index)
         slot = self.slots[index]
+        slot.issued = True
         if slot.resident:
             return
         self.stats.prefetched_bytes[slot.tier] += slot.nbytes
@@ -300,3 +341,22 @@ def pin_within_iteration(trace: dict[str, Any], kind: str) -> None:
         accesses = {use["op"]: use["access"] for use in tensor["uses"]}
         first, last = min(accesses), max(accesses)
         tensor["uses"] = [{"op": op, "access": accesses.get(op, "read")} for op in range(first, last + 1)]
+
+
+def pin_outside_forward_gap(trace: dict[str, Any], kind: str) -> None:
+    """Gives each `kind` tensor a read at every op except those between its last forward use and
+    its first backward use, so that the planner may move it only over that period (a parameter
+    between the two passes). Tensors without both kinds of use are pinned over the iteration."""
+    phases = [op.get("phase", "other") for op in trace["ops"]]
+    last_op = len(phases) - 1
+    for tensor in trace["tensors"]:
+        if tensor["kind"] != kind or not tensor["uses"]:
+            continue
+        accesses = {use["op"]: use["access"] for use in tensor["uses"]}
+        forward = [op for op in accesses if phases[op] == "forward"]
+        backward = [op for op in accesses if phases[op] == "backward"]
+        if forward and backward and max(forward) < min(backward):
+            kept = [*range(0, max(forward) + 1), *range(min(backward), last_op + 1)]
+        else:
+            kept = list(range(0, last_op + 1))
+        tensor["uses"] = [{"op": op, "access": accesses.get(op, "read")} for op in kept]
