@@ -1,4 +1,4 @@
-"""Executes a plan for optimizer state: release after the step, restore before the next one.
+"""Executes a plan for persistent tensors: optimizer state between steps, parameters between passes.
 
 Optimizer state (AdamW's `exp_avg` and `exp_avg_sq`: twice the parameters' bytes) is used only
 inside `optimizer.step()`, so between two steps it is dead weight on the GPU, exactly when the
@@ -10,13 +10,19 @@ forward pass peaks. For each state tensor the plan moves, the executor
   of it stay valid, which is what the optimizer holds);
 - at the event the plan maps the prefetch to (a `saved_tensors_hooks` event in the backward pass
   of the next iteration), grows the storage back and copies the bytes up (host tier: a host-to-
-  device copy on its own stream; SSD tier: the engine's GPU path reads straight into it);
+  device copy on its own stream; SSD tier: the engine reads into a pinned buffer, copied up as
+  soon as it is in);
 - before the next step (`before_step`), issues whatever was not issued yet (counted as on demand)
   and makes the compute stream wait for every restore, so the step always sees its exact bytes.
 
 Only the period that wraps from one step to the next is moved (the trace pins optimizer state
-inside the step: `pin_within_iteration`). On a CPU "device" the same logic runs with synchronous
-copies, for tests and CPU-only stacks.
+inside the step: `pin_within_iteration`).
+
+Parameters (`Move.release_event` set) use the same slots within an iteration: out at the event
+after their last forward use, back at the planned event, and compute waits for them at the event
+before their first backward use (`pin_outside_forward_gap` leaves the planner only that period).
+
+On a CPU "device" the same logic runs with synchronous copies, for tests and CPU-only stacks.
 """
 
 from __future__ import annotations
