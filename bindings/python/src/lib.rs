@@ -566,6 +566,14 @@ fn pin_tensor(tensor: &mut Tensor, op_count: u32) {
         .collect();
 }
 
+/// A trace from its JSON text, checked against the format's rules.
+fn parse_trace(trace_json: &str) -> PyResult<Trace> {
+    let trace: Trace =
+        serde_json::from_str(trace_json).map_err(|e| PlannerError::new_err(format!("trace is not valid JSON: {e}")))?;
+    trace.validate().map_err(planner_err)?;
+    Ok(trace)
+}
+
 // The arguments mirror the Python keyword arguments one to one.
 #[allow(clippy::too_many_arguments)]
 fn hardware_from(
@@ -613,9 +621,7 @@ fn plan(
     movable_kinds: Option<Vec<String>>,
     ssd_shared: bool,
 ) -> PyResult<String> {
-    let mut trace: Trace =
-        serde_json::from_str(trace_json).map_err(|e| PlannerError::new_err(format!("trace is not valid JSON: {e}")))?;
-    trace.validate().map_err(planner_err)?;
+    let mut trace = parse_trace(trace_json)?;
     if let Some(kinds) = movable_kinds {
         let kinds = kinds.iter().map(|k| parse_kind(k)).collect::<PyResult<Vec<_>>>()?;
         pin_unmovable(&mut trace, &kinds);
@@ -684,9 +690,7 @@ fn simulate_plan(
     host_latency_us: f64,
     ssd_shared: bool,
 ) -> PyResult<String> {
-    let trace: Trace =
-        serde_json::from_str(trace_json).map_err(|e| PlannerError::new_err(format!("trace is not valid JSON: {e}")))?;
-    trace.validate().map_err(planner_err)?;
+    let trace = parse_trace(trace_json)?;
     let plan: Plan =
         serde_json::from_str(plan_json).map_err(|e| PlannerError::new_err(format!("plan is not valid JSON: {e}")))?;
     plan.check_against(&trace).map_err(planner_err)?;
@@ -709,9 +713,7 @@ fn simulate_plan(
 /// Checks a trace (JSON) against docs/trace.md; raises PlannerError naming the broken rule.
 #[pyfunction]
 fn validate_trace(trace_json: &str) -> PyResult<()> {
-    let trace: Trace =
-        serde_json::from_str(trace_json).map_err(|e| PlannerError::new_err(format!("trace is not valid JSON: {e}")))?;
-    trace.validate().map_err(planner_err)
+    parse_trace(trace_json).map(drop)
 }
 
 /// What this machine offers for GPU I/O (CUDA driver, devices, cuFile and its mode), as text.

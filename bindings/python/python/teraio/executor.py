@@ -23,6 +23,7 @@ On a CPU "device" the same logic runs with synchronous copies (for tests and CPU
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import weakref
 from collections import deque
@@ -55,19 +56,7 @@ class TransferStats:
     host_cap_demotions: int = 0
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "offloaded_bytes": dict(self.offloaded_bytes),
-            "prefetched_bytes": dict(self.prefetched_bytes),
-            "offloads": self.offloads,
-            "prefetches_planned": self.prefetches_planned,
-            "prefetches_on_demand": self.prefetches_on_demand,
-            "ssd_wait_s": self.ssd_wait_s,
-            "inflight_waits": self.inflight_waits,
-            "inflight_wait_s": self.inflight_wait_s,
-            "kept": self.kept,
-            "plan_mismatches": self.plan_mismatches,
-            "host_cap_demotions": self.host_cap_demotions,
-        }
+        return dataclasses.asdict(self)
 
 
 @dataclass

@@ -27,17 +27,15 @@ On a CPU "device" the same logic runs with synchronous copies, for tests and CPU
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
-from .executor import _flat_bytes
+from .executor import HOST, SSD, _flat_bytes
 from .store import Store
-
-HOST = "host"
-SSD = "ssd"
 
 
 @dataclass
@@ -51,13 +49,7 @@ class StateStats:
     step_wait_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "offloaded_bytes": dict(self.offloaded_bytes),
-            "prefetched_bytes": dict(self.prefetched_bytes),
-            "prefetches_planned": self.prefetches_planned,
-            "prefetches_on_demand": self.prefetches_on_demand,
-            "step_wait_s": self.step_wait_s,
-        }
+        return dataclasses.asdict(self)
 
 
 @dataclass
