@@ -8,7 +8,8 @@ One mode per process (each needs its own CUDA memory state and cap):
     python3 benches/torch/bench_llama.py --mode teraio --cap-gib 22.5 --host-gib 4 \
         --store-dir /dev/shm/teraio --store-devices 4 --emulate 2.5GB/s@20us   # emulated SSD array
 
-Prints one JSON line (prefix `RESULT `) with ms/iter (median of the steps after the warm-up ones),
+Prints one JSON line (prefix `RESULT `) with ms/iter (wall time of the steps after the warm-up
+ones, synchronized at both ends of that window, divided by their number),
 peak GPU memory over those steps, the losses, and for teraio its report. Model: transformers'
 LlamaForCausalLM, 14 layers, hidden 2048, 16 heads, FFN 5632, vocab 32000 (0.85B parameters),
 eager attention (deterministic, so losses can be compared bitwise), fp32 weights and math
@@ -222,6 +223,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         write, read = measure_store_bytes_per_s(store)
         result["ssd_write_bytes_per_s"], result["ssd_read_bytes_per_s"] = write, read
         cap = int(args.cap_gib * GIB) if args.cap_gib else int(args.gpu_memory_gib * GIB)
+        if args.out_dir:
+            os.makedirs(args.out_dir, exist_ok=True)
         outer = teraio.offload(
             model,
             optimizer,
@@ -240,6 +243,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             offload_parameters=args.offload_parameters,
             prefetch_slack=args.prefetch_slack,
             op_time_scale=args.op_time_scale,
+            tier_preference=args.tier_preference,
             trace_path=os.path.join(args.out_dir, f"trace-b{args.batch}.json") if args.out_dir else None,
             plan_path=os.path.join(args.out_dir, f"plan-b{args.batch}.json") if args.out_dir else None,
         )
@@ -247,34 +251,41 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     losses: list[float] = []
     times_ms: list[float] = []
     peak = 0
+    window_started = 0.0
     with outer:
         for step, tokens in enumerate(batches):
             if step == args.warmup:
+                # The timed window: from here to the end, one device-wide sync at each edge (a
+                # sync per step would also wait for offload copies a real loop overlaps with the
+                # next iteration).
+                torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
+                window_started = time.perf_counter()
             tokens = tokens.cuda(non_blocking=True)
-            torch.cuda.synchronize()
             started = time.perf_counter()
             with forward_context():
                 loss = model(input_ids=tokens, labels=tokens).loss
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-            torch.cuda.synchronize()
+            losses.append(loss.item())  # waits for the compute stream only
             times_ms.append((time.perf_counter() - started) * 1e3)
             print(
                 f"  [{args.mode} b{args.batch}] step {step}: loss {losses[-1]:.6f} {times_ms[-1]:.0f} ms",
                 flush=True,
             )
+        torch.cuda.synchronize()
+        window_ms = (time.perf_counter() - window_started) * 1e3
         peak = torch.cuda.max_memory_allocated()
     if run_handle is not None:
         # teraio.offload resets the peak at each iteration boundary: take its own figure.
         peak = run_handle.report().peak_gpu_bytes or peak
-    measured = times_ms[args.warmup :] if len(times_ms) > args.warmup else times_ms
+    timed = len(times_ms) - args.warmup
+    measured = times_ms[args.warmup :] if timed > 0 else times_ms
     result.update(
         {
-            "ms_per_iter": statistics.median(measured),
-            "ms_per_iter_mean": statistics.fmean(measured),
+            "ms_per_iter": window_ms / timed if timed > 0 else statistics.median(measured),
+            "ms_per_iter_median_step": statistics.median(measured),
             "step_ms": times_ms,
             "peak_bytes": peak,
             "losses": losses,
@@ -321,6 +332,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--prefetch-slack", type=float, default=1.0, help="teraio.offload(prefetch_slack=)")
     parser.add_argument("--op-time-scale", type=float, default=1.0, help="teraio.offload(op_time_scale=)")
+    parser.add_argument(
+        "--tier-preference",
+        default="auto",
+        choices=["auto", "host", "ssd"],
+        help="teraio.offload(tier_preference=)",
+    )
     parser.add_argument("--out-dir", default="")
     args = parser.parse_args(argv)
     try:

@@ -17,6 +17,8 @@
 #                                         #   first; EXTRA="--reserve-gib 1.5": more bench_llama options)
 #   benches/torch/run-gpu.sh variants [CAP]  # teraio: default, prefetch slack 4, op times x0.87, both
 #   benches/torch/run-gpu.sh baselines [CAP]  # save_on_cpu, torchtune, batch 8 without and with teraio
+#   benches/torch/run-gpu.sh compare      # all Python tests, ideal, then teraio at the cap once per
+#                                         #   VARIANTS entry (';'-separated bench_llama options; ~7 min)
 # Needs .whl-py/ (ignored by git; carry it): the teraio wheel built on the dev machine
 # (`maturin build --release --strip -m bindings/python/Cargo.toml -o .whl-py`), torchtune 0.6.1,
 # and .whl-py/ds/: DeepSpeed 0.19.8 (built with `pip wheel --no-deps`) and its dependencies.
@@ -120,6 +122,30 @@ if [ "$what" = one ]; then
   fi
   timeout 150 python3 $B/bench_llama.py --mode teraio --steps 15 --cap-gib "$CAP" ${EXTRA:-} > "$OUT/o-1.log" 2>&1
   grep -v RESULT "$OUT/o-1.log" | grep -E "iteration:|peak|phases|stalls|step 1[0-4]:" | tail -9
+  exit 0
+fi
+
+if [ "$what" = compare ]; then
+  WORK=/root/teraio-work; mkdir -p "$WORK"; . benches/gpu/cufile-compat.sh > /dev/null
+  timeout 150 python3 -m pytest -q -p no:cacheprovider bindings/python/tests 2>&1 | tee "$OUT/pytest.log" | tail -3
+  timeout 90 python3 $B/bench_llama.py --mode ideal --steps 15 > "$OUT/c-0-ideal.log" 2>&1; tail -1 "$OUT/c-0-ideal.log" | cut -c1-200
+  CAP=$(python3 -c "
+import json
+r=[json.loads(l[7:]) for l in open('$OUT/c-0-ideal.log') if l.startswith('RESULT ')][0]
+print(round(r['peak_bytes']/2**30/2, 2) if 'peak_bytes' in r else 22.5)")
+  echo "== cap = half of the ideal peak: $CAP GiB"; echo "$CAP" > "$OUT/cap.txt"
+  n=0
+  IFS=';' read -ra variants <<< "${VARIANTS:-;--reserve-gib 2;--offload-parameters;--tier-preference host}"
+  for variant in "${variants[@]}"; do
+    n=$((n + 1))
+    [ $SECONDS -gt 500 ] && { echo "== variant $n skipped: out of time"; continue; }
+    timeout $((590 - SECONDS)) python3 $B/bench_llama.py --mode teraio --steps ${STEPS:-20} --cap-gib "$CAP" $variant \
+      --out-dir "$OUT/v$n" > "$OUT/c-$n.log" 2>&1
+    echo "== variant $n: ${variant:-default}"
+    grep -v RESULT "$OUT/c-$n.log" | grep -E "iteration:|peak GPU|per iteration|phases|host time|stalls|Error" | tail -12
+  done
+  cat "$OUT"/c-*.log | grep '^RESULT' > "$OUT/results.jsonl"
+  python3 $B/summarize.py "$OUT/results.jsonl" | tee "$OUT/summary.md"
   exit 0
 fi
 

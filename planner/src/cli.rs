@@ -9,7 +9,7 @@ use clap::Args;
 use serde::Serialize;
 
 use crate::error::{Error, Result};
-use crate::greedy::{plan_teraio, PlannerConfig};
+use crate::greedy::{plan_teraio, PlannerConfig, TierPreference};
 use crate::hardware::{gpu_preset, Hardware};
 use crate::plan::{ActionKind, Plan, Tier};
 use crate::plot::plot_memory;
@@ -59,6 +59,10 @@ pub struct HardwareArgs {
     /// direction's bandwidth when it runs alone.
     #[arg(long)]
     pub ssd_shared: bool,
+    /// SSD transfers also cross the host link (staged in pinned host memory, or GPUDirect
+    /// Storage on the GPU's one PCIe link): SSD bytes take host-link bytes too.
+    #[arg(long)]
+    pub ssd_via_host_link: bool,
 }
 
 impl HardwareArgs {
@@ -69,6 +73,7 @@ impl HardwareArgs {
         hardware.ssd_latency_us = self.ssd_latency_us;
         hardware.host_latency_us = self.host_latency_us;
         hardware.ssd_shared = self.ssd_shared;
+        hardware.ssd_via_host_link = self.ssd_via_host_link;
         hardware.validate()?;
         Ok(hardware)
     }
@@ -91,6 +96,10 @@ pub struct PlannerArgs {
     /// GPU memory to keep free (allocator slack), e.g. 2GiB.
     #[arg(long, value_parser = size_arg, default_value = "0")]
     pub reserve: u64,
+    /// The tier a period goes to when both can take it: ssd (the paper), host, or auto (plan
+    /// both ways, keep the faster by the simulator).
+    #[arg(long, value_enum, default_value_t = TierPreference::Ssd)]
+    pub tier_preference: TierPreference,
 }
 
 impl PlannerArgs {
@@ -100,6 +109,7 @@ impl PlannerArgs {
             reserve_bytes: self.reserve,
             prefetch_slack: self.prefetch_slack,
             allow_stalls: !self.no_stall_repair,
+            tier_preference: self.tier_preference,
             ..PlannerConfig::default()
         };
         if self.paper {

@@ -30,6 +30,7 @@ use crate::ledger::{channel_index, Direction, Ledger, Span};
 use crate::lifetime::{base_pressure_bytes, copy_still_valid, inactive_periods, InactivePeriod, Timeline};
 use crate::plan::{Migration, Plan, Tier};
 use crate::pressure::PressureTree;
+use crate::sim::{simulate, Outcome, Policy, SimConfig};
 use crate::trace::Trace;
 
 /// Planner settings.
@@ -55,6 +56,24 @@ pub struct PlannerConfig {
     /// transfer time, where GPU memory has room (default 1.0; 0 gives the paper's placement).
     /// Slack absorbs queueing the per-slot bandwidth model does not see.
     pub prefetch_slack: f64,
+    /// Which tier a period goes to when both can take it (default `Ssd`: the paper's order).
+    #[serde(default)]
+    pub tier_preference: TierPreference,
+}
+
+/// Which tier the greedy tries to fill first when a period fits both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum TierPreference {
+    /// SSD first, host memory once the SSD's window falls below `ssd_preference` of the host's
+    /// (the paper: host memory is the scarce tier, kept for what the SSD cannot take).
+    #[default]
+    Ssd,
+    /// Host memory first, the SSD once host memory is full or its window falls below
+    /// `ssd_preference` of the SSD's: host copies are faster and cost no drive time.
+    Host,
+    /// Both, keeping the plan the simulator predicts faster (planning takes twice as long).
+    Auto,
 }
 
 impl Default for PlannerConfig {
@@ -67,6 +86,7 @@ impl Default for PlannerConfig {
             lazy_tolerance: 0.05,
             allow_stalls: true,
             prefetch_slack: 1.0,
+            tier_preference: TierPreference::Ssd,
         }
     }
 }
@@ -174,6 +194,8 @@ struct Planner<'a> {
     /// Transfer time of stalling transfers planned so far, per tier.
     stalled_us: [f64; 2],
     evaluation_count: usize,
+    /// Both tiers can take a period: host memory first (`TierPreference`, resolved).
+    host_first: bool,
 }
 
 impl Planner<'_> {
@@ -287,6 +309,13 @@ impl Planner<'_> {
                         + planner.write_us(tier, size_bytes)
                 };
                 Some(if finish(self, Tier::Host) < finish(self, Tier::Ssd) { h } else { s })
+            }
+            (Some(s), Some(h)) if self.host_first => {
+                if h.benefit_byte_us >= self.config.ssd_preference * s.benefit_byte_us {
+                    Some(h)
+                } else {
+                    Some(s)
+                }
             }
             (Some(s), Some(h)) => {
                 if s.benefit_byte_us >= self.config.ssd_preference * h.benefit_byte_us {
@@ -536,11 +565,35 @@ impl Planner<'_> {
 pub fn plan_teraio(trace: &Trace, hardware: &Hardware, config: PlannerConfig) -> Result<PlanOutcome> {
     trace.validate()?;
     hardware.validate()?;
+    match config.tier_preference {
+        TierPreference::Ssd => Ok(plan_in_order(trace, hardware, config, false)),
+        TierPreference::Host => Ok(plan_in_order(trace, hardware, config, true)),
+        TierPreference::Auto => {
+            // The greedy is myopic about which tier to fill first (taking host memory early can
+            // leave later periods worse off, or better): plan both ways and let the simulator
+            // choose. A plan that fits beats one that does not; a tie keeps the paper's order.
+            let ssd_first = plan_in_order(trace, hardware, config, false);
+            let host_first = plan_in_order(trace, hardware, config, true);
+            let predict = |outcome: &PlanOutcome| -> Result<(bool, f64)> {
+                let report = simulate(trace, hardware, Policy::Planned(&outcome.plan), SimConfig::default())?;
+                let completed = report.outcome == Outcome::Completed;
+                Ok((outcome.plan.fits && completed, report.iteration_time_us))
+            };
+            let (ssd_fits, ssd_us) = predict(&ssd_first)?;
+            let (host_fits, host_us) = predict(&host_first)?;
+            Ok(if (host_fits, -host_us) > (ssd_fits, -ssd_us) { host_first } else { ssd_first })
+        }
+    }
+}
+
+/// The greedy and its repairs with one tier order (`host_first`: host memory first).
+fn plan_in_order(trace: &Trace, hardware: &Hardware, config: PlannerConfig, host_first: bool) -> PlanOutcome {
     let timeline = Timeline::new(trace);
     let base = base_pressure_bytes(trace);
     let capacity_bytes = hardware.gpu_capacity_bytes.saturating_sub(config.reserve_bytes);
     let periods = inactive_periods(trace);
     let candidate_count = periods.len();
+
     let mut planner = Planner {
         trace,
         hardware,
@@ -553,6 +606,7 @@ pub fn plan_teraio(trace: &Trace, hardware: &Hardware, config: PlannerConfig) ->
         records: vec![None; candidate_count],
         stalled_us: [0.0; 2],
         evaluation_count: 0,
+        host_first,
     };
     if planner.pressure.max_excess_bytes() > 0 {
         planner.greedy();
@@ -585,7 +639,7 @@ pub fn plan_teraio(trace: &Trace, hardware: &Hardware, config: PlannerConfig) ->
     let policy = if config == config.paper() { "teraio-paper" } else { "teraio" };
     let mut plan = Plan::new(policy, trace, hardware.gpu_capacity_bytes, peak, migrations);
     plan.fits = fits;
-    Ok(PlanOutcome {
+    PlanOutcome {
         plan,
         ledger: planner.ledger,
         base_pressure_bytes: base,
@@ -594,7 +648,7 @@ pub fn plan_teraio(trace: &Trace, hardware: &Hardware, config: PlannerConfig) ->
         evaluation_count: planner.evaluation_count,
         repair_count,
         expected_stall_us,
-    })
+    }
 }
 
 #[cfg(test)]

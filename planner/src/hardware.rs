@@ -90,6 +90,13 @@ pub struct Hardware {
     /// array whose reads and writes overlap (the paper's model).
     #[serde(default)]
     pub ssd_shared: bool,
+    /// SSD transfers also cross the host link, in the same direction: the runtime stages them
+    /// in pinned host memory (as teraio's bounce path does), or GPUDirect Storage shares the
+    /// GPU's one PCIe link with host copies. Each SSD byte then also takes a host-link byte, so
+    /// the SSD tier adds capacity, not link bandwidth. False (the default): the SSD array has
+    /// its own path (the paper's model).
+    #[serde(default)]
+    pub ssd_via_host_link: bool,
 }
 
 impl Hardware {
@@ -105,6 +112,7 @@ impl Hardware {
             host_link_bytes_per_s: 25e9,
             host_latency_us: 10.0,
             ssd_shared: false,
+            ssd_via_host_link: false,
         }
     }
 

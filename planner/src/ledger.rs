@@ -49,6 +49,8 @@ pub struct Ledger {
     pub host_capacity_bytes: u64,
     /// SSD reads and writes share each slot's device time (`Hardware::ssd_shared`).
     ssd_shared: bool,
+    /// SSD bytes also take host-link bytes in the same direction (`Hardware::ssd_via_host_link`).
+    ssd_via_host_link: bool,
 }
 
 /// A transfer's span: it runs from `first_slot` to `last_slot` (virtual slots, inclusive).
@@ -85,10 +87,26 @@ impl Ledger {
             host_held: PressureTree::new(&vec![0; slot_count], hardware.host_capacity_bytes, &timeline.duration_us),
             host_capacity_bytes: hardware.host_capacity_bytes,
             ssd_shared: hardware.ssd_shared,
+            ssd_via_host_link: hardware.ssd_via_host_link,
         }
     }
 
+    /// The host-link channel an SSD channel's bytes also cross, if they do.
+    fn link_of(&self, channel: usize) -> Option<usize> {
+        (self.ssd_via_host_link && channel < 2).then_some(channel + 2)
+    }
+
     fn free_bytes(&self, channel: usize, virtual_slot: usize) -> f64 {
+        let device_free = self.device_free_bytes(channel, virtual_slot);
+        match self.link_of(channel) {
+            Some(link) => device_free.min(self.device_free_bytes(link, virtual_slot)),
+            None => device_free,
+        }
+    }
+
+    /// What is left of the channel's own budget in the slot (the SSD's time when shared; a
+    /// host channel's budget is the link, which SSD transfers may also have taken).
+    fn device_free_bytes(&self, channel: usize, virtual_slot: usize) -> f64 {
         let slot = virtual_slot % self.slot_count;
         if self.ssd_shared && channel < 2 {
             // One device time for both directions: what is left of the slot, at this direction's rate.
@@ -169,6 +187,9 @@ impl Ledger {
             let take = free.min(remaining);
             let slot = slot % self.slot_count as u32;
             self.committed_bytes[channel][slot as usize] += take;
+            if let Some(link) = self.link_of(channel) {
+                self.committed_bytes[link][slot as usize] += take;
+            }
             taken.push((slot, take));
             remaining -= take;
         }
@@ -178,9 +199,12 @@ impl Ledger {
 
     /// Gives back what [`Ledger::commit`] took.
     pub fn uncommit(&mut self, channel: usize, taken: &[(u32, f64)]) {
+        let link = self.link_of(channel);
         for &(slot, bytes) in taken {
-            let committed = &mut self.committed_bytes[channel][slot as usize];
-            *committed = (*committed - bytes).max(0.0);
+            for c in std::iter::once(channel).chain(link) {
+                let committed = &mut self.committed_bytes[c][slot as usize];
+                *committed = (*committed - bytes).max(0.0);
+            }
         }
     }
 
@@ -203,7 +227,9 @@ impl Ledger {
     /// Records a stall-accepting transfer in `virtual_slot`.
     pub fn record_stall(&mut self, channel: usize, virtual_slot: u32, size_bytes: u64) {
         let bytes = self.transfer_bytes(channel, size_bytes);
-        self.overflow_bytes[channel][virtual_slot as usize % self.slot_count] += bytes;
+        for c in std::iter::once(channel).chain(self.link_of(channel)) {
+            self.overflow_bytes[c][virtual_slot as usize % self.slot_count] += bytes;
+        }
     }
 
     /// Bytes committed beyond the feasible budget (second phase), over all channels.

@@ -137,6 +137,9 @@ struct Transfer {
     remaining_bytes: u64,
     /// The fixed per-transfer latency has been paid (the transfer ran before).
     started: bool,
+    /// Host-link time of an SSD transfer (`Hardware::ssd_via_host_link`): it takes the link
+    /// and changes no tensor's place; the SSD channel's transfer does that.
+    link_only: bool,
 }
 
 #[derive(Debug)]
@@ -261,9 +264,19 @@ impl Simulator<'_> {
             size_bytes: self.size(tensor),
             remaining_bytes: self.size(tensor),
             started: false,
+            link_only: false,
         };
         self.channels[channel].queue.push(Reverse(transfer));
         self.kick(channel);
+        if let Some(link) = self.link_of(channel) {
+            self.channels[link].queue.push(Reverse(Transfer { link_only: true, ..transfer }));
+            self.kick(link);
+        }
+    }
+
+    /// The host-link channel an SSD channel's transfers also take (`Hardware::ssd_via_host_link`).
+    fn link_of(&self, channel: usize) -> Option<usize> {
+        (self.hardware.ssd_via_host_link && channel < 2).then_some(channel + 2)
     }
 
     /// Starts the next transfer on `channel` if it may run now. With a shared SSD
@@ -308,6 +321,10 @@ impl Simulator<'_> {
             return;
         };
         self.now_us = self.now_us.max(end_us);
+        if transfer.link_only {
+            self.kick(channel_index);
+            return;
+        }
         if self.measuring {
             self.channels[channel_index].moved_bytes += transfer.size_bytes;
         }
@@ -584,8 +601,10 @@ impl Simulator<'_> {
                 }
                 Place::Reading(tier) => {
                     let channel = channel_of(tier, READ);
-                    self.channels[channel].promote(tensor);
-                    self.kick(channel);
+                    for c in std::iter::once(channel).chain(self.link_of(channel)) {
+                        self.channels[c].promote(tensor);
+                        self.kick(c);
+                    }
                 }
                 Place::Writing(_) => state.cancel_offload = true,
                 Place::Gpu | Place::Unallocated => {}

@@ -2,7 +2,7 @@
 
 use proptest::prelude::*;
 use teraio_planner::baselines::{flashneuron_like, zero_infinity_like};
-use teraio_planner::greedy::{plan_teraio, PlannerConfig};
+use teraio_planner::greedy::{plan_teraio, PlannerConfig, TierPreference};
 use teraio_planner::hardware::{gpu_preset, Hardware};
 use teraio_planner::lifetime::base_pressure_bytes;
 use teraio_planner::sim::{simulate, Outcome, Policy, SimConfig};
@@ -103,11 +103,14 @@ proptest! {
         ssd_gb_s in 0.5f64..30.0,
         clean_drop in any::<bool>(),
         ssd_shared in any::<bool>(),
+        ssd_via_host_link in any::<bool>(),
+        tier_preference in prop::sample::select(vec![TierPreference::Ssd, TierPreference::Host, TierPreference::Auto]),
     ) {
         trace.validate().unwrap();
         let mut hardware = hardware_for(&trace, capacity_fraction, host_mb, ssd_gb_s);
         hardware.ssd_shared = ssd_shared;
-        let config = PlannerConfig { clean_drop, ..PlannerConfig::default() };
+        hardware.ssd_via_host_link = ssd_via_host_link;
+        let config = PlannerConfig { clean_drop, tier_preference, ..PlannerConfig::default() };
         let outcome = plan_teraio(&trace, &hardware, config).unwrap();
         let plan = &outcome.plan;
         let planned_peak = outcome.planned_pressure_bytes.iter().copied().max().unwrap();
@@ -132,8 +135,9 @@ proptest! {
     }
 
     /// Bandwidth-feasible commitments never exceed any channel's budget in any slot (with a
-    /// shared SSD: the two directions' shares of a slot add up to at most all of it), and host
-    /// memory never exceeds its cap.
+    /// shared SSD: the two directions' shares of a slot add up to at most all of it; with SSD
+    /// transfers over the host link: the link carries the SSD's bytes too), and host memory
+    /// never exceeds its cap.
     #[test]
     fn committed_bandwidth_stays_within_budget(
         trace in trace_strategy(),
@@ -141,11 +145,25 @@ proptest! {
         host_mb in prop::sample::select(vec![0u64, 100, 1000]),
         ssd_gb_s in 0.5f64..30.0,
         ssd_shared in any::<bool>(),
+        ssd_via_host_link in any::<bool>(),
+        host_first in any::<bool>(),
     ) {
         let mut hardware = hardware_for(&trace, capacity_fraction, host_mb, ssd_gb_s);
         hardware.ssd_shared = ssd_shared;
-        let mut outcome = plan_teraio(&trace, &hardware, PlannerConfig::default()).unwrap();
+        hardware.ssd_via_host_link = ssd_via_host_link;
+        let tier_preference = if host_first { TierPreference::Host } else { TierPreference::Ssd };
+        let config = PlannerConfig { tier_preference, ..PlannerConfig::default() };
+        let mut outcome = plan_teraio(&trace, &hardware, config).unwrap();
         prop_assert!(outcome.ledger.worst_overcommit_bytes() <= 1e-3);
+        if ssd_via_host_link {
+            let ledger = &outcome.ledger;
+            for channel in 0..2 {
+                for slot in 0..ledger.budget_bytes[0].len() {
+                    // Channels 0, 1: SSD write, read; 2, 3: host write, read.
+                    prop_assert!(ledger.committed_bytes[channel + 2][slot] + 1e-3 >= ledger.committed_bytes[channel][slot]);
+                }
+            }
+        }
         if ssd_shared {
             let ledger = &outcome.ledger;
             for slot in 0..ledger.budget_bytes[0].len() {
@@ -213,6 +231,59 @@ fn a_shared_ssd_serves_one_direction_at_a_time() {
     );
     assert_eq!(shared.ssd_written_bytes, apart.ssd_written_bytes);
     assert_eq!(shared.ssd_read_bytes, apart.ssd_read_bytes);
+}
+
+/// With SSD transfers over the host link, SSD traffic takes link time that host transfers
+/// would otherwise have: the same plan replays slower when the link is the bottleneck, moving the
+/// same bytes.
+#[test]
+fn ssd_transfers_over_the_host_link_take_its_time() {
+    let trace = generate(&model_preset("tiny").unwrap(), &gpu_preset("h100").unwrap()).unwrap();
+    // Both tiers in use, a link slower than the SSD so that the link is what binds.
+    let mut hardware = hardware_for(&trace, 0.4, 20, 0.05);
+    hardware.host_link_bytes_per_s = 0.02e9;
+    let plan = plan_teraio(&trace, &hardware, PlannerConfig::default()).unwrap().plan;
+    let tiers: std::collections::BTreeSet<String> = plan.migrations.iter().map(|m| format!("{:?}", m.tier)).collect();
+    assert_eq!(tiers.len(), 2, "the plan should use both tiers: {tiers:?}");
+    let apart = simulate(&trace, &hardware, Policy::Planned(&plan), SimConfig::default()).unwrap();
+    hardware.ssd_via_host_link = true;
+    let over_link = simulate(&trace, &hardware, Policy::Planned(&plan), SimConfig::default()).unwrap();
+    assert_eq!(apart.outcome, Outcome::Completed);
+    assert_eq!(over_link.outcome, Outcome::Completed);
+    assert!(
+        over_link.iteration_time_us > apart.iteration_time_us,
+        "over the link {} us vs apart {} us",
+        over_link.iteration_time_us,
+        apart.iteration_time_us
+    );
+    for (a, b) in [
+        (over_link.ssd_written_bytes, apart.ssd_written_bytes),
+        (over_link.host_written_bytes, apart.host_written_bytes),
+        (over_link.ssd_read_bytes, apart.ssd_read_bytes),
+    ] {
+        assert_eq!(a, b);
+    }
+}
+
+/// `TierPreference::Auto` keeps whichever order the simulator predicts faster.
+#[test]
+fn auto_tier_preference_keeps_the_faster_order() {
+    let trace = generate(&model_preset("tiny").unwrap(), &gpu_preset("h100").unwrap()).unwrap();
+    let mut hardware = hardware_for(&trace, 0.4, 20, 0.05);
+    hardware.host_link_bytes_per_s = 0.05e9;
+    let predict = |tier_preference| {
+        let config = PlannerConfig { tier_preference, ..PlannerConfig::default() };
+        let plan = plan_teraio(&trace, &hardware, config).unwrap().plan;
+        let report = simulate(&trace, &hardware, Policy::Planned(&plan), SimConfig::default()).unwrap();
+        assert_eq!(report.outcome, Outcome::Completed);
+        (plan, report.iteration_time_us)
+    };
+    let (ssd_plan, ssd_us) = predict(TierPreference::Ssd);
+    let (host_plan, host_us) = predict(TierPreference::Host);
+    let (auto_plan, auto_us) = predict(TierPreference::Auto);
+    assert_ne!(ssd_plan, host_plan, "the two orders should differ on this trace");
+    assert_eq!(auto_us, ssd_us.min(host_us));
+    assert!(auto_plan == ssd_plan || auto_plan == host_plan);
 }
 
 /// The ideal replay takes exactly the sum of op times.

@@ -15,7 +15,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use teraio_engine::{Error as EngineError, FormatConfig, OpenConfig, Priority, Store as EngineStore, Ticket};
-use teraio_planner::greedy::{plan_teraio, PlannerConfig};
+use teraio_planner::greedy::{plan_teraio, PlannerConfig, TierPreference};
 use teraio_planner::hardware::Hardware;
 use teraio_planner::plan::Plan;
 use teraio_planner::sim::{simulate, Policy, SimConfig};
@@ -585,6 +585,7 @@ fn hardware_from(
     ssd_latency_us: f64,
     host_latency_us: f64,
     ssd_shared: bool,
+    ssd_via_host_link: bool,
 ) -> PyResult<Hardware> {
     let ssd = ReadWriteBandwidth { read_bytes_per_s: ssd_read_bytes_per_s, write_bytes_per_s: ssd_write_bytes_per_s };
     let mut hardware = Hardware::new(gpu_memory_bytes, ssd, host_memory_bytes);
@@ -592,6 +593,7 @@ fn hardware_from(
     hardware.ssd_latency_us = ssd_latency_us;
     hardware.host_latency_us = host_latency_us;
     hardware.ssd_shared = ssd_shared;
+    hardware.ssd_via_host_link = ssd_via_host_link;
     hardware.validate().map_err(planner_err)?;
     Ok(hardware)
 }
@@ -604,7 +606,8 @@ fn hardware_from(
 #[pyfunction]
 #[pyo3(signature = (trace_json, *, gpu_memory_bytes, ssd_read_bytes_per_s, ssd_write_bytes_per_s,
     host_memory_bytes=0, host_link_bytes_per_s=25e9, ssd_latency_us=20.0, host_latency_us=10.0,
-    reserve_bytes=0, prefetch_slack=1.0, movable_kinds=None, ssd_shared=false))]
+    reserve_bytes=0, prefetch_slack=1.0, movable_kinds=None, ssd_shared=false, ssd_via_host_link=false,
+    tier_preference="ssd"))]
 #[allow(clippy::too_many_arguments)]
 fn plan(
     py: Python<'_>,
@@ -620,6 +623,8 @@ fn plan(
     prefetch_slack: f64,
     movable_kinds: Option<Vec<String>>,
     ssd_shared: bool,
+    ssd_via_host_link: bool,
+    tier_preference: &str,
 ) -> PyResult<String> {
     let mut trace = parse_trace(trace_json)?;
     if let Some(kinds) = movable_kinds {
@@ -635,11 +640,22 @@ fn plan(
         ssd_latency_us,
         host_latency_us,
         ssd_shared,
+        ssd_via_host_link,
     )?;
     if !(prefetch_slack.is_finite() && prefetch_slack >= 0.0) {
         return Err(PyValueError::new_err("prefetch_slack must be a finite number >= 0"));
     }
-    let config = PlannerConfig { reserve_bytes, prefetch_slack, ..PlannerConfig::default() };
+    let tier_preference = match tier_preference {
+        "ssd" => TierPreference::Ssd,
+        "host" => TierPreference::Host,
+        "auto" => TierPreference::Auto,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "tier_preference must be \"ssd\", \"host\" or \"auto\", not {other:?}"
+            )))
+        }
+    };
+    let config = PlannerConfig { reserve_bytes, prefetch_slack, tier_preference, ..PlannerConfig::default() };
     py.allow_threads(move || {
         let started = std::time::Instant::now();
         let outcome = plan_teraio(&trace, &hardware, config).map_err(planner_err)?;
@@ -675,7 +691,8 @@ fn plan(
 /// Replays a trace under a plan (JSON plan file text) and returns the simulator's report as JSON.
 #[pyfunction]
 #[pyo3(signature = (trace_json, plan_json, *, gpu_memory_bytes, ssd_read_bytes_per_s, ssd_write_bytes_per_s,
-    host_memory_bytes=0, host_link_bytes_per_s=25e9, ssd_latency_us=20.0, host_latency_us=10.0, ssd_shared=false))]
+    host_memory_bytes=0, host_link_bytes_per_s=25e9, ssd_latency_us=20.0, host_latency_us=10.0, ssd_shared=false,
+    ssd_via_host_link=false))]
 #[allow(clippy::too_many_arguments)]
 fn simulate_plan(
     py: Python<'_>,
@@ -689,6 +706,7 @@ fn simulate_plan(
     ssd_latency_us: f64,
     host_latency_us: f64,
     ssd_shared: bool,
+    ssd_via_host_link: bool,
 ) -> PyResult<String> {
     let trace = parse_trace(trace_json)?;
     let plan: Plan =
@@ -703,6 +721,7 @@ fn simulate_plan(
         ssd_latency_us,
         host_latency_us,
         ssd_shared,
+        ssd_via_host_link,
     )?;
     py.allow_threads(move || {
         let report = simulate(&trace, &hardware, Policy::Planned(&plan), SimConfig::default()).map_err(planner_err)?;

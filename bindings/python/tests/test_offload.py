@@ -133,4 +133,8 @@ def test_report_text_mentions_figures() -> None:
     _, _, report, _ = _offloaded_run(gpu_memory=peak - activations // 2, host_memory=1 << 30)
     text = str(report)
     assert "measured" in text and "predicted" in text and "offloaded per iteration" in text
-    assert "phases: forward" in text and set(report.phases_ms) == {"forward", "backward", "step"}
+    assert "phases: between" in text and set(report.phases_ms) == {"between", "forward", "backward", "step"}
+    assert "host time in teraio per iteration: hooks" in text
+    host = report.host_ms_per_iteration
+    assert host["hooks"] > 0 and host["before step"] >= 0 and host["after step"] >= 0
+    assert host["of which copy waits"] <= host["hooks"] and host["of which SSD waits"] <= host["hooks"]

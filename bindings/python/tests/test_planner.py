@@ -130,3 +130,23 @@ def test_parse_size() -> None:
     assert teraio.parse_size(4096) == 4096
     with pytest.raises(ValueError):
         teraio.parse_size("lots")
+
+
+def test_tier_preference_and_ssd_over_the_host_link() -> None:
+    common = dict(gpu_memory="130MiB", ssd_read_bandwidth="6.5GB/s", host_memory="1GiB")
+    ssd_first = teraio.plan(_trace(), tier_preference="ssd", **common)
+    host_first = teraio.plan(_trace(), tier_preference="host", **common)
+    tiers = {r["plan"]["migrations"][0]["tier"] for r in (ssd_first, host_first)}
+    assert tiers == {"ssd", "host"}
+    auto = teraio.plan(_trace(), tier_preference="auto", ssd_via_host_link=True, **common)
+    assert auto["prediction"]["fits"]
+    with pytest.raises(ValueError, match="tier_preference"):
+        teraio.plan(_trace(), tier_preference="fastest", **common)
+
+
+def test_offload_refuses_an_unknown_tier_preference() -> None:
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="tier_preference"):
+        teraio.offload(model, optimizer, gpu_memory="1GiB", tier_preference="fastest")

@@ -112,6 +112,8 @@ def plan(
     prefetch_slack: float = 1.0,
     movable_kinds: Optional[list[str]] = None,
     ssd_shared: bool = False,
+    ssd_via_host_link: bool = False,
+    tier_preference: str = "ssd",
 ) -> str: ...
 def simulate_plan(
     trace_json: str,
@@ -125,5 +127,6 @@ def simulate_plan(
     ssd_latency_us: float = 20.0,
     host_latency_us: float = 10.0,
     ssd_shared: bool = False,
+    ssd_via_host_link: bool = False,
 ) -> str: ...
 def validate_trace(trace_json: str) -> None: ...

@@ -54,6 +54,8 @@ class TransferStats:
     kept: int = 0
     plan_mismatches: int = 0
     host_cap_demotions: int = 0
+    #: Host time spent inside the pack and unpack hooks (the waits above included).
+    hook_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -119,6 +121,23 @@ class _Packed:
 def _join_copy(device: torch.device, event: Any) -> None:
     """Orders the compute stream after a copy into memory it is about to get back."""
     torch.cuda.current_stream(device).wait_event(event)
+
+
+def copy_on_stream(
+    stream: Any, device: torch.device, target: torch.Tensor, source: torch.Tensor, after: Any = None
+) -> Any:
+    """Copies `source` into `target` on a side stream once the compute work queued so far (and
+    the copy event `after`, if given: the other direction's copy of the same bytes) is done;
+    returns the copy's CUDA event. The caller decides how the memory outlives the copy
+    (`record_stream`, or compute waiting on the event)."""
+    stream.wait_stream(torch.cuda.current_stream(device))
+    if after is not None:
+        stream.wait_event(after)
+    with torch.cuda.stream(stream):
+        target.copy_(source, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(stream)
+    return event
 
 
 def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -233,8 +252,12 @@ class ActivationExecutor:
         event_index = self._event_index
         self._event_index += 1
         tensor_id = self.profiler.note_pack(tensor) if self.profiler is not None else None
-        with self._quiet():
-            return self._pack(tensor, pack_index, event_index, tensor_id)
+        started = time.perf_counter()
+        try:
+            with self._quiet():
+                return self._pack(tensor, pack_index, event_index, tensor_id)
+        finally:
+            self.stats.hook_s += time.perf_counter() - started
 
     def _pack(self, tensor: torch.Tensor, pack_index: int, event_index: int, tensor_id: Optional[int]) -> Any:
         self._pump(wait=False)
@@ -280,8 +303,12 @@ class ActivationExecutor:
             else:
                 tensor_id = packed.tensor_id
             self.profiler.note_unpack(tensor_id, getattr(packed, "pack_index", -1))
-        with self._quiet():
-            return self._unpack(packed, event_index)
+        started = time.perf_counter()
+        try:
+            with self._quiet():
+                return self._unpack(packed, event_index)
+        finally:
+            self.stats.hook_s += time.perf_counter() - started
 
     def _quiet(self) -> Any:
         """Keeps the executor's own copies out of a running profiler's trace."""
@@ -347,11 +374,7 @@ class ActivationExecutor:
         self.stats.offloaded_bytes[slot.tier] += slot.nbytes
         if self.cuda:
             self._throttle(slot.nbytes)
-            self.d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.d2h_stream):
-                slot.host.copy_(source, non_blocking=True)
-                slot.d2h_event = torch.cuda.Event()
-                slot.d2h_event.record(self.d2h_stream)
+            slot.d2h_event = copy_on_stream(self.d2h_stream, self.device, slot.host, source)
             source.record_stream(self.d2h_stream)
             self._inflight.append((slot.d2h_event, slot.nbytes))
             self._inflight_bytes += slot.nbytes
@@ -462,13 +485,7 @@ class ActivationExecutor:
         gpu = slot.gpu
         host = slot.host
         assert gpu is not None and host is not None
-        self.h2d_stream.wait_stream(torch.cuda.current_stream(self.device))
-        if slot.d2h_event is not None:
-            self.h2d_stream.wait_event(slot.d2h_event)
-        with torch.cuda.stream(self.h2d_stream):
-            gpu.copy_(host, non_blocking=True)
-            slot.h2d_event = torch.cuda.Event()
-            slot.h2d_event.record(self.h2d_stream)
+        slot.h2d_event = copy_on_stream(self.h2d_stream, self.device, gpu, host, after=slot.d2h_event)
         # No `record_stream` here: it would hold the block, once backward frees it, until every
         # copy queued on the prefetch stream by then is done (often most of the backward pass's
         # prefetches), and a full allocator then blocks. Compute instead waits for this copy

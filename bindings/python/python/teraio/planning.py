@@ -48,6 +48,8 @@ def plan(
     prefetch_slack: float = 1.0,
     movable_kinds: Optional[Sequence[str]] = None,
     ssd_shared: bool = False,
+    ssd_via_host_link: bool = False,
+    tier_preference: str = "ssd",
 ) -> dict[str, Any]:
     """Plans migrations for a trace (docs/trace.md) so that it fits in `gpu_memory`.
 
@@ -55,6 +57,10 @@ def plan(
     plan to tensor kinds the runtime can move (e.g. `["activation"]`); the others keep their
     memory. `ssd_shared`: the SSD's reads and writes share its time (one disk serves one request
     after another); the two bandwidths are then what each direction gets alone.
+    `ssd_via_host_link`: SSD transfers also cross the host link (staged in pinned host memory,
+    as `teraio.offload` does), so SSD bytes take host-link bandwidth too. `tier_preference`:
+    which tier a period goes to when both can take it: "ssd" (the paper), "host", or "auto"
+    (plan both ways and keep the plan the simulator predicts faster).
     Returns `{"plan": <plan, docs/planner.md>, "prediction": {...}}` where the prediction
     holds the simulated iteration time, stalls, peak and bytes per tier.
     """
@@ -74,6 +80,8 @@ def plan(
         prefetch_slack=prefetch_slack,
         movable_kinds=list(movable_kinds) if movable_kinds is not None else None,
         ssd_shared=ssd_shared,
+        ssd_via_host_link=ssd_via_host_link,
+        tier_preference=tier_preference,
     )
     return json.loads(result)
 

@@ -55,8 +55,14 @@ class Report:
     state_bytes_per_iteration: dict[str, dict[str, int]] = field(default_factory=dict)
     #: Parameters moved between the passes, per iteration (same shape).
     parameter_bytes_per_iteration: dict[str, dict[str, int]] = field(default_factory=dict)
-    #: Median of the planned iterations, ms: {"forward"|"backward"|"step": {"measured", "profiled"}}.
+    #: Median of the planned iterations, ms: {"forward"|"backward"|"step": {"measured", "profiled"}},
+    #: and "between" (from one step's end to the next forward pass; the profile has no ops there).
     phases_ms: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: Host time inside teraio per planned iteration, ms: the saved-tensor hooks (and of that,
+    #: waits for device-to-host copies in flight and for SSD reads/writes), before and after the
+    #: step. Host time the GPU did not wait for costs nothing; a blocked host that lets the GPU
+    #: run dry does.
+    host_ms_per_iteration: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items()}
@@ -101,6 +107,11 @@ class Report:
                     for name, v in self.phases_ms.items()
                 )
             )
+        if self.host_ms_per_iteration:
+            lines.append(
+                "  host time in teraio per iteration: "
+                + ", ".join(f"{name} {v:.1f} ms" for name, v in self.host_ms_per_iteration.items())
+            )
         if self.plan_summary.get("fits") is False:
             lines.append(f"  plan: does not fit the budget ({self.plan_summary.get('outcome')})")
         lines.append("  stalls: " + ", ".join(f"{k} {v}" for k, v in self.stalls.items()))
@@ -132,7 +143,14 @@ class offload:
             True; the planner moves it only where that pays).
         offload_parameters: let the plan also move parameters between their last forward use
             and their first backward use (default False: tested on the CPU device only so far).
+        tier_preference: the tier the planner fills first when a period fits both: "auto" (the
+            default: plan both ways, keep the one the simulator predicts faster), "host" or
+            "ssd" (the paper's order). The planner always counts SSD transfers against the host
+            link too, because this runtime stages them through pinned host memory.
         trace_path / plan_path: where to write the trace and the plan (JSON), if given.
+        sync_each_step: synchronize the device after each step (default False: the copies
+            issued at the step, such as optimizer state going out, then overlap with the next
+            forward pass).
     """
 
     def __init__(
@@ -152,12 +170,13 @@ class offload:
         max_inflight_bytes: Union[int, str] = 2 << 30,
         trace_path: Optional[str] = None,
         plan_path: Optional[str] = None,
-        sync_each_step: bool = True,
+        sync_each_step: bool = False,
         offload_optimizer_state: bool = True,
         ssd_shared: bool = False,
         prefetch_slack: float = 1.0,
         op_time_scale: float = 1.0,
         offload_parameters: bool = False,
+        tier_preference: str = "auto",
     ) -> None:
         first = next(iter(model.parameters()))
         self.device = first.device
@@ -196,6 +215,9 @@ class offload:
         self.ssd_shared = ssd_shared
         self.prefetch_slack = prefetch_slack
         self.op_time_scale = op_time_scale
+        if tier_preference not in ("auto", "host", "ssd"):
+            raise ValueError(f'tier_preference must be "auto", "host" or "ssd", not {tier_preference!r}')
+        self.tier_preference = tier_preference
         self.state = StateExecutor(
             self.device,
             store=store,
@@ -219,6 +241,10 @@ class offload:
         # driver objects, so none is kept past its iteration).
         self._phase_marks: list[dict[str, Any]] = []
         self._phase_times: list[dict[str, float]] = []
+        # Host seconds inside `before_step` / `after_step` (cumulative; the hooks' time is in
+        # the executor's stats).
+        self._host_s = {"before_step": 0.0, "after_step": 0.0}
+        self._host_s_at_plan: dict[str, float] = {}
         self.profiler: Optional[Profiler] = None
         self.trace: Optional[dict[str, Any]] = None
         self.plan_result: Optional[dict[str, Any]] = None
@@ -269,7 +295,8 @@ class offload:
             self.executor.profiler = self.profiler
             self.profiler.start()
         self._step_started = time.perf_counter()
-        self._marks = {}
+        previous_end = self._marks.get("end")
+        self._marks = {} if previous_end is None else {"previous_end": previous_end}
         self._mark("forward")
 
     def _on_event(self, event_index: int) -> None:
@@ -296,21 +323,24 @@ class offload:
             if not isinstance(end, float) and not wait and not end.query():
                 return
             self._phase_marks.pop(0)
-            names = [n for n in ("forward", "backward", "step", "end") if n in marks]
+            names = [n for n in ("previous_end", "forward", "backward", "step", "end") if n in marks]
             times: dict[str, float] = {}
             for a, b in zip(names, names[1:]):
                 first, second = marks[a], marks[b]
+                name = "between" if a == "previous_end" else a
                 if isinstance(first, float):
-                    times[a] = (second - first) * 1e3
+                    times[name] = (second - first) * 1e3
                 else:
                     second.synchronize()
-                    times[a] = float(first.elapsed_time(second))
+                    times[name] = float(first.elapsed_time(second))
             self._phase_times.append(times)
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._mark("step")
+        started = time.perf_counter()
         self.params.before_step()
         self.state.before_step()
+        self._host_s["before_step"] += time.perf_counter() - started
         if self.profiler is not None and self.profiler._mode is not None:
             self.profiler.before_step()
 
@@ -318,8 +348,10 @@ class offload:
         self._mark("end")
         self._phase_marks.append(self._marks)
         self._collect_phases(wait=False)
+        started = time.perf_counter()
         self.state.after_step()
         self.executor.end_iteration()
+        self._host_s["after_step"] += time.perf_counter() - started
         if self.sync_each_step and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._step_times_ms.append((time.perf_counter() - self._step_started) * 1e3)
@@ -335,6 +367,7 @@ class offload:
             self._state_stats_at_plan = self.state.stats.as_dict()
             self._param_stats_at_plan = self.params.stats.as_dict()
             self.state.after_step()
+            self._host_s_at_plan = dict(self._host_s)
         self.step += 1
         self._begin_iteration()
 
@@ -369,6 +402,9 @@ class offload:
             reserve=self.reserve_bytes,
             movable_kinds=movable,
             ssd_shared=self.ssd_shared,
+            # Every SSD-tier transfer is staged through pinned host memory (executor, state).
+            ssd_via_host_link=True,
+            tier_preference=self.tier_preference,
             prefetch_slack=self.prefetch_slack,
         )
         if self.store is None:
@@ -453,7 +489,24 @@ class offload:
             state_bytes_per_iteration=state_per_iteration,
             parameter_bytes_per_iteration=param_per_iteration,
             phases_ms=self._phases_summary(),
+            host_ms_per_iteration=self._host_summary(stats, count),
         )
+
+    def _host_summary(self, stats: dict[str, Any], count: int) -> dict[str, float]:
+        if self._planned_from_step is None:
+            return {}
+        base = self._stats_at_plan or {}
+
+        def per_iteration_ms(now: dict[str, Any], before: dict[str, Any], key: str) -> float:
+            return (now[key] - before.get(key, 0.0)) * 1e3 / count
+
+        return {
+            "hooks": per_iteration_ms(stats, base, "hook_s"),
+            "of which copy waits": per_iteration_ms(stats, base, "inflight_wait_s"),
+            "of which SSD waits": per_iteration_ms(stats, base, "ssd_wait_s"),
+            "before step": per_iteration_ms(self._host_s, self._host_s_at_plan, "before_step"),
+            "after step": per_iteration_ms(self._host_s, self._host_s_at_plan, "after_step"),
+        }
 
     def _phases_summary(self) -> dict[str, dict[str, float]]:
         if self._planned_from_step is None or self.trace is None:
@@ -464,7 +517,7 @@ class offload:
             phase = {"optimizer": "step", "other": "step"}.get(op["phase"], op["phase"])
             profiled[phase] = profiled.get(phase, 0.0) + op["duration_us"] / 1e3
         summary = {}
-        for name in ("forward", "backward", "step"):
+        for name in ("between", "forward", "backward", "step"):
             values = [times[name] for times in planned if name in times]
             if values:
                 summary[name] = {"measured": statistics.median(values), "profiled": profiled.get(name, 0.0)}

@@ -34,7 +34,7 @@ from typing import Any, Optional
 
 import torch
 
-from .executor import HOST, SSD, _flat_bytes
+from .executor import HOST, SSD, _flat_bytes, copy_on_stream
 from .store import Store
 
 
@@ -153,10 +153,6 @@ class StateExecutor:
         self.poll()
 
     def _move_out(self, indices: list[int]) -> None:
-        if not indices:
-            return
-        if self.cuda:
-            self.d2h_stream.wait_stream(torch.cuda.current_stream(self.device))
         for index in indices:
             if self.slots[index].resident:
                 self._offload(self.slots[index])
@@ -167,12 +163,9 @@ class StateExecutor:
         if slot.host is None:
             slot.host = torch.empty(slot.nbytes, dtype=torch.uint8, pin_memory=self.cuda)
         if self.cuda:
-            with torch.cuda.stream(self.d2h_stream):
-                slot.host.copy_(source, non_blocking=True)
+            slot.d2h_event = copy_on_stream(self.d2h_stream, self.device, slot.host, source)
             # The allocator keeps the block until the copy has read it.
             source.record_stream(self.d2h_stream)
-            slot.d2h_event = torch.cuda.Event()
-            slot.d2h_event.record(self.d2h_stream)
         else:
             slot.host.copy_(source)
         del source
@@ -294,15 +287,8 @@ class StateExecutor:
         target = _flat_bytes(slot.tensor)
         slot.resident = True
         if self.cuda:
-            self.h2d_stream.wait_stream(torch.cuda.current_stream(self.device))
-            if slot.d2h_event is not None:
-                self.h2d_stream.wait_event(slot.d2h_event)
-            with torch.cuda.stream(self.h2d_stream):
-                target.copy_(host, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self.h2d_stream)
+            slot.restore = copy_on_stream(self.h2d_stream, self.device, target, host, after=slot.d2h_event)
             target.record_stream(self.h2d_stream)
-            slot.restore = event
         else:
             target.copy_(host)
 
