@@ -2,7 +2,8 @@
 # The GPU machine's checks and benchmark in one call (docs/python.md):
 #   benches/torch/run-gpu.sh probe        # setup check: CUDA tests + a small run of each mode (~2 min)
 #   benches/torch/run-gpu.sh full         # CUDA tests + ideal, teraio, save_on_cpu, torchtune at the cap
-#                                         #   (half the ideal peak), batch 8 with and without teraio (~7 min)
+#                                         #   (half the ideal peak), batch 8 with and without teraio (~7 min;
+#                                         #   NOTESTS=1 leaves the tests out)
 #   benches/torch/run-gpu.sh rerun        # full without the two baselines, plus DeepSpeed ZeRO-Infinity (NVMe)
 #   benches/torch/run-gpu.sh final [CAP]  # CUDA tests, teraio at CAP GiB, DeepSpeed ZeRO-3 with CPU offload
 #   benches/torch/run-gpu.sh deepspeed [CAP]
@@ -40,7 +41,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, transformers, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__)'
 df -hT /root | tail -1; free -g | head -2
 
-if [ "$what" = probe ] || [ "$what" = full ] || [ "$what" = tune ]; then
+if { [ "$what" = probe ] || [ "$what" = full ] || [ "$what" = tune ]; } && [ -z "${NOTESTS:-}" ]; then
   WORK=/root/teraio-work; mkdir -p "$WORK"
   . benches/gpu/cufile-compat.sh   # for the tests of the cuFile path
   python3 -c 'import teraio; print(teraio.gpu_probe())'
