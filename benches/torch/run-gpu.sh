@@ -19,7 +19,8 @@
 #   benches/torch/run-gpu.sh variants [CAP]  # teraio: default, prefetch slack 4, op times x0.87, both
 #   benches/torch/run-gpu.sh baselines [CAP]  # save_on_cpu, torchtune, batch 8 without and with teraio
 #   benches/torch/run-gpu.sh compare      # all Python tests, ideal, then teraio at the cap once per
-#                                         #   VARIANTS entry (';'-separated bench_llama options; ~7 min)
+#                                         #   VARIANTS entry (';'-separated bench_llama options; ~7 min;
+#                                         #   NOTESTS=1: no tests; CAP=22.53: no ideal run, that cap)
 # Needs .whl-py/ (ignored by git; carry it): the teraio wheel built on the dev machine
 # (`maturin build --release --strip -m bindings/python/Cargo.toml -o .whl-py`), torchtune 0.6.1,
 # and .whl-py/ds/: DeepSpeed 0.19.8 (built with `pip wheel --no-deps`) and its dependencies.
@@ -128,12 +129,17 @@ fi
 
 if [ "$what" = compare ]; then
   WORK=/root/teraio-work; mkdir -p "$WORK"; . benches/gpu/cufile-compat.sh > /dev/null
-  timeout 150 python3 -m pytest -q -p no:cacheprovider bindings/python/tests 2>&1 | tee "$OUT/pytest.log" | tail -3
-  timeout 90 python3 $B/bench_llama.py --mode ideal --steps 15 > "$OUT/c-0-ideal.log" 2>&1; tail -1 "$OUT/c-0-ideal.log" | cut -c1-200
-  CAP=$(python3 -c "
+  if [ -z "${NOTESTS:-}" ]; then
+    timeout 150 python3 -m pytest -q -p no:cacheprovider bindings/python/tests 2>&1 | tee "$OUT/pytest.log" | tail -3
+  fi
+  if [ -z "${CAP:-}" ]; then
+    timeout 90 python3 $B/bench_llama.py --mode ideal --steps 15 > "$OUT/c-0-ideal.log" 2>&1
+    tail -1 "$OUT/c-0-ideal.log" | cut -c1-200
+    CAP=$(python3 -c "
 import json
 r=[json.loads(l[7:]) for l in open('$OUT/c-0-ideal.log') if l.startswith('RESULT ')][0]
 print(round(r['peak_bytes']/2**30/2, 2) if 'peak_bytes' in r else 22.5)")
+  fi
   echo "== cap = half of the ideal peak: $CAP GiB"; echo "$CAP" > "$OUT/cap.txt"
   n=0
   IFS=';' read -ra variants <<< "${VARIANTS:-;--reserve-gib 2;--offload-parameters;--tier-preference host}"
@@ -141,7 +147,7 @@ print(round(r['peak_bytes']/2**30/2, 2) if 'peak_bytes' in r else 22.5)")
     n=$((n + 1))
     [ $SECONDS -gt 500 ] && { echo "== variant $n skipped: out of time"; continue; }
     timeout $((590 - SECONDS)) python3 $B/bench_llama.py --mode teraio --steps ${STEPS:-20} --cap-gib "$CAP" $variant \
-      --out-dir "$OUT/v$n" > "$OUT/c-$n.log" 2>&1
+      > "$OUT/c-$n.log" 2>&1
     echo "== variant $n: ${variant:-default}"
     grep -v RESULT "$OUT/c-$n.log" | grep -E "iteration:|peak GPU|per iteration|phases|host time|stalls|Error" | tail -12
   done

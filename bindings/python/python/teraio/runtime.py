@@ -255,6 +255,9 @@ class offload:
         self._step_times_ms: list[float] = []
         self._planned_from_step: Optional[int] = None
         self._peaks: list[int] = []
+        # The CUDA caching allocator's retries (it hit the cap, freed its cache, which waits for
+        # the device, and tried again) when the plan was installed.
+        self._alloc_retries_at_plan = 0
         self._stats_at_plan: Optional[dict[str, Any]] = None
         self._state_stats_at_plan: Optional[dict[str, Any]] = None
         self._param_stats_at_plan: Optional[dict[str, Any]] = None
@@ -368,8 +371,14 @@ class offload:
             self._param_stats_at_plan = self.params.stats.as_dict()
             self.state.after_step()
             self._host_s_at_plan = dict(self._host_s)
+            self._alloc_retries_at_plan = self._alloc_retries()
         self.step += 1
         self._begin_iteration()
+
+    def _alloc_retries(self) -> int:
+        if self.device.type != "cuda":
+            return 0
+        return int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
 
     # -- planning ------------------------------------------------------------------------------
 
@@ -451,6 +460,8 @@ class offload:
         )
         stalls = {k: stats[k] - (self._stats_at_plan or {}).get(k, 0) for k in stall_keys}
         stalls["plan_mismatches"] = stats["plan_mismatches"]
+        if self.device.type == "cuda" and self._planned_from_step is not None:
+            stalls["allocator_retries"] = self._alloc_retries() - self._alloc_retries_at_plan
         for key in ("prefetches_on_demand", "step_wait_s"):
             stalls[f"state_{key}"] = state[key] - (self._state_stats_at_plan or {}).get(key, 0)
         if self.offload_parameters:
