@@ -236,7 +236,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # The measured figures are each direction alone: a store device serves reads and
             # writes one after another.
             ssd_shared=True,
-            host_link_bandwidth=min(d2h, h2d) * 0.9,
+            host_link_bandwidth=min(d2h, h2d) * args.link_scale,
             reserve=int(args.reserve_gib * GIB),
             max_inflight_bytes=int(args.max_inflight_gib * GIB),
             offload_optimizer_state=not args.no_state_offload,
@@ -244,6 +244,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             prefetch_slack=args.prefetch_slack,
             op_time_scale=args.op_time_scale,
             tier_preference=args.tier_preference,
+            recompute=args.recompute,
             trace_path=os.path.join(args.out_dir, f"trace-b{args.batch}.json") if args.out_dir else None,
             plan_path=os.path.join(args.out_dir, f"plan-b{args.batch}.json") if args.out_dir else None,
         )
@@ -337,6 +338,15 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         choices=["auto", "host", "ssd"],
         help="teraio.offload(tier_preference=)",
+    )
+    parser.add_argument(
+        "--recompute", default="auto", choices=["auto", "on", "off"], help="teraio.offload(recompute=)"
+    )
+    parser.add_argument(
+        "--link-scale",
+        type=float,
+        default=0.9,
+        help="the planner's host-link bandwidth: this times the slower measured direction",
     )
     parser.add_argument("--out-dir", default="")
     args = parser.parse_args(argv)

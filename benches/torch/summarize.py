@@ -59,6 +59,8 @@ def main() -> None:
             peak = rep.get("peak_gpu_bytes") or peak
             off = rep["bytes_per_iteration"]["offloaded"]
             moved = f"{off['host'] / GIB:.1f}, {off['ssd'] / GIB:.2f} GiB"
+            if rep.get("recomputed_bytes_per_iteration"):
+                moved += f" ({rep['recomputed_bytes_per_iteration'] / GIB:.1f} GiB recomputed)"
             s = rep["stalls"]
             stalls = (
                 f"{s['prefetches_on_demand']} late, ssd wait {s['ssd_wait_s']:.2f} s, "

@@ -17,6 +17,11 @@ SSD tier: the device-to-host copy lands in a pinned buffer, then the engine writ
 (`Store.put_address`, asynchronous); reads come back into a pinned buffer and are copied up. When
 the engine's GPU path lands, `_CudaMover.to_tier`/`from_tier` are the seam to replace.
 
+Recomputation (`teraio.recompute`): a saved tensor the plan marks "recompute" is not copied at
+all; the executor keeps the handles of its sources (earlier saves, parameters, captured module
+inputs) and, when backward unpacks it, runs its recipe on the compute stream (sources that were
+offloaded are fetched first). Its memory is free from the end of the forward pass until then.
+
 On a CPU "device" the same logic runs with synchronous copies (for tests and CPU-only stacks).
 """
 
@@ -33,10 +38,12 @@ from typing import Any, Callable, Optional
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .recompute import Recipe, Source
 from .store import Store
 
 HOST = "host"
 SSD = "ssd"
+RECOMPUTE = "recompute"
 
 
 @dataclass
@@ -56,6 +63,11 @@ class TransferStats:
     host_cap_demotions: int = 0
     #: Host time spent inside the pack and unpack hooks (the waits above included).
     hook_s: float = 0.0
+    #: Saved storages dropped at the save and made again in backward, their bytes, and the
+    #: host time spent issuing their ops.
+    recomputed: int = 0
+    recomputed_bytes: int = 0
+    recompute_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -69,6 +81,8 @@ class PackDecision:
     size_bytes: int
     tier: Optional[str]
     prefetch_event: Optional[int] = None
+    #: For tier RECOMPUTE: how to make it again.
+    recipe: Optional[Recipe] = None
 
 
 class _Slot:
@@ -86,6 +100,8 @@ class _Slot:
         "h2d_event",
         "weak",
         "key",
+        "recipe",
+        "bound",
         "__weakref__",
     )
 
@@ -101,6 +117,8 @@ class _Slot:
         self.h2d_event: Any = None
         self.weak: Any = None
         self.key: Any = None
+        self.recipe: Optional[Recipe] = None
+        self.bound: Optional[dict[Source, Any]] = None
 
 
 class _Packed:
@@ -191,6 +209,12 @@ class ActivationExecutor:
         self._inflight_bytes = 0
         self._host_in_use = 0
         self._written_objects: set[int] = set()
+        # Recomputation: the saved tensors recipes read (their first save's handle is kept until
+        # backward starts), the handles kept this iteration, and parameters/buffers by trace id.
+        self._capture_ids: set[int] = set()
+        self._sources: dict[Source, Any] = {}
+        self.weight_sources: dict[int, torch.Tensor] = {}
+        self._materializing = 0
         if self.cuda:
             self.d2h_stream = torch.cuda.Stream(device)
             self.h2d_stream = torch.cuda.Stream(device)
@@ -207,9 +231,16 @@ class ActivationExecutor:
         """
         self.decisions = decisions
         self.prefetch_at_event = {}
+        self._capture_ids = {
+            source.tensor_id
+            for decision in decisions
+            if decision.recipe is not None
+            for source in decision.recipe.sources
+            if source.kind == "saved"
+        }
         host_bytes = 0
         for index, decision in enumerate(decisions):
-            if decision.tier == HOST:
+            if decision.tier == HOST and decision.recipe is None:
                 if host_bytes + decision.size_bytes > self.host_memory_bytes:
                     decision.tier = SSD if self.store is not None else None
                     self.stats.host_cap_demotions += 1
@@ -226,6 +257,11 @@ class ActivationExecutor:
         self._event_index = 0
         self._slots_by_pack.clear()
         self._dedup.clear()
+        self._sources.clear()
+
+    def capture(self, source: Source, tensor: torch.Tensor) -> None:
+        """Keeps `tensor` (a module input a recipe reads) until backward starts."""
+        self._sources.setdefault(source, tensor)
 
     def live_slots(self) -> int:
         """Offloaded storages of this iteration still held by autograd (0 after backward)."""
@@ -264,6 +300,14 @@ class ActivationExecutor:
         self._issue_prefetches(event_index)
         if self.on_event is not None:
             self.on_event(event_index)
+        handle = self._pack_storage(tensor, pack_index, tensor_id)
+        if self._capture_ids and self.decisions is not None and pack_index < len(self.decisions):
+            planned_id = self.decisions[pack_index].tensor_id
+            if planned_id in self._capture_ids:
+                self._sources.setdefault(Source("saved", planned_id), handle)
+        return handle
+
+    def _pack_storage(self, tensor: torch.Tensor, pack_index: int, tensor_id: Optional[int]) -> Any:
         storage = tensor.untyped_storage()
         nbytes = storage.nbytes()
         if tensor.device != self.device or nbytes < self.min_bytes or isinstance(tensor, torch.nn.Parameter):
@@ -283,7 +327,19 @@ class ActivationExecutor:
         slot = _Slot(tier, nbytes, self.object_id_base + pack_index)
         slot.weak = StorageWeakRef(storage)
         slot.key = key
-        self._offload(slot, tensor)
+        if tier == RECOMPUTE:
+            assert self.decisions is not None
+            recipe = self.decisions[pack_index].recipe
+            bound = self._bind(recipe) if recipe is not None else None
+            if bound is None:
+                self.stats.plan_mismatches += 1
+                self.stats.kept += 1
+                return tensor
+            slot.recipe, slot.bound = recipe, bound
+            self.stats.recomputed += 1
+            self.stats.recomputed_bytes += nbytes
+        else:
+            self._offload(slot, tensor)
         self._dedup[key] = weakref.ref(slot)
         self._slots_by_pack[pack_index] = weakref.ref(slot)
         return _Packed(slot, tensor, pack_index, tensor_id)
@@ -293,6 +349,8 @@ class ActivationExecutor:
         self._event_index += 1
         if not self._unpacked:
             self._unpacked = True
+            # Forward is over: every recipe holds its own sources now.
+            self._sources.clear()
             if self.on_backward is not None:
                 self.on_backward()
         if self.profiler is not None:
@@ -324,18 +382,61 @@ class ActivationExecutor:
         if isinstance(packed, torch.Tensor):
             return packed
         slot = packed.slot
-        if slot.gpu is None:
-            self.stats.prefetches_on_demand += 1
-            self._prefetch(slot)
-        self._await(slot)
-        gpu = slot.gpu
-        assert gpu is not None
+        gpu = self._restore(slot)
         view = torch.empty(0, dtype=packed.dtype, device=self.device)
         view.set_(gpu.untyped_storage(), packed.offset, packed.size, packed.stride)
         if self.profiler is not None and packed.tensor_id is not None:
             # Backward's uses of the restored copy are uses of the saved tensor.
             self.profiler.alias(view, packed.tensor_id)
         return view
+
+    def _restore(self, slot: _Slot) -> torch.Tensor:
+        """The slot's storage on the device (as bytes), fetched or recomputed if it is not there."""
+        if slot.gpu is None:
+            if slot.tier == RECOMPUTE:
+                self._materialize(slot)
+            else:
+                self.stats.prefetches_on_demand += 1
+                self._prefetch(slot)
+        self._await(slot)
+        assert slot.gpu is not None
+        return slot.gpu
+
+    # -- recomputation -------------------------------------------------------------------------
+
+    def _bind(self, recipe: Recipe) -> Optional[dict[Source, Any]]:
+        """This iteration's handles of the recipe's sources (None: one is missing)."""
+        bound: dict[Source, Any] = {}
+        for source in recipe.sources:
+            if source.kind == "weight":
+                handle = self.weight_sources.get(source.tensor_id)
+            else:
+                handle = self._sources.get(source)
+            if handle is None:
+                return None
+            bound[source] = handle
+        return bound
+
+    def _materialize(self, slot: _Slot) -> None:
+        """Runs the slot's recipe on the compute stream; then lets go of its sources."""
+        recipe, bound = slot.recipe, slot.bound
+        assert recipe is not None and bound is not None
+        started = time.perf_counter()
+        self._materializing += 1
+        try:
+            with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
+                out = recipe.run(lambda source: self._source_storage(bound[source]), self.device)
+        finally:
+            self._materializing -= 1
+        slot.gpu = _flat_bytes(out)
+        slot.recipe = slot.bound = None
+        if not self._materializing:
+            self.stats.recompute_s += time.perf_counter() - started
+
+    def _source_storage(self, handle: Any) -> Any:
+        if isinstance(handle, _Packed):
+            return self._restore(handle.slot).untyped_storage()
+        return handle.untyped_storage()
 
     # -- policy --------------------------------------------------------------------------------
 
@@ -446,7 +547,7 @@ class ActivationExecutor:
         for pack_index in indices:
             slot_ref = self._slots_by_pack.get(pack_index)
             slot = slot_ref() if slot_ref is not None else None
-            if slot is None or slot.gpu is not None:
+            if slot is None or slot.gpu is not None or slot.tier == RECOMPUTE:
                 continue
             self.stats.prefetches_planned += 1
             self._prefetch(slot)

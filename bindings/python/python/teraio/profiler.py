@@ -27,6 +27,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .recompute import Producer, TensorArg, recomputable_op
+
 TRACE_FORMAT_VERSION = 1
 
 _LAYER_PATTERN = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?:\.|$)")
@@ -56,6 +58,10 @@ class TensorRecord:
     weak: Any
     uses: dict[int, str] = field(default_factory=dict)
     saved_for_backward: bool = False
+    #: The forward op that made it, where that op can be replayed (teraio.recompute).
+    producer: Optional[Producer] = None
+    #: A forward op wrote it in place after it was made.
+    mutated: bool = False
 
     def use(self, op: int, access: str) -> None:
         if self.uses.get(op) != "write":
@@ -134,6 +140,10 @@ class Profiler:
         self.events: list[SaveEvent] = []
         self._live: dict[tuple[str, int, int], TensorRecord] = {}
         self._module_stack: list[str] = []
+        # Calls of each module so far, and for each record first passed to a module: (module
+        # name, call, flat argument position, saves before the call) (teraio.recompute).
+        self._module_calls: dict[str, int] = {}
+        self.module_args: dict[int, tuple[str, int, int, int]] = {}
         self._handles: list[Any] = []
         self._mode: Optional[_Recorder] = None
         self._hooks_context: Any = None
@@ -163,7 +173,9 @@ class Profiler:
         self._register_persistent()
         if self.model is not None:
             for name, module in self.model.named_modules():
-                self._handles.append(module.register_forward_pre_hook(self._module_enter(name)))
+                self._handles.append(
+                    module.register_forward_pre_hook(self._module_enter(name), with_kwargs=True)
+                )
                 self._handles.append(module.register_forward_hook(self._module_exit()))
         if self.optimizer is not None and self.drive_optimizer_hooks:
             self._handles.append(self.optimizer.register_step_pre_hook(self._before_step))
@@ -238,8 +250,17 @@ class Profiler:
         self.events.append(SaveEvent("unpack", len(self.ops), tensor_id, pack_index))
 
     def _module_enter(self, name: str) -> Any:
-        def hook(module: torch.nn.Module, args: Any) -> None:
+        def hook(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
             self._module_stack.append(name)
+            call = self._module_calls.get(name, 0)
+            self._module_calls[name] = call + 1
+            if self._paused or self._phase != "forward":
+                return
+            for position, leaf in enumerate(tree_flatten((args, kwargs))[0]):
+                if isinstance(leaf, torch.Tensor) and leaf.device.type == self.device.type:
+                    record = self._lookup(leaf)
+                    if record is not None and record.id not in self.module_args:
+                        self.module_args[record.id] = (name, call, position, self._pack_count)
 
         return hook
 
@@ -349,6 +370,7 @@ class Profiler:
             if record is None:
                 record = self._new_record(tensor, "temporary", alloc_op=op, name=f"{op_name}.in")
             record.use(op, "read")
+        mutable = getattr(getattr(func, "_schema", None), "is_mutable", False)
         for index, tensor in enumerate(outputs):
             if tensor.untyped_storage().nbytes() == 0:
                 continue
@@ -357,6 +379,10 @@ class Profiler:
             if record is None:
                 label = f"{module}:{op_name}" if module else op_name
                 record = self._new_record(tensor, "temporary", alloc_op=op, name=f"{label}.out{index}")
+                if phase == "forward" and len(outputs) == 1 and recomputable_op(func):
+                    record.producer = self._producer(op, func, args, kwargs)
+            elif mutable and phase == "forward":
+                record.mutated = True
             record.use(op, "write")
         entry: dict[str, Any] = {"name": f"{module}:{op_name}" if module else op_name, "phase": phase}
         match = _LAYER_PATTERN.search(module) if module else None
@@ -364,6 +390,26 @@ class Profiler:
             entry["layer"] = int(match.group(1))
         self.ops.append(entry)
         self._timings.append(timing)
+
+    def _producer(self, op: int, func: Any, args: Any, kwargs: Any) -> Optional[Producer]:
+        """The op and its arguments, tensors as views of recorded storages (None: an argument
+        is a tensor that is neither recorded nor a small constant)."""
+        flat, spec = tree_flatten((args, kwargs))
+        leaves: list[Any] = []
+        for leaf in flat:
+            if not isinstance(leaf, torch.Tensor):
+                leaves.append(leaf)
+            elif leaf.device.type == self.device.type and leaf.untyped_storage().nbytes() > 0:
+                record = self._lookup(leaf)
+                if record is None:
+                    return None
+                size, stride = tuple(leaf.size()), tuple(leaf.stride())
+                leaves.append(TensorArg(record.id, leaf.dtype, size, stride, leaf.storage_offset()))
+            elif leaf.numel() <= 64 and leaf.device.type == "cpu":
+                leaves.append(leaf.clone())  # a scalar-like constant (e.g. a 0-dim CPU tensor)
+            else:
+                return None
+        return Producer(op, func, spec, leaves)
 
     def _classify_at_end(self) -> None:
         if self.optimizer is not None:

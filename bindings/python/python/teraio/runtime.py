@@ -25,9 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import torch
+from torch.utils._pytree import tree_flatten
 
-from .executor import HOST, SSD, ActivationExecutor, PackDecision
-from .planning import parse_size, plan
+from . import recompute as rc
+from .executor import HOST, RECOMPUTE, SSD, ActivationExecutor, PackDecision
+from .planning import _bandwidth, parse_size, plan
 from .profiler import Profiler, SaveEvent
 from .state import Move, StateExecutor, pin_outside_forward_gap, pin_within_iteration
 from .store import Store
@@ -63,6 +65,8 @@ class Report:
     #: step. Host time the GPU did not wait for costs nothing; a blocked host that lets the GPU
     #: run dry does.
     host_ms_per_iteration: dict[str, float] = field(default_factory=dict)
+    #: Saved activations dropped at the save and recomputed in backward, per planned iteration.
+    recomputed_bytes_per_iteration: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items()}
@@ -89,6 +93,11 @@ class Report:
             lines.append(
                 f"  {direction} per iteration: host {gib(tiers.get(HOST, 0))}, ssd {gib(tiers.get(SSD, 0))}"
                 " (activations)"
+            )
+        if self.recomputed_bytes_per_iteration:
+            lines.append(
+                f"  recomputed per iteration: {gib(self.recomputed_bytes_per_iteration)} "
+                f"({self.plan_summary.get('recomputed_tensors', 0)} saved tensors, not moved)"
             )
         for label, moved in (
             ("optimizer state", self.state_bytes_per_iteration),
@@ -147,6 +156,12 @@ class offload:
             default: plan both ways, keep the one the simulator predicts faster), "host" or
             "ssd" (the paper's order). The planner always counts SSD transfers against the host
             link too, because this runtime stages them through pinned host memory.
+        recompute: saved activations that cheap, deterministic ops can make again from tensors
+            backward has anyway are dropped at the save and recomputed when backward needs
+            them (teraio.recompute): "auto" (the default: the planner is run with the tensors
+            whose ops cost at most 25%, 18%, 13%, 10%, 7% and 4% of moving their bytes one way
+            over the host link, and with none; the plan predicted fastest is kept), "on" (every one that can
+            be remade exactly, always) or "off". Results stay bitwise equal.
         trace_path / plan_path: where to write the trace and the plan (JSON), if given.
         sync_each_step: synchronize the device after each step (default False: the copies
             issued at the step, such as optimizer state going out, then overlap with the next
@@ -177,6 +192,7 @@ class offload:
         op_time_scale: float = 1.0,
         offload_parameters: bool = False,
         tier_preference: str = "auto",
+        recompute: str = "auto",
     ) -> None:
         first = next(iter(model.parameters()))
         self.device = first.device
@@ -218,6 +234,14 @@ class offload:
         if tier_preference not in ("auto", "host", "ssd"):
             raise ValueError(f'tier_preference must be "auto", "host" or "ssd", not {tier_preference!r}')
         self.tier_preference = tier_preference
+        if recompute not in rc.MODES:
+            raise ValueError(f'recompute must be "auto", "on" or "off", not {recompute!r}')
+        self.recompute = recompute
+        self.min_bytes = min_bytes
+        # Per planned iteration: calls of each module whose inputs recipes read, and what to keep.
+        self._module_calls: dict[str, int] = {}
+        self._arg_hooks: list[Any] = []
+        self.recompute_summary: dict[str, Any] = {}
         self.state = StateExecutor(
             self.device,
             store=store,
@@ -279,9 +303,10 @@ class offload:
         if self._saved_hooks is not None:
             self._saved_hooks.__exit__(None, None, None)
             self._saved_hooks = None
-        for hook in self._hooks:
+        for hook in self._hooks + self._arg_hooks:
             hook.remove()
         self._hooks.clear()
+        self._arg_hooks.clear()
         self.executor.end_iteration()
         self.executor.close()
         self.state.close()
@@ -291,6 +316,7 @@ class offload:
 
     def _begin_iteration(self) -> None:
         self.executor.begin_iteration()
+        self._module_calls.clear()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         if self.step == self.warmup_steps and self.trace is None:
@@ -400,7 +426,25 @@ class offload:
             # Parameters may move only between the two passes (see teraio.state).
             pin_outside_forward_gap(trace, "weight")
             movable.append("weight")
-        result = plan(
+        result, planned_trace, recipes, need = self._plan_with_recompute(trace, profiler, movable)
+        if self.store is None:
+            for migration in result["plan"]["migrations"]:
+                if migration["tier"] == SSD:
+                    migration["tier"] = HOST
+        self.plan_result = result
+        if self.plan_path:
+            with open(self.plan_path, "w") as f:
+                json.dump(result, f)
+        self.state.set_plan(state_moves_from_plan(planned_trace, profiler, result["plan"]))
+        self.params.set_plan(parameter_moves_from_plan(planned_trace, profiler, result["plan"]))
+        held = self.state.planned_bytes(HOST) + self.params.planned_bytes(HOST)
+        self.executor.host_memory_bytes = max(0, self.host_memory_bytes - held)
+        self._install_sources(profiler, recipes)
+        decisions = decisions_from_plan(planned_trace, profiler.events, result["plan"], recipes, need)
+        self.executor.set_plan(decisions)
+
+    def _plan_trace(self, trace: dict[str, Any], movable: list[str]) -> dict[str, Any]:
+        return plan(
             trace,
             gpu_memory=self.gpu_memory_bytes,
             # Without a store there is no SSD tier: a bandwidth of 1 B/s keeps the planner off it.
@@ -416,19 +460,97 @@ class offload:
             tier_preference=self.tier_preference,
             prefetch_slack=self.prefetch_slack,
         )
-        if self.store is None:
-            for migration in result["plan"]["migrations"]:
-                if migration["tier"] == SSD:
-                    migration["tier"] = HOST
-        self.plan_result = result
-        if self.plan_path:
-            with open(self.plan_path, "w") as f:
-                json.dump(result, f)
-        self.state.set_plan(state_moves_from_plan(trace, profiler, result["plan"]))
-        self.params.set_plan(parameter_moves_from_plan(trace, profiler, result["plan"]))
-        held = self.state.planned_bytes(HOST) + self.params.planned_bytes(HOST)
-        self.executor.host_memory_bytes = max(0, self.host_memory_bytes - held)
-        self.executor.set_plan(decisions_from_plan(trace, profiler.events, result["plan"]))
+
+    def _plan_with_recompute(
+        self, trace: dict[str, Any], profiler: Profiler, movable: list[str]
+    ) -> tuple[dict[str, Any], dict[str, Any], dict[int, rc.Recipe], Optional[dict[int, int]]]:
+        """Plans the trace with the recipes `recompute` allows and, in "auto", with each of
+        `rc.AUTO_COST_RATIOS` and without any; returns the plan the simulator predicts fastest
+        (one that fits first), the trace it was made for, its recipes and need events."""
+        summary: dict[str, Any] = {"mode": self.recompute, "candidates": 0}
+        self.recompute_summary = summary
+        if self.recompute == "off":
+            return self._plan_trace(trace, movable), trace, {}, None
+        durations = [op["duration_us"] for op in trace["ops"]]
+        link = _bandwidth(self.host_link_bandwidth)
+        # (cost ratio or None for "every one") -> recipes; equal sets are planned once.
+        ratios: list[Optional[float]] = [None] if self.recompute == "on" else list(rc.AUTO_COST_RATIOS)
+        best: Optional[tuple[dict[str, Any], dict[str, Any], dict[int, rc.Recipe], dict[int, int]]] = None
+        tried: list[frozenset[int]] = []
+        summary["tried"] = []
+        for ratio in ratios:
+            recipes = rc.find_recipes(
+                profiler,
+                durations,
+                min_bytes=self.min_bytes,
+                link_bandwidth=None if ratio is None else link,
+                cost_ratio=ratio or 0.0,
+                allow_weights=not self.offload_parameters,
+            )
+            if not recipes or frozenset(recipes) in tried:
+                continue
+            tried.append(frozenset(recipes))
+            recompute_trace, applied, need = rc.apply_to_trace(trace, profiler.events, recipes)
+            result = self._plan_trace(recompute_trace, movable)
+            summary["tried"].append(
+                {
+                    "cost_ratio": ratio,
+                    "tensors": len(applied),
+                    "bytes": sum(r.size_bytes for r in applied.values()),
+                    "cost_ms": sum(r.cost_us for r in applied.values()) / 1e3,
+                    "predicted_ms": _predicted_ms(result),
+                }
+            )
+            if best is None or _plan_key(result) < _plan_key(best[0]):
+                best = (result, recompute_trace, applied, need)
+        summary["candidates"] = max((t["tensors"] for t in summary["tried"]), default=0)
+        if best is None:
+            return self._plan_trace(trace, movable), trace, {}, None
+        summary["predicted_ms_with"] = _predicted_ms(best[0])
+        if self.recompute == "auto":
+            without = self._plan_trace(trace, movable)
+            summary["predicted_ms_without"] = _predicted_ms(without)
+            if _plan_key(without) <= _plan_key(best[0]):
+                summary["chosen"] = False
+                return without, trace, {}, None
+        summary["chosen"] = True
+        summary["tensors"] = len(best[2])
+        summary["bytes"] = sum(r.size_bytes for r in best[2].values())
+        return best
+
+    def _install_sources(self, profiler: Profiler, recipes: dict[int, rc.Recipe]) -> None:
+        """Gives the executor the parameters recipes read and hooks the modules whose inputs
+        they read (captured each planned iteration, at the same call and argument position)."""
+        sources = {source for recipe in recipes.values() for source in recipe.sources}
+        weight_ids = {s.tensor_id for s in sources if s.kind == "weight"}
+        if weight_ids:
+            for tensor in [*self.model.parameters(), *self.model.buffers()]:
+                record = profiler._lookup(tensor)
+                if record is not None and record.id in weight_ids:
+                    self.executor.weight_sources[record.id] = tensor
+        wanted: dict[str, dict[int, list[tuple[int, rc.Source]]]] = {}
+        for source in sources:
+            if source.kind == "arg":
+                name, call, position = source.key
+                wanted.setdefault(name, {}).setdefault(call, []).append((position, source))
+        for name, module in self.model.named_modules():
+            if name in wanted:
+                capture = self._capture_inputs(name, wanted[name])
+                self._arg_hooks.append(module.register_forward_pre_hook(capture, with_kwargs=True))
+
+    def _capture_inputs(self, name: str, by_call: dict[int, list[tuple[int, rc.Source]]]) -> Any:
+        def hook(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+            call = self._module_calls.get(name, 0)
+            self._module_calls[name] = call + 1
+            wanted = by_call.get(call)
+            if not wanted:
+                return
+            flat = tree_flatten((args, kwargs))[0]
+            for position, source in wanted:
+                if position < len(flat) and isinstance(flat[position], torch.Tensor):
+                    self.executor.capture(source, flat[position])
+
+        return hook
 
     # -- report --------------------------------------------------------------------------------
 
@@ -471,6 +593,8 @@ class offload:
         if self.plan_result is not None:
             migrations = self.plan_result["plan"]["migrations"]
             summary = {
+                "recomputed_tensors": self.recompute_summary.get("tensors", 0),
+                "recompute": self.recompute_summary,
                 "migrations": len(migrations),
                 "host_migrations": sum(1 for m in migrations if m["tier"] == HOST),
                 "ssd_migrations": sum(1 for m in migrations if m["tier"] == SSD),
@@ -501,6 +625,10 @@ class offload:
             parameter_bytes_per_iteration=param_per_iteration,
             phases_ms=self._phases_summary(),
             host_ms_per_iteration=self._host_summary(stats, count),
+            recomputed_bytes_per_iteration=(
+                stats["recomputed_bytes"] - (self._stats_at_plan or {}).get("recomputed_bytes", 0)
+            )
+            // count,
         )
 
     def _host_summary(self, stats: dict[str, Any], count: int) -> dict[str, float]:
@@ -515,6 +643,7 @@ class offload:
             "hooks": per_iteration_ms(stats, base, "hook_s"),
             "of which copy waits": per_iteration_ms(stats, base, "inflight_wait_s"),
             "of which SSD waits": per_iteration_ms(stats, base, "ssd_wait_s"),
+            "of which recompute": per_iteration_ms(stats, base, "recompute_s"),
             "before step": per_iteration_ms(self._host_s, self._host_s_at_plan, "before_step"),
             "after step": per_iteration_ms(self._host_s, self._host_s_at_plan, "after_step"),
         }
@@ -535,16 +664,36 @@ class offload:
         return summary
 
 
+def _predicted_ms(result: dict[str, Any]) -> Optional[float]:
+    prediction = result.get("prediction", {})
+    if not result["plan"]["fits"] or "iteration_time_us" not in prediction:
+        return None
+    return prediction["iteration_time_us"] / 1e3
+
+
+def _plan_key(result: dict[str, Any]) -> tuple[int, float]:
+    """Orders plans: one that fits first, then the faster prediction."""
+    predicted = _predicted_ms(result)
+    return (0, predicted) if predicted is not None else (1, 0.0)
+
+
 def decisions_from_plan(
-    trace: dict[str, Any], events: list[SaveEvent], plan_doc: dict[str, Any]
+    trace: dict[str, Any],
+    events: list[SaveEvent],
+    plan_doc: dict[str, Any],
+    recipes: Optional[dict[int, rc.Recipe]] = None,
+    need: Optional[dict[int, int]] = None,
 ) -> list[PackDecision]:
     """Maps a plan's activation migrations onto the profiled save/unpack events.
 
     The runtime sees the iteration through `saved_tensors_hooks` events, which come in the same
     order every iteration: pack `i` of the profiled iteration is pack `i` of each later one. A
     tensor's offload starts at its first pack; its prefetch is issued at the last event whose next
-    op is at or before the planned prefetch op (and never after the tensor's first unpack).
+    op is at or before the planned prefetch op (and never after the event where backward first
+    needs it: its first unpack, or `need`'s earlier event where a recipe reads it). A tensor in
+    `recipes` is recomputed instead.
     """
+    recipes = recipes or {}
     sizes = {t["id"]: t["size_bytes"] for t in trace["tensors"]}
     kinds = {t["id"]: t["kind"] for t in trace["tensors"]}
     best: dict[int, dict[str, Any]] = {}
@@ -572,12 +721,16 @@ def decisions_from_plan(
         tensor_id = event.tensor_id
         size = sizes.get(tensor_id, -1) if tensor_id is not None else -1
         migration = best.get(tensor_id) if tensor_id is not None else None
+        if tensor_id is not None and tensor_id in recipes and tensor_id not in seen:
+            seen.add(tensor_id)
+            decisions.append(PackDecision(tensor_id, size, RECOMPUTE, recipe=recipes[tensor_id]))
+            continue
         if tensor_id is None or migration is None or tensor_id in seen:
             decisions.append(PackDecision(tensor_id, size, None))
             continue
         seen.add(tensor_id)
         pack_at = first_pack_event[tensor_id]
-        limit = first_unpack_event.get(tensor_id, len(events) - 1)
+        limit = (need or {}).get(tensor_id, first_unpack_event.get(tensor_id, len(events) - 1))
         trigger = pack_at + 1
         for index in range(pack_at + 1, limit + 1):
             if events[index].next_op <= migration["prefetch_op"]:
