@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import importlib.util
 import json
 import logging
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -163,6 +165,24 @@ def measure_store_bytes_per_s(store: Any) -> tuple[float, float]:
     return write, read
 
 
+@contextlib.contextmanager
+def kineto_profile(args: argparse.Namespace, step: int) -> Any:
+    """Records step `--kineto-step` with torch.profiler (CPU and CUDA timelines) into
+    `--out-dir`/kineto-b<batch>.json.gz, to see where the GPU idles; other steps run bare."""
+    if step != args.kineto_step:
+        yield
+        return
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profile:
+        yield
+        torch.cuda.synchronize()
+    path = os.path.join(args.out_dir or ".", f"kineto-b{args.batch}.json")
+    profile.export_chrome_trace(path)
+    with open(path, "rb") as plain, gzip.open(path + ".gz", "wb") as packed:
+        shutil.copyfileobj(plain, packed)
+    os.remove(path)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -245,6 +265,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             op_time_scale=args.op_time_scale,
             tier_preference=args.tier_preference,
             recompute=args.recompute,
+            copy_streams=args.copy_streams,
             trace_path=os.path.join(args.out_dir, f"trace-b{args.batch}.json") if args.out_dir else None,
             plan_path=os.path.join(args.out_dir, f"plan-b{args.batch}.json") if args.out_dir else None,
         )
@@ -264,12 +285,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 window_started = time.perf_counter()
             tokens = tokens.cuda(non_blocking=True)
             started = time.perf_counter()
-            with forward_context():
-                loss = model(input_ids=tokens, labels=tokens).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.item())  # waits for the compute stream only
+            with kineto_profile(args, step):
+                with forward_context():
+                    loss = model(input_ids=tokens, labels=tokens).loss
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                losses.append(loss.item())  # waits for the compute stream only
             times_ms.append((time.perf_counter() - started) * 1e3)
             print(
                 f"  [{args.mode} b{args.batch}] step {step}: loss {losses[-1]:.6f} {times_ms[-1]:.0f} ms",
@@ -349,7 +371,16 @@ def main(argv: list[str] | None = None) -> int:
         help="the planner's host-link bandwidth: this times the slower measured direction",
     )
     parser.add_argument("--out-dir", default="")
+    parser.add_argument("--copy-streams", type=int, default=2, help="teraio.offload(copy_streams=)")
+    parser.add_argument("--kineto-step", type=int, default=-1, help="step to record with torch.profiler")
+    parser.add_argument(
+        "--allocator-settings",
+        default="",
+        help="CUDA caching allocator settings, e.g. garbage_collection_threshold:0.9",
+    )
     args = parser.parse_args(argv)
+    if args.allocator_settings:
+        torch.cuda.memory._set_allocator_settings(args.allocator_settings)
     try:
         result = run(args)
     except torch.cuda.OutOfMemoryError as error:

@@ -18,6 +18,7 @@
 #                                         #   first; EXTRA="--reserve-gib 1.5": more bench_llama options)
 #   benches/torch/run-gpu.sh variants [CAP]  # teraio: default, prefetch slack 4, op times x0.87, both
 #   benches/torch/run-gpu.sh baselines [CAP]  # save_on_cpu, torchtune, batch 8 without and with teraio
+#   benches/torch/run-gpu.sh diagnose     # a torch.profiler timeline of a planned step, inflight/allocator variants
 #   benches/torch/run-gpu.sh compare      # all Python tests, ideal, then teraio at the cap once per
 #                                         #   VARIANTS entry (';'-separated bench_llama options; ~7 min;
 #                                         #   NOTESTS=1: no tests; CAP=22.53: no ideal run, that cap)
@@ -153,6 +154,28 @@ print(round(r['peak_bytes']/2**30/2, 2) if 'peak_bytes' in r else 22.5)")
   done
   cat "$OUT"/c-*.log | grep '^RESULT' > "$OUT/results.jsonl"
   python3 $B/summarize.py "$OUT/results.jsonl" | tee "$OUT/summary.md"
+  exit 0
+fi
+
+if [ "$what" = diagnose ]; then
+  # Where the planned iterations lose time: one teraio run with a torch.profiler timeline of a
+  # planned step (kineto-b4.json.gz; benches/torch/gpu_gaps.py reads it), then runs that vary
+  # the device-to-host bytes in flight and the allocator's garbage collection.
+  WORK=/root/teraio-work; mkdir -p "$WORK"; . benches/gpu/cufile-compat.sh > /dev/null
+  CAP=${CAP:-22.53}
+  n=0
+  for variant in "--kineto-step 12 --out-dir $OUT" "--max-inflight-gib 4" \
+    "--allocator-settings garbage_collection_threshold:0.9" "--max-inflight-gib 1"; do
+    n=$((n + 1))
+    [ $SECONDS -gt 480 ] && { echo "== variant $n skipped: out of time"; continue; }
+    timeout $((590 - SECONDS)) python3 $B/bench_llama.py --mode teraio --steps 16 --cap-gib "$CAP" $variant \
+      > "$OUT/d-$n.log" 2>&1
+    echo "== variant $n: $variant"
+    grep -v RESULT "$OUT/d-$n.log" | grep -E "iteration:|peak GPU|phases|host time|stalls|Error" | tail -6
+  done
+  cat "$OUT"/d-*.log | grep '^RESULT' > "$OUT/results.jsonl"
+  python3 $B/summarize.py "$OUT/results.jsonl" | tee "$OUT/summary.md"
+  (cd "$OUT" && tar czf logs.tgz d-*.log && rm -f d-*.log trace-b4.json plan-b4.json)
   exit 0
 fi
 

@@ -103,3 +103,28 @@ def test_cuda_offload_bitwise_equal(tier: str, parameters: bool, store: teraio.S
     if parameters:  # every parameter holds its memory again
         assert all(p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in model.parameters())
     print(f"\n[{tier}, parameters {parameters}] {report}")
+
+
+@pytest.mark.parametrize("copy_streams", [1, 3])
+def test_cuda_prefetch_streams(copy_streams: int) -> None:
+    ref_losses, ref_state, _ = _reference()
+    peak, activations = _peak_and_activations()
+    model, optimizer = make(device=DEVICE)
+    with teraio.offload(
+        model,
+        optimizer,
+        gpu_memory=peak - activations // 2,
+        host_memory=1 << 30,
+        reserve=0,
+        min_bytes=64 << 10,
+        copy_streams=copy_streams,
+    ) as run:
+        losses = train(model, optimizer, batches(STEPS, rows=ROWS, device=DEVICE))
+    assert losses == ref_losses
+    for name, value in ref_state.items():
+        assert torch.equal(model.state_dict()[name], value), name
+    per_stream = run.executor.stats.prefetches_per_stream
+    assert len(per_stream) == copy_streams
+    assert sum(per_stream) == run.executor.stats.prefetches_planned + run.executor.stats.prefetches_on_demand
+    if copy_streams > 1:
+        assert sum(1 for count in per_stream if count) >= 2

@@ -138,3 +138,22 @@ def test_report_text_mentions_figures() -> None:
     host = report.host_ms_per_iteration
     assert host["hooks"] > 0 and host["before step"] >= 0 and host["after step"] >= 0
     assert host["of which copy waits"] <= host["hooks"] and host["of which SSD waits"] <= host["hooks"]
+
+
+def test_prefetches_at_one_event_go_earliest_need_first() -> None:
+    from teraio.executor import HOST, ActivationExecutor, PackDecision
+
+    executor = ActivationExecutor(torch.device("cpu"), host_memory_bytes=2 << 30)
+    executor.set_plan(
+        [
+            PackDecision(1, 1 << 30, HOST, prefetch_event=5, need_event=9),
+            PackDecision(2, 1 << 20, HOST, prefetch_event=5, need_event=6),
+            PackDecision(3, 1 << 20, None),
+            PackDecision(4, 1 << 20, HOST, prefetch_event=5, need_event=None),
+            PackDecision(5, 1 << 20, HOST, prefetch_event=5, need_event=6),
+            PackDecision(6, 1 << 20, HOST, prefetch_event=7, need_event=8),
+        ]
+    )
+    assert executor.prefetch_at_event == {5: [1, 4, 0, 3], 7: [5]}
+    with pytest.raises(ValueError, match="copy_streams must be >= 1"):
+        ActivationExecutor(torch.device("cpu"), copy_streams=0)

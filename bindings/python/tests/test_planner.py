@@ -96,19 +96,23 @@ def test_shared_ssd_is_passed_to_the_planner_and_simulator() -> None:
     assert shared["plan"]["fits"] is True
     # The same SSD time now serves both directions: never a faster prediction.
     assert shared["prediction"]["iteration_time_us"] >= apart["prediction"]["iteration_time_us"]
-    from teraio import _native
-
-    replay = json.loads(
-        _native.simulate_plan(
-            json.dumps(_trace()),
-            json.dumps(shared["plan"]),
-            gpu_memory_bytes=130 * MIB,
-            ssd_read_bytes_per_s=6.5e9,
-            ssd_write_bytes_per_s=6.5e9,
-            ssd_shared=True,
-        )
-    )
+    replay = teraio.simulate(_trace(), shared["plan"], ssd_shared=True, **options)
     assert replay["iteration_time_us"] == pytest.approx(shared["prediction"]["iteration_time_us"])
+
+
+def test_simulate_a_plan_on_a_slower_link() -> None:
+    options: dict[str, Any] = {"gpu_memory": "130MiB", "ssd_read_bandwidth": "10MB/s", "host_memory": "1GiB"}
+    result = teraio.plan(_trace(), host_link_bandwidth="25GB/s", movable_kinds=["activation"], **options)
+    assert [m["tier"] for m in result["plan"]["migrations"]] == ["host"]
+    same = teraio.simulate(_trace(), result["plan"], host_link_bandwidth="25GB/s", **options)
+    assert same["iteration_time_us"] == pytest.approx(result["prediction"]["iteration_time_us"])
+    assert same["host_written_bytes"] == 64 * MIB
+    # 64 MiB each way at 100 MB/s (0.67 s) cannot hide behind 80 ms of ops: the replay stalls.
+    slow = teraio.simulate(_trace(), json.dumps(result["plan"]), host_link_bandwidth=100e6, **options)
+    assert slow["stall_time_us"] > 1e6
+    assert slow["iteration_time_us"] == pytest.approx(slow["compute_time_us"] + slow["stall_time_us"])
+    with pytest.raises(teraio.PlannerError, match="JSON"):
+        teraio.simulate(_trace(), "{", **options)
 
 
 def test_invalid_trace_names_the_rule() -> None:

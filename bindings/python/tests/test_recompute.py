@@ -297,6 +297,34 @@ def test_auto_recomputes_when_the_link_is_slow() -> None:
     _assert_same(reference, losses, state)
     summary = report.plan_summary["recompute"]
     assert len(summary["tried"]) == 1 and summary["tried"][0]["tensors"] == 8
+    assert summary["tried"][0]["chosen"] is True
     assert summary["chosen"] is True
     assert summary["predicted_ms_with"] < summary["predicted_ms_without"]
     assert report.recomputed_bytes_per_iteration == 8 * ROWS * 256 * 4
+    # The same plans replayed on a slower link: never faster.
+    assert summary["tried"][0]["predicted_ms_slow_link"] >= summary["tried"][0]["predicted_ms"]
+    assert summary["predicted_ms_without_slow_link"] >= summary["predicted_ms_without"]
+
+
+def test_auto_keeps_the_plan_that_holds_up_on_a_slower_link() -> None:
+    data = batches(STEPS, rows=ROWS)
+    budget = _unplanned_peak(make, data) // 2
+    # 300 MB/s: a few recipe sets, each with a different share of the bytes left to move.
+    _, _, report = _offloaded(
+        make, data, gpu_memory=budget, host_memory=1 << 30, host_link_bandwidth=3e8, recompute="auto"
+    )
+    summary = report.plan_summary["recompute"]
+    tried = summary["tried"]
+    assert len(tried) >= 2
+    slow = [t["predicted_ms_slow_link"] for t in tried]
+    assert all(s is not None and s >= t["predicted_ms"] for s, t in zip(slow, tried))
+    best = min(slow)
+    if summary["chosen"]:
+        (chosen,) = [t for t in tried if t["chosen"]]
+        assert chosen["predicted_ms_slow_link"] == best
+        assert best < summary["predicted_ms_without_slow_link"]
+        assert report.recomputed_bytes_per_iteration == summary["bytes"] == chosen["bytes"]
+    else:
+        assert summary["predicted_ms_without_slow_link"] <= best
+        assert not any(t["chosen"] for t in tried)
+        assert report.recomputed_bytes_per_iteration == 0

@@ -2,7 +2,7 @@
 
 - `Store`: the engine's tensor-object store (put/get torch tensors, numpy arrays, bytes).
 - `gpu_probe`: what this machine offers for GPU I/O (CUDA, cuFile, GDS or its compatibility mode).
-- `plan`: the lifetime planner on a trace (docs/trace.md).
+- `plan`: the lifetime planner on a trace (docs/trace.md); `simulate`: replays a trace under a plan.
 - `Profiler`: records training iterations into a trace (needs torch).
 - `offload`: profile, plan and offload activations around an unchanged training loop (needs torch).
 
@@ -25,7 +25,7 @@ from ._native import (
     PlannerError,
     TeraioError,
 )
-from .planning import parse_size, plan, validate_trace
+from .planning import parse_size, plan, simulate, validate_trace
 from .store import Handle, Store, gpu_probe
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "offload",
     "parse_size",
     "plan",
+    "simulate",
     "gpu_probe",
     "validate_trace",
 ]

@@ -8,10 +8,14 @@ as without offload.
 
 Timing (CUDA): offloads are device-to-host copies on their own stream, started right after the
 save; the GPU memory returns to PyTorch's allocator when the forward pass drops the tensor and the
-copy is done (`record_stream`). Prefetches are host-to-device copies on another stream, issued
-at the save/unpack event the plan maps the prefetch op to; compute waits on the copy's CUDA event
-only when it needs the tensor. A prefetch the plan did not issue in time is issued on demand; that
-and any wait for an SSD read are counted as stalls, and the result is still exact.
+copy is done (`record_stream`). Prefetches are host-to-device copies, issued at the save/unpack
+event the plan maps the prefetch op to (earliest need first where several share an event); compute
+waits on the copy's CUDA event only when it needs the tensor. A CUDA stream runs its copies one
+after another, so a small prefetch needed soon would wait behind a large one needed later (the
+planner's simulator lets the urgent one go first); prefetches therefore spread over two streams,
+each new one on the stream with fewer bytes still queued, and two copies share the link.
+A prefetch the plan did not issue in time is issued on demand; that and any wait for an SSD
+read are counted as stalls, and the result is still exact.
 
 SSD tier: the device-to-host copy lands in a pinned buffer, then the engine writes it
 (`Store.put_address`, asynchronous); reads come back into a pinned buffer and are copied up. When
@@ -68,6 +72,8 @@ class TransferStats:
     recomputed: int = 0
     recomputed_bytes: int = 0
     recompute_s: float = 0.0
+    #: Activation prefetches issued on each prefetch stream (CUDA).
+    prefetches_per_stream: list[int] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -81,6 +87,8 @@ class PackDecision:
     size_bytes: int
     tier: Optional[str]
     prefetch_event: Optional[int] = None
+    #: The event where backward first needs it (orders prefetches issued at the same event).
+    need_event: Optional[int] = None
     #: For tier RECOMPUTE: how to make it again.
     recipe: Optional[Recipe] = None
 
@@ -179,7 +187,10 @@ class ActivationExecutor:
         object_id_base: int = 1 << 40,  # SSD-tier objects: ids object_id_base + pack index
         skip_storages: Optional[set[Any]] = None,
         gpu_memory_bytes: int = 0,
+        copy_streams: int = 2,
     ) -> None:
+        if copy_streams < 1:
+            raise ValueError(f"copy_streams must be >= 1, got {copy_streams}")
         self.device = device
         self.cuda = device.type == "cuda"
         self.store = store
@@ -217,7 +228,12 @@ class ActivationExecutor:
         self._materializing = 0
         if self.cuda:
             self.d2h_stream = torch.cuda.Stream(device)
-            self.h2d_stream = torch.cuda.Stream(device)
+            # Prefetch streams; the first is shared with the optimizer-state and parameter movers.
+            self.h2d_streams = [torch.cuda.Stream(device) for _ in range(copy_streams)]
+            self.h2d_stream = self.h2d_streams[0]
+            # Per prefetch stream: (copy event, bytes) of the copies not yet seen done.
+            self._h2d_queued: list[deque[tuple[Any, int]]] = [deque() for _ in range(copy_streams)]
+            self.stats.prefetches_per_stream = [0] * copy_streams
 
     # -- plan ----------------------------------------------------------------------------------
 
@@ -248,6 +264,9 @@ class ActivationExecutor:
                     host_bytes += decision.size_bytes
             if decision.tier is not None and decision.prefetch_event is not None:
                 self.prefetch_at_event.setdefault(decision.prefetch_event, []).append(index)
+        never = len(decisions) * 4  # past any event of the iteration
+        for indices in self.prefetch_at_event.values():
+            indices.sort(key=lambda i: (decisions[i].need_event is None, decisions[i].need_event or never, i))
 
     # -- iteration boundaries ------------------------------------------------------------------
 
@@ -586,7 +605,9 @@ class ActivationExecutor:
         gpu = slot.gpu
         host = slot.host
         assert gpu is not None and host is not None
-        slot.h2d_event = copy_on_stream(self.h2d_stream, self.device, gpu, host, after=slot.d2h_event)
+        queue, stream = self._prefetch_stream()
+        slot.h2d_event = copy_on_stream(stream, self.device, gpu, host, after=slot.d2h_event)
+        queue.append((slot.h2d_event, slot.nbytes))
         # No `record_stream` here: it would hold the block, once backward frees it, until every
         # copy queued on the prefetch stream by then is done (often most of the backward pass's
         # prefetches), and a full allocator then blocks. Compute instead waits for this copy
@@ -598,6 +619,15 @@ class ActivationExecutor:
             self._host_in_use -= slot.nbytes
         # The caching host allocator keeps the block until the copy is done.
         slot.host = None
+
+    def _prefetch_stream(self) -> tuple[deque[tuple[Any, int]], Any]:
+        """The prefetch stream with the fewest bytes still queued (and its queue)."""
+        for queue in self._h2d_queued:
+            while queue and queue[0][0].query():
+                queue.popleft()
+        index = min(range(len(self._h2d_queued)), key=lambda i: sum(n for _, n in self._h2d_queued[i]))
+        self.stats.prefetches_per_stream[index] += 1
+        return self._h2d_queued[index], self.h2d_streams[index]
 
     def _finish_put(self, slot: _Slot) -> None:
         if slot in self._pending_puts or slot.put_handle is not None:

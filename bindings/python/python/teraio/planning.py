@@ -86,6 +86,41 @@ def plan(
     return json.loads(result)
 
 
+def simulate(
+    trace: Union[str, dict[str, Any]],
+    plan_doc: Union[str, dict[str, Any]],
+    *,
+    gpu_memory: Union[int, str],
+    ssd_read_bandwidth: Union[float, str] = 6.5e9,
+    ssd_write_bandwidth: Optional[Union[float, str]] = None,
+    host_memory: Union[int, str] = 0,
+    host_link_bandwidth: Union[float, str] = 25e9,
+    ssd_latency_us: float = 20.0,
+    host_latency_us: float = 10.0,
+    ssd_shared: bool = False,
+    ssd_via_host_link: bool = False,
+) -> dict[str, Any]:
+    """Replays `trace` under a plan (the `"plan"` of `plan()`'s result) on the given hardware and
+    returns the simulator's report (iteration time, stalls, peak, bytes per tier): how a plan made
+    for one machine does on another, e.g. with a slower link than it was planned for."""
+    read = _bandwidth(ssd_read_bandwidth)
+    write = read if ssd_write_bandwidth is None else _bandwidth(ssd_write_bandwidth)
+    result = _native.simulate_plan(
+        trace if isinstance(trace, str) else json.dumps(trace),
+        plan_doc if isinstance(plan_doc, str) else json.dumps(plan_doc),
+        gpu_memory_bytes=parse_size(gpu_memory),
+        ssd_read_bytes_per_s=read,
+        ssd_write_bytes_per_s=write,
+        host_memory_bytes=parse_size(host_memory),
+        host_link_bytes_per_s=_bandwidth(host_link_bandwidth),
+        ssd_latency_us=ssd_latency_us,
+        host_latency_us=host_latency_us,
+        ssd_shared=ssd_shared,
+        ssd_via_host_link=ssd_via_host_link,
+    )
+    return json.loads(result)
+
+
 def validate_trace(trace: Union[str, dict[str, Any]]) -> None:
     """Raises PlannerError naming the first broken rule of docs/trace.md."""
     _native.validate_trace(trace if isinstance(trace, str) else json.dumps(trace))

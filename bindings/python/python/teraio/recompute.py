@@ -52,7 +52,7 @@ MAX_DEPTH = 8
 MODES = ("auto", "on", "off")
 #: The cost ratios (recipe time over one-way transfer time) "auto" plans with: the first lets
 #: the forward pass move least, the last recomputes only what is nearly free.
-AUTO_COST_RATIOS = (0.25, 0.18, 0.13, 0.1, 0.07, 0.04)
+AUTO_COST_RATIOS = (0.25, 0.21, 0.18, 0.13, 0.1, 0.07, 0.04)
 
 
 def recomputable_op(func: Any) -> bool:
