@@ -157,3 +157,36 @@ def test_prefetches_at_one_event_go_earliest_need_first() -> None:
     assert executor.prefetch_at_event == {5: [1, 4, 0, 3], 7: [5]}
     with pytest.raises(ValueError, match="copy_streams must be >= 1"):
         ActivationExecutor(torch.device("cpu"), copy_streams=0)
+
+
+class _Copy:
+    """A stand-in for a CUDA event: done or not."""
+
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_prefetch_stream_choice_lets_an_urgent_copy_pass_a_later_one() -> None:
+    from teraio.executor import ActivationExecutor
+
+    executor = ActivationExecutor(torch.device("cpu"), copy_streams=2)
+    choose = executor._prefetch_stream
+    assert choose(10) == 0  # both free: the first
+    big = _Copy(False)
+    executor._h2d_last = [(big, 30), None]
+    assert choose(20) == 1  # the other stream is free
+    executor._h2d_last = [(big, 30), (_Copy(False), 15)]
+    # Needed at 20: not behind the copy needed at 30; behind the one needed at 15.
+    assert choose(20) == 1
+    # Needed at 40: behind either; the one needed latest (30) keeps stream 1 for urgent copies.
+    assert choose(40) == 0
+    # Needed at 5, before both: behind the one needed first.
+    assert choose(5) == 1
+    # A deadline unknown counts as last.
+    assert choose(None) == 0
+    executor._h2d_last = [(big, 30), (_Copy(True), 50)]
+    assert choose(100) == 1  # a finished copy leaves its stream free
+    assert executor.stats.prefetches_per_stream == [3, 4]

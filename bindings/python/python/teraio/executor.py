@@ -12,8 +12,9 @@ copy is done (`record_stream`). Prefetches are host-to-device copies, issued at 
 event the plan maps the prefetch op to (earliest need first where several share an event); compute
 waits on the copy's CUDA event only when it needs the tensor. A CUDA stream runs its copies one
 after another, so a small prefetch needed soon would wait behind a large one needed later (the
-planner's simulator lets the urgent one go first); prefetches therefore spread over two streams,
-each new one on the stream with fewer bytes still queued, and two copies share the link.
+planner's simulator lets the urgent one go first). Prefetches therefore spread over two streams:
+a new one goes behind a copy needed no later than itself where it can (`_prefetch_stream`), so
+an urgent copy runs beside a large one instead of after it, the two sharing the link.
 A prefetch the plan did not issue in time is issued on demand; that and any wait for an SSD
 read are counted as stalls, and the result is still exact.
 
@@ -48,6 +49,11 @@ from .store import Store
 HOST = "host"
 SSD = "ssd"
 RECOMPUTE = "recompute"
+
+
+def _deadline(need_event: Optional[int]) -> int:
+    """A copy's deadline for ordering: its need event, or after every event if unknown."""
+    return need_event if need_event is not None else 1 << 62
 
 
 @dataclass
@@ -110,6 +116,7 @@ class _Slot:
         "key",
         "recipe",
         "bound",
+        "need_event",
         "__weakref__",
     )
 
@@ -123,6 +130,8 @@ class _Slot:
         self.get_handle: Any = None
         self.gpu: Optional[torch.Tensor] = None
         self.h2d_event: Any = None
+        # The event where backward first needs it (the prefetch's deadline); None: unknown.
+        self.need_event: Optional[int] = None
         self.weak: Any = None
         self.key: Any = None
         self.recipe: Optional[Recipe] = None
@@ -226,14 +235,14 @@ class ActivationExecutor:
         self._sources: dict[Source, Any] = {}
         self.weight_sources: dict[int, torch.Tensor] = {}
         self._materializing = 0
+        # Per prefetch stream: (copy event, need event) of the copy issued on it last.
+        self._h2d_last: list[Optional[tuple[Any, int]]] = [None] * copy_streams
+        self.stats.prefetches_per_stream = [0] * copy_streams
         if self.cuda:
             self.d2h_stream = torch.cuda.Stream(device)
             # Prefetch streams; the first is shared with the optimizer-state and parameter movers.
             self.h2d_streams = [torch.cuda.Stream(device) for _ in range(copy_streams)]
             self.h2d_stream = self.h2d_streams[0]
-            # Per prefetch stream: (copy event, bytes) of the copies not yet seen done.
-            self._h2d_queued: list[deque[tuple[Any, int]]] = [deque() for _ in range(copy_streams)]
-            self.stats.prefetches_per_stream = [0] * copy_streams
 
     # -- plan ----------------------------------------------------------------------------------
 
@@ -264,9 +273,8 @@ class ActivationExecutor:
                     host_bytes += decision.size_bytes
             if decision.tier is not None and decision.prefetch_event is not None:
                 self.prefetch_at_event.setdefault(decision.prefetch_event, []).append(index)
-        never = len(decisions) * 4  # past any event of the iteration
         for indices in self.prefetch_at_event.values():
-            indices.sort(key=lambda i: (decisions[i].need_event is None, decisions[i].need_event or never, i))
+            indices.sort(key=lambda i: (_deadline(decisions[i].need_event), i))
 
     # -- iteration boundaries ------------------------------------------------------------------
 
@@ -344,6 +352,8 @@ class ActivationExecutor:
             self.stats.kept += 1
             return tensor
         slot = _Slot(tier, nbytes, self.object_id_base + pack_index)
+        if self.decisions is not None:
+            slot.need_event = self.decisions[pack_index].need_event
         slot.weak = StorageWeakRef(storage)
         slot.key = key
         if tier == RECOMPUTE:
@@ -416,6 +426,7 @@ class ActivationExecutor:
                 self._materialize(slot)
             else:
                 self.stats.prefetches_on_demand += 1
+                slot.need_event = self._event_index  # needed now
                 self._prefetch(slot)
         self._await(slot)
         assert slot.gpu is not None
@@ -605,9 +616,9 @@ class ActivationExecutor:
         gpu = slot.gpu
         host = slot.host
         assert gpu is not None and host is not None
-        queue, stream = self._prefetch_stream()
-        slot.h2d_event = copy_on_stream(stream, self.device, gpu, host, after=slot.d2h_event)
-        queue.append((slot.h2d_event, slot.nbytes))
+        index = self._prefetch_stream(slot.need_event)
+        slot.h2d_event = copy_on_stream(self.h2d_streams[index], self.device, gpu, host, after=slot.d2h_event)
+        self._h2d_last[index] = (slot.h2d_event, _deadline(slot.need_event))
         # No `record_stream` here: it would hold the block, once backward frees it, until every
         # copy queued on the prefetch stream by then is done (often most of the backward pass's
         # prefetches), and a full allocator then blocks. Compute instead waits for this copy
@@ -620,14 +631,31 @@ class ActivationExecutor:
         # The caching host allocator keeps the block until the copy is done.
         slot.host = None
 
-    def _prefetch_stream(self) -> tuple[deque[tuple[Any, int]], Any]:
-        """The prefetch stream with the fewest bytes still queued (and its queue)."""
-        for queue in self._h2d_queued:
-            while queue and queue[0][0].query():
-                queue.popleft()
-        index = min(range(len(self._h2d_queued)), key=lambda i: sum(n for _, n in self._h2d_queued[i]))
+    def _prefetch_stream(self, need_event: Optional[int]) -> int:
+        """The prefetch stream for a copy needed at `need_event` (None: no deadline known).
+
+        Copies are issued in the order of their prefetch points, so the copy last issued on a
+        stream is the one a new copy would wait behind. Preferred, in order: a stream whose last
+        copy is done; a stream whose last copy is needed no later than this one (the one needed
+        latest of those: it leaves the stream with the earliest deadline free for an urgent
+        copy); else the stream whose last copy is needed first."""
+        deadline = _deadline(need_event)
+        free, fits, other = [], [], []
+        for index, last in enumerate(self._h2d_last):
+            if last is None or last[0].query():
+                free.append(index)
+            elif last[1] <= deadline:
+                fits.append((last[1], index))
+            else:
+                other.append((last[1], index))
+        if free:
+            index = free[0]
+        elif fits:
+            index = max(fits)[1]
+        else:
+            index = min(other)[1]
         self.stats.prefetches_per_stream[index] += 1
-        return self._h2d_queued[index], self.h2d_streams[index]
+        return index
 
     def _finish_put(self, slot: _Slot) -> None:
         if slot in self._pending_puts or slot.put_handle is not None:
