@@ -128,3 +128,14 @@ def test_cuda_prefetch_streams(copy_streams: int) -> None:
     assert sum(per_stream) == run.executor.stats.prefetches_planned + run.executor.stats.prefetches_on_demand
     if copy_streams > 1:
         assert sum(1 for count in per_stream if count) >= 2
+
+
+def test_chunked_copy_on_stream_copies_every_byte() -> None:
+    from teraio.executor import copy_on_stream
+
+    source = torch.randint(0, 256, ((10 << 20) + 5,), dtype=torch.uint8).pin_memory()
+    target = torch.empty(source.numel(), dtype=torch.uint8, device=DEVICE)
+    stream = torch.cuda.Stream(DEVICE)
+    event = copy_on_stream(stream, torch.device(DEVICE), target, source, chunk_bytes=1 << 20)
+    event.synchronize()
+    assert torch.equal(target.cpu(), source)
