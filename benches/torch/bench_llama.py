@@ -266,6 +266,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             tier_preference=args.tier_preference,
             recompute=args.recompute,
             copy_streams=args.copy_streams,
+            pull_forward_bytes=int(args.pull_forward_gib * GIB),
             trace_path=os.path.join(args.out_dir, f"trace-b{args.batch}.json") if args.out_dir else None,
             plan_path=os.path.join(args.out_dir, f"plan-b{args.batch}.json") if args.out_dir else None,
         )
@@ -372,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out-dir", default="")
     parser.add_argument("--copy-streams", type=int, default=2, help="teraio.offload(copy_streams=)")
+    parser.add_argument(
+        "--pull-forward-gib", type=float, default=1.0, help="teraio.offload(pull_forward_bytes=), GiB"
+    )
     parser.add_argument("--kineto-step", type=int, default=-1, help="step to record with torch.profiler")
     parser.add_argument(
         "--allocator-settings",

@@ -143,7 +143,7 @@ def test_report_text_mentions_figures() -> None:
 def test_prefetches_at_one_event_go_earliest_need_first() -> None:
     from teraio.executor import HOST, ActivationExecutor, PackDecision
 
-    executor = ActivationExecutor(torch.device("cpu"), host_memory_bytes=2 << 30)
+    executor = ActivationExecutor(torch.device("cpu"), host_memory_bytes=2 << 30, pull_forward_bytes=0)
     executor.set_plan(
         [
             PackDecision(1, 1 << 30, HOST, prefetch_event=5, need_event=9),
@@ -157,6 +157,38 @@ def test_prefetches_at_one_event_go_earliest_need_first() -> None:
     assert executor.prefetch_at_event == {5: [1, 4, 0, 3], 7: [5]}
     with pytest.raises(ValueError, match="copy_streams must be >= 1"):
         ActivationExecutor(torch.device("cpu"), copy_streams=0)
+
+
+def test_prefetch_needed_before_a_large_one_is_pulled_ahead_of_it() -> None:
+    from teraio.executor import HOST, ActivationExecutor, PackDecision
+
+    mib = 1 << 20
+
+    def plan() -> list[PackDecision]:
+        return [
+            # The large one: issued at 50, needed at 90.
+            PackDecision(1, 1024 * mib, HOST, prefetch_event=50, need_event=90, pack_event=1),
+            # Issued at 52 and 60, needed at 70: they would queue behind it.
+            PackDecision(2, 176 * mib, HOST, prefetch_event=52, need_event=70, pack_event=2),
+            PackDecision(3, 176 * mib, HOST, prefetch_event=60, need_event=70, pack_event=3),
+            # Needed after it: stays.
+            PackDecision(4, 64 * mib, HOST, prefetch_event=55, need_event=95, pack_event=4),
+            # Issued after its need: stays.
+            PackDecision(5, 64 * mib, HOST, prefetch_event=91, need_event=99, pack_event=5),
+            # Saved after event 50: cannot be issued there (and 64 MiB holds no one up at 55).
+            PackDecision(6, 64 * mib, HOST, prefetch_event=56, need_event=80, pack_event=53),
+        ]
+
+    executor = ActivationExecutor(torch.device("cpu"), host_memory_bytes=4 << 30)
+    executor.set_plan(plan())
+    assert executor.prefetch_at_event == {50: [1, 2, 0], 55: [3], 56: [5], 91: [4]}
+    assert executor.stats.prefetches_pulled_forward == 2
+    # A budget of 200 MiB per event takes one of the two.
+    budget = 200 * mib
+    executor = ActivationExecutor(torch.device("cpu"), host_memory_bytes=4 << 30, pull_forward_bytes=budget)
+    executor.set_plan(plan())
+    assert executor.prefetch_at_event == {50: [1, 0], 55: [3], 56: [5], 60: [2], 91: [4]}
+    assert executor.stats.prefetches_pulled_forward == 1
 
 
 class _Copy:

@@ -173,8 +173,9 @@ class offload:
             predicts fastest on a link at `SLOW_LINK_FACTOR` (85%) of `host_link_bandwidth` is
             kept), "on" (every one that can be remade exactly, always) or "off". Results stay
             bitwise equal.
-        copy_streams: CUDA streams the activation prefetches spread over (default 2: a small
-            prefetch needed soon does not wait behind a large one needed later).
+        copy_streams: CUDA streams the activation prefetches spread over (default 2).
+        pull_forward_bytes: prefetch bytes per event that may be issued earlier than planned so
+            that they do not queue behind a copy needed later (default 1 GiB; 0: as planned).
         trace_path / plan_path: where to write the trace and the plan (JSON), if given.
         sync_each_step: synchronize the device after each step (default False: the copies
             issued at the step, such as optimizer state going out, then overlap with the next
@@ -205,6 +206,7 @@ class offload:
         op_time_scale: float = 1.0,
         offload_parameters: bool = False,
         copy_streams: int = 2,
+        pull_forward_bytes: Union[int, str] = 1 << 30,
         tier_preference: str = "auto",
         recompute: str = "auto",
     ) -> None:
@@ -241,6 +243,7 @@ class offload:
             skip_storages=skip,
             gpu_memory_bytes=self.gpu_memory_bytes,
             copy_streams=copy_streams,
+            pull_forward_bytes=parse_size(pull_forward_bytes),
         )
         self.offload_optimizer_state = offload_optimizer_state
         self.ssd_shared = ssd_shared
@@ -785,7 +788,11 @@ def decisions_from_plan(
             else:
                 break
         prefetch_event = min(trigger, limit)
-        decisions.append(PackDecision(tensor_id, size, migration["tier"], prefetch_event, need_event=limit))
+        decisions.append(
+            PackDecision(
+                tensor_id, size, migration["tier"], prefetch_event, need_event=limit, pack_event=pack_at
+            )
+        )
     return decisions
 
 
