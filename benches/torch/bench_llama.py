@@ -374,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", default="")
     parser.add_argument("--copy-streams", type=int, default=2, help="teraio.offload(copy_streams=)")
     parser.add_argument(
-        "--pull-forward-gib", type=float, default=1.0, help="teraio.offload(pull_forward_bytes=), GiB"
+        "--pull-forward-gib", type=float, default=0.5, help="teraio.offload(pull_forward_bytes=), GiB"
     )
     parser.add_argument("--kineto-step", type=int, default=-1, help="step to record with torch.profiler")
     parser.add_argument(

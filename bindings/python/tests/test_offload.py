@@ -170,7 +170,7 @@ def test_prefetch_needed_before_a_large_one_is_pulled_ahead_of_it() -> None:
             PackDecision(1, 1024 * mib, HOST, prefetch_event=50, need_event=90, pack_event=1),
             # Issued at 52 and 60, needed at 70: they would queue behind it.
             PackDecision(2, 176 * mib, HOST, prefetch_event=52, need_event=70, pack_event=2),
-            PackDecision(3, 176 * mib, HOST, prefetch_event=60, need_event=70, pack_event=3),
+            PackDecision(3, 240 * mib, HOST, prefetch_event=60, need_event=70, pack_event=3),
             # Needed after it: stays.
             PackDecision(4, 64 * mib, HOST, prefetch_event=55, need_event=95, pack_event=4),
             # Issued after its need: stays.
@@ -179,16 +179,23 @@ def test_prefetch_needed_before_a_large_one_is_pulled_ahead_of_it() -> None:
             PackDecision(6, 64 * mib, HOST, prefetch_event=56, need_event=80, pack_event=53),
         ]
 
-    executor = ActivationExecutor(torch.device("cpu"), host_memory_bytes=4 << 30)
+    cpu = torch.device("cpu")
+    # Default: 512 MiB per event, 256 MiB each. Pulled ones stay listed at their planned event
+    # too (issued there if memory had no room early; skipped there once issued).
+    executor = ActivationExecutor(cpu, host_memory_bytes=4 << 30)
     executor.set_plan(plan())
-    assert executor.prefetch_at_event == {50: [1, 2, 0], 55: [3], 56: [5], 91: [4]}
+    assert executor.prefetch_at_event == {50: [1, 2, 0], 52: [1], 55: [3], 56: [5], 60: [2], 91: [4]}
+    assert executor._pulled == {50: {1, 2}}
     assert executor.stats.prefetches_pulled_forward == 2
-    # A budget of 200 MiB per event takes one of the two.
-    budget = 200 * mib
-    executor = ActivationExecutor(torch.device("cpu"), host_memory_bytes=4 << 30, pull_forward_bytes=budget)
+    # 400 MiB per event: 200 MiB each, so the 240 MiB one stays.
+    executor = ActivationExecutor(cpu, host_memory_bytes=4 << 30, pull_forward_bytes=400 * mib)
     executor.set_plan(plan())
-    assert executor.prefetch_at_event == {50: [1, 0], 55: [3], 56: [5], 60: [2], 91: [4]}
-    assert executor.stats.prefetches_pulled_forward == 1
+    assert executor._pulled == {50: {1}}
+    assert executor.prefetch_at_event[50] == [1, 0]
+    # None pulled.
+    executor = ActivationExecutor(cpu, host_memory_bytes=4 << 30, pull_forward_bytes=0)
+    executor.set_plan(plan())
+    assert executor._pulled == {} and executor.prefetch_at_event[50] == [0]
 
 
 class _Copy:

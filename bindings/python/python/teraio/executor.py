@@ -60,6 +60,9 @@ PREFETCH_CHUNK_BYTES = 64 << 20
 
 #: Prefetches at least this large (about 5 ms at 55 GB/s) let later, more urgent ones go first.
 PULL_BEHIND_MIN_BYTES = 256 << 20
+#: GPU memory left free besides a prefetch issued before its planned event (the allocator's
+#: fragmentation and copies in flight: H100 runs peak 1.4 GiB above the plan).
+PULL_HEADROOM_BYTES = 2 << 30
 
 
 def _deadline(need_event: Optional[int]) -> int:
@@ -92,6 +95,8 @@ class TransferStats:
     #: Prefetches moved to an earlier event so as not to queue behind a copy needed later
     #: (counted when the plan is installed).
     prefetches_pulled_forward: int = 0
+    #: Early issues skipped for want of GPU memory (those went at their planned event).
+    pulls_skipped: int = 0
     #: Activation prefetches issued on each prefetch stream (CUDA).
     prefetches_per_stream: list[int] = field(default_factory=list)
 
@@ -224,7 +229,7 @@ class ActivationExecutor:
         skip_storages: Optional[set[Any]] = None,
         gpu_memory_bytes: int = 0,
         copy_streams: int = 2,
-        pull_forward_bytes: int = 1 << 30,
+        pull_forward_bytes: int = 512 << 20,
     ) -> None:
         if copy_streams < 1:
             raise ValueError(f"copy_streams must be >= 1, got {copy_streams}")
@@ -247,6 +252,8 @@ class ActivationExecutor:
         self._unpacked = False
         self.decisions: Optional[list[PackDecision]] = None
         self.prefetch_at_event: dict[int, list[int]] = {}
+        # Event -> the pack indices listed there ahead of their planned event.
+        self._pulled: dict[int, set[int]] = {}
         self._pack_index = 0
         self._event_index = 0
         # Weak: a slot (and the GPU copy it restores) lives only as long as autograd holds it.
@@ -313,9 +320,11 @@ class ActivationExecutor:
         one needed later is still copying waits for all of it, where the planner's simulator
         lets it go first. So when prefetch `a` (of at least `PULL_BEHIND_MIN_BYTES`) is issued,
         each prefetch planned between that event and `a`'s need, needed before `a`, and already
-        saved, is issued just before it
-        (up to `pull_forward_bytes` per event: those bytes occupy GPU memory earlier than
-        planned)."""
+        saved, is issued just before it (up to `pull_forward_bytes` per event, each at most
+        half of that). Those bytes occupy GPU memory earlier than planned, so an early issue
+        happens only while `PULL_HEADROOM_BYTES` stay free besides (`_room_for_early`); else
+        the prefetch goes at its planned event, where it stays listed."""
+        self._pulled = {}
         if self.pull_forward_bytes <= 0:
             return
         issue_at = {i: event for event, indices in self.prefetch_at_event.items() for i in indices}
@@ -333,18 +342,16 @@ class ActivationExecutor:
                     and _deadline(decisions[b].need_event) < need_a
                     and decisions[b].pack_event is not None
                     and decisions[b].pack_event < event
-                    and decisions[b].size_bytes <= budget
+                    and decisions[b].size_bytes <= self.pull_forward_bytes // 2
                 ]
                 for b in sorted(later, key=lambda i: (_deadline(decisions[i].need_event), i)):
                     if decisions[b].size_bytes > budget:
                         continue
                     budget -= decisions[b].size_bytes
-                    self.prefetch_at_event[issue_at[b]].remove(b)
                     indices.append(b)
+                    self._pulled.setdefault(event, set()).add(b)
                     issue_at[b] = event
                     self.stats.prefetches_pulled_forward += 1
-        for event in [event for event, indices in self.prefetch_at_event.items() if not indices]:
-            del self.prefetch_at_event[event]
 
     # -- iteration boundaries ------------------------------------------------------------------
 
@@ -644,13 +651,24 @@ class ActivationExecutor:
         indices = self.prefetch_at_event.get(event_index)
         if not indices:
             return
+        pulled = self._pulled.get(event_index, ())
         for pack_index in indices:
             slot_ref = self._slots_by_pack.get(pack_index)
             slot = slot_ref() if slot_ref is not None else None
             if slot is None or slot.gpu is not None or slot.tier == RECOMPUTE:
                 continue
+            if pack_index in pulled and not self._room_for_early(slot.nbytes):
+                self.stats.pulls_skipped += 1
+                continue  # it goes at its planned event
             self.stats.prefetches_planned += 1
             self._prefetch(slot)
+
+    def _room_for_early(self, nbytes: int) -> bool:
+        """Whether GPU memory has room now for a prefetch issued before its planned event."""
+        if not self.cuda or not self.gpu_memory_bytes:
+            return True
+        in_use = torch.cuda.memory_allocated(self.device)
+        return in_use + nbytes + PULL_HEADROOM_BYTES <= self.gpu_memory_bytes
 
     def _prefetch(self, slot: _Slot) -> None:
         self.stats.prefetched_bytes[slot.tier] += slot.nbytes

@@ -175,7 +175,8 @@ class offload:
             bitwise equal.
         copy_streams: CUDA streams the activation prefetches spread over (default 2).
         pull_forward_bytes: prefetch bytes per event that may be issued earlier than planned so
-            that they do not queue behind a copy needed later (default 1 GiB; 0: as planned).
+            that they do not queue behind a copy needed later, while GPU memory has room (default
+            512 MiB; 0: as planned).
         trace_path / plan_path: where to write the trace and the plan (JSON), if given.
         sync_each_step: synchronize the device after each step (default False: the copies
             issued at the step, such as optimizer state going out, then overlap with the next
@@ -206,7 +207,7 @@ class offload:
         op_time_scale: float = 1.0,
         offload_parameters: bool = False,
         copy_streams: int = 2,
-        pull_forward_bytes: Union[int, str] = 1 << 30,
+        pull_forward_bytes: Union[int, str] = 512 << 20,
         tier_preference: str = "auto",
         recompute: str = "auto",
     ) -> None:
