@@ -65,22 +65,22 @@ def plan(
     holds the simulated iteration time, stalls, peak and bytes per tier.
     """
     trace_json = trace if isinstance(trace, str) else json.dumps(trace)
-    read = _bandwidth(ssd_read_bandwidth)
-    write = read if ssd_write_bandwidth is None else _bandwidth(ssd_write_bandwidth)
     result = _native.plan(
         trace_json,
-        gpu_memory_bytes=parse_size(gpu_memory),
-        ssd_read_bytes_per_s=read,
-        ssd_write_bytes_per_s=write,
-        host_memory_bytes=parse_size(host_memory),
-        host_link_bytes_per_s=_bandwidth(host_link_bandwidth),
-        ssd_latency_us=ssd_latency_us,
-        host_latency_us=host_latency_us,
+        **_hardware(
+            gpu_memory,
+            ssd_read_bandwidth,
+            ssd_write_bandwidth,
+            host_memory,
+            host_link_bandwidth,
+            ssd_latency_us,
+            host_latency_us,
+            ssd_shared,
+            ssd_via_host_link,
+        ),
         reserve_bytes=parse_size(reserve),
         prefetch_slack=prefetch_slack,
         movable_kinds=list(movable_kinds) if movable_kinds is not None else None,
-        ssd_shared=ssd_shared,
-        ssd_via_host_link=ssd_via_host_link,
         tier_preference=tier_preference,
     )
     return json.loads(result)
@@ -103,22 +103,48 @@ def simulate(
     """Replays `trace` under a plan (the `"plan"` of `plan()`'s result) on the given hardware and
     returns the simulator's report (iteration time, stalls, peak, bytes per tier): how a plan made
     for one machine does on another, e.g. with a slower link than it was planned for."""
-    read = _bandwidth(ssd_read_bandwidth)
-    write = read if ssd_write_bandwidth is None else _bandwidth(ssd_write_bandwidth)
     result = _native.simulate_plan(
         trace if isinstance(trace, str) else json.dumps(trace),
         plan_doc if isinstance(plan_doc, str) else json.dumps(plan_doc),
-        gpu_memory_bytes=parse_size(gpu_memory),
-        ssd_read_bytes_per_s=read,
-        ssd_write_bytes_per_s=write,
-        host_memory_bytes=parse_size(host_memory),
-        host_link_bytes_per_s=_bandwidth(host_link_bandwidth),
-        ssd_latency_us=ssd_latency_us,
-        host_latency_us=host_latency_us,
-        ssd_shared=ssd_shared,
-        ssd_via_host_link=ssd_via_host_link,
+        **_hardware(
+            gpu_memory,
+            ssd_read_bandwidth,
+            ssd_write_bandwidth,
+            host_memory,
+            host_link_bandwidth,
+            ssd_latency_us,
+            host_latency_us,
+            ssd_shared,
+            ssd_via_host_link,
+        ),
     )
     return json.loads(result)
+
+
+def _hardware(
+    gpu_memory: Union[int, str],
+    ssd_read_bandwidth: Union[float, str],
+    ssd_write_bandwidth: Optional[Union[float, str]],
+    host_memory: Union[int, str],
+    host_link_bandwidth: Union[float, str],
+    ssd_latency_us: float,
+    host_latency_us: float,
+    ssd_shared: bool,
+    ssd_via_host_link: bool,
+) -> dict[str, Any]:
+    """The native planner's and simulator's machine arguments, sizes and bandwidths parsed."""
+    read = _bandwidth(ssd_read_bandwidth)
+    return {
+        "gpu_memory_bytes": parse_size(gpu_memory),
+        "ssd_read_bytes_per_s": read,
+        "ssd_write_bytes_per_s": read if ssd_write_bandwidth is None else _bandwidth(ssd_write_bandwidth),
+        "host_memory_bytes": parse_size(host_memory),
+        "host_link_bytes_per_s": _bandwidth(host_link_bandwidth),
+        "ssd_latency_us": ssd_latency_us,
+        "host_latency_us": host_latency_us,
+        "ssd_shared": ssd_shared,
+        "ssd_via_host_link": ssd_via_host_link,
+    }
 
 
 def validate_trace(trace: Union[str, dict[str, Any]]) -> None:
