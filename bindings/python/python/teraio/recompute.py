@@ -273,18 +273,25 @@ def find_recipes(
     return recipes
 
 
-def need_events(events: list[Any], recipes: dict[int, Recipe]) -> dict[int, int]:
-    """The event at which backward first needs each tensor: its first unpack, or earlier where a
-    recomputed tensor made from it is needed first (only tensors with an unpack are listed)."""
-    need: dict[int, int] = {}
+def first_events(events: list[Any]) -> tuple[dict[int, int], dict[int, int]]:
+    """Each tensor's first pack event and first unpack event (indices into `events`, the
+    profiler's `SaveEvent`s)."""
     first_pack: dict[int, int] = {}
+    first_unpack: dict[int, int] = {}
     for index, event in enumerate(events):
         if event.tensor_id is None:
             continue
-        if event.kind == "unpack":
-            need.setdefault(event.tensor_id, index)
-        else:
+        if event.kind == "pack":
             first_pack.setdefault(event.tensor_id, index)
+        else:
+            first_unpack.setdefault(event.tensor_id, index)
+    return first_pack, first_unpack
+
+
+def need_events(events: list[Any], recipes: dict[int, Recipe]) -> dict[int, int]:
+    """The event at which backward first needs each tensor: its first unpack, or earlier where a
+    recomputed tensor made from it is needed first (only tensors with an unpack are listed)."""
+    first_pack, need = first_events(events)
     # A recipe's saved sources were packed before it: walking recipes latest-packed first
     # settles each tensor before its sources.
     for tensor_id in sorted(recipes, key=lambda t: first_pack.get(t, -1), reverse=True):

@@ -756,16 +756,8 @@ def decisions_from_plan(
         current = best.get(tensor_id)
         if current is None or span > current["next_use_op"] - current["offload_op"]:
             best[tensor_id] = migration
-    first_pack_event: dict[int, int] = {}
-    first_unpack_event: dict[int, int] = {}
+    first_pack_event, first_unpack_event = rc.first_events(events)
     pack_events = [e for e in events if e.kind == "pack"]
-    for index, event in enumerate(events):
-        if event.tensor_id is None:
-            continue
-        if event.kind == "pack":
-            first_pack_event.setdefault(event.tensor_id, index)
-        else:
-            first_unpack_event.setdefault(event.tensor_id, index)
     decisions: list[PackDecision] = []
     seen: set[int] = set()
     for event in pack_events:
