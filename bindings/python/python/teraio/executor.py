@@ -10,13 +10,13 @@ Timing (CUDA): offloads are device-to-host copies on their own stream, started r
 save; the GPU memory returns to PyTorch's allocator when the forward pass drops the tensor and the
 copy is done (`record_stream`). Prefetches are host-to-device copies, issued at the save/unpack
 event the plan maps the prefetch op to (earliest need first where several share an event); compute
-waits on the copy's CUDA event only when it needs the tensor. A CUDA stream runs its copies one
-after another, so a small prefetch needed soon would wait behind a large one needed later (the
-planner's simulator lets the urgent one go first). Copies on different streams do not overlap
-either (H100: one host-to-device copy at a time), but the copy engine takes the next command from
-either stream. Prefetches therefore spread over two streams, a new one behind a copy needed no
-later than itself where it can (`_prefetch_stream`), and go as `PREFETCH_CHUNK_BYTES` pieces:
-an urgent copy waits for one piece of a large one, not all of it.
+waits on the copy's CUDA event only when it needs the tensor. The copy engine runs host-to-device
+copies one at a time in the order they become ready, across streams too, so a small prefetch
+needed soon waits behind a large one needed later (the planner's simulator lets the urgent one go
+first). What closes that gap is `_pull_urgent_forward`: the urgent prefetch is issued just before
+the large one. Prefetches also spread over two streams (a new one behind a copy needed no later
+than itself, `_prefetch_stream`) in `PREFETCH_CHUNK_BYTES` pieces; on the H100 that alone
+measured no gain (the pieces of a copy already ready still ran first).
 A prefetch the plan did not issue in time is issued on demand; that and any wait for an SSD
 read are counted as stalls, and the result is still exact.
 
