@@ -97,11 +97,37 @@ def test_ssd_tier_bitwise_equal(store: teraio.Store, tmp_path: pathlib.Path) -> 
 
 
 def test_tiny_budget_still_exact_with_on_demand_fetches(store: teraio.Store) -> None:
-    # A budget below the persistent tensors cannot fit: the plan says so, and training stays exact.
+    # A budget below the persistent tensors cannot fit: with if_no_fit="run" the plan says so,
+    # and training stays exact.
     reference = _reference()
-    losses, state, report, _ = _offloaded_run(gpu_memory=1 << 20, host_memory=1 << 20, store=store)
+    losses, state, report, _ = _offloaded_run(
+        gpu_memory=1 << 20, host_memory=1 << 20, store=store, if_no_fit="run"
+    )
     _assert_same(reference, losses, state)
     assert report.plan_summary["fits"] is False
+
+
+def test_budget_below_parameters_is_refused_before_training() -> None:
+    model, optimizer = make()
+    with pytest.raises(teraio.NoPlanFitsError, match="cannot hold the parameters"):
+        with teraio.offload(model, optimizer, gpu_memory=1 << 10, host_memory=1 << 20):
+            pytest.fail("the block must not start")
+
+
+def test_no_plan_fits_is_a_clear_error_before_the_planned_steps() -> None:
+    # Parameters fit, but not the optimizer step's state with them (no host memory to move to).
+    model, optimizer = make()
+    params = sum(p.numel() * 4 for p in model.parameters())
+    data = batches(STEPS, rows=ROWS)
+    steps = 0
+    with pytest.raises(teraio.NoPlanFitsError, match="no plan fits"):
+        with teraio.offload(model, optimizer, gpu_memory=params * 2 + (64 << 10), host_memory=0, reserve=0):
+            for x in data:
+                model(x).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                steps += 1
+    assert steps == 1  # raised in the profiled step, before any planned one
 
 
 def test_restored_copies_are_released_after_backward() -> None:

@@ -4,7 +4,8 @@
 - `gpu_probe`: what this machine offers for GPU I/O (CUDA, cuFile, GDS or its compatibility mode).
 - `plan`: the lifetime planner on a trace (docs/trace.md); `simulate`: replays a trace under a plan.
 - `Profiler`: records training iterations into a trace (needs torch).
-- `offload`: profile, plan and offload activations around an unchanged training loop (needs torch).
+- `offload`: profile, plan and offload activations around an unchanged training loop (needs torch);
+  `OffloadOptions`: its settings in one object.
 
 Errors are `TeraioError` subclasses carrying the engine's message.
 """
@@ -25,6 +26,7 @@ from ._native import (
     PlannerError,
     TeraioError,
 )
+from .options import OffloadOptions
 from .planning import parse_size, plan, simulate, validate_trace
 from .store import Handle, Store, gpu_probe
 
@@ -37,7 +39,9 @@ __all__ = [
     "InvalidArgumentError",
     "LockedError",
     "NoSpaceError",
+    "NoPlanFitsError",
     "NotFoundError",
+    "OffloadOptions",
     "PlannerError",
     "Profiler",
     "Report",
@@ -60,7 +64,7 @@ def __getattr__(name: str) -> Any:
         from .profiler import Profiler
 
         return Profiler
-    if name in ("offload", "Report"):
+    if name in ("offload", "Report", "NoPlanFitsError"):
         from . import runtime as module
 
         return getattr(module, name)

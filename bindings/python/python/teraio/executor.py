@@ -99,6 +99,13 @@ class TransferStats:
     pulls_skipped: int = 0
     #: Activation prefetches issued on each prefetch stream (CUDA).
     prefetches_per_stream: list[int] = field(default_factory=list)
+    #: Memory fallbacks: saved tensors the plan kept, offloaded because GPU memory ran short;
+    #: planned prefetches put off to a later event for the same reason; allocations of a
+    #: prefetch that failed, waited for the copies in flight and were tried again.
+    emergency_offloads: int = 0
+    emergency_offloaded_bytes: int = 0
+    prefetches_deferred: int = 0
+    memory_waits: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -241,6 +248,11 @@ class ActivationExecutor:
         self.gpu_memory_bytes = gpu_memory_bytes
         self.max_inflight_bytes = max_inflight_bytes
         self.pull_forward_bytes = pull_forward_bytes
+        #: GPU memory kept free under `gpu_memory_bytes` before the fallbacks act (the runtime
+        #: sets it from the plan's reserve; 0: no fallback).
+        self.margin_bytes = 0
+        # Planned prefetches put off for want of memory (pack indices), retried at each event.
+        self._deferred: list[int] = []
         self.object_id_base = object_id_base
         self.skip_storages = skip_storages if skip_storages is not None else set()
         self.stats = TransferStats()
@@ -357,6 +369,7 @@ class ActivationExecutor:
 
     def begin_iteration(self) -> None:
         self._unpacked = False
+        self._deferred = []
         self._pack_index = 0
         self._event_index = 0
         self._slots_by_pack.clear()
@@ -551,22 +564,39 @@ class ActivationExecutor:
         if self.decisions is not None:
             if pack_index >= len(self.decisions) or self.decisions[pack_index].size_bytes != nbytes:
                 self.stats.plan_mismatches += 1
-                return None
+                return self._if_short(nbytes)
             decision = self.decisions[pack_index]
+            if decision.tier is None:
+                return self._if_short(nbytes)
             return decision.tier
-        # No plan yet (warm-up and profiled iterations): keep tensors while the GPU is less than
-        # half full (CUDA), then host memory up to the cap, then SSD.
-        if (
-            self.cuda
-            and self.gpu_memory_bytes
-            and torch.cuda.memory_allocated(self.device) + nbytes < self.gpu_memory_bytes // 2
-        ):
-            return None
+        # No plan yet (warm-up and profiled iterations): every saved tensor goes, to host memory
+        # up to the cap, then to the SSD; so these iterations need no more GPU memory than a plan.
+        return self._fallback_tier(nbytes)
+
+    def _fallback_tier(self, nbytes: int) -> Optional[str]:
         if self._host_in_use + nbytes <= self.host_memory_bytes:
             return HOST
         if self.store is not None:
             return SSD
         return None
+
+    def _short_of_memory(self, nbytes: int) -> bool:
+        """Whether `nbytes` more would leave less than `margin_bytes` of the budget (CUDA)."""
+        if not self.cuda or not self.gpu_memory_bytes or not self.margin_bytes:
+            return False
+        in_use = torch.cuda.memory_allocated(self.device)
+        return in_use + nbytes > self.gpu_memory_bytes - self.margin_bytes
+
+    def _if_short(self, nbytes: int) -> Optional[str]:
+        """A tensor the plan keeps is offloaded anyway when memory runs short (the plan's memory
+        estimate was off): a cheaper action than running out; it comes back on demand."""
+        if not self._short_of_memory(nbytes):
+            return None
+        tier = self._fallback_tier(nbytes)
+        if tier is not None:
+            self.stats.emergency_offloads += 1
+            self.stats.emergency_offloaded_bytes += nbytes
+        return tier
 
     # -- transfers -----------------------------------------------------------------------------
 
@@ -649,6 +679,9 @@ class ActivationExecutor:
 
     def _issue_prefetches(self, event_index: int) -> None:
         indices = self.prefetch_at_event.get(event_index)
+        if self._deferred:
+            deferred, self._deferred = self._deferred, []
+            indices = deferred + list(indices or ())
         if not indices:
             return
         pulled = self._pulled.get(event_index, ())
@@ -660,6 +693,12 @@ class ActivationExecutor:
             if pack_index in pulled and not self._room_for_early(slot.nbytes):
                 self.stats.pulls_skipped += 1
                 continue  # it goes at its planned event
+            if self._short_of_memory(slot.nbytes):
+                # Wait for memory rather than run out: tried again at the next event, at the
+                # latest fetched when backward needs it.
+                self.stats.prefetches_deferred += 1
+                self._deferred.append(pack_index)
+                continue
             self.stats.prefetches_planned += 1
             self._prefetch(slot)
 
@@ -687,18 +726,30 @@ class ActivationExecutor:
                 slot.host = None
                 return
             # The host-to-device copy is issued once the read is in (`_pump`, at the latest `_await`).
-            slot.gpu = torch.empty(slot.nbytes, dtype=torch.uint8, device=self.device)
+            slot.gpu = self._device_buffer(slot.nbytes)
             self._pending_gets.append(slot)
             return
         host = slot.host
         assert host is not None
         if self.cuda:
-            slot.gpu = torch.empty(slot.nbytes, dtype=torch.uint8, device=self.device)
+            slot.gpu = self._device_buffer(slot.nbytes)
             self._copy_up(slot)
         else:
             slot.gpu = host.clone()
             self._host_in_use -= slot.nbytes
             slot.host = None
+
+    def _device_buffer(self, nbytes: int) -> torch.Tensor:
+        """GPU memory for a prefetch; when the allocator is out of it, waits for the
+        device-to-host copies in flight (their sources' blocks come back once they land) and
+        tries once more."""
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        except torch.cuda.OutOfMemoryError:
+            self.stats.memory_waits += 1
+            self.d2h_stream.synchronize()
+            self._throttle(self.max_inflight_bytes + 1)
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def _copy_up(self, slot: _Slot) -> None:
         gpu = slot.gpu

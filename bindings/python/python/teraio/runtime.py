@@ -18,6 +18,7 @@ profiler; then the trace is planned and the following iterations run the plan.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
@@ -27,12 +28,25 @@ from typing import Any, Optional, Union
 import torch
 from torch.utils._pytree import tree_flatten
 
+from . import blocks as bk
+from . import calibration as cal
+from . import machine
 from . import recompute as rc
 from .executor import HOST, RECOMPUTE, SSD, ActivationExecutor, PackDecision
+from .options import OffloadOptions
 from .planning import _bandwidth, parse_size, plan, simulate
 from .profiler import Profiler, SaveEvent
 from .state import Move, StateExecutor, pin_outside_forward_gap, pin_within_iteration
 from .store import Store
+
+#: The report flags a measured iteration this far (as a share) from the prediction.
+PREDICTION_TOLERANCE = 0.10
+
+
+class NoPlanFitsError(RuntimeError):
+    """No plan fits the GPU memory budget (raised before the planned iterations, or at the
+    start where the parameters and gradients alone exceed it); `if_no_fit="run"` trains anyway."""
+
 
 #: recompute="auto" ranks its plans by their simulated time on a host link this fraction of the
 #: planned bandwidth (`Offload._rank` says why).
@@ -74,6 +88,21 @@ class Report:
     host_ms_per_iteration: dict[str, float] = field(default_factory=dict)
     #: Saved activations dropped at the save and recomputed in backward, per planned iteration.
     recomputed_bytes_per_iteration: int = 0
+    #: How `ideal_iteration_ms` was made: an estimate from calibrated op times (see
+    #: teraio.calibration) unless a measured ideal was given; and the raw profiled sum.
+    ideal_source: str = ""
+    profiled_ops_ms: Optional[float] = None
+    #: (measured - predicted) / predicted, percent; `prediction_warning` says when it is past
+    #: `PREDICTION_TOLERANCE`.
+    prediction_error_percent: Optional[float] = None
+    prediction_warning: str = ""
+    #: Blocks run under activation checkpointing in the planned iterations, and the candidates.
+    checkpointed_blocks: list[str] = field(default_factory=list)
+    checkpoint_summary: dict[str, Any] = field(default_factory=dict)
+    #: What the runtime assumed about the machine and where each figure came from.
+    machine: dict[str, Any] = field(default_factory=dict)
+    #: Time in teraio's hooks per planned iteration as a percent of the ideal iteration.
+    host_percent_of_ideal: Optional[float] = None
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items()}
@@ -91,7 +120,8 @@ class Report:
             f"teraio offload: {self.steps} steps, {self.planned_steps} with the plan",
             f"  iteration: measured {ms(self.measured_iteration_ms)} (median of planned steps), "
             f"predicted {ms(self.predicted_iteration_ms)}, "
-            f"ideal (profiled op times) {ms(self.ideal_iteration_ms)}",
+            f"ideal {ms(self.ideal_iteration_ms)} (estimate: {self.ideal_source or 'profiled op times'}; "
+            f"raw profiled ops {ms(self.profiled_ops_ms)})",
             f"  peak GPU memory: measured {gib(self.peak_gpu_bytes)}, "
             f"planned {gib(self.predicted_peak_bytes)}, "
             f"without offload {gib(self.unplanned_peak_bytes)}, budget {gib(self.gpu_memory_bytes)}",
@@ -128,6 +158,15 @@ class Report:
                 "  host time in teraio per iteration: "
                 + ", ".join(f"{name} {v:.1f} ms" for name, v in self.host_ms_per_iteration.items())
             )
+        if self.prediction_warning:
+            lines.append(f"  WARNING: {self.prediction_warning}")
+        if self.checkpointed_blocks or self.checkpoint_summary:
+            lines.append(
+                f"  activation checkpointing: {len(self.checkpointed_blocks)} of "
+                f"{self.checkpoint_summary.get('blocks', 0)} blocks"
+            )
+        if self.host_percent_of_ideal is not None:
+            lines.append(f"  host time in hooks: {self.host_percent_of_ideal:.1f}% of the ideal iteration")
         if self.plan_summary.get("fits") is False:
             lines.append(f"  plan: does not fit the budget ({self.plan_summary.get('outcome')})")
         lines.append("  stalls: " + ", ".join(f"{k} {v}" for k, v in self.stalls.items()))
@@ -137,80 +176,34 @@ class Report:
 class offload:
     """Offloads a model's activations per a lifetime plan; see the module docstring.
 
+    ```
+    with teraio.offload(model, optimizer, store=store, gpu_memory="22GiB") as run:
+        ...
+    ```
+
     Args:
         model, optimizer: the model being trained and its optimizer (iterations end at its step).
+        options: a `teraio.OffloadOptions` (every setting, documented there); its fields can
+            also be given as keywords (`host_memory="64GiB"`, `recompute="off"`, ...), which
+            override the options object.
         store: the SSD tier (a `teraio.Store`); None: host memory only.
         gpu_memory: GPU memory the iterations must fit in (bytes or "24GiB"); default: the
             device's memory.
-        host_memory: pinned host memory the plan may use.
-        ssd_bandwidth / host_link_bandwidth: what the planner assumes (bytes/s or "6GB/s").
-        reserve: GPU memory the planner keeps free for allocator slack (default 10% of gpu_memory).
-        warmup_steps: iterations before the profiled one (default 1: optimizer state exists then;
-            2 for a `DistributedDataParallel` model, whose second iteration rebuilds its
-            gradient buckets, one-off work that must not be planned for).
-        min_bytes: saved tensors smaller than this stay on the GPU.
-        max_inflight_bytes: device-to-host copy bytes in flight before a save waits for the
-            oldest (their GPU memory is freed only once they land; default 2 GiB).
-        ssd_shared: the store's reads and writes share its devices' time (e.g. one disk, or
-            several ranks on one): the planner then splits each slot's SSD time between them.
-        prefetch_slack: the planner issues prefetches earlier by up to this multiple of their
-            transfer time where memory has room (default 1.0).
-        op_time_scale: multiplies the profiled op times before planning (the profiler's own
-            per-op cost makes short ops look longer than they run; default 1.0).
-        offload_optimizer_state: let the plan also move optimizer state between steps (default
-            True; the planner moves it only where that pays).
-        offload_parameters: let the plan also move parameters between their last forward use
-            and their first backward use (default False: tested on the CPU device only so far).
-        tier_preference: the tier the planner fills first when a period fits both: "auto" (the
-            default: plan both ways, keep the one the simulator predicts faster), "host" or
-            "ssd" (the paper's order). The planner always counts SSD transfers against the host
-            link too, because this runtime stages them through pinned host memory.
-        recompute: saved activations that cheap, deterministic ops can make again from tensors
-            backward has anyway are dropped at the save and recomputed when backward needs
-            them (teraio.recompute): "auto" (the default: the planner is run with the tensors
-            whose ops cost at most each of `recompute.AUTO_COST_RATIOS` (25% ... 4%) of moving
-            their bytes one way over the host link, and with none; the plan the simulator
-            predicts fastest on a link at `SLOW_LINK_FACTOR` (85%) of `host_link_bandwidth` is
-            kept), "on" (every one that can be remade exactly, always) or "off". Results stay
-            bitwise equal.
-        copy_streams: CUDA streams the activation prefetches spread over (default 2).
-        pull_forward_bytes: prefetch bytes per event that may be issued earlier than planned so
-            that they do not queue behind a copy needed later, while GPU memory has room (default
-            512 MiB; 0: as planned).
-        trace_path / plan_path: where to write the trace and the plan (JSON), if given.
-        sync_each_step: synchronize the device after each step (default False: the copies
-            issued at the step, such as optimizer state going out, then overlap with the next
-            forward pass).
     """
 
     def __init__(
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
+        options: Optional[OffloadOptions] = None,
         *,
         store: Optional[Store] = None,
         gpu_memory: Optional[Union[int, str]] = None,
-        host_memory: Union[int, str] = 0,
-        ssd_bandwidth: Union[float, str] = 6.5e9,
-        ssd_write_bandwidth: Optional[Union[float, str]] = None,
-        host_link_bandwidth: Union[float, str] = 25e9,
-        reserve: Optional[Union[int, str]] = None,
-        warmup_steps: Optional[int] = None,
-        min_bytes: int = 1 << 20,
-        max_inflight_bytes: Union[int, str] = 2 << 30,
-        trace_path: Optional[str] = None,
-        plan_path: Optional[str] = None,
-        sync_each_step: bool = False,
-        offload_optimizer_state: bool = True,
-        ssd_shared: bool = False,
-        prefetch_slack: float = 1.0,
-        op_time_scale: float = 1.0,
-        offload_parameters: bool = False,
-        copy_streams: int = 2,
-        pull_forward_bytes: Union[int, str] = 512 << 20,
-        tier_preference: str = "auto",
-        recompute: str = "auto",
+        **overrides: Any,
     ) -> None:
+        options = (options or OffloadOptions()).replace(**overrides)
+        self.options = options
+        _refuse_compiled(model)
         first = next(iter(model.parameters()))
         self.device = first.device
         self.model = model
@@ -222,61 +215,66 @@ class offload:
             else:
                 raise ValueError("gpu_memory is required on a CPU device")
         self.gpu_memory_bytes = parse_size(gpu_memory)
-        self.host_memory_bytes = parse_size(host_memory)
-        self.reserve_bytes = parse_size(reserve) if reserve is not None else self.gpu_memory_bytes // 10
-        self.ssd_bandwidth = ssd_bandwidth
-        self.ssd_write_bandwidth = ssd_write_bandwidth
-        self.host_link_bandwidth = host_link_bandwidth
-        if warmup_steps is None:
+        self.machine: dict[str, Any] = {}
+        self._resolve_machine(options)
+        if options.warmup_steps is None:
             ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
-            warmup_steps = 2 if ddp else 1
-        self.warmup_steps = warmup_steps
-        self.trace_path = trace_path
-        self.plan_path = plan_path
-        self.sync_each_step = sync_each_step
+            self.warmup_steps = 2 if ddp else 1
+        else:
+            self.warmup_steps = options.warmup_steps
+        self.calibrate = options.calibrate if options.calibrate is not None else self.device.type == "cuda"
+        # The profiled step, then (if calibrating) the calibration step; the plan follows.
+        self.profile_step = self.warmup_steps
+        self.plan_after_step = self.profile_step + (1 if self.calibrate else 0)
+        self.trace_path = options.trace_path
+        self.plan_path = options.plan_path
+        self.sync_each_step = options.sync_each_step
         skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self.executor = ActivationExecutor(
             self.device,
             store=store,
             host_memory_bytes=self.host_memory_bytes,
-            min_bytes=min_bytes,
-            max_inflight_bytes=parse_size(max_inflight_bytes),
+            min_bytes=options.min_bytes,
+            max_inflight_bytes=parse_size(options.max_inflight_bytes),
             skip_storages=skip,
             gpu_memory_bytes=self.gpu_memory_bytes,
-            copy_streams=copy_streams,
-            pull_forward_bytes=parse_size(pull_forward_bytes),
+            copy_streams=options.copy_streams,
+            pull_forward_bytes=parse_size(options.pull_forward_bytes),
         )
-        self.offload_optimizer_state = offload_optimizer_state
-        self.ssd_shared = ssd_shared
-        self.prefetch_slack = prefetch_slack
-        self.op_time_scale = op_time_scale
-        if tier_preference not in ("auto", "host", "ssd"):
-            raise ValueError(f'tier_preference must be "auto", "host" or "ssd", not {tier_preference!r}')
-        self.tier_preference = tier_preference
-        if recompute not in rc.MODES:
-            raise ValueError(f'recompute must be "auto", "on" or "off", not {recompute!r}')
-        self.recompute = recompute
-        self.min_bytes = min_bytes
+        self.offload_optimizer_state = options.offload_optimizer_state
+        self.prefetch_slack = options.prefetch_slack
+        self.op_time_scale = options.op_time_scale
+        self.tier_preference = options.tier_preference
+        self.recompute = options.recompute
+        self.min_bytes = options.min_bytes
         # Per planned iteration: calls of each module whose inputs recipes read, and what to keep.
         self._module_calls: dict[str, int] = {}
         self._arg_hooks: list[Any] = []
         self.recompute_summary: dict[str, Any] = {}
-        self.state = StateExecutor(
-            self.device,
-            store=store,
-            d2h_stream=getattr(self.executor, "d2h_stream", None),
-            h2d_stream=getattr(self.executor, "h2d_stream", None),
-        )
-        self.offload_parameters = offload_parameters
-        self.params = StateExecutor(
-            self.device,
-            store=store,
-            object_id_base=1 << 42,
-            d2h_stream=getattr(self.executor, "d2h_stream", None),
-            h2d_stream=getattr(self.executor, "h2d_stream", None),
-        )
+        streams = {
+            "d2h_stream": getattr(self.executor, "d2h_stream", None),
+            "h2d_stream": getattr(self.executor, "h2d_stream", None),
+        }
+        self.state = StateExecutor(self.device, store=store, **streams)
+        # Before the plan, every optimizer-state tensor leaves the GPU between steps, so that
+        # the warm-up and profiled iterations need no more memory than planned ones.
+        self.fallback_state = StateExecutor(self.device, store=store, object_id_base=1 << 43, **streams)
+        self.offload_parameters = options.offload_parameters
+        self.params = StateExecutor(self.device, store=store, object_id_base=1 << 42, **streams)
         self.executor.on_event = self._on_event
         self.executor.on_backward = lambda: self._mark("backward")
+        # Repeated blocks (checkpointing candidates), their forward passes in the profiled
+        # iteration, and the blocks checkpointed in the planned iterations.
+        self.blocks = bk.find_blocks(model) if options.checkpoint != "off" or self.calibrate else []
+        self.checkpointer = bk.Checkpointer(self.blocks)
+        self.block_records: dict[str, bk.BlockRecord] = {}
+        self._block_hooks: list[Any] = []
+        self._block_marks: list[tuple[Any, Any]] = []
+        self.checkpoint_blocks: list[str] = []
+        self.checkpoint_summary: dict[str, Any] = {}
+        self.calibration = cal.Calibration()
+        self._state_ids: list[tuple[torch.Tensor, int]] = []
+        self._events: list[SaveEvent] = []
         # Per iteration: when forward, backward and the step started and when the step ended
         # (CUDA events on the compute stream, or host times on a CPU device).
         self._marks: dict[str, Any] = {}
@@ -298,6 +296,7 @@ class offload:
         self._step_times_ms: list[float] = []
         self._planned_from_step: Optional[int] = None
         self._peaks: list[int] = []
+        self._reserved_peaks: list[int] = []
         # The CUDA caching allocator's retries (it hit the cap, freed its cache, which waits for
         # the device, and tried again) when the plan was installed.
         self._alloc_retries_at_plan = 0
@@ -305,9 +304,65 @@ class offload:
         self._state_stats_at_plan: Optional[dict[str, Any]] = None
         self._param_stats_at_plan: Optional[dict[str, Any]] = None
 
+    def _resolve_machine(self, options: OffloadOptions) -> None:
+        """Host memory, bandwidths and the reserve: given, or measured / bounded ("auto")."""
+        if options.host_memory == "auto":
+            available = machine.available_host_bytes()
+            self.host_memory_bytes = machine.default_host_memory(available)
+            self.machine["host_memory"] = (
+                f"{machine.HOST_MEMORY_SHARE:.0%} of MemAvailable ({(available or 0) / 2**30:.1f} GiB)"
+            )
+        else:
+            self.host_memory_bytes = parse_size(options.host_memory)
+            self.machine["host_memory"] = "given"
+        want_link = options.host_link_bandwidth == "auto"
+        want_ssd = self.store is not None and "auto" in (options.ssd_bandwidth, options.ssd_write_bandwidth)
+        measured = machine.resolve_bandwidths(
+            self.device, self.store, want_link=want_link, want_store=want_ssd
+        )
+        self.machine["measured"] = measured.source
+        share = machine.PLAN_SHARE
+        if want_link:
+            assert measured.link_d2h is not None and measured.link_h2d is not None
+            self.host_link_bandwidth: Union[float, str] = share * min(measured.link_d2h, measured.link_h2d)
+            self.machine["link_d2h_bytes_per_s"] = measured.link_d2h
+            self.machine["link_h2d_bytes_per_s"] = measured.link_h2d
+        else:
+            self.host_link_bandwidth = options.host_link_bandwidth
+        ssd_measured = False
+        self.ssd_bandwidth: Union[float, str] = (
+            6.5e9 if options.ssd_bandwidth == "auto" else options.ssd_bandwidth
+        )
+        self.ssd_write_bandwidth: Optional[Union[float, str]] = (
+            None if options.ssd_write_bandwidth == "auto" else options.ssd_write_bandwidth
+        )
+        if measured.ssd_read is not None and measured.ssd_write is not None:
+            self.machine["ssd_read_bytes_per_s"] = measured.ssd_read
+            self.machine["ssd_write_bytes_per_s"] = measured.ssd_write
+            if options.ssd_bandwidth == "auto":
+                self.ssd_bandwidth = share * measured.ssd_read
+                ssd_measured = True
+            if options.ssd_write_bandwidth == "auto":
+                self.ssd_write_bandwidth = share * measured.ssd_write
+                ssd_measured = True
+        self.ssd_shared = options.ssd_shared if options.ssd_shared is not None else ssd_measured
+        self.reserve_auto = options.reserve in (None, "auto")
+        self.reserve_bytes = (
+            self.gpu_memory_bytes // 10 if self.reserve_auto else parse_size(options.reserve)  # type: ignore[arg-type]
+        )
+        self.machine.update(
+            {
+                "host_memory_bytes": self.host_memory_bytes,
+                "host_link_bandwidth": _bandwidth(self.host_link_bandwidth),
+                "ssd_read_bandwidth": _bandwidth(self.ssd_bandwidth) if self.store is not None else None,
+                "ssd_shared": self.ssd_shared,
+            }
+        )
+
     # -- context -------------------------------------------------------------------------------
 
     def __enter__(self) -> offload:
+        self._check_persistent_fit()
         self._hooks.append(self.optimizer.register_step_pre_hook(self._before_step))
         self._hooks.append(self.optimizer.register_step_post_hook(self._after_step))
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.executor.pack, self.executor.unpack)
@@ -322,14 +377,30 @@ class offload:
         if self._saved_hooks is not None:
             self._saved_hooks.__exit__(None, None, None)
             self._saved_hooks = None
-        for hook in self._hooks + self._arg_hooks:
+        for hook in self._hooks + self._arg_hooks + self._block_hooks:
             hook.remove()
         self._hooks.clear()
         self._arg_hooks.clear()
+        self._block_hooks.clear()
+        self.checkpointer.apply(set())
         self.executor.end_iteration()
         self.executor.close()
+        self.fallback_state.close()
         self.state.close()
         self.params.close()
+
+    def _check_persistent_fit(self) -> None:
+        """Parameters and their gradients stay on the GPU: a budget below them cannot work."""
+        if self.options.if_no_fit != "raise":
+            return
+        params = sum(p.untyped_storage().nbytes() for p in self.model.parameters())
+        grads = sum(p.untyped_storage().nbytes() for p in self.model.parameters() if p.requires_grad)
+        if params + grads > self.gpu_memory_bytes:
+            raise NoPlanFitsError(
+                f"teraio.offload: gpu_memory={_size(self.gpu_memory_bytes)} cannot hold the "
+                f"parameters ({_size(params)}) and their gradients ({_size(grads)}), "
+                "which stay on the GPU; raise gpu_memory, or pass if_no_fit='run' to train anyway"
+            )
 
     # -- iteration boundaries ------------------------------------------------------------------
 
@@ -338,26 +409,96 @@ class offload:
         self._module_calls.clear()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        if self.step == self.warmup_steps and self.trace is None:
+        for hook in self._block_hooks:
+            hook.remove()
+        self._block_hooks.clear()
+        usable = self._usable_blocks()
+        if self.plan_result is not None:
+            self.checkpointer.apply(set(self.checkpoint_blocks))
+        elif self.step == self.profile_step and self.trace is None:
+            self.checkpointer.apply(set())
             self.profiler = Profiler(self.model, self.optimizer, install_hooks=False, device=self.device)
             self.executor.profiler = self.profiler
+            self._record_blocks()
             self.profiler.start()
+        else:
+            # Warm-up and calibration: the conservative policy checkpoints every block.
+            if self.options.checkpoint != "off":
+                names = set(usable) if self.step > self.profile_step else {n for n, _ in self.blocks}
+                self.checkpointer.apply(names)
+            if self.step > self.profile_step:
+                self._time_blocks(usable)
         self._step_started = time.perf_counter()
         previous_end = self._marks.get("end")
         self._marks = {} if previous_end is None else {"previous_end": previous_end}
         self._mark("forward")
+
+    def _usable_blocks(self) -> list[str]:
+        return [
+            name for name, _ in self.blocks if name in self.block_records and self.block_records[name].usable
+        ]
+
+    def _record_blocks(self) -> None:
+        """Hooks recording each block's forward ops, events and inputs in the profiled iteration."""
+        profiler = self.profiler
+        assert profiler is not None
+        for name, module in self.blocks:
+            record = self.block_records.setdefault(name, bk.BlockRecord(name))
+
+            def enter(module: Any, args: Any, kwargs: Any, record: bk.BlockRecord = record) -> None:
+                if torch._C._current_autograd_node() is not None:
+                    return
+                record.calls += 1
+                record.op_start = len(profiler.ops)
+                record.event_start = len(profiler.events)
+                record.inputs = []
+                for arg in args:
+                    if isinstance(arg, torch.Tensor) and arg.device.type == self.device.type:
+                        found = profiler._lookup(arg)
+                        record.inputs.append(found.id if found is not None else None)
+
+            def leave(module: Any, args: Any, output: Any, record: bk.BlockRecord = record) -> None:
+                if torch._C._current_autograd_node() is not None:
+                    return
+                record.op_end = len(profiler.ops)
+                record.event_end = len(profiler.events)
+
+            self._block_hooks.append(module.register_forward_pre_hook(enter, with_kwargs=True))
+            self._block_hooks.append(module.register_forward_hook(leave))
+
+    def _time_blocks(self, names: list[str]) -> None:
+        """Hooks timing each block's forward pass (no per-op events) in the calibration step."""
+        self._block_marks = []
+        wanted = set(names)
+        for name, module in self.blocks:
+            if name not in wanted:
+                continue
+            pending: list[Any] = []
+
+            def enter(module: Any, args: Any, pending: list[Any] = pending) -> None:
+                if torch._C._current_autograd_node() is None:
+                    pending.append(self._now())
+
+            def leave(module: Any, args: Any, output: Any, pending: list[Any] = pending) -> None:
+                if torch._C._current_autograd_node() is None and pending:
+                    self._block_marks.append((pending.pop(), self._now()))
+
+            self._block_hooks.append(module.register_forward_pre_hook(enter))
+            self._block_hooks.append(module.register_forward_hook(leave))
+
+    def _now(self) -> Any:
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(self.device))
+            return event
+        return time.perf_counter()
 
     def _on_event(self, event_index: int) -> None:
         self.state.on_event(event_index)
         self.params.on_event(event_index)
 
     def _mark(self, name: str) -> None:
-        if self.device.type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
-            event.record(torch.cuda.current_stream(self.device))
-            self._marks[name] = event
-        else:
-            self._marks[name] = time.perf_counter()
+        self._marks[name] = self._now()
 
     def phase_times_ms(self) -> list[dict[str, float]]:
         """Forward, backward and step time of each iteration so far (ms; compute-stream time)."""
@@ -374,30 +515,48 @@ class offload:
             names = [n for n in ("previous_end", "forward", "backward", "step", "end") if n in marks]
             times: dict[str, float] = {}
             for a, b in zip(names, names[1:]):
-                first, second = marks[a], marks[b]
                 name = "between" if a == "previous_end" else a
-                if isinstance(first, float):
-                    times[name] = (second - first) * 1e3
-                else:
-                    second.synchronize()
-                    times[name] = float(first.elapsed_time(second))
+                times[name] = _elapsed_ms(marks[a], marks[b])
             self._phase_times.append(times)
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._mark("step")
         started = time.perf_counter()
-        self.params.before_step()
-        self.state.before_step()
+        with self._quiet():
+            self.params.before_step()
+            self.state.before_step()
+            self.fallback_state.before_step()
         self._host_s["before_step"] += time.perf_counter() - started
         if self.profiler is not None and self.profiler._mode is not None:
             self.profiler.before_step()
+
+    def _quiet(self) -> Any:
+        if self.profiler is not None and self.profiler._mode is not None:
+            return self.profiler.paused()
+        return contextlib.nullcontext()
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._mark("end")
         self._phase_marks.append(self._marks)
         self._collect_phases(wait=False)
         started = time.perf_counter()
-        self.state.after_step()
+        profiling = self.profiler is not None and self.profiler._mode is not None
+        if profiling:
+            assert self.profiler is not None
+            self.profiler.after_step()
+            self.profiler.stop()
+            self.executor.profiler = None
+            self._state_ids = self._state_records(self.profiler)
+            if self.device.type == "cuda":
+                self._profiled_slack = int(torch.cuda.max_memory_reserved(self.device)) - int(
+                    torch.cuda.max_memory_allocated(self.device)
+                )
+        planning = (
+            self.plan_result is None and self.step == self.plan_after_step and self.profiler is not None
+        )
+        if not planning:
+            self.state.after_step()
+            self._fallback_state_out()
         self.executor.end_iteration()
         self._host_s["after_step"] += time.perf_counter() - started
         if self.sync_each_step and self.device.type == "cuda":
@@ -405,10 +564,11 @@ class offload:
         self._step_times_ms.append((time.perf_counter() - self._step_started) * 1e3)
         if self.device.type == "cuda":
             self._peaks.append(int(torch.cuda.max_memory_allocated(self.device)))
-        if self.profiler is not None and self.profiler._mode is not None:
-            self.profiler.after_step()
-            self.profiler.stop()
-            self.executor.profiler = None
+        if planning:
+            assert self.profiler is not None
+            if self.calibrate:
+                self._calibrate(self.profiler)
+            self.fallback_state.close()
             self._make_plan(self.profiler)
             self._planned_from_step = self.step + 1
             self._stats_at_plan = self.executor.stats.as_dict()
@@ -420,22 +580,93 @@ class offload:
         self.step += 1
         self._begin_iteration()
 
+    def _fallback_state_out(self) -> None:
+        """Before the plan: moves every optimizer-state tensor off the GPU until the next step
+        (host memory while the cap allows, else the SSD tier, else it stays)."""
+        if self.plan_result is not None or not self.offload_optimizer_state:
+            return
+        if not self.fallback_state.slots:
+            moves = []
+            host_left = self.host_memory_bytes // 2  # the other half stays for activations
+            seen: set[int] = set()
+            for state in self.optimizer.state.values():
+                for value in state.values():
+                    if (
+                        not isinstance(value, torch.Tensor)
+                        or value.device != self.device
+                        or value.untyped_storage().nbytes() < self.min_bytes
+                        or value.untyped_storage().data_ptr() in seen
+                    ):
+                        continue
+                    seen.add(value.untyped_storage().data_ptr())
+                    nbytes = value.untyped_storage().nbytes()
+                    if nbytes <= host_left:
+                        host_left -= nbytes
+                        moves.append(Move(value, HOST, None))
+                    elif self.store is not None:
+                        moves.append(Move(value, SSD, None))
+            self.fallback_state.set_plan(moves)
+            held = self.fallback_state.planned_bytes(HOST)
+            self.executor.host_memory_bytes = max(0, self.host_memory_bytes - held)
+        self.fallback_state.after_step()
+
+    def _state_records(self, profiler: Profiler) -> list[tuple[torch.Tensor, int]]:
+        """Each optimizer-state tensor on the device and its trace id (taken while it is on the
+        GPU: a tensor moved off has no address to look up)."""
+        found = []
+        seen: set[int] = set()
+        for state in profiler.optimizer.state.values() if profiler.optimizer is not None else ():
+            for value in state.values():
+                if not isinstance(value, torch.Tensor) or value.device.type != profiler.device.type:
+                    continue
+                record = profiler._lookup(value)
+                if record is not None and record.id not in seen:
+                    seen.add(record.id)
+                    found.append((value, record.id))
+        return found
+
     def _alloc_retries(self) -> int:
         if self.device.type != "cuda":
             return 0
         return int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
 
+    # -- calibration ---------------------------------------------------------------------------
+
+    def _calibrate(self, profiler: Profiler) -> None:
+        """Fits the profiled op times to the calibration step (see teraio.calibration): the
+        blocks' forward passes measured without per-op events, else the whole forward pass."""
+        durations = profiler.op_durations_us()
+        marks, self._block_marks = self._block_marks, []
+        usable = self._usable_blocks()
+        if marks and usable:
+            measured_us = sum(_elapsed_ms(a, b) for a, b in marks) * 1e3
+            spans = [(self.block_records[name].op_start, self.block_records[name].op_end) for name in usable]
+            ops = [d for start, end in spans for d in durations[start:end]]
+            region = f"the forward passes of {len(usable)} blocks"
+        else:
+            self._collect_phases(wait=True)
+            measured_us = self._phase_times[-1].get("forward", 0.0) * 1e3 if self._phase_times else 0.0
+            ops = [d for d, op in zip(durations, profiler.ops) if op["phase"] == "forward"]
+            region = "the forward pass"
+        self.calibration = cal.fit(ops, measured_us, region)
+
     # -- planning ------------------------------------------------------------------------------
 
     def _make_plan(self, profiler: Profiler) -> None:
         trace = profiler.trace(gpu_capacity_bytes=self.gpu_memory_bytes, description="teraio.offload profile")
-        self.trace = trace
         if self.trace_path:
             with open(self.trace_path, "w") as f:
                 json.dump(trace, f)
-        if self.op_time_scale != 1.0:
-            for op in trace["ops"]:
-                op["duration_us"] *= self.op_time_scale
+        self.profiled_ops_us = sum(op["duration_us"] for op in trace["ops"])
+        for op in trace["ops"]:
+            op["duration_us"] = self.calibration.apply(op["duration_us"]) * self.op_time_scale
+        self.trace = trace
+        if self.reserve_auto and self.device.type == "cuda":
+            slack = getattr(self, "_profiled_slack", 0)
+            self.reserve_bytes = machine.reserve_from_allocator(self.gpu_memory_bytes, slack, 0)
+            self.machine["reserve"] = f"from the allocator: {slack / 2**20:.0f} MiB reserved-minus-allocated"
+        self.machine["reserve_bytes"] = self.reserve_bytes
+        self.executor.margin_bytes = self.reserve_bytes // 2
         movable = ["activation"]
         if self.offload_optimizer_state:
             # Optimizer state may move only between steps (see teraio.state).
@@ -445,7 +676,37 @@ class offload:
             # Parameters may move only between the two passes (see teraio.state).
             pin_outside_forward_gap(trace, "weight")
             movable.append("weight")
-        result, planned_trace, recipes, need = self._plan_with_recompute(trace, profiler, movable)
+        durations = [op["duration_us"] for op in trace["ops"]]
+        usable = self._usable_blocks()
+        records = list(self.block_records.values())
+        best: Optional[tuple[tuple[float, ...], _Planned, list[SaveEvent], list[str]]] = None
+        tried = []
+        for count in bk.candidate_counts(len(usable), self.options.checkpoint):
+            if count:
+                checkpointed = bk.checkpoint_trace(trace, profiler.events, records, usable[:count], durations)
+                base, events, names = checkpointed.trace, checkpointed.events, checkpointed.blocks
+            else:
+                base, events, names, checkpointed = trace, profiler.events, [], None
+            rank, planned = self._plan_with_recompute(base, profiler, movable, events, set(names))
+            tried.append(
+                {
+                    "blocks": len(names),
+                    "recompute_ms": checkpointed.cost_us / 1e3 if checkpointed else 0.0,
+                    "fits": planned[0]["plan"]["fits"],
+                    "predicted_ms": _predicted_ms(planned[0]),
+                    "predicted_ms_slow_link": _slow_link_ms(rank),
+                    "recompute_chosen": bool(planned[2]),
+                }
+            )
+            if best is None or rank < best[0]:
+                best = (rank, planned, events, names)
+        assert best is not None
+        _, (result, planned_trace, recipes, need), events, names = best
+        for entry in tried:
+            entry["chosen"] = entry["blocks"] == len(names)
+        self.checkpoint_summary = {"blocks": len(self.blocks), "usable": len(usable), "tried": tried}
+        self.checkpoint_blocks = names
+        self._events = events
         if self.store is None:
             for migration in result["plan"]["migrations"]:
                 if migration["tier"] == SSD:
@@ -454,12 +715,21 @@ class offload:
         if self.plan_path:
             with open(self.plan_path, "w") as f:
                 json.dump(result, f)
-        self.state.set_plan(state_moves_from_plan(planned_trace, profiler, result["plan"]))
-        self.params.set_plan(parameter_moves_from_plan(planned_trace, profiler, result["plan"]))
+        if not result["plan"]["fits"] and self.options.if_no_fit == "raise":
+            prediction = result.get("prediction", {})
+            raise NoPlanFitsError(
+                f"teraio.offload: no plan fits gpu_memory={_size(self.gpu_memory_bytes)} "
+                f"(reserve {_size(self.reserve_bytes)}; the iteration needs "
+                f"{_size(prediction.get('unplanned_peak_bytes', 0))} without offload; "
+                f"planner: {prediction.get('outcome')}); raise gpu_memory or host_memory, add a store, "
+                "or pass if_no_fit='run' to train anyway"
+            )
+        self.state.set_plan(state_moves_from_plan(planned_trace, self._state_ids, events, result["plan"]))
+        self.params.set_plan(parameter_moves_from_plan(planned_trace, profiler, events, result["plan"]))
         held = self.state.planned_bytes(HOST) + self.params.planned_bytes(HOST)
         self.executor.host_memory_bytes = max(0, self.host_memory_bytes - held)
         self._install_sources(profiler, recipes)
-        decisions = decisions_from_plan(planned_trace, profiler.events, result["plan"], recipes, need)
+        decisions = decisions_from_plan(planned_trace, events, result["plan"], recipes, need)
         self.executor.set_plan(decisions)
 
     def _hardware(self) -> dict[str, Any]:
@@ -486,16 +756,26 @@ class offload:
             prefetch_slack=self.prefetch_slack,
         )
 
-    def _plan_with_recompute(self, trace: dict[str, Any], profiler: Profiler, movable: list[str]) -> _Planned:
+    def _plan_with_recompute(
+        self,
+        trace: dict[str, Any],
+        profiler: Profiler,
+        movable: list[str],
+        events: list[SaveEvent],
+        checkpointed: set[str],
+    ) -> tuple[tuple[float, ...], _Planned]:
         """Plans the trace with the recipes `recompute` allows and, in "auto", with each of
-        `rc.AUTO_COST_RATIOS` and without any; returns the plan that holds up best (`_rank`),
-        the trace it was made for, its recipes and need events."""
+        `rc.AUTO_COST_RATIOS` and without any; returns the rank (`_rank`) and the plan that holds
+        up best, the trace it was made for, its recipes and need events. Recipes that read or
+        make a tensor inside a `checkpointed` block are left out (checkpoint remakes those)."""
         summary: dict[str, Any] = {"mode": self.recompute, "candidates": 0}
-        self.recompute_summary = summary
         if self.recompute == "off":
-            return self._plan_trace(trace, movable), trace, {}, None
+            result = self._plan_trace(trace, movable)
+            self.recompute_summary = summary
+            return self._rank(trace, result), (result, trace, {}, None)
         durations = [op["duration_us"] for op in trace["ops"]]
         link = _bandwidth(self.host_link_bandwidth)
+        packed = {e.tensor_id for e in events if e.kind == "pack"}
         # (cost ratio or None for "every one") -> recipes; equal sets are planned once.
         ratios: list[Optional[float]] = [None] if self.recompute == "on" else list(rc.AUTO_COST_RATIOS)
         options: list[tuple[tuple[float, ...], _Planned]] = []
@@ -510,10 +790,13 @@ class offload:
                 cost_ratio=ratio or 0.0,
                 allow_weights=not self.offload_parameters,
             )
+            recipes = {
+                t: r for t, r in recipes.items() if t in packed and _recipe_outside(r, packed, checkpointed)
+            }
             if not recipes or frozenset(recipes) in tried:
                 continue
             tried.append(frozenset(recipes))
-            recompute_trace, applied, need = rc.apply_to_trace(trace, profiler.events, recipes)
+            recompute_trace, applied, need = rc.apply_to_trace(trace, events, recipes)
             result = self._plan_trace(recompute_trace, movable)
             rank = self._rank(recompute_trace, result)
             summary["tried"].append(
@@ -528,29 +811,32 @@ class offload:
             )
             options.append((rank, (result, recompute_trace, applied, need)))
         summary["candidates"] = max((t["tensors"] for t in summary["tried"]), default=0)
+        without = self._plan_trace(trace, movable)
+        without_rank = self._rank(trace, without)
         if not options:
-            return self._plan_trace(trace, movable), trace, {}, None
+            self.recompute_summary = summary
+            return without_rank, (without, trace, {}, None)
         best_index = min(range(len(options)), key=lambda index: options[index][0])
         best_rank, best = options[best_index]
         summary["predicted_ms_with"] = _predicted_ms(best[0])
         for entry in summary["tried"]:
             entry["chosen"] = False
         if self.recompute == "auto":
-            without = self._plan_trace(trace, movable)
-            without_rank = self._rank(trace, without)
             summary["predicted_ms_without"] = _predicted_ms(without)
             summary["predicted_ms_without_slow_link"] = _slow_link_ms(without_rank)
             if without_rank <= best_rank:
                 summary["chosen"] = False
-                return without, trace, {}, None
+                self.recompute_summary = summary
+                return without_rank, (without, trace, {}, None)
         summary["tried"][best_index]["chosen"] = True
         summary["chosen"] = True
         summary["tensors"] = len(best[2])
         summary["bytes"] = sum(r.size_bytes for r in best[2].values())
-        return best
+        self.recompute_summary = summary
+        return best_rank, best
 
     def _rank(self, trace: dict[str, Any], result: dict[str, Any]) -> tuple[float, ...]:
-        """Orders plans for "auto": one that fits first; then the simulated time on a link at
+        """Orders plans: one that fits first; then the simulated time on a link at
         `SLOW_LINK_FACTOR` of the planned bandwidth; then the planned prediction.
 
         Why the slow link: several plans often predict a stall-free iteration at the planned
@@ -593,6 +879,8 @@ class offload:
 
     def _capture_inputs(self, name: str, by_call: dict[int, list[tuple[int, rc.Source]]]) -> Any:
         def hook(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+            if torch._C._current_autograd_node() is not None:
+                return  # a checkpointed block's forward again in backward
             call = self._module_calls.get(name, 0)
             self._module_calls[name] = call + 1
             wanted = by_call.get(call)
@@ -635,6 +923,8 @@ class offload:
         )
         stalls = {k: stats[k] - (self._stats_at_plan or {}).get(k, 0) for k in stall_keys}
         stalls["plan_mismatches"] = stats["plan_mismatches"]
+        for key in ("emergency_offloads", "emergency_offloaded_bytes", "prefetches_deferred", "memory_waits"):
+            stalls[key] = stats[key] - (self._stats_at_plan or {}).get(key, 0)
         if self.device.type == "cuda" and self._planned_from_step is not None:
             stalls["allocator_retries"] = self._alloc_retries() - self._alloc_retries_at_plan
         for key in ("prefetches_on_demand", "step_wait_s"):
@@ -657,15 +947,29 @@ class offload:
                 "ops": len(self.trace["ops"]) if self.trace else None,
                 "tensors": len(self.trace["tensors"]) if self.trace else None,
             }
+        ideal_ms = sum(op["duration_us"] for op in self.trace["ops"]) / 1e3 if self.trace else None
+        predicted_ms = prediction["iteration_time_us"] / 1e3 if "iteration_time_us" in prediction else None
+        measured_ms = statistics.median(planned_times) if planned_times else None
+        error = warning = None
+        if predicted_ms and measured_ms is not None:
+            error = (measured_ms - predicted_ms) / predicted_ms * 100
+            if abs(error) > PREDICTION_TOLERANCE * 100:
+                warning = (
+                    f"measured {measured_ms:.1f} ms is {abs(error):.0f}% "
+                    f"{'above' if error > 0 else 'below'} the predicted {predicted_ms:.1f} ms "
+                    f"(tolerance {PREDICTION_TOLERANCE:.0%}): the plan's model of this machine is off"
+                )
+        hooks_ms = self._host_summary(stats, count)
+        source = self.calibration.describe()
+        if self.op_time_scale != 1.0:
+            source += f", times op_time_scale {self.op_time_scale}"
         return Report(
             steps=self.step,
             planned_steps=len(planned_times),
-            ideal_iteration_ms=prediction.get("ideal_time_us", 0) / 1e3 if prediction else None,
-            predicted_iteration_ms=(
-                prediction["iteration_time_us"] / 1e3 if "iteration_time_us" in prediction else None
-            ),
-            predicted_percent_of_ideal=prediction.get("percent_of_ideal"),
-            measured_iteration_ms=statistics.median(planned_times) if planned_times else None,
+            ideal_iteration_ms=ideal_ms,
+            predicted_iteration_ms=predicted_ms,
+            predicted_percent_of_ideal=(ideal_ms / predicted_ms * 100) if ideal_ms and predicted_ms else None,
+            measured_iteration_ms=measured_ms,
             step_times_ms=list(self._step_times_ms),
             peak_gpu_bytes=max(planned_peaks) if planned_peaks else None,
             predicted_peak_bytes=prediction.get("peak_gpu_bytes"),
@@ -677,11 +981,19 @@ class offload:
             state_bytes_per_iteration=state_per_iteration,
             parameter_bytes_per_iteration=param_per_iteration,
             phases_ms=self._phases_summary(),
-            host_ms_per_iteration=self._host_summary(stats, count),
+            host_ms_per_iteration=hooks_ms,
             recomputed_bytes_per_iteration=(
                 stats["recomputed_bytes"] - (self._stats_at_plan or {}).get("recomputed_bytes", 0)
             )
             // count,
+            ideal_source=source,
+            profiled_ops_ms=getattr(self, "profiled_ops_us", 0.0) / 1e3 if self.trace else None,
+            prediction_error_percent=error,
+            prediction_warning=warning or "",
+            checkpointed_blocks=list(self.checkpoint_blocks),
+            checkpoint_summary=self.checkpoint_summary,
+            machine=dict(self.machine),
+            host_percent_of_ideal=(hooks_ms["hooks"] / ideal_ms * 100) if hooks_ms and ideal_ms else None,
         )
 
     def _host_summary(self, stats: dict[str, Any], count: int) -> dict[str, float]:
@@ -715,6 +1027,53 @@ class offload:
             if values:
                 summary[name] = {"measured": statistics.median(values), "profiled": profiled.get(name, 0.0)}
         return summary
+
+
+def _refuse_compiled(model: torch.nn.Module) -> None:
+    """A `torch.compile`d model runs its forward and backward as compiled graphs: autograd's
+    saved tensors are AOTAutograd's, not visible to `saved_tensors_hooks` in the way the plan
+    maps them, and the profiler's dispatch mode does not see the graphs' ops. Refused at once."""
+    compiled = []
+    for name, module in model.named_modules():
+        if (
+            isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
+            or getattr(module, "_compiled_call_impl", None) is not None
+        ):
+            compiled.append(name or "the model")
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) and "the model" not in compiled:
+        compiled.insert(0, "the model")
+    if compiled:
+        raise TypeError(
+            f"teraio.offload does not support torch.compile'd models ({', '.join(compiled[:3])} "
+            "compiled): its profiler and its saved-tensor hooks need the eager ops. Pass the "
+            "uncompiled module (for `compiled = torch.compile(model)`, pass `model`), or call "
+            "torch.compile on parts that teraio does not need to see"
+        )
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _elapsed_ms(first: Any, second: Any) -> float:
+    """Milliseconds between two marks (CUDA events or host times)."""
+    if isinstance(first, float):
+        return (second - first) * 1e3
+    second.synchronize()
+    return float(first.elapsed_time(second))
+
+
+def _recipe_outside(recipe: rc.Recipe, packed: set[Optional[int]], checkpointed: set[str]) -> bool:
+    """Whether a recipe reads only tensors the runtime will still see saved, and no module input
+    captured inside a checkpointed block (its calls there repeat in backward)."""
+    for source in recipe.sources:
+        if source.kind == "saved" and source.tensor_id not in packed:
+            return False
+        if source.kind == "arg":
+            module = source.key[0]
+            if any(module == name or module.startswith(name + ".") for name in checkpointed):
+                return False
+    return True
 
 
 def _predicted_ms(result: dict[str, Any]) -> Optional[float]:
@@ -810,36 +1169,34 @@ def _last_event_at_or_before(events: list[SaveEvent], op: int) -> Optional[int]:
     return found
 
 
-def state_moves_from_plan(trace: dict[str, Any], profiler: Profiler, plan_doc: dict[str, Any]) -> list[Move]:
-    """The optimizer-state tensors the plan moves between steps, with their tier and the event at
-    which to restore them: the last `saved_tensors_hooks` event whose next op is at or before the
-    planned prefetch op (None: the prefetch is in the step itself, so it is issued at the step)."""
+def state_moves_from_plan(
+    trace: dict[str, Any],
+    state_ids: list[tuple[torch.Tensor, int]],
+    events: list[SaveEvent],
+    plan_doc: dict[str, Any],
+) -> list[Move]:
+    """The optimizer-state tensors (`state_ids`: each with its trace id) the plan moves between
+    steps, with their tier and the event at which to restore them: the last event whose next op
+    is at or before the planned prefetch op (None: the prefetch is in the step itself, so it is
+    issued at the step)."""
     kinds = {t["id"]: t["kind"] for t in trace["tensors"]}
     wrapping = {
         m["tensor_id"]: m
         for m in plan_doc["migrations"]
         if m["wraps"] and kinds.get(m["tensor_id"]) == "optimizer_state"
     }
-    if not wrapping or profiler.optimizer is None:
-        return []
     moves: list[Move] = []
-    seen: set[int] = set()
-    for state in profiler.optimizer.state.values():
-        for value in state.values():
-            if not isinstance(value, torch.Tensor) or value.device.type != profiler.device.type:
-                continue
-            record = profiler._lookup(value)
-            if record is None or record.id in seen or record.id not in wrapping:
-                continue
-            seen.add(record.id)
-            migration = wrapping[record.id]
-            event = _last_event_at_or_before(profiler.events, migration["prefetch_op"])
-            moves.append(Move(value, migration["tier"], event))
+    for value, tensor_id in state_ids:
+        migration = wrapping.get(tensor_id)
+        if migration is None:
+            continue
+        event = _last_event_at_or_before(events, migration["prefetch_op"])
+        moves.append(Move(value, migration["tier"], event))
     return moves
 
 
 def parameter_moves_from_plan(
-    trace: dict[str, Any], profiler: Profiler, plan_doc: dict[str, Any]
+    trace: dict[str, Any], profiler: Profiler, events: list[SaveEvent], plan_doc: dict[str, Any]
 ) -> list[Move]:
     """The parameters the plan moves out between their last forward use and their first backward
     use: released at the first event after the planned offload op, restored at the last event
@@ -853,7 +1210,6 @@ def parameter_moves_from_plan(
     }
     if not planned or profiler.model is None:
         return []
-    events = profiler.events
     moves: list[Move] = []
     for param in profiler.model.parameters():
         record = profiler._lookup(param)

@@ -1,0 +1,249 @@
+"""Whole-block recomputation (activation checkpointing) as one of the plan's choices.
+
+A model's repeated blocks (the children of its largest `ModuleList` whose children share one
+class: transformer layers) can each be run under `torch.utils.checkpoint` (non-reentrant): the
+forward pass keeps only the block's positional tensor inputs (saved through the runtime's
+`saved_tensors_hooks`, so they can be offloaded like any activation) and backward runs the block's
+forward again when it first needs one of its saved tensors. Results are the same bits (same ops,
+same inputs, RNG state restored).
+
+`checkpoint_trace` tells the planner what that costs and saves, from the profiled iteration:
+each tensor saved only inside a checkpointed block lives to its last forward use, then again
+from the block's first backward op (as a temporary: checkpoint holds it, not the hooks); that op
+is charged the block's forward time (calibrated op times); the block's inputs are saved at its
+start and read there. The save/unpack events the runtime will see are rewritten the same way
+(the block's internal saves disappear, its inputs are saved at its start and unpacked where
+backward reaches it), so that pack `i` of the plan is pack `i` at run time.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from .profiler import SaveEvent
+
+
+def find_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The repeated blocks: the children of the `ModuleList` (two or more children of one class)
+    holding the most parameters; empty if there is none."""
+    best: list[tuple[str, torch.nn.Module]] = []
+    best_params = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.ModuleList) or len(module) < 2:
+            continue
+        children = list(module.named_children())
+        if len({type(child) for _, child in children}) != 1:
+            continue
+        params = sum(p.numel() for p in module.parameters())
+        if params > best_params:
+            best_params = params
+            prefix = f"{name}." if name else ""
+            best = [(prefix + child_name, child) for child_name, child in children]
+    return best
+
+
+class Checkpointer:
+    """Runs chosen blocks under `torch.utils.checkpoint(use_reentrant=False)` by replacing their
+    `forward` on the instance (removed again by `apply(set())`)."""
+
+    def __init__(self, blocks: list[tuple[str, torch.nn.Module]]) -> None:
+        self.blocks = blocks
+        self._originals: dict[str, Callable[..., Any]] = {}
+
+    @property
+    def active(self) -> set[str]:
+        return set(self._originals)
+
+    def apply(self, names: set[str]) -> None:
+        for name, module in self.blocks:
+            if name in names and name not in self._originals:
+                original = module.forward
+                self._originals[name] = original
+                module.forward = _checkpointed(original)  # type: ignore[method-assign]
+            elif name not in names and name in self._originals:
+                del self._originals[name]
+                if "forward" in module.__dict__:
+                    del module.__dict__["forward"]
+
+
+def _checkpointed(original: Callable[..., Any]) -> Callable[..., Any]:
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return original(*args, **kwargs)
+        return checkpoint(original, *args, use_reentrant=False, **kwargs)
+
+    return forward
+
+
+@dataclass
+class BlockRecord:
+    """One block's forward pass in the profiled iteration: its ops `[op_start, op_end)`, its
+    save/unpack events `[event_start, event_end)`, its positional tensor inputs (trace ids;
+    None where one is not tracked) and how often it ran (only blocks run once are candidates)."""
+
+    name: str
+    op_start: int = -1
+    op_end: int = -1
+    event_start: int = -1
+    event_end: int = -1
+    inputs: list[Optional[int]] = field(default_factory=list)
+    calls: int = 0
+
+    @property
+    def usable(self) -> bool:
+        return self.calls == 1 and self.op_end > self.op_start and None not in self.inputs
+
+
+@dataclass
+class CheckpointedTrace:
+    """A trace and its events with `blocks` checkpointed; `cost_us`: the recomputation charged."""
+
+    trace: dict[str, Any]
+    events: list[SaveEvent]
+    blocks: list[str]
+    cost_us: float
+    freed_bytes: int
+
+
+def checkpoint_trace(
+    trace: dict[str, Any],
+    events: list[SaveEvent],
+    records: list[BlockRecord],
+    chosen: list[str],
+    durations_us: list[float],
+) -> CheckpointedTrace:
+    """The trace and events the planner should see with the `chosen` blocks checkpointed (see the
+    module docstring). A chosen block that cannot be applied (not usable, or backward never
+    unpacks one of its saves) is left out of the result's `blocks`."""
+    by_name = {r.name: r for r in records}
+    candidates = [by_name[n] for n in chosen if n in by_name and by_name[n].usable]
+    inside: dict[int, str] = {}
+    for record in candidates:
+        for index in range(record.event_start, record.event_end):
+            inside[index] = record.name
+    packed_outside = {
+        e.tensor_id
+        for i, e in enumerate(events)
+        if e.kind == "pack" and i not in inside and e.tensor_id is not None
+    }
+    activations = {t["id"] for t in trace["tensors"] if t["kind"] == "activation"}
+    internal: dict[str, set[int]] = {}
+    for record in candidates:
+        saved = {
+            events[i].tensor_id
+            for i in range(record.event_start, record.event_end)
+            if events[i].kind == "pack" and events[i].tensor_id is not None
+        }
+        internal[record.name] = {
+            t for t in saved if t in activations and t not in packed_outside and t not in record.inputs
+        }
+    owner = {t: name for name, ids in internal.items() for t in ids}
+    # Where backward reaches each block: its first unpack of an internal save.
+    first_unpack: dict[str, int] = {}
+    for index, event in enumerate(events):
+        if event.kind == "unpack" and event.tensor_id in owner:
+            first_unpack.setdefault(owner[event.tensor_id], index)
+    applied = [r for r in candidates if r.name in first_unpack]
+    applied_names = {r.name for r in applied}
+    starts = {r.event_start: r for r in applied}
+    reached = {first_unpack[r.name]: r for r in applied}
+    new_events: list[SaveEvent] = []
+    pack_count = 0
+    for index, event in enumerate(events):
+        record = starts.get(index)
+        if record is not None:
+            for tensor_id in record.inputs:
+                new_events.append(SaveEvent("pack", record.op_start, tensor_id, pack_count))
+                pack_count += 1
+        record = reached.get(index)
+        if record is not None:
+            for tensor_id in record.inputs:
+                new_events.append(SaveEvent("unpack", event.next_op, tensor_id, -1))
+        if inside.get(index) in applied_names:
+            continue
+        if event.kind == "unpack" and owner.get(event.tensor_id) in applied_names:
+            continue
+        if event.kind == "pack":
+            new_events.append(SaveEvent("pack", event.next_op, event.tensor_id, pack_count))
+            pack_count += 1
+        else:
+            new_events.append(event)
+    trace = copy.deepcopy(trace)
+    ops = trace["ops"]
+    by_id = {t["id"]: t for t in trace["tensors"]}
+    next_id = max(by_id, default=-1) + 1
+    cost_us = 0.0
+    freed = 0
+    for record in applied:
+        at = events[first_unpack[record.name]].next_op
+        if at >= len(ops):
+            continue
+        largest = 0
+        for tensor_id in sorted(internal[record.name]):
+            entry = by_id.get(tensor_id)
+            if entry is None:
+                continue
+            before = [u for u in entry["uses"] if u["op"] < at]
+            later = [u for u in entry["uses"] if u["op"] > at]
+            if not before:
+                continue
+            entry["uses"] = before
+            entry["free_op"] = before[-1]["op"]
+            entry["kind"] = "temporary"  # the hooks never see it: nothing to move
+            largest = max(largest, entry["size_bytes"])
+            freed += entry["size_bytes"]
+            trace["tensors"].append(
+                {
+                    "id": next_id,
+                    "name": f"{entry['name']} (block recomputed)",
+                    "size_bytes": entry["size_bytes"],
+                    "kind": "temporary",
+                    "alloc_op": at,
+                    "free_op": later[-1]["op"] if later else at,
+                    "uses": [{"op": at, "access": "write"}, *later],
+                }
+            )
+            next_id += 1
+        if largest:
+            # The recomputed forward's own temporaries, about one more saved tensor's worth.
+            trace["tensors"].append(
+                {
+                    "id": next_id,
+                    "name": f"{record.name} (block recompute scratch)",
+                    "size_bytes": largest,
+                    "kind": "temporary",
+                    "alloc_op": at,
+                    "free_op": at,
+                    "uses": [{"op": at, "access": "write"}],
+                }
+            )
+            next_id += 1
+        for tensor_id in record.inputs:
+            entry = by_id.get(tensor_id) if tensor_id is not None else None
+            if entry is None:
+                continue
+            if entry["kind"] == "temporary":
+                entry["kind"] = "activation"  # saved by checkpoint through the hooks
+            uses = {u["op"]: u["access"] for u in entry["uses"]}
+            uses.setdefault(at, "read")
+            entry["uses"] = [{"op": o, "access": uses[o]} for o in sorted(uses)]
+            if entry["free_op"] is not None and at > entry["free_op"]:
+                entry["free_op"] = at
+        block_us = sum(durations_us[record.op_start : record.op_end])
+        ops[at]["duration_us"] = ops[at]["duration_us"] + block_us
+        cost_us += block_us
+    return CheckpointedTrace(trace, new_events, [r.name for r in applied], cost_us, freed)
+
+
+def candidate_counts(blocks: int, mode: str) -> list[int]:
+    """How many blocks (the first ones in forward order) each candidate plan checkpoints."""
+    if blocks == 0 or mode == "off":
+        return [0]
+    if mode == "all":
+        return [blocks]
+    return sorted({round(blocks * share) for share in (0.0, 0.25, 0.5, 0.75, 1.0)})

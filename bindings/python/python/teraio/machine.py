@@ -1,0 +1,206 @@
+"""What the machine offers, measured or bounded, for `teraio.offload`'s "auto" settings.
+
+- **Host link** (`measure_link`): pinned host <-> device copies of `LINK_PROBE_BYTES`, best of
+  three each way.
+- **Store** (`measure_store`): the engine writes and reads `STORE_PROBE_BYTES` from pinned memory
+  in `STORE_PROBE_OBJECT_BYTES` objects (then deletes them).
+- Both are measured once and cached in a small JSON file keyed by the store's UUID (and the GPU's
+  name for the link), next to the store's first device file (or in `~/.cache/teraio` where that
+  directory cannot be written, e.g. a block device): `cache_path`.
+- **Host memory**: `HOST_MEMORY_SHARE` of MemAvailable (/proc/meminfo) at the start.
+- **Reserve**: from the allocator's own behaviour in the profiled iteration
+  (`reserve_from_allocator`).
+
+The planner is given `PLAN_SHARE` of each measured bandwidth: training shares the link and the
+disk with other work (the data loader, the allocator), which a quiet probe does not see.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+#: Share of MemAvailable the runtime pins at most by default (the rest stays for the data
+#: loader, the page cache the store's files use, and the process itself).
+HOST_MEMORY_SHARE = 0.5
+#: Share of a measured bandwidth the planner assumes.
+PLAN_SHARE = 0.9
+LINK_PROBE_BYTES = 256 << 20
+STORE_PROBE_BYTES = 1 << 30
+STORE_PROBE_OBJECT_BYTES = 128 << 20
+#: Object ids the store probe writes (and deletes): far above the runtime's own.
+PROBE_OBJECT_BASE = 1 << 50
+#: The reserve: at least this share of the budget, and the profiled iteration's allocator slack
+#: (reserved minus allocated at the peak) times `RESERVE_SLACK_FACTOR` plus `RESERVE_EXTRA_BYTES`.
+RESERVE_MIN_SHARE = 0.1
+RESERVE_SLACK_FACTOR = 1.5
+RESERVE_EXTRA_BYTES = 512 << 20
+
+
+@dataclass
+class Measured:
+    """Bandwidths, bytes/s, and where each came from ("measured", "cached" or "given")."""
+
+    link_d2h: Optional[float] = None
+    link_h2d: Optional[float] = None
+    ssd_write: Optional[float] = None
+    ssd_read: Optional[float] = None
+    source: str = ""
+
+
+def available_host_bytes(meminfo: str = "/proc/meminfo") -> Optional[int]:
+    """MemAvailable, bytes (None where the file is missing)."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def default_host_memory(available: Optional[int]) -> int:
+    """`HOST_MEMORY_SHARE` of the available host memory (4 GiB where it cannot be read)."""
+    if available is None:
+        return 4 << 30
+    return int(available * HOST_MEMORY_SHARE)
+
+
+def reserve_from_allocator(gpu_memory_bytes: int, reserved_peak: int, allocated_peak: int) -> int:
+    """The GPU memory a plan leaves free: the allocator's slack seen in the profiled iteration
+    (reserved minus allocated at their peaks: blocks the caching allocator holds but cannot hand
+    out) times `RESERVE_SLACK_FACTOR` plus `RESERVE_EXTRA_BYTES`, at least `RESERVE_MIN_SHARE`
+    of the budget, and at most half of it."""
+    slack = max(0, reserved_peak - allocated_peak)
+    wanted = max(
+        int(slack * RESERVE_SLACK_FACTOR) + RESERVE_EXTRA_BYTES, int(gpu_memory_bytes * RESERVE_MIN_SHARE)
+    )
+    return min(wanted, gpu_memory_bytes // 2)
+
+
+def measure_link(device: torch.device, nbytes: int = LINK_PROBE_BYTES) -> tuple[float, float]:
+    """Pinned host -> device and device -> host copy bandwidth (bytes/s), best of three each;
+    on a CPU device, a host memory copy."""
+    cuda = device.type == "cuda"
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    rates = []
+    for direction in ("d2h", "h2d"):
+        best = 0.0
+        for _ in range(3):
+            if cuda:
+                torch.cuda.synchronize(device)
+            started = time.perf_counter()
+            if direction == "d2h":
+                host.copy_(dev, non_blocking=cuda)
+            else:
+                dev.copy_(host, non_blocking=cuda)
+            if cuda:
+                torch.cuda.synchronize(device)
+            best = max(best, nbytes / max(time.perf_counter() - started, 1e-9))
+        rates.append(best)
+    return rates[0], rates[1]
+
+
+def measure_store(store: Any, cuda: bool) -> tuple[float, float]:
+    """The engine's write and read bandwidth (bytes/s) from pinned memory: `STORE_PROBE_BYTES`,
+    or a quarter of the store's free space if that is less."""
+    free = sum(int(d["free_bytes"]) for d in store.info()["devices"])
+    total = max(4 << 20, min(STORE_PROBE_BYTES, free // 4))
+    object_bytes = min(STORE_PROBE_OBJECT_BYTES, total)
+    count = max(1, total // object_bytes)
+    buffers = [torch.empty(object_bytes, dtype=torch.uint8, pin_memory=cuda).fill_(i) for i in range(count)]
+    ids = [PROBE_OBJECT_BASE + i for i in range(count)]
+    try:
+        started = time.perf_counter()
+        for handle in [store.put_async(i, b) for i, b in zip(ids, buffers)]:
+            handle.wait()
+        write = count * object_bytes / (time.perf_counter() - started)
+        started = time.perf_counter()
+        for handle in [store.get_async(i, b) for i, b in zip(ids, buffers)]:
+            handle.wait()
+        read = count * object_bytes / (time.perf_counter() - started)
+    finally:
+        for object_id in ids:
+            store.delete(object_id)
+    return write, read
+
+
+def cache_path(store: Any) -> str:
+    """The store's measurement cache: beside its first device file, else ~/.cache/teraio."""
+    info = store.info()
+    name = f".teraio-machine-{info['uuid']}.json"
+    first = info["devices"][0]
+    if not first.get("is_block_device"):
+        directory = os.path.dirname(os.path.abspath(first["path"]))
+        if os.access(directory, os.W_OK):
+            return os.path.join(directory, name)
+    return os.path.join(os.path.expanduser("~"), ".cache", "teraio", name)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return str(torch.cuda.get_device_name(device))
+    return "cpu"
+
+
+def resolve_bandwidths(
+    device: torch.device,
+    store: Any,
+    *,
+    want_link: bool,
+    want_store: bool,
+    link_probe: Optional[Callable[[torch.device], tuple[float, float]]] = None,
+    store_probe: Optional[Callable[[Any, bool], tuple[float, float]]] = None,
+) -> Measured:
+    """The link's and the store's bandwidth: from the store's cache where it has them, else
+    measured (and cached with the store). Without a store the link is measured each time."""
+    link_probe = link_probe or measure_link
+    store_probe = store_probe or measure_store
+    measured = Measured()
+    if not want_link and not (want_store and store is not None):
+        return measured
+    cache: dict[str, Any] = {}
+    path = cache_path(store) if store is not None else None
+    if path is not None and os.path.exists(path):
+        try:
+            with open(path) as f:
+                cache = json.load(f)
+        except (OSError, ValueError):
+            cache = {}
+    sources = []
+    changed = False
+    if want_link:
+        links = cache.setdefault("links", {})
+        entry = links.get(_device_name(device))
+        if entry is None:
+            d2h, h2d = link_probe(device)
+            entry = {"d2h": d2h, "h2d": h2d}
+            links[_device_name(device)] = entry
+            changed = True
+            sources.append("link measured")
+        else:
+            sources.append("link cached")
+        measured.link_d2h, measured.link_h2d = float(entry["d2h"]), float(entry["h2d"])
+    if want_store and store is not None:
+        if "ssd_write" not in cache:
+            cache["ssd_write"], cache["ssd_read"] = store_probe(store, device.type == "cuda")
+            changed = True
+            sources.append("store measured")
+        else:
+            sources.append("store cached")
+        measured.ssd_write, measured.ssd_read = float(cache["ssd_write"]), float(cache["ssd_read"])
+    if changed and path is not None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        temporary = f"{path}.{os.getpid()}.tmp"
+        with open(temporary, "w") as f:
+            json.dump(cache, f)
+        os.replace(temporary, path)
+    measured.source = ", ".join(sources) + (f" ({path})" if path else "")
+    return measured

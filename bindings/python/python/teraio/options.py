@@ -1,0 +1,106 @@
+"""`teraio.OffloadOptions`: every setting of `teraio.offload` in one documented object.
+
+The defaults are meant to be used as they are: "auto" values are measured on the machine (the
+host link, the store's bandwidth: `teraio.machine`, cached with the store), bounded by what it has
+(pinned host memory: a share of MemAvailable) or taken from the allocator's behaviour in the
+profiled iteration (the reserve). Any field can also be passed to `teraio.offload` as a keyword.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Union
+
+Size = Union[int, str]
+Bandwidth = Union[float, str]
+
+
+@dataclass
+class OffloadOptions:
+    """Settings of `teraio.offload` (see docs/python.md, "`teraio.offload`").
+
+    Machine (measured or bounded when "auto"):
+        host_memory: pinned host memory the runtime may hold ("auto": `machine.HOST_MEMORY_SHARE`
+            of MemAvailable at the start).
+        ssd_bandwidth / ssd_write_bandwidth: the store's read / write bandwidth the planner
+            assumes ("auto": measured once per store through the engine, cached next to its
+            first device, times `machine.PLAN_SHARE`).
+        host_link_bandwidth: host <-> GPU bandwidth the planner assumes ("auto": pinned copies
+            measured once per store and GPU (per process without a store), times
+            `machine.PLAN_SHARE` of the slower direction).
+        ssd_shared: the store's reads and writes share its devices' time (None: True when the
+            SSD bandwidth was measured, since the measurement is each direction alone).
+        reserve: GPU memory the plan leaves free for the allocator ("auto": from the profiled
+            iteration's reserved-minus-allocated peak, `machine.reserve_from_allocator`).
+
+    Plan:
+        recompute: per-tensor recomputation of cheap saved activations: "auto", "on", "off".
+        checkpoint: whole-block recomputation (activation checkpointing of the repeated blocks,
+            e.g. transformer layers): "auto" (plans with 0, 1/4, 1/2, 3/4 and all blocks
+            checkpointed and keeps the fastest prediction), "off", or "all".
+        tier_preference: "auto", "host" or "ssd".
+        offload_optimizer_state / offload_parameters: what else the plan may move.
+        prefetch_slack: earlier prefetches where memory has room (multiple of transfer time).
+        op_time_scale: multiplies the (calibrated) op times before planning.
+        calibrate: scale the profiled op times to an unprofiled iteration (None: on CUDA).
+        if_no_fit: "raise" (default: a clear error before the planned iterations when no plan
+            fits the budget) or "run" (train anyway, waiting for transfers as needed).
+
+    Runtime:
+        warmup_steps: iterations before the profiled one (None: 1, or 2 under DDP).
+        min_bytes: saved tensors smaller than this stay on the GPU.
+        max_inflight_bytes: device-to-host bytes in flight before a save waits.
+        copy_streams / pull_forward_bytes: prefetch streams and early issue (docs/python.md).
+        sync_each_step: synchronize the device after each step.
+        trace_path / plan_path: where to write the trace and the plan (JSON).
+    """
+
+    host_memory: Size = "auto"
+    ssd_bandwidth: Bandwidth = "auto"
+    ssd_write_bandwidth: Optional[Bandwidth] = "auto"
+    host_link_bandwidth: Bandwidth = "auto"
+    ssd_shared: Optional[bool] = None
+    reserve: Optional[Size] = "auto"
+    recompute: str = "auto"
+    checkpoint: str = "auto"
+    tier_preference: str = "auto"
+    offload_optimizer_state: bool = True
+    offload_parameters: bool = False
+    prefetch_slack: float = 1.0
+    op_time_scale: float = 1.0
+    calibrate: Optional[bool] = None
+    if_no_fit: str = "raise"
+    warmup_steps: Optional[int] = None
+    min_bytes: int = 1 << 20
+    max_inflight_bytes: Size = 2 << 30
+    copy_streams: int = 2
+    pull_forward_bytes: Size = 512 << 20
+    sync_each_step: bool = False
+    trace_path: Optional[str] = None
+    plan_path: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        choices = {
+            "recompute": ("auto", "on", "off"),
+            "checkpoint": ("auto", "off", "all"),
+            "tier_preference": ("auto", "host", "ssd"),
+            "if_no_fit": ("raise", "run"),
+        }
+        for name, allowed in choices.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                listed = ", ".join(f'"{a}"' for a in allowed)
+                raise ValueError(f"{name} must be one of {listed}, not {value!r}")
+        if self.copy_streams < 1:
+            raise ValueError(f"copy_streams must be >= 1, got {self.copy_streams}")
+
+    def replace(self, **changes: object) -> OffloadOptions:
+        """A copy with `changes`; an unknown name is a TypeError listing the valid ones."""
+        names = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(changes) - names)
+        if unknown:
+            raise TypeError(
+                f"unknown teraio.offload option(s) {', '.join(unknown)}; valid: {', '.join(sorted(names))}"
+            )
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
