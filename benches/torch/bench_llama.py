@@ -5,15 +5,19 @@ One mode per process (each needs its own CUDA memory state and cap):
     python3 benches/torch/bench_llama.py --mode ideal --steps 20
     python3 benches/torch/bench_llama.py --mode teraio --cap-gib 25.5 --store-dir /root/teraio-bench
     python3 benches/torch/bench_llama.py --mode save_on_cpu --cap-gib 25.5 --steps 8
+    python3 benches/torch/bench_llama.py --mode hf_ckpt --cap-gib 22.5 --steps 8   # checkpointing
+    python3 benches/torch/bench_llama.py --mode teraio --cap-gib 22.5 --user-defaults
     python3 benches/torch/bench_llama.py --mode teraio --cap-gib 22.5 --host-gib 4 \
         --store-dir /dev/shm/teraio --store-devices 4 --emulate 2.5GB/s@20us   # emulated SSD array
 
 Prints one JSON line (prefix `RESULT `) with ms/iter (wall time of the steps after the warm-up
 ones, synchronized at both ends of that window, divided by their number),
-peak GPU memory over those steps, the losses, and for teraio its report. Model: transformers'
-LlamaForCausalLM, 14 layers, hidden 2048, 16 heads, FFN 5632, vocab 32000 (0.85B parameters),
-eager attention (deterministic, so losses can be compared bitwise), fp32 weights and math
-(TF32 off, PyTorch's default), AdamW.
+peak GPU memory over those steps, the losses, and for teraio its report. teraio runs with this
+machine's measured link and store bandwidths unless `--user-defaults` (the call a user writes);
+`hf_ckpt` is Hugging Face's gradient checkpointing (every decoder layer, use_reentrant=False).
+Model: transformers' LlamaForCausalLM, 14 layers, hidden 2048, 16 heads, FFN 5632, vocab 32000
+(0.85B parameters), eager attention (deterministic, so losses can be compared bitwise), fp32
+weights and math (TF32 off, PyTorch's default), AdamW.
 """
 
 from __future__ import annotations
@@ -21,20 +25,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gzip
-import importlib.util
 import json
-import logging
 import os
 import shutil
 import statistics
 import sys
 import time
 import traceback
-import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import baselines
 
 GIB = 1 << 30
 
@@ -63,64 +67,6 @@ def build_model(seed: int = 0) -> torch.nn.Module:
 def make_batches(steps: int, batch: int, seq: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(1234)
     return [torch.randint(0, 32000, (batch, seq), generator=generator) for _ in range(steps)]
-
-
-def load_torchtune_offloader() -> Any:
-    """torchtune's OffloadActivations from its wheel, with its package-level imports stubbed.
-
-    torchtune/__init__ imports torchao and all of torchtune (datasets, models, ...); the
-    activation-offloading module itself needs only torch, psutil, and two names from torchao and
-    torchtune (NF4Tensor, TiedLinear: type checks) plus a logger. Those names are stubbed when the
-    real packages cannot be imported; the offloading code that runs is torchtune's.
-    """
-    spec = importlib.util.find_spec("torchtune")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("torchtune is not installed")
-    root = list(spec.submodule_search_locations)[0]
-    try:
-        import torchao.dtypes.nf4tensor
-    except Exception:  # any import failure means: stub it
-        torchao = types.ModuleType("torchao")
-        dtypes = types.ModuleType("torchao.dtypes")
-        nf4 = types.ModuleType("torchao.dtypes.nf4tensor")
-
-        class NF4Tensor(torch.Tensor):  # never instantiated: isinstance checks only
-            pass
-
-        nf4.NF4Tensor = NF4Tensor  # type: ignore[attr-defined]
-        sys.modules.update(
-            {
-                "torchao": torchao,
-                "torchao.dtypes": dtypes,
-                "torchao.dtypes.nf4tensor": nf4,
-            }
-        )
-    package = types.ModuleType("torchtune")
-    package.__path__ = [root]  # type: ignore[attr-defined]
-    modules = types.ModuleType("torchtune.modules")
-
-    class TiedLinear:  # isinstance checks only
-        pass
-
-    modules.TiedLinear = TiedLinear  # type: ignore[attr-defined]
-    utils = types.ModuleType("torchtune.utils")
-    utils.get_logger = lambda level=None: logging.getLogger("torchtune")  # type: ignore[attr-defined]
-    training = types.ModuleType("torchtune.training")
-    training.__path__ = [os.path.join(root, "training")]  # type: ignore[attr-defined]
-    sys.modules.update(
-        {
-            "torchtune": package,
-            "torchtune.modules": modules,
-            "torchtune.utils": utils,
-            "torchtune.training": training,
-        }
-    )
-    path = os.path.join(root, "training", "_activation_offloading.py")
-    module_spec = importlib.util.spec_from_file_location("torchtune.training._activation_offloading", path)
-    assert module_spec is not None and module_spec.loader is not None
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module.OffloadActivations
 
 
 def measure_link_bytes_per_s() -> tuple[float, float]:
@@ -183,11 +129,55 @@ def kineto_profile(args: argparse.Namespace, step: int) -> Any:
     os.remove(path)
 
 
+def offload_with_measurements(
+    teraio: Any,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    store: Any,
+    cap: int,
+    args: argparse.Namespace,
+    result: dict[str, Any],
+) -> Any:
+    """teraio.offload with this machine's measured link and store bandwidths and the flags'
+    settings (the figures go into `result`)."""
+    d2h, h2d = measure_link_bytes_per_s()
+    result["link_d2h_bytes_per_s"], result["link_h2d_bytes_per_s"] = d2h, h2d
+    write, read = measure_store_bytes_per_s(store)
+    result["ssd_write_bytes_per_s"], result["ssd_read_bytes_per_s"] = write, read
+    return teraio.offload(
+        model,
+        optimizer,
+        store=store,
+        gpu_memory=cap,
+        host_memory=int(args.host_gib * GIB),
+        ssd_bandwidth=read * args.ssd_share,
+        ssd_write_bandwidth=write * args.ssd_share,
+        # The measured figures are each direction alone: a store device serves reads and
+        # writes one after another.
+        ssd_shared=True,
+        host_link_bandwidth=min(d2h, h2d) * args.link_scale,
+        reserve=int(args.reserve_gib * GIB),
+        max_inflight_bytes=int(args.max_inflight_gib * GIB),
+        offload_optimizer_state=not args.no_state_offload,
+        offload_parameters=args.offload_parameters,
+        prefetch_slack=args.prefetch_slack,
+        op_time_scale=args.op_time_scale,
+        tier_preference=args.tier_preference,
+        recompute=args.recompute,
+        copy_streams=args.copy_streams,
+        pull_forward_bytes=int(args.pull_forward_gib * GIB),
+        trace_path=os.path.join(args.out_dir, f"trace-b{args.batch}.json") if args.out_dir else None,
+        plan_path=os.path.join(args.out_dir, f"plan-b{args.batch}.json") if args.out_dir else None,
+    )
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     total = torch.cuda.get_device_properties(0).total_memory
     result: dict[str, Any] = {
+        "family": "llama-0.85b",
+        "dtype": "fp32",
         "mode": args.mode,
         "batch": args.batch,
         "seq": args.seq,
@@ -210,16 +200,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             return torch.autograd.graph.save_on_cpu(pin_memory=True)
 
     elif args.mode == "torchtune":
-        offloader = load_torchtune_offloader()
+        offloader = baselines.load_torchtune_offloader()
 
         def forward_context() -> Any:
             return offloader(use_pin_memory=True, use_streams=True)
 
+    elif args.mode == "hf_ckpt":
+        baselines.enable_hf_checkpointing(model)
+        result["checkpointed_layers"] = baselines.checkpointed_layers(model)
     elif args.mode == "teraio":
         import teraio
 
-        d2h, h2d = measure_link_bytes_per_s()
-        result["link_d2h_bytes_per_s"], result["link_h2d_bytes_per_s"] = d2h, h2d
         os.makedirs(args.store_dir, exist_ok=True)
         # An emulated array (--emulate) lives in tmpfs: no O_DIRECT there, and the device model,
         # not the memory copy, sets each device's pace.
@@ -240,36 +231,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         result["store_devices"] = args.store_devices
         result["emulate"] = args.emulate
-        write, read = measure_store_bytes_per_s(store)
-        result["ssd_write_bytes_per_s"], result["ssd_read_bytes_per_s"] = write, read
         cap = int(args.cap_gib * GIB) if args.cap_gib else int(args.gpu_memory_gib * GIB)
         if args.out_dir:
             os.makedirs(args.out_dir, exist_ok=True)
-        outer = teraio.offload(
-            model,
-            optimizer,
-            store=store,
-            gpu_memory=cap,
-            host_memory=int(args.host_gib * GIB),
-            ssd_bandwidth=read * args.ssd_share,
-            ssd_write_bandwidth=write * args.ssd_share,
-            # The measured figures are each direction alone: a store device serves reads and
-            # writes one after another.
-            ssd_shared=True,
-            host_link_bandwidth=min(d2h, h2d) * args.link_scale,
-            reserve=int(args.reserve_gib * GIB),
-            max_inflight_bytes=int(args.max_inflight_gib * GIB),
-            offload_optimizer_state=not args.no_state_offload,
-            offload_parameters=args.offload_parameters,
-            prefetch_slack=args.prefetch_slack,
-            op_time_scale=args.op_time_scale,
-            tier_preference=args.tier_preference,
-            recompute=args.recompute,
-            copy_streams=args.copy_streams,
-            pull_forward_bytes=int(args.pull_forward_gib * GIB),
-            trace_path=os.path.join(args.out_dir, f"trace-b{args.batch}.json") if args.out_dir else None,
-            plan_path=os.path.join(args.out_dir, f"plan-b{args.batch}.json") if args.out_dir else None,
-        )
+        result["arguments"] = "defaults" if args.user_defaults else "measured"
+        if args.user_defaults:
+            # As docs/python.md tells a user to write it: the runtime measures and sizes the rest.
+            outer = teraio.offload(model, optimizer, store=store, gpu_memory=cap)
+        else:
+            outer = offload_with_measurements(teraio, model, optimizer, store, cap, args, result)
         run_handle = outer
     losses: list[float] = []
     times_ms: list[float] = []
@@ -328,7 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--mode", choices=["ideal", "teraio", "save_on_cpu", "torchtune"], required=True)
+    parser.add_argument(
+        "--mode", choices=["ideal", "teraio", "hf_ckpt", "save_on_cpu", "torchtune"], required=True
+    )
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3, help="steps left out of the timing")
     parser.add_argument("--batch", type=int, default=4)
@@ -350,6 +322,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--store-devices", type=int, default=1, help="files the store stripes over")
     parser.add_argument("--store-gib", type=float, default=24.0, help="store size, all devices")
     parser.add_argument("--emulate", default="", help="emulated SSDs, e.g. 2.5GB/s@20us (store in tmpfs)")
+    parser.add_argument(
+        "--user-defaults",
+        action="store_true",
+        help="teraio.offload(model, optimizer, store=store, gpu_memory=cap) and nothing else",
+    )
     parser.add_argument("--no-state-offload", action="store_true", help="keep optimizer state on the GPU")
     parser.add_argument(
         "--offload-parameters", action="store_true", help="teraio.offload(offload_parameters=True)"

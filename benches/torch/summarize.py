@@ -1,80 +1,269 @@
-"""Reads the RESULT lines of bench_llama.py / bench_deepspeed.py logs and prints the table."""
+"""Prints the table of benchmark results: the RESULT lines of bench_regime.py, bench_llama.py and
+bench_deepspeed.py logs, or saved results files (benches/torch/results/*.jsonl).
+
+    python3 benches/torch/summarize.py OUT/results.jsonl [more logs ...] [--reports]
+
+One table per model, dtype and shape: ms/iter, % of ideal, peak allocated / reserved, bytes per
+tier and recomputed, teraio's predicted against measured iteration, its host time, and the loss
+agreement with the first ideal run next to the ideal-vs-ideal spread. After each table, per cap:
+teraio against the fastest checkpointing mode that fits, and the issue's targets. `--reports`
+adds each teraio run's own report.
+"""
 
 from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, Optional
 
 GIB = 1 << 30
+MODE_ORDER = ["ideal", "teraio", "hf_ckpt", "sac", "save_on_cpu", "torchtune"]
+CHECKPOINTING = ("hf_ckpt", "sac")
+#: Targets: teraio over the best checkpointing mode, % of ideal at the 65% cap, prediction error.
+TARGET_SPEEDUP = 1.15
+TARGET_PERCENT_AT_65 = 80.0
+TARGET_PREDICTION = 0.10
 
 
-def load(paths: list[str]) -> list[dict[str, Any]]:
+def load(paths: Iterable[str]) -> list[dict[str, Any]]:
     results = []
     for path in paths:
         with open(path) as f:
             for line in f:
                 if line.startswith("RESULT "):
                     results.append(json.loads(line[len("RESULT ") :]))
-                elif line.startswith("{"):  # a saved results file (benches/torch/results/)
+                elif line.startswith("{"):  # a saved results file
                     results.append(json.loads(line))
     return results
 
 
-def losses_match(result: dict[str, Any], ideal: dict[str, Any] | None) -> str:
-    if ideal is None or "losses" not in result or "losses" not in ideal:
-        return "-"
-    a, b = result["losses"], ideal["losses"]
+def group_key(r: dict[str, Any]) -> tuple[str, str, int, int]:
+    # bench_llama.py's rows before it named its model: the fp32 0.85B Llama.
+    return (r.get("family", "llama-0.85b"), r.get("dtype", "fp32"), r.get("batch", 0), r.get("seq", 2048))
+
+
+def ok(r: dict[str, Any]) -> bool:
+    return "ms_per_iter" in r and not r.get("oom") and "error" not in r
+
+
+def peak_of(r: dict[str, Any]) -> Optional[int]:
+    peak = r.get("peak_allocated_bytes", r.get("peak_bytes"))
+    rep = r.get("teraio_report") or {}
+    # bench_llama.py's teraio rows: the allocator's peak was reset at each iteration, so the
+    # report's figure is the one to take.
+    if "peak_allocated_bytes" not in r and rep.get("peak_gpu_bytes"):
+        peak = rep["peak_gpu_bytes"]
+    return peak
+
+
+def gib(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value / GIB:.1f}"
+
+
+def max_loss_diff(a: list[float], b: list[float]) -> Optional[float]:
     n = min(len(a), len(b))
-    if n == 0:
+    return max(abs(x - y) for x, y in zip(a[:n], b[:n])) if n else None
+
+
+def ideal_spread(ideals: list[dict[str, Any]]) -> Optional[float]:
+    """Largest |loss difference| between the first ideal run and each repeat (None: one run)."""
+    diffs = [max_loss_diff(r["losses"], ideals[0]["losses"]) for r in ideals[1:] if r.get("losses")]
+    diffs = [d for d in diffs if d is not None]
+    return max(diffs) if diffs else None
+
+
+def loss_agreement(r: dict[str, Any], base: Optional[dict[str, Any]], spread: Optional[float]) -> str:
+    if base is None or not r.get("losses") or not base.get("losses") or r is base:
         return "-"
-    same = sum(1 for x, y in zip(a[:n], b[:n]) if x == y)
-    diff = max(abs(x - y) for x, y in zip(a[:n], b[:n]))
-    return f"{same}/{n} bitwise" + ("" if same == n else f", max diff {diff:.2e}")
+    a, b = r["losses"], base["losses"]
+    n = min(len(a), len(b))
+    diff = max_loss_diff(a, b)
+    if diff == 0:
+        return f"bitwise ({n} steps)"
+    text = f"max {diff:.1e} ({n} steps)"
+    if spread is not None and r.get("mode") != "ideal":
+        text += ", within ideal's spread" if diff <= spread else ", **beyond ideal's spread**"
+    return text
 
 
-def main() -> None:
-    results = load(sys.argv[1:])
-    ideal = {r["batch"]: r for r in results if r["mode"] == "ideal" and "ms_per_iter" in r}
-    rows = [
-        "| mode | batch | steps (timed) | ms/iter | % of ideal | peak GPU | cap "
-        "| offloaded/iter host, ssd | stalls | losses vs ideal |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+def cap_label(r: dict[str, Any], ideal_peak: Optional[int]) -> str:
+    cap = r.get("cap_bytes")
+    if not cap:
+        return "-"
+    fraction = r.get("cap_fraction") or (cap / ideal_peak if ideal_peak else None)
+    return f"{100 * fraction:.0f}% ({cap / GIB:.1f} GiB)" if fraction else f"{cap / GIB:.1f} GiB"
+
+
+def moved(rep: dict[str, Any]) -> str:
+    """Bytes offloaded per iteration, host and SSD: activations, plus optimizer state and
+    parameters where the run moved any."""
+
+    def tiers(key: str) -> tuple[float, float]:
+        offloaded = (rep.get(key) or {}).get("offloaded") or {}
+        return float(offloaded.get("host", 0)), float(offloaded.get("ssd", 0))
+
+    host, ssd = tiers("bytes_per_iteration")
+    text = f"act. {gib(host)} + {gib(ssd)}"
+    for key, label in (("state_bytes_per_iteration", "state"), ("parameter_bytes_per_iteration", "params")):
+        h, s = tiers(key)
+        if h or s:
+            text += f"; {label} {gib(h)} + {gib(s)}"
+    return text
+
+
+def host_overhead_ms(rep: dict[str, Any]) -> Optional[float]:
+    host = rep.get("host_ms_per_iteration") or {}
+    parts = [v for k, v in host.items() if not k.startswith("of which") and isinstance(v, (int, float))]
+    return sum(parts) if parts else None
+
+
+def status(r: dict[str, Any]) -> str:
+    if "skipped" in r:
+        return f"skipped: {r['skipped']}"
+    if r.get("oom") or "out of memory" in str(r.get("error", "")):
+        step = r.get("oom_step")
+        return "**out of memory**" + (f" at step {step}" if step is not None and step >= 0 else "")
+    if r.get("timeout"):
+        return f"**timed out** ({r.get('error', '')})"
+    return f"**failed**: {str(r.get('error', '?'))[:200]}"
+
+
+def mode_label(r: dict[str, Any]) -> str:
+    """teraio rows say whether they ran with default arguments or the machine's measured ones."""
+    mode = r.get("mode", "?")
+    arguments = r.get("arguments")
+    return f"{mode} ({arguments} args)" if mode == "teraio" and arguments else mode
+
+
+def row_order(r: dict[str, Any]) -> tuple[int, float, int]:
+    mode = r.get("mode", "")
+    rank = MODE_ORDER.index(mode) if mode in MODE_ORDER else len(MODE_ORDER)
+    if mode == "ideal" and not r.get("cap_bytes"):
+        return (0, 0.0, 0)
+    return (1, -(r.get("cap_bytes") or 0), rank)
+
+
+def table(rows: list[dict[str, Any]]) -> list[str]:
+    ideals = [r for r in rows if r.get("mode") == "ideal" and not r.get("cap_bytes") and ok(r)]
+    base = ideals[0] if ideals else None
+    ideal_ms = base["ms_per_iter"] if base else None
+    ideal_peak = peak_of(base) if base else None
+    spread = ideal_spread(ideals)
+    out = [
+        "| mode | cap | ms/iter | % of ideal | peak alloc / reserved GiB | moved / iter host + SSD GiB "
+        "| recomputed / iter | predicted / measured ms | host time in teraio | losses vs ideal |",
+        "|---|---|---:|---:|---|---|---|---|---|---|",
     ]
-    for r in results:
-        if "error" in r:
-            rows.append(
-                f"| {r['mode']} | {r['batch']} | - | - | - | - | - | - | - | **failed**: {r['error'][:300]} |"
-            )
+    for r in sorted(rows, key=row_order):
+        mode = mode_label(r)
+        cap = cap_label(r, ideal_peak)
+        if not ok(r):
+            out.append(f"| {mode} | {cap} | - | - | - | - | - | - | - | {status(r)} |")
             continue
-        base = ideal.get(r["batch"])
-        pct = f"{100 * base['ms_per_iter'] / r['ms_per_iter']:.1f}%" if base else "-"
-        cap = f"{r['cap_bytes'] / GIB:.1f} GiB" if r.get("cap_bytes") else "-"
-        moved, stalls = "-", "-"
-        rep = r.get("teraio_report")
-        peak = r["peak_bytes"]
+        ms = r["ms_per_iter"]
+        pct = f"{100 * ideal_ms / ms:.1f}%" if ideal_ms else "-"
+        peak = f"{gib(peak_of(r))} / {gib(r.get('peak_reserved_bytes'))}"
+        rep = r.get("teraio_report") or {}
+        traffic, recomputed, predicted, host = "-", "-", "-", "-"
         if rep:
-            # teraio.offload resets the allocator's peak at each iteration: its report has the
-            # peak of the planned steps.
-            peak = rep.get("peak_gpu_bytes") or peak
-            off = rep["bytes_per_iteration"]["offloaded"]
-            moved = f"{off['host'] / GIB:.1f}, {off['ssd'] / GIB:.2f} GiB"
-            if rep.get("recomputed_bytes_per_iteration"):
-                moved += f" ({rep['recomputed_bytes_per_iteration'] / GIB:.1f} GiB recomputed)"
-            s = rep["stalls"]
-            stalls = (
-                f"{s['prefetches_on_demand']} late, ssd wait {s['ssd_wait_s']:.2f} s, "
-                f"d2h waits {s['inflight_waits']} ({s['inflight_wait_s']:.2f} s)"
+            traffic = moved(rep)
+            recomputed = f"{gib(rep.get('recomputed_bytes_per_iteration') or 0)} GiB"
+            pred = rep.get("predicted_iteration_ms")
+            if pred:
+                error = (pred - ms) / ms
+                flag = " **>10%**" if abs(error) > TARGET_PREDICTION else ""
+                predicted = f"{pred:.0f} / {ms:.0f} ({100 * error:+.0f}%){flag}"
+            else:
+                predicted = f"none / {ms:.0f}"
+            overhead = host_overhead_ms(rep)
+            if overhead is not None:
+                host = f"{overhead:.0f} ms" + (
+                    f" ({100 * overhead / ideal_ms:.0f}% of ideal)" if ideal_ms else ""
+                )
+        losses = loss_agreement(r, base, spread)
+        if r is base:
+            losses = "reference" + (
+                ""
+                if spread is None
+                else (", repeat: bitwise" if spread == 0 else f", repeat: max {spread:.1e}")
             )
-        timed = f"{r['steps']} ({r['steps'] - r['warmup']})"
-        rows.append(
-            f"| {r['mode']} | {r['batch']} | {timed} | {r['ms_per_iter']:.0f} | {pct} "
-            f"| {peak / GIB:.1f} GiB | {cap} | {moved} | {stalls} | {losses_match(r, base)} |"
+        out.append(
+            f"| {mode} | {cap} | {ms:.0f} | {pct} | {peak} | {traffic} | {recomputed} | {predicted} "
+            f"| {host} | {losses} |"
         )
-    print("\n".join(rows))
+    out += verdicts(rows, ideal_ms, ideal_peak)
+    return out
+
+
+def verdicts(rows: list[dict[str, Any]], ideal_ms: Optional[float], ideal_peak: Optional[int]) -> list[str]:
+    """Per cap: teraio against the fastest checkpointing mode that fits, and the targets."""
+    lines = []
+    caps = sorted({r["cap_bytes"] for r in rows if r.get("cap_bytes")}, reverse=True)
+    for cap in caps:
+        at_cap = [r for r in rows if r.get("cap_bytes") == cap]
+        # The row a user gets (default arguments) is the one the targets are about.
+        teraio = sorted(
+            (r for r in at_cap if r.get("mode") == "teraio"), key=lambda r: r.get("arguments") != "defaults"
+        )
+        if not teraio:
+            continue
+        label = cap_label(at_cap[0], ideal_peak)
+        t = teraio[0]
+        fitting = [r for r in at_cap if r.get("mode") in CHECKPOINTING and ok(r)]
+        tried = [r for r in at_cap if r.get("mode") in CHECKPOINTING and "skipped" not in r]
+        if not ok(t):
+            lines.append(f"- cap {label}: {mode_label(t)} {status(t)}")
+            continue
+        parts = []
+        if fitting:
+            best = min(fitting, key=lambda r: r["ms_per_iter"])
+            speedup = best["ms_per_iter"] / t["ms_per_iter"]
+            verdict = "met" if speedup >= TARGET_SPEEDUP else "missed"
+            parts.append(
+                f"teraio {speedup:.2f}x the best checkpointing mode that fits "
+                f"({best['mode']}, {best['ms_per_iter']:.0f} ms; target {TARGET_SPEEDUP}x: {verdict})"
+            )
+        elif tried:
+            parts.append("every checkpointing mode ran out of memory or failed; teraio trains")
+        if ideal_ms:
+            pct = 100 * ideal_ms / t["ms_per_iter"]
+            fraction = t.get("cap_fraction") or (cap / ideal_peak if ideal_peak else None)
+            target = ""
+            if fraction is not None and abs(fraction - 0.65) < 0.01:
+                verdict = "met" if pct >= TARGET_PERCENT_AT_65 else "missed"
+                target = f" (target {TARGET_PERCENT_AT_65:.0f}%: {verdict})"
+            parts.append(f"{pct:.1f}% of ideal{target}")
+        pred = (t.get("teraio_report") or {}).get("predicted_iteration_ms")
+        if pred:
+            error = (pred - t["ms_per_iter"]) / t["ms_per_iter"]
+            verdict = "met" if abs(error) <= TARGET_PREDICTION else "missed"
+            parts.append(f"prediction {100 * error:+.1f}% (target 10%: {verdict})")
+        lines.append(f"- cap {label}, {mode_label(t)}: " + "; ".join(parts))
+    return [""] + lines if lines else []
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    reports = "--reports" in argv
+    results = load([a for a in argv if a != "--reports"])
+    groups: dict[tuple[str, str, int, int], list[dict[str, Any]]] = {}
     for r in results:
-        if r.get("teraio_report_text"):
-            print(f"\nteraio batch {r['batch']}:\n{r['teraio_report_text']}")
+        groups.setdefault(group_key(r), []).append(r)
+    for (family, dtype, batch, seq), rows in groups.items():
+        params = next((r["params"] for r in rows if r.get("params")), None)
+        size = f", {params / 1e9:.2f}B parameters" if params else ""
+        print(f"\n### {family}, {dtype}, batch {batch} x {seq}{size}\n")
+        print("\n".join(table(rows)))
+    not_trained = [r for r in results if r.get("mode") == "teraio" and (r.get("oom") or r.get("error"))]
+    if any(r.get("mode") == "teraio" for r in results):
+        print(f"\nteraio runs that did not train: {len(not_trained)}" + " (target: none)")
+    if reports:
+        for r in results:
+            if r.get("teraio_report_text"):
+                print(f"\nteraio, {' '.join(str(k) for k in group_key(r))}, cap {cap_label(r, None)}:")
+                print(r["teraio_report_text"])
+    for r in results:
         for key in (
             "link_d2h_bytes_per_s",
             "link_h2d_bytes_per_s",
@@ -82,7 +271,7 @@ def main() -> None:
             "ssd_read_bytes_per_s",
         ):
             if key in r:
-                print(f"  {key}: {r[key] / 1e9:.2f} GB/s")
+                print(f"  {group_key(r)[0]} {r.get('mode')}: {key} {r[key] / 1e9:.2f} GB/s")
 
 
 if __name__ == "__main__":
