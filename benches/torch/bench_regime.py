@@ -59,6 +59,7 @@ from typing import Any, Optional
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+STORE_FILE = "teraio-regime.dev"
 sys.path.insert(0, HERE)
 import baselines  # noqa: E402  (beside this script)
 import summarize  # noqa: E402
@@ -200,20 +201,24 @@ def teraio_report(handle: Any) -> dict[str, Any]:
     return {"teraio_report": jsonable(fields), "teraio_report_text": str(report)}
 
 
-def make_store(args: argparse.Namespace) -> tuple[Any, str]:
-    """One store file, as a user makes it; the directory is removed at the end of the run."""
+def make_store(args: argparse.Namespace) -> tuple[Any, Optional[str]]:
+    """One store file, as a user makes it: under `--store-dir` it stays for the next run (the
+    runtime caches its bandwidth measurement beside it); else in a temp dir removed afterwards."""
     import teraio
 
-    base = args.store_dir or None
-    if base:
-        os.makedirs(base, exist_ok=True)
-    directory = tempfile.mkdtemp(prefix="teraio-regime-", dir=base)
+    if args.store_dir:
+        os.makedirs(args.store_dir, exist_ok=True)
+        directory, removed = args.store_dir, None
+    else:
+        directory = tempfile.mkdtemp(prefix="teraio-regime-")
+        removed = directory
     store = teraio.Store.create(
-        [os.path.join(directory, "store.dev")],
+        [os.path.join(directory, STORE_FILE)],
         file_size_bytes=int(args.store_gib * GIB),
         durable=False,
+        force=True,  # a second run reformats the first one's file
     )
-    return store, directory
+    return store, removed
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -399,6 +404,41 @@ class Table:
         os.makedirs(args.out_dir, exist_ok=True)
         self.results_path = os.path.join(args.out_dir, "results.jsonl")
         open(self.results_path, "w").close()
+        #: (family, mode) -> the largest cap fraction at which it ran out of memory.
+        self.oom_at: dict[tuple[str, str], float] = {}
+
+    def capped(self, family: str, mode: str, ideal_peak: int, fraction: float) -> dict[str, Any]:
+        """A row at `fraction` of the ideal peak. A baseline that ran out of memory at a larger
+        cap is not run again at a smaller one (teraio always is)."""
+        cap = int(fraction * ideal_peak)
+        larger = self.oom_at.get((family, mode))
+        if mode != "teraio" and larger is not None and larger > fraction:
+            return self.record(
+                f"{family}-{self.args.dtype}-{mode}-{round(100 * fraction)}",
+                {**self.base(family, mode, cap, fraction), "oom": True, "oom_at_larger_cap": larger},
+            )
+        result = self.row(family, mode, cap, fraction)
+        if result.get("oom"):
+            self.oom_at[(family, mode)] = max(fraction, self.oom_at.get((family, mode), 0.0))
+        return result
+
+    def base(self, family: str, mode: str, cap: Optional[int], fraction: Optional[float]) -> dict[str, Any]:
+        args = self.args
+        return {
+            "family": family + ("-tiny" if args.tiny else ""),
+            "dtype": args.dtype,
+            "mode": mode,
+            "batch": args.batch,
+            "seq": args.seq,
+            "cap_bytes": cap,
+            "cap_fraction": fraction,
+        }
+
+    def record(self, label: str, result: dict[str, Any]) -> dict[str, Any]:
+        with open(self.results_path, "a") as f:
+            f.write(json.dumps(result) + "\n")
+        print(f"[{self.elapsed():5.0f} s] {label}: {brief(result)}", flush=True)
+        return result
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
@@ -413,15 +453,7 @@ class Table:
     ) -> dict[str, Any]:
         args = self.args
         label = f"{family}-{args.dtype}-{mode}" + (f"-{round(100 * fraction)}" if fraction else "") + tag
-        base = {
-            "family": family + ("-tiny" if args.tiny else ""),
-            "dtype": args.dtype,
-            "mode": mode,
-            "batch": args.batch,
-            "seq": args.seq,
-            "cap_bytes": cap,
-            "cap_fraction": fraction,
-        }
+        base = self.base(family, mode, cap, fraction)
         left = args.deadline_s - self.elapsed()
         if left < args.min_run_s:
             result = {
@@ -452,15 +484,14 @@ class Table:
                 result = {**base, "error": f"exit code {code} without a result: {tail}"}
             result["wall_s"] = round(wall, 1)
             result["log"] = os.path.basename(log_path)
-        with open(self.results_path, "a") as f:
-            f.write(json.dumps(result) + "\n")
-        print(f"[{self.elapsed():5.0f} s] {label}: {brief(result)}", flush=True)
-        return result
+        return self.record(label, result)
 
 
 def brief(result: dict[str, Any]) -> str:
     if "skipped" in result:
         return "skipped: " + result["skipped"]
+    if result.get("oom_at_larger_cap"):
+        return f"not run: out of memory at {100 * result['oom_at_larger_cap']:.0f}% already"
     if result.get("oom"):
         return f"OUT OF MEMORY at step {result.get('oom_step')}"
     if "ms_per_iter" not in result:
@@ -502,13 +533,16 @@ def table_main(args: argparse.Namespace) -> int:
         for fraction in fractions:
             for mode in modes:
                 if mode not in late:
-                    table.row(family, mode, int(fraction * caps[family]), fraction)
+                    table.capped(family, mode, caps[family], fraction)
     for family in families:
         if family not in caps:
             continue
         for fraction in fractions:
             for mode in late:
-                table.row(family, mode, int(fraction * caps[family]), fraction)
+                table.capped(family, mode, caps[family], fraction)
+    if args.store_dir:  # the store file the teraio rows shared (32 GiB of the disk)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(args.store_dir, STORE_FILE))
     with open(os.path.join(args.out_dir, "summary.md"), "w") as f:
         with contextlib.redirect_stdout(f):
             summarize.main([table.results_path, "--reports"])
@@ -533,7 +567,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     common.add_argument("--batch", type=int, default=4)
     common.add_argument("--seq", type=int, default=2048)
     common.add_argument("--store-dir", default="", help="where teraio's store file goes (default: temp dir)")
-    common.add_argument("--store-gib", type=float, default=40.0)
+    common.add_argument("--store-gib", type=float, default=32.0)
     common.add_argument("--tiny", action="store_true", help="CPU, 2 small layers (tests of this script)")
 
     one = commands.add_parser("run", parents=[common], help="one mode in this process")

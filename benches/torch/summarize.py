@@ -58,7 +58,10 @@ def peak_of(r: dict[str, Any]) -> Optional[int]:
 
 
 def gib(value: Optional[float]) -> str:
-    return "-" if value is None else f"{value / GIB:.1f}"
+    """GiB with one decimal; MiB below 0.1 GiB (small test runs)."""
+    if value is None:
+        return "-"
+    return f"{value / GIB:.1f}" if value == 0 or value >= GIB / 10 else f"{value / 2**20:.1f} MiB"
 
 
 def max_loss_diff(a: list[float], b: list[float]) -> Optional[float]:
@@ -92,7 +95,8 @@ def cap_label(r: dict[str, Any], ideal_peak: Optional[int]) -> str:
     if not cap:
         return "-"
     fraction = r.get("cap_fraction") or (cap / ideal_peak if ideal_peak else None)
-    return f"{100 * fraction:.0f}% ({cap / GIB:.1f} GiB)" if fraction else f"{cap / GIB:.1f} GiB"
+    size = gib(cap) + ("" if gib(cap).endswith("MiB") else " GiB")
+    return f"{100 * fraction:.0f}% ({size})" if fraction else size
 
 
 def moved(rep: dict[str, Any]) -> str:
@@ -121,6 +125,8 @@ def host_overhead_ms(rep: dict[str, Any]) -> Optional[float]:
 def status(r: dict[str, Any]) -> str:
     if "skipped" in r:
         return f"skipped: {r['skipped']}"
+    if r.get("oom_at_larger_cap"):
+        return f"**out of memory** at {100 * r['oom_at_larger_cap']:.0f}% already (not run)"
     if r.get("oom") or "out of memory" in str(r.get("error", "")):
         step = r.get("oom_step")
         return "**out of memory**" + (f" at step {step}" if step is not None and step >= 0 else "")
@@ -133,7 +139,8 @@ def mode_label(r: dict[str, Any]) -> str:
     """teraio rows say whether they ran with default arguments or the machine's measured ones."""
     mode = r.get("mode", "?")
     arguments = r.get("arguments")
-    return f"{mode} ({arguments} args)" if mode == "teraio" and arguments else mode
+    names = {"defaults": "default arguments", "measured": "measured bandwidths"}
+    return f"{mode} ({names.get(arguments, arguments)})" if mode == "teraio" and arguments else mode
 
 
 def row_order(r: dict[str, Any]) -> tuple[int, float, int]:
@@ -252,7 +259,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         groups.setdefault(group_key(r), []).append(r)
     for (family, dtype, batch, seq), rows in groups.items():
         params = next((r["params"] for r in rows if r.get("params")), None)
-        size = f", {params / 1e9:.2f}B parameters" if params else ""
+        size = f", {params / 1e9:.2f}B parameters" if params and params >= 1e8 else ""
+        size = size or (f", {params / 1e6:.1f}M parameters" if params else "")
         print(f"\n### {family}, {dtype}, batch {batch} x {seq}{size}\n")
         print("\n".join(table(rows)))
     not_trained = [r for r in results if r.get("mode") == "teraio" and (r.get("oom") or r.get("error"))]
