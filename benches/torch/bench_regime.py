@@ -240,7 +240,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["cap_bytes"] = cap
         if device.type == "cuda":
             total = torch.cuda.get_device_properties(device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
     if args.mode == "torchtune" and device.type != "cuda":
         raise RuntimeError("torchtune's OffloadActivations needs CUDA (it makes CUDA streams)")
     if args.mode == "teraio" and cap is None:
