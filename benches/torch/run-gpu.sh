@@ -2,12 +2,14 @@
 # The GPU machine's PyTorch checks and benchmarks, one mode per call (docs/benchmarks.md):
 #   run-gpu.sh tests          # the Python tests on CUDA, the docs' examples included (~3 min)
 #   run-gpu.sh probe          # setup check: a few short steps of each benchmark script (~2 min)
-#   run-gpu.sh regime         # the users' regime table (bench_regime.py): qwen2 and llama in bf16
-#                             #   autocast with SDPA, ideal twice, then teraio (default arguments),
-#                             #   HF checkpointing, selective checkpointing, save_on_cpu, torchtune
-#                             #   at 65% and 50% of the ideal peak; then the fp32 flagship's ideal,
-#                             #   teraio (default arguments) and checkpointing rows (~9 min)
-#                             #   FAMILIES=llama,mistral DTYPE=bf16: other families, bf16 weights
+#   run-gpu.sh regime         # the users' regime table (bench_regime.py), one family per call:
+#                             #   qwen2 in bf16 autocast with SDPA, ideal twice, then teraio (default
+#                             #   arguments), HF checkpointing, selective checkpointing, save_on_cpu,
+#                             #   torchtune at 65% and 50% of the ideal peak (rows the deadline cuts
+#                             #   are recorded as skipped); then the fp32 flagship's ideal, HF
+#                             #   checkpointing and teraio (default arguments) rows (~9 min).
+#                             #   FAMILIES=llama FLAGSHIP=0: the second family; DTYPE=bf16: bf16
+#                             #   weights; MODES=save_on_cpu,torchtune: only those after the ideal
 #   run-gpu.sh flagship       # the fp32 0.85B Llama at half its ideal peak: ideal, teraio with the
 #                             #   machine's measured figures and with default arguments, HF
 #                             #   checkpointing; batch 8 with teraio (~6 min)
@@ -86,17 +88,23 @@ probe)
   ;;
 
 regime)
-  # The table first (it stops starting rows at its deadline), then the flagship in what is left.
-  timeout 430 python3 $B/bench_regime.py table --families "${FAMILIES:-qwen2,llama}" --dtype "${DTYPE:-autocast}" \
+  # The table first (no row starts after its deadline; a killed row's teardown takes ~15 s more),
+  # then the fp32 flagship's rows in what is left of the call's 9 minutes.
+  deadline=${DEADLINE:-$([ "${FLAGSHIP:-1}" = 1 ] && echo 350 || echo 480)}
+  timeout $((deadline + 45)) python3 $B/bench_regime.py table --families "${FAMILIES:-qwen2}" \
+    --dtype "${DTYPE:-autocast}" --modes "${MODES:-teraio,hf_ckpt,sac,save_on_cpu,torchtune}" \
     --fractions 0.65,0.5 --steps "${STEPS:-8}" --warmup 3 --store-dir /root/teraio-regime \
-    --deadline-s "${DEADLINE:-400}" --out-dir "$OUT/regime" 2>&1 | grep -E '^\[|^==' | tee "$OUT/regime-progress.log"
-  CAP=22.53   # half of the flagship's ideal peak (45.1 GiB allocated on the H100, every run so far)
-  flagship ideal 80 --mode ideal --steps 8 --warmup 3
-  [ $SECONDS -lt 440 ] && flagship teraio-defaults $((530 - SECONDS)) --mode teraio --user-defaults \
-    --steps 8 --warmup 3 --cap-gib $CAP
-  [ $SECONDS -lt 490 ] && flagship hf_ckpt $((535 - SECONDS)) --mode hf_ckpt --steps 6 --warmup 2 --cap-gib $CAP
-  { cat "$OUT/regime/results.jsonl"; cat "$OUT"/f-*.log | grep '^RESULT' | cut -c8-; } > "$OUT/results.jsonl"
-  (cd "$OUT" && tar czf logs.tgz f-*.log regime && rm -rf f-*.log regime)
+    --deadline-s "$deadline" --out-dir "$OUT/regime" 2>&1 | grep -E '^\[|^==' | tee "$OUT/regime-progress.log"
+  cp "$OUT/regime/results.jsonl" "$OUT/results.jsonl"
+  if [ "${FLAGSHIP:-1}" = 1 ]; then
+    CAP=22.53   # half of the flagship's ideal peak (45.1 GiB allocated on the H100, every run so far)
+    [ $SECONDS -lt 460 ] && flagship ideal 60 --mode ideal --steps 8 --warmup 3
+    [ $SECONDS -lt 480 ] && flagship hf_ckpt 45 --mode hf_ckpt --steps 6 --warmup 2 --cap-gib $CAP
+    [ $SECONDS -lt 470 ] && flagship teraio-defaults $((560 - SECONDS)) --mode teraio --user-defaults \
+      --steps 8 --warmup 4 --cap-gib $CAP
+    cat "$OUT"/f-*.log 2>/dev/null | grep '^RESULT' | cut -c8- >> "$OUT/results.jsonl"
+  fi
+  (cd "$OUT" && tar czf logs.tgz regime $(ls f-*.log 2>/dev/null) && rm -rf f-*.log regime)
   summary
   ;;
 
