@@ -113,6 +113,10 @@ def _offloaded(
     make_model: Callable[[], Any], data: list[torch.Tensor], **options: Any
 ) -> tuple[list[float], dict, teraio.Report]:
     model, optimizer = make_model()
+    # Per-tensor recomputation alone: whole-block checkpointing is tested in test_training.py.
+    options.setdefault("checkpoint", "off")
+    # Some budgets here are below what any plan fits: those tests check exactness, not the fit.
+    options.setdefault("if_no_fit", "run")
     with teraio.offload(model, optimizer, min_bytes=64 << 10, reserve=0, **options) as run:
         losses = train(model, optimizer, data)
     return losses, model.state_dict(), run.report()

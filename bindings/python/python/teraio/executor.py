@@ -58,11 +58,20 @@ RECOMPUTE = "recompute"
 PREFETCH_CHUNK_BYTES = 64 << 20
 
 
+#: Pinned host memory staging SSD writes at most (beyond it a save waits for the disk).
+SSD_STAGING_BYTES = 4 << 30
+
 #: Prefetches at least this large (about 5 ms at 55 GB/s) let later, more urgent ones go first.
 PULL_BEHIND_MIN_BYTES = 256 << 20
 #: GPU memory left free besides a prefetch issued before its planned event (the allocator's
 #: fragmentation and copies in flight: H100 runs peak 1.4 GiB above the plan).
 PULL_HEADROOM_BYTES = 2 << 30
+
+
+def _pinned_size(nbytes: int) -> int:
+    """What a pinned buffer of `nbytes` takes: PyTorch's caching host allocator rounds each
+    block up to a power of two."""
+    return 1 << max(0, nbytes - 1).bit_length()
 
 
 def _deadline(need_event: Optional[int]) -> int:
@@ -314,11 +323,11 @@ class ActivationExecutor:
         host_bytes = 0
         for index, decision in enumerate(decisions):
             if decision.tier == HOST and decision.recipe is None:
-                if host_bytes + decision.size_bytes > self.host_memory_bytes:
+                if host_bytes + _pinned_size(decision.size_bytes) > self.host_memory_bytes:
                     decision.tier = SSD if self.store is not None else None
                     self.stats.host_cap_demotions += 1
                 else:
-                    host_bytes += decision.size_bytes
+                    host_bytes += _pinned_size(decision.size_bytes)
             if decision.tier is not None and decision.prefetch_event is not None:
                 self.prefetch_at_event.setdefault(decision.prefetch_event, []).append(index)
         self._pull_urgent_forward(decisions)
@@ -574,7 +583,7 @@ class ActivationExecutor:
         return self._fallback_tier(nbytes)
 
     def _fallback_tier(self, nbytes: int) -> Optional[str]:
-        if self._host_in_use + nbytes <= self.host_memory_bytes:
+        if self._host_in_use + _pinned_size(nbytes) <= self.host_memory_bytes:
             return HOST
         if self.store is not None:
             return SSD
@@ -607,7 +616,7 @@ class ActivationExecutor:
         source = _flat_bytes(tensor)
         slot.host = self._host_buffer(slot.nbytes)
         if slot.tier == HOST:
-            self._host_in_use += slot.nbytes
+            self._host_in_use += _pinned_size(slot.nbytes)
         self.stats.offloads += 1
         self.stats.offloaded_bytes[slot.tier] += slot.nbytes
         if self.cuda:
@@ -621,6 +630,13 @@ class ActivationExecutor:
         if slot.tier == SSD:
             self._pending_puts.append(slot)
             self._pump(wait=False)
+            staged = sum(s.nbytes for s in self._pending_puts)
+            if staged > SSD_STAGING_BYTES:
+                # Pinned staging must not outgrow host memory when the disk is slower than the
+                # saves: wait for the writes in flight.
+                started = time.perf_counter()
+                self._pump(wait=True)
+                self.stats.ssd_wait_s += time.perf_counter() - started
 
     def _throttle(self, nbytes: int) -> None:
         """Bounds device-to-host bytes in flight: GPU memory is only freed once they land."""
@@ -736,7 +752,7 @@ class ActivationExecutor:
             self._copy_up(slot)
         else:
             slot.gpu = host.clone()
-            self._host_in_use -= slot.nbytes
+            self._host_in_use -= _pinned_size(slot.nbytes)
             slot.host = None
 
     def _device_buffer(self, nbytes: int) -> torch.Tensor:
@@ -769,7 +785,7 @@ class ActivationExecutor:
         finalizer = weakref.finalize(slot, _join_copy, self.device, slot.h2d_event)
         finalizer.atexit = False  # nothing to order once the process exits
         if slot.tier == HOST:
-            self._host_in_use -= slot.nbytes
+            self._host_in_use -= _pinned_size(slot.nbytes)
         # The caching host allocator keeps the block until the copy is done.
         slot.host = None
 

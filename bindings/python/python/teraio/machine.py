@@ -26,8 +26,9 @@ from typing import Any, Callable, Optional
 import torch
 
 #: Share of MemAvailable the runtime pins at most by default (the rest stays for the data
-#: loader, the page cache the store's files use, and the process itself).
-HOST_MEMORY_SHARE = 0.5
+#: loader, the page cache the store's files use, and the process itself; PyTorch's caching
+#: pinned allocator also keeps freed blocks, so what it holds can exceed what is in use).
+HOST_MEMORY_SHARE = 0.3
 #: Share of a measured bandwidth the planner assumes.
 PLAN_SHARE = 0.9
 LINK_PROBE_BYTES = 256 << 20

@@ -32,7 +32,7 @@ from . import blocks as bk
 from . import calibration as cal
 from . import machine
 from . import recompute as rc
-from .executor import HOST, RECOMPUTE, SSD, ActivationExecutor, PackDecision
+from .executor import HOST, RECOMPUTE, SSD, ActivationExecutor, PackDecision, _pinned_size
 from .options import OffloadOptions
 from .planning import _bandwidth, parse_size, plan, simulate
 from .profiler import Profiler, SaveEvent
@@ -455,6 +455,11 @@ class offload:
                 for arg in args:
                     if isinstance(arg, torch.Tensor) and arg.device.type == self.device.type:
                         found = profiler._lookup(arg)
+                        if found is None and arg.untyped_storage().nbytes() > 0:
+                            # An input made before the iteration (the batch): tracked from here.
+                            found = profiler._new_record(
+                                arg, "temporary", len(profiler.ops), f"{record.name}.input"
+                            )
                         record.inputs.append(found.id if found is not None else None)
 
             def leave(module: Any, args: Any, output: Any, record: bk.BlockRecord = record) -> None:
@@ -599,14 +604,14 @@ class offload:
                     ):
                         continue
                     seen.add(value.untyped_storage().data_ptr())
-                    nbytes = value.untyped_storage().nbytes()
+                    nbytes = _pinned_size(value.untyped_storage().nbytes())
                     if nbytes <= host_left:
                         host_left -= nbytes
                         moves.append(Move(value, HOST, None))
                     elif self.store is not None:
                         moves.append(Move(value, SSD, None))
             self.fallback_state.set_plan(moves)
-            held = self.fallback_state.planned_bytes(HOST)
+            held = sum(_pinned_size(s.nbytes) for s in self.fallback_state.slots if s.tier == HOST)
             self.executor.host_memory_bytes = max(0, self.host_memory_bytes - held)
         self.fallback_state.after_step()
 
@@ -679,7 +684,7 @@ class offload:
         durations = [op["duration_us"] for op in trace["ops"]]
         usable = self._usable_blocks()
         records = list(self.block_records.values())
-        best: Optional[tuple[tuple[float, ...], _Planned, list[SaveEvent], list[str]]] = None
+        best: Optional[tuple[tuple[float, ...], _Planned, list[SaveEvent], list[str], dict[str, Any]]] = None
         tried = []
         for count in bk.candidate_counts(len(usable), self.options.checkpoint):
             if count:
@@ -699,9 +704,9 @@ class offload:
                 }
             )
             if best is None or rank < best[0]:
-                best = (rank, planned, events, names)
+                best = (rank, planned, events, names, self.recompute_summary)
         assert best is not None
-        _, (result, planned_trace, recipes, need), events, names = best
+        _, (result, planned_trace, recipes, need), events, names, self.recompute_summary = best
         for entry in tried:
             entry["chosen"] = entry["blocks"] == len(names)
         self.checkpoint_summary = {"blocks": len(self.blocks), "usable": len(usable), "tried": tried}

@@ -1,0 +1,100 @@
+"""Probe of teraio.offload as a user writes it: default arguments, one model, one cap.
+
+    python3 benches/torch/probe_runtime.py --model qwen2 --cap-bytes 41600000000
+    python3 benches/torch/probe_runtime.py --model llama-flagship --cap-bytes 24190000000 --documented
+
+`qwen2`: a Qwen2-1.5B-shaped transformers model (vocab 151936, tied embeddings, SDPA), bf16
+autocast over fp32 weights, AdamW, batch 4 x 2048. `llama-flagship`: bench_llama.py's 0.85B Llama
+(fp32, eager attention). `--documented`: the arguments docs/python.md showed before the defaults
+were measured (host_memory="64GiB", ssd_bandwidth="1.7GB/s", host_link_bandwidth="50GB/s").
+Prints the steps, the peak and teraio's report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def build(name: str) -> tuple[torch.nn.Module, int, bool]:
+    if name == "llama-flagship":
+        from bench_llama import build_model
+
+        return build_model(), 32000, False
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen2ForCausalLM(config)
+    model.config.use_cache = False
+    return model, 151936, True
+
+
+def main() -> None:
+    import teraio
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="qwen2", choices=["qwen2", "llama-flagship"])
+    parser.add_argument("--cap-bytes", type=int, required=True)
+    parser.add_argument("--steps", type=int, default=9)
+    parser.add_argument("--documented", action="store_true")
+    parser.add_argument("--store-dir", default="")
+    args = parser.parse_args()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_bytes / total), 0)
+    model, vocab, autocast = build(args.model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    directory = args.store_dir or tempfile.mkdtemp(prefix="teraio-probe-", dir="/root")
+    store = teraio.Store.create(
+        [os.path.join(directory, "dev0"), os.path.join(directory, "dev1")],
+        file_size_bytes=20 << 30,
+        durable=False,
+        force=True,
+    )
+    extra = {}
+    if args.documented:
+        extra = {"host_memory": "64GiB", "ssd_bandwidth": "1.7GB/s", "host_link_bandwidth": "50GB/s"}
+    generator = torch.Generator().manual_seed(1234)
+    started_all = time.perf_counter()
+    with teraio.offload(model, optimizer, store=store, gpu_memory=args.cap_bytes, **extra) as run:
+        for step in range(args.steps):
+            tokens = torch.randint(0, vocab, (4, 2048), generator=generator).cuda()
+            started = time.perf_counter()
+            context = torch.autocast("cuda", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+            with context:
+                loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            value = loss.item()
+            print(f"step {step}: loss {value:.6f} {(time.perf_counter() - started) * 1e3:.0f} ms", flush=True)
+    print(f"total {time.perf_counter() - started_all:.1f} s")
+    report = run.report()
+    print(report)
+    print("machine", report.machine)
+    print("checkpoint", report.checkpoint_summary)
+    print("recompute", report.plan_summary.get("recompute", {}).get("chosen"))
+    store.close()
+
+
+if __name__ == "__main__":
+    main()

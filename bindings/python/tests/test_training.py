@@ -1,0 +1,240 @@
+"""Training as users train, on a CPU "device": block checkpointing in the plan, a plain PyTorch
+transformer, tiny transformers models in bf16 autocast with SDPA; losses and parameters bitwise
+equal to training without offload."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import teraio  # noqa: E402
+from tiny import batches, make, train  # noqa: E402
+
+STEPS = 6
+
+
+def _peak_and_activations(
+    model: Any, optimizer: Any, step: Callable[[Any], Any], data: list[Any]
+) -> tuple[int, int]:
+    step(data[0])
+    profiler = teraio.Profiler(model, optimizer)
+    with profiler:
+        step(data[1])
+    trace = profiler.trace()
+    result = teraio.plan(trace, gpu_memory=1 << 40, ssd_read_bandwidth=1e9)
+    activations = sum(t["size_bytes"] for t in trace["tensors"] if t["kind"] == "activation")
+    return result["prediction"]["unplanned_peak_bytes"], activations
+
+
+def _tiny_step(model: Any, optimizer: Any) -> Callable[[Any], float]:
+    def step(x: Any) -> float:
+        return train(model, optimizer, [x])[0]
+
+    return step
+
+
+def test_checkpointing_wins_where_nothing_can_be_moved() -> None:
+    # No host memory and no store: only recomputation can make it fit. Per-tensor recipes off,
+    # so whole-block checkpointing must carry it; results stay bitwise equal.
+    data = batches(STEPS, rows=2048)
+    model, optimizer = make()
+    reference = train(model, optimizer, data)
+    ref_state = {k: v.clone() for k, v in model.state_dict().items()}
+    model, optimizer = make()
+    peak, activations = _peak_and_activations(model, optimizer, _tiny_step(model, optimizer), data)
+    model, optimizer = make()
+    with teraio.offload(
+        model,
+        optimizer,
+        gpu_memory=peak - activations // 2,
+        host_memory=0,
+        host_link_bandwidth="10GB/s",
+        recompute="off",
+        reserve=0,
+        min_bytes=64 << 10,
+    ) as run:
+        losses = train(model, optimizer, data)
+    report = run.report()
+    assert losses == reference
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in ref_state.items())
+    assert report.plan_summary["fits"] is True
+    assert report.checkpointed_blocks, report.checkpoint_summary
+    assert report.plan_summary["migrations"] == 0
+    chosen = [t for t in report.checkpoint_summary["tried"] if t["chosen"]]
+    assert len(chosen) == 1 and chosen[0]["blocks"] == len(report.checkpointed_blocks)
+    # Without checkpointing nothing fits in time (no tier to move to): slower, if it fits at all.
+    none = [t for t in report.checkpoint_summary["tried"] if t["blocks"] == 0][0]
+    assert not none["fits"] or none["predicted_ms"] is None or none["predicted_ms"] > chosen[0]["predicted_ms"]
+    # The blocks are plain modules again afterwards.
+    assert all("forward" not in layer.__dict__ for layer in model.layers)
+
+
+def test_offload_wins_on_a_fast_link() -> None:
+    # Host memory and a fast link: moving saved tensors costs nothing, recomputing a block costs
+    # its forward time, so no block is checkpointed.
+    data = batches(STEPS, rows=2048)
+    model, optimizer = make()
+    peak, activations = _peak_and_activations(model, optimizer, _tiny_step(model, optimizer), data)
+    model, optimizer = make()
+    with teraio.offload(
+        model,
+        optimizer,
+        gpu_memory=peak - activations // 2,
+        host_memory=1 << 30,
+        host_link_bandwidth="1000GB/s",
+        recompute="off",
+        reserve=0,
+        min_bytes=64 << 10,
+    ) as run:
+        train(model, optimizer, data)
+    report = run.report()
+    assert report.plan_summary["fits"] is True
+    assert report.checkpointed_blocks == []
+    assert report.plan_summary["host_migrations"] > 0
+
+
+def test_never_predicted_slower_than_checkpointing_every_block() -> None:
+    # A slow link: every candidate (0 .. all blocks checkpointed, with per-tensor recompute or
+    # not) is planned; the chosen one's prediction is the lowest, so at most that of
+    # checkpointing every block.
+    data = batches(STEPS, rows=2048)
+    model, optimizer = make()
+    peak, activations = _peak_and_activations(model, optimizer, _tiny_step(model, optimizer), data)
+    model, optimizer = make()
+    with teraio.offload(
+        model,
+        optimizer,
+        gpu_memory=peak - activations // 3,
+        host_memory=1 << 30,
+        host_link_bandwidth="50MB/s",
+        reserve=0,
+        min_bytes=64 << 10,
+    ) as run:
+        train(model, optimizer, data)
+    report = run.report()
+    tried = report.checkpoint_summary["tried"]
+    all_blocks = [t for t in tried if t["blocks"] == report.checkpoint_summary["usable"]]
+    assert len(all_blocks) == 1 and all_blocks[0]["fits"]
+    assert report.predicted_iteration_ms is not None
+    assert report.predicted_iteration_ms <= all_blocks[0]["predicted_ms"] * 1.0001
+    assert report.recomputed_bytes_per_iteration > 0 or report.checkpointed_blocks
+
+
+class PlainTransformer(torch.nn.Module):
+    """A plain PyTorch model (no Hugging Face): embedding, encoder layers, a head."""
+
+    def __init__(self, vocab: int = 256, dim: int = 64, layers: int = 3) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.layers = torch.nn.ModuleList(
+            torch.nn.TransformerEncoderLayer(dim, 4, dim * 4, dropout=0.0, batch_first=True)
+            for _ in range(layers)
+        )
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.head(x)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+
+
+def _bitwise_against_reference(
+    build: Callable[[], torch.nn.Module],
+    data: list[torch.Tensor],
+    loss_of: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor],
+    **options: Any,
+) -> teraio.Report:
+    def run_steps(model: torch.nn.Module, optimizer: Any) -> list[float]:
+        losses = []
+        for tokens in data:
+            loss = loss_of(model, tokens)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        return losses
+
+    torch.manual_seed(0)
+    model = build()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    reference = run_steps(model, optimizer)
+    ref_state = {k: v.clone() for k, v in model.state_dict().items()}
+    # Same seed, same steps, under teraio with a budget well below the run's needs.
+    torch.manual_seed(0)
+    model = build()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    with teraio.offload(
+        model,
+        optimizer,
+        gpu_memory=params * 6,
+        host_memory=1 << 30,
+        host_link_bandwidth="2GB/s",
+        reserve=0,
+        min_bytes=16 << 10,
+        if_no_fit="run",
+        **options,
+    ) as run:
+        losses = run_steps(model, optimizer)
+    assert losses == reference
+    for name, value in ref_state.items():
+        assert torch.equal(model.state_dict()[name], value), name
+    report = run.report()
+    assert report.planned_steps == len(data) - 2
+    return report
+
+
+def test_plain_pytorch_transformer_bitwise() -> None:
+    generator = torch.Generator().manual_seed(3)
+    data = [torch.randint(0, 256, (4, 128), generator=generator) for _ in range(STEPS)]
+    report = _bitwise_against_reference(PlainTransformer, data, lambda model, tokens: model(tokens))
+    moved = report.bytes_per_iteration["offloaded"]["host"] + report.recomputed_bytes_per_iteration
+    assert moved > 0 or report.checkpointed_blocks
+
+
+def _hf_model(family: str) -> Callable[[], torch.nn.Module]:
+    tf = pytest.importorskip("transformers")
+    common = {
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+    }
+    configs = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, {}),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, {"tie_word_embeddings": True}),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM, {"sliding_window": None}),
+    }
+    config_class, model_class, extra = configs[family]
+
+    def build() -> torch.nn.Module:
+        config = config_class(**common, **extra)
+        config._attn_implementation = "sdpa"
+        model = model_class(config)
+        model.config.use_cache = False
+        return model
+
+    return build
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_transformers_bf16_autocast_sdpa_bitwise(family: str) -> None:
+    build = _hf_model(family)
+    generator = torch.Generator().manual_seed(5)
+    data = [torch.randint(0, 512, (2, 128), generator=generator) for _ in range(STEPS)]
+
+    def loss_of(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(input_ids=tokens, labels=tokens).loss
+
+    report = _bitwise_against_reference(build, data, loss_of)
+    assert report.checkpoint_summary["blocks"] == 3
+    assert report.plan_summary["fits"] is True
