@@ -146,6 +146,38 @@ fn a_flipped_header_byte_of_the_first_batch_refuses_the_open_and_loses_nothing()
     assert_all_present(&devices.paths);
 }
 
+/// The journal-flip harness: one flipped byte anywhere in a batch's header or payload either
+/// refuses the open, naming that batch, or (only in the last batch, which a crash may tear)
+/// drops that batch alone. Never is an acknowledged object lost silently.
+#[test]
+fn no_flipped_journal_byte_loses_an_acknowledged_object_silently() {
+    let devices = crashed_store(2);
+    let dev0 = &devices.paths[0];
+    let mut refused = 0;
+    for sequence in 0..20u64 {
+        let at = batch_offset(dev0, sequence);
+        for byte in (0..48).step_by(3).chain([BATCH_HEADER, BATCH_HEADER + 17, BATCH_HEADER + 40]) {
+            flip_byte(dev0, at + byte);
+            if sequence < 19 {
+                // The writer's open: it must refuse before writing anything.
+                let err = Store::open(&devices.paths, config()).err().unwrap_or_else(|| {
+                    panic!("byte {byte} of batch {sequence} flipped: the store opened without batches after it")
+                });
+                assert!(err.to_string().contains(&format!("batch {sequence} ")), "{err}");
+                refused += 1;
+            } else {
+                let store = Store::open_read_only(&devices.paths, config()).unwrap();
+                for id in 100..119u64 {
+                    assert_eq!(store.get_to_vec(id).unwrap(), object(id), "object {id}");
+                }
+            }
+            flip_byte(dev0, at + byte);
+        }
+    }
+    assert_eq!(refused, 19 * 19);
+    assert_all_present(&devices.paths);
+}
+
 #[test]
 fn a_torn_last_batch_is_dropped_and_said_so() {
     // The last batch's payload, then also its header, as an interrupted write leaves them.
