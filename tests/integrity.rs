@@ -1,6 +1,7 @@
 //! Metadata integrity on real files, through the public API and raw byte flips only: a damaged
 //! journal batch with valid ones after it refuses the open (only a torn tail is dropped), nothing
-//! is written while checking, fsck reports each damaged part and writes only with `repair`, a
+//! is written while checking (and an earlier store's leftovers are not this store's batches),
+//! fsck reports each damaged part and writes only with `repair`, a
 //! reader opens beside a writer, and stale, short and wiped member devices are named.
 //!
 //! Stores are left "crashed" (acknowledged puts in the journal, no closing checkpoint) by a
@@ -203,6 +204,31 @@ fn a_torn_last_batch_is_dropped_and_said_so() {
         drop(store);
         assert_all_present(&devices.paths);
     }
+}
+
+#[test]
+fn batches_of_a_store_formatted_earlier_on_the_device_never_count() {
+    // The old store's batches 1..19 stay in the ring (format wipes only its head) and carry the
+    // same generation numbers as the new store's will.
+    let devices = crashed_store(2);
+    let forced = teraio_engine::FormatConfig { force: true, ..small_format() };
+    let started = std::time::Instant::now();
+    // Format does not wait for locks: the killed writer's go with its last requests.
+    loop {
+        match Store::format(&devices.paths, &forced) {
+            Ok(_) => break,
+            Err(Error::Locked { .. }) if started.elapsed().as_secs() < 10 => {
+                std::thread::sleep(std::time::Duration::from_millis(20))
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+    let store = Store::open(&devices.paths, config()).unwrap();
+    assert!(store.list().is_empty());
+    store.put_blocking(1, &object(1), b"").unwrap();
+    drop(store);
+    let report = Store::fsck_paths(&devices.paths, config(), false).unwrap();
+    assert!(report.is_clean() && report.objects_checked == 1, "{:?}", report.problems);
 }
 
 #[test]

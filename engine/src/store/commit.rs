@@ -41,6 +41,8 @@ pub(crate) struct JournalState {
     /// The store epoch batches and checkpoints are written in (after recovery: the newest one
     /// they record).
     pub epoch: u64,
+    /// The store uuid, which every header's crc covers.
+    pub store: [u8; 16],
 }
 
 impl JournalState {
@@ -131,7 +133,13 @@ impl Shared {
             let table = self.table.read().expect("table");
             let mut objects: Vec<&Arc<Object>> = table.values().collect();
             objects.sort_by_key(|o| o.record.id);
-            encode_checkpoint(journal.generation + 1, epoch, objects.iter().map(|o| &o.record), journal.block_size)
+            encode_checkpoint(
+                &journal.store,
+                journal.generation + 1,
+                epoch,
+                objects.iter().map(|o| &o.record),
+                journal.block_size,
+            )
         };
         if bytes.len() as u64 > journal.slot_bytes {
             return Err(Error::TableFull {
@@ -288,7 +296,14 @@ fn write_batch(shared: &Shared, journal: &mut JournalState, changes: &[TableChan
         return Ok(());
     }
     shared.flush_devices(flush_mask)?;
-    let bytes = encode_batch(journal.generation + 1, journal.sequence, journal.epoch, changes, journal.block_size);
+    let bytes = encode_batch(
+        &journal.store,
+        journal.generation + 1,
+        journal.sequence,
+        journal.epoch,
+        changes,
+        journal.block_size,
+    );
     if journal.position + bytes.len() as u64 > journal.journal_bytes {
         shared.checkpoint(journal)?;
         // The checkpoint advanced the generation: re-encode for it.
@@ -303,9 +318,11 @@ fn write_batch(shared: &Shared, journal: &mut JournalState, changes: &[TableChan
     Ok(())
 }
 
-/// What to do about damaged metadata on device 0, said after every such error.
-pub(crate) const RESTORE_DEVICE0: &str = "restore device 0 from a copy taken together with the other devices, \
-     or re-create the store from its sources; `teraio fsck` lists every damaged part and writes nothing";
+/// What to do about damaged metadata on device 0, said after every such error (with `FSCK_HINT`).
+pub(crate) const RESTORE_DEVICE0: &str =
+    "restore device 0 from a copy taken together with the other devices, or re-create the store from its sources";
+/// Where to see the rest: open stops at the first damage, fsck lists all (fsck's own report drops it).
+pub(crate) const FSCK_HINT: &str = "; `teraio fsck` lists every damaged part and writes nothing";
 
 /// What recovery saw besides the table: damage it recovered from without loss (problems for
 /// fsck) and the harmless remains of interrupted writes (notes).
@@ -342,6 +359,7 @@ pub(crate) fn recover(
         sequence: 0,
         position: 0,
         epoch: 0,
+        store: sb0.store_uuid,
     };
     let read = |offset: u64, len: u64| -> Result<AlignedBuf> {
         let mut buf = AlignedBuf::new(len as usize, block as usize)?;
@@ -353,7 +371,7 @@ pub(crate) fn recover(
     for slot in 0..2u64 {
         let offset = sb0.metadata_start + slot * sb0.checkpoint_slot_bytes;
         let header_block = read(offset, block)?;
-        match decode_checkpoint_header(&header_block) {
+        match decode_checkpoint_header(&header_block, &sb0.store_uuid) {
             Some(h)
                 if h.generation % 2 == slot && HEADER_BYTES as u64 + h.payload_bytes <= sb0.checkpoint_slot_bytes =>
             {
@@ -384,6 +402,10 @@ pub(crate) fn recover(
                 break;
             }
             Err(e) => {
+                let e = match e {
+                    Error::CorruptMetadata { detail } => detail,
+                    other => other.to_string(),
+                };
                 let what = format!("checkpoint generation {} in slot {slot} (offset {offset})", h.generation);
                 failures.push(format!("{what}: {e}"));
                 if i == 0 {
@@ -405,7 +427,7 @@ pub(crate) fn recover(
         return Err(Error::CorruptMetadata {
             detail: format!(
                 "device 0 ({path}) has no readable checkpoint ({seen}), so the object table cannot be rebuilt; \
-                 {RESTORE_DEVICE0}"
+                 {RESTORE_DEVICE0}{FSCK_HINT}"
             ),
         });
     };
@@ -427,7 +449,7 @@ pub(crate) fn recover(
             break None;
         }
         let head = read(journal_start + journal.position, block)?;
-        let Some(h) = decode_batch_header(&head) else {
+        let Some(h) = decode_batch_header(&head, &sb0.store_uuid) else {
             // Zeros, a torn header or the middle of an older batch: nothing to tell them apart by.
             break Some(("no valid batch header".into(), false));
         };
@@ -435,7 +457,7 @@ pub(crate) fn recover(
             return Err(Error::CorruptMetadata {
                 detail: format!(
                     "device 0 ({path}): the journal follows checkpoint generation {} but only generation {generation} \
-                     is readable, so the newest checkpoint is lost; {RESTORE_DEVICE0}",
+                     is readable, so the newest checkpoint is lost; {RESTORE_DEVICE0}{FSCK_HINT}",
                     h.generation - 1
                 ),
             });
@@ -473,22 +495,16 @@ pub(crate) fn recover(
     };
     if let Some((reason, written)) = stop {
         let at = journal_start + journal.position;
-        if let Some((later_offset, later)) = find_later_batch(
-            device0,
-            journal_start,
-            journal.position,
-            sb0.journal_bytes,
-            block,
-            batch_generation,
-            journal.sequence,
-        )? {
+        if let Some((later_offset, later)) =
+            find_later_batch(device0, sb0, journal.position, batch_generation, journal.sequence)?
+        {
             // `later` at the stop itself is a batch of this generation out of sequence.
             return Err(Error::CorruptMetadata {
                 detail: format!(
                     "device 0 ({path}): journal batch {} of generation {batch_generation} at offset {at} is damaged \
                      ({reason}), yet the valid batch {} of generation {} follows at offset {}: skipping the damaged \
                      batch would silently lose acknowledged puts and deletes, so the store was not opened and \
-                     nothing was written; {RESTORE_DEVICE0}",
+                     nothing was written; {RESTORE_DEVICE0}{FSCK_HINT}",
                     journal.sequence,
                     later.sequence,
                     later.generation,
@@ -517,14 +533,14 @@ pub(crate) fn recover(
 /// expected sequence (then it is the batch that failed). Reads the ring in large pieces.
 fn find_later_batch(
     device0: &Device,
-    journal_start: u64,
+    sb0: &Superblock,
     from: u64,
-    journal_bytes: u64,
-    block: u64,
     generation: u64,
     sequence: u64,
 ) -> Result<Option<(u64, crate::layout::metadata::BatchHeader)>> {
     const PIECE: u64 = 4 << 20;
+    let (block, journal_bytes) = (sb0.block_size as u64, sb0.journal_bytes);
+    let journal_start = sb0.metadata_start + 2 * sb0.checkpoint_slot_bytes;
     let piece = crate::layout::codec::round_down(PIECE, block).max(block);
     let mut at = from;
     while at + block <= journal_bytes {
@@ -533,7 +549,7 @@ fn find_later_batch(
         device0.read_exact_at(&mut buf, journal_start + at)?;
         for (i, b) in buf.chunks_exact(block as usize).enumerate() {
             let offset = at + i as u64 * block;
-            let Some(h) = decode_batch_header(b) else { continue };
+            let Some(h) = decode_batch_header(b, &sb0.store_uuid) else { continue };
             if offset == from && h.generation == generation && h.sequence == sequence {
                 continue;
             }
@@ -550,7 +566,7 @@ fn find_later_batch(
 pub(crate) fn with_advice(e: Error, device0: &str) -> Error {
     match e {
         Error::CorruptMetadata { detail } => {
-            Error::CorruptMetadata { detail: format!("device 0 ({device0}): {detail}; {RESTORE_DEVICE0}") }
+            Error::CorruptMetadata { detail: format!("device 0 ({device0}): {detail}; {RESTORE_DEVICE0}{FSCK_HINT}") }
         }
         other => other,
     }

@@ -272,7 +272,7 @@ impl Store {
         let zero = AlignedBuf::new(block as usize, block as usize)?;
         devices[0].write_all_at(&zero, sb0.metadata_start)?;
         devices[0].write_all_at(&zero, sb0.metadata_start + 2 * slot_bytes)?;
-        let empty = encode_checkpoint(1, 1, std::iter::empty(), block);
+        let empty = encode_checkpoint(&uuid, 1, 1, std::iter::empty(), block);
         let mut buf = AlignedBuf::new(empty.len(), block as usize)?;
         buf.copy_from_slice(&empty);
         devices[0].write_all_at(&buf, sb0.metadata_start + slot_bytes)?;
@@ -831,7 +831,9 @@ impl Store {
                     devices.push(Device::open_locked(p.as_ref(), config.direct_io, Access::Reader, lock_wait)?);
                 }
                 report.problems.extend(identity::copy_problems(&devices));
-                report.problems.push(format!("the store cannot be opened: {e}"));
+                report
+                    .problems
+                    .push(format!("the store cannot be opened: {}", e.to_string().replace(commit::FSCK_HINT, "")));
                 return Ok(report);
             }
             Err(e) => return Err(e),
