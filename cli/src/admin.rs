@@ -1,6 +1,6 @@
 //! Store administration: `teraio format`, `teraio info` and `teraio fsck`.
 
-use crate::error::{CliError, CliResult, EXIT_FAILED};
+use crate::error::{CliError, CliResult};
 use crate::targets::{check_existing_store_paths, check_writable_targets, Intent};
 use crate::units::{format_bytes, size_arg};
 use clap::Args;
@@ -34,7 +34,7 @@ pub struct FormatArgs {
     pub json: bool,
 }
 
-/// `teraio info DEVICE...`
+/// `teraio info DEVICE...`: opens the store read-only, so it works beside a writer.
 #[derive(Args, Debug, Clone)]
 pub struct InfoArgs {
     /// Every device of the store, in any order.
@@ -48,13 +48,18 @@ pub struct InfoArgs {
     pub json: bool,
 }
 
-/// `teraio fsck DEVICE...`: exit code 0 when the store is sound, 1 when anything is wrong
-/// (including a store that cannot be opened because it is damaged), 2 for bad input.
+/// `teraio fsck DEVICE...`: exit code 0 when the store is sound (or, with `--repair`, when
+/// everything found was repaired), 1 when anything is wrong (including a store that cannot be
+/// opened because it is damaged), 2 for bad input. Writes nothing without `--repair`.
 #[derive(Args, Debug, Clone)]
 pub struct FsckArgs {
     /// Every device of the store, in any order.
     #[arg(required = true)]
     pub devices: Vec<PathBuf>,
+    /// Fix what can be fixed without losing anything (a damaged superblock copy, a damaged
+    /// newest checkpoint) and say what was done; needs the store closed by its writer.
+    #[arg(long)]
+    pub repair: bool,
     /// Print JSON instead of text.
     #[arg(long)]
     pub json: bool,
@@ -96,7 +101,7 @@ pub fn format(args: &FormatArgs) -> CliResult<()> {
 /// Prints a store's devices, layout, free space and objects.
 pub fn info(args: &InfoArgs) -> CliResult<()> {
     check_existing_store_paths(&args.devices)?;
-    let store = Store::open(&args.devices, OpenConfig { queue_depth: 4, ..OpenConfig::default() })?;
+    let store = Store::open_read_only(&args.devices, OpenConfig { queue_depth: 4, ..OpenConfig::default() })?;
     let info = store.info();
     let objects = store.list();
     store.close()?;
@@ -166,46 +171,58 @@ pub fn info(args: &InfoArgs) -> CliResult<()> {
     Ok(())
 }
 
-/// Checks a store; the exit code says whether anything is wrong.
+/// Checks a store; the exit code says whether anything is (still) wrong.
 pub fn fsck(args: &FsckArgs) -> CliResult<()> {
     check_existing_store_paths(&args.devices)?;
-    let store = Store::open(&args.devices, OpenConfig { queue_depth: 8, ..OpenConfig::default() }).map_err(|e| {
+    let config = OpenConfig { queue_depth: 8, ..OpenConfig::default() };
+    let report = Store::fsck_paths(&args.devices, config, args.repair).map_err(|e| {
+        let locked = matches!(e, teraio_engine::Error::Locked { .. });
         let mut error = CliError::from(e);
-        if error.exit_code == EXIT_FAILED {
-            error.message = format!("the store cannot be opened: {}", error.message);
+        if locked && args.repair {
+            error.message =
+                format!("{}; --repair needs the store closed (fsck without it works beside a writer)", error.message);
         }
         error
     })?;
-    let report = store.fsck()?;
-    store.close()?;
     let json = FsckJson {
         clean: report.is_clean(),
         objects_checked: report.objects_checked,
         bytes_checked: report.bytes_checked,
         units_checked: report.units_checked,
         problems: report.problems.clone(),
+        notes: report.notes.clone(),
+        repairs: report.repairs.clone(),
     };
     if args.json {
         print_json(&json)?;
     } else {
+        for r in &json.repairs {
+            println!("repaired: {r}");
+        }
         for p in &json.problems {
             println!("problem: {p}");
         }
+        for n in &json.notes {
+            println!("note: {n}");
+        }
         println!(
-            "{}: {} object(s), {} in {} stripe unit(s) checked, {} problem(s)",
+            "{}: {} object(s), {} in {} stripe unit(s) checked, {} problem(s){}",
             if json.clean { "clean" } else { "DAMAGED" },
             json.objects_checked,
             format_bytes(json.bytes_checked),
             json.units_checked,
-            json.problems.len()
+            json.problems.len(),
+            if args.repair { format!(", {} repaired", json.repairs.len()) } else { String::new() }
         );
     }
     if json.clean {
         Ok(())
     } else {
         Err(CliError::failed(format!(
-            "fsck found {} problem(s) (listed above); restore the damaged objects from their source",
-            json.problems.len()
+            "fsck found {} problem(s) (listed above): put damaged objects again from their source; for damaged \
+             devices or metadata, follow the advice on each line{}",
+            json.problems.len(),
+            if args.repair { "; what is left cannot be repaired without a copy of the damaged part" } else { "" }
         )))
     }
 }
@@ -309,4 +326,6 @@ struct FsckJson {
     bytes_checked: u64,
     units_checked: u64,
     problems: Vec<String>,
+    notes: Vec<String>,
+    repairs: Vec<String>,
 }

@@ -220,6 +220,58 @@ fn format_info_fsck_round_trip_and_damage_is_found() {
 }
 
 #[test]
+fn fsck_only_reads_unless_told_to_repair() {
+    let tmp = scratch();
+    let targets = paths(tmp.path(), 2);
+    teraio().arg("format").args(&targets).args(["--file-size", "16MiB"]).assert().success();
+    // Damage only device 1's backup superblock (the last 4 KiB).
+    let mut bytes = std::fs::read(&targets[1]).unwrap();
+    let backup = bytes.len() - 4096;
+    bytes[backup + 40] ^= 0x20;
+    std::fs::write(&targets[1], &bytes).unwrap();
+    let before: Vec<Vec<u8>> = targets.iter().map(|t| std::fs::read(t).unwrap()).collect();
+
+    let out = teraio().arg("fsck").args(&targets).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("DAMAGED") && stdout.contains("1 problem(s)"), "{stdout}");
+    assert!(stdout.contains("backup superblock") && !stdout.contains("primary superblock"), "{stdout}");
+    let after: Vec<Vec<u8>> = targets.iter().map(|t| std::fs::read(t).unwrap()).collect();
+    assert!(before == after, "fsck without --repair wrote to the store");
+
+    let out = teraio().args(["fsck", "--repair", "--json"]).args(&targets).output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["clean"], true);
+    let repairs = report["repairs"].as_array().unwrap();
+    assert_eq!(repairs.len(), 1, "{repairs:?}");
+    assert!(repairs[0].as_str().unwrap().contains("backup superblock"), "{repairs:?}");
+    teraio().arg("fsck").args(&targets).assert().code(0).stdout(predicate::str::contains("clean: 0 object(s)"));
+}
+
+#[test]
+fn info_and_fsck_work_beside_a_writer() {
+    let tmp = scratch();
+    let targets = paths(tmp.path(), 2);
+    teraio().arg("format").args(&targets).args(["--file-size", "16MiB"]).assert().success();
+    let writer = teraio_engine::Store::open(&targets, teraio_engine::OpenConfig::default()).unwrap();
+    writer.put_blocking(7, &[5u8; 100_000], b"").unwrap();
+
+    let out = teraio().arg("info").args(&targets).arg("--json").output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let info: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(info["object_count"], 1);
+    teraio().arg("fsck").args(&targets).assert().code(0).stdout(predicate::str::contains("clean: 1 object(s)"));
+    // The writer is not disturbed, and a second writer is still refused.
+    writer.put_blocking(8, &[6u8; 100_000], b"").unwrap();
+    let again = teraio_engine::OpenConfig { lock_wait_ms: 0, ..Default::default() };
+    let err = teraio_engine::Store::open(&targets, again).err().unwrap();
+    assert!(matches!(err, teraio_engine::Error::Locked { .. }), "{err}");
+    writer.close().unwrap();
+    teraio().arg("fsck").args(&targets).assert().code(0).stdout(predicate::str::contains("clean: 2 object(s)"));
+}
+
+#[test]
 fn format_creates_files_and_refuses_bad_devices() {
     let tmp = scratch();
     let targets = paths(tmp.path(), 2);

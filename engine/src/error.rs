@@ -24,10 +24,12 @@ pub enum Error {
     #[error("{path} is not a teraio device (no teraio superblock found); format it with `teraio format`")]
     NotATeraioDevice { path: PathBuf },
 
-    #[error("{path} has a corrupt superblock ({detail}) and its backup copy is bad too; run `teraio fsck` and restore the device")]
+    /// A device whose identity cannot be trusted: both superblock copies damaged, stale, shorter
+    /// than recorded, or not matching the other devices. `detail` says which and what to do.
+    #[error("{path}: {detail}")]
     CorruptSuperblock { path: PathBuf, detail: String },
 
-    #[error("{path} was formatted with teraio format version {found}; this build reads version {supported}")]
+    #[error("{path} was formatted with teraio format version {found}; this build reads version {supported}: read its objects with the teraio release that wrote it and put them into a store formatted by this one")]
     UnsupportedVersion { path: PathBuf, found: u32, supported: u32 },
 
     #[error("{path} belongs to store {found}, not to store {expected}; give only the devices of one store")]
@@ -45,7 +47,8 @@ pub enum Error {
     #[error("store device {path} is already open by another writer (lock held); close the other process first")]
     Locked { path: PathBuf },
 
-    #[error("store metadata is corrupt: {detail}; run `teraio fsck`")]
+    /// Damaged checkpoints or journal: `detail` names the device, offset and what to do.
+    #[error("store metadata is corrupt: {detail}")]
     CorruptMetadata { detail: String },
 
     #[error("not enough free space for {needed_bytes} bytes on device {device} ({free_bytes} bytes free there, largest usable run {largest_free_bytes}); delete objects or add devices")]

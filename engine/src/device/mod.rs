@@ -1,6 +1,7 @@
 //! Where bytes live: a backing device is a regular file (pre-allocated) or a raw block device,
-//! opened once with O_DIRECT and locked against a second writer, or an external device that no
-//! kernel file reaches (an NVMe namespace driven from userspace over VFIO, see teraio-nvme).
+//! opened once with O_DIRECT and locked (one writer, any number of read-only inspectors, format
+//! only when neither), or an external device that no kernel file reaches (an NVMe namespace
+//! driven from userspace over VFIO, see teraio-nvme).
 
 use crate::error::{Error, Result};
 use std::fs::{File, OpenOptions};
@@ -32,6 +33,47 @@ pub fn register_external_device(opener: ExternalOpener) {
     }
 }
 
+/// How a device is opened and locked. Two advisory open-file-description locks (`fcntl`
+/// `F_OFD_SETLK`) on the device file: byte 0 is the writer lock, byte 1 the presence lock. A
+/// writer holds byte 0 exclusively and byte 1 shared, a reader byte 1 shared only, so a reader
+/// and a writer coexist, two writers do not, and format (both bytes exclusive) waits for both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// Read-write, one at a time (`Store::open`).
+    Writer,
+    /// Read-only, beside a writer or other readers (`Store::open_read_only`): the file is opened
+    /// O_RDONLY, so nothing can be written through it.
+    Reader,
+    /// Read-write with nobody else at all (`Store::format`).
+    Exclusive,
+}
+
+/// Takes (or with `F_UNLCK` drops) one OFD lock on `len` bytes at `start` without waiting.
+fn ofd_lock(file: &File, kind: libc::c_int, start: i64, len: i64) -> std::io::Result<()> {
+    // SAFETY: an all-zero flock is a valid value; fcntl reads it and does not keep the pointer.
+    let mut lock: libc::flock = unsafe { std::mem::zeroed() };
+    lock.l_type = kind as libc::c_short;
+    lock.l_whence = libc::SEEK_SET as libc::c_short;
+    lock.l_start = start;
+    lock.l_len = len;
+    // SAFETY: fcntl on a valid fd with a valid flock.
+    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &lock) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+fn take_locks(file: &File, access: Access) -> std::io::Result<()> {
+    match access {
+        Access::Writer => {
+            ofd_lock(file, libc::F_WRLCK, 0, 1)?;
+            ofd_lock(file, libc::F_RDLCK, 1, 1)
+        }
+        Access::Reader => ofd_lock(file, libc::F_RDLCK, 1, 1),
+        Access::Exclusive => ofd_lock(file, libc::F_WRLCK, 0, 2),
+    }
+}
+
 /// An open, locked backing device.
 #[derive(Debug)]
 pub struct Device {
@@ -42,20 +84,21 @@ pub struct Device {
     pub size_bytes: u64,
     pub is_block_device: bool,
     pub external: Option<std::sync::Arc<dyn ExternalDevice>>,
+    pub access: Access,
 }
 
 impl Device {
-    /// Opens `path` read-write (O_DIRECT unless `direct_io` is false) and takes an exclusive lock,
-    /// waiting up to `lock_wait` for it.
+    /// Opens `path` for `access` (O_DIRECT unless `direct_io` is false) and takes its locks,
+    /// waiting up to `lock_wait` for them.
     ///
     /// NOTE: the lock sits on the file that does the I/O on purpose. An io_uring that registered
     /// the file keeps it (and so the lock) until the kernel has finished the ring's requests, which
     /// after a crash happens a little after the process is gone; waiting for the lock is what keeps
     /// a new writer from reusing blocks that a dead writer's last requests still write to.
-    pub fn open_locked(path: &Path, direct_io: bool, lock_wait: std::time::Duration) -> Result<Device> {
+    pub fn open_locked(path: &Path, direct_io: bool, access: Access, lock_wait: std::time::Duration) -> Result<Device> {
         let deadline = std::time::Instant::now() + lock_wait;
         loop {
-            match Device::open(path, direct_io) {
+            match Device::open_for(path, direct_io, access) {
                 Err(Error::Locked { .. }) if std::time::Instant::now() < deadline => {
                     std::thread::sleep(std::time::Duration::from_millis(10));
                 }
@@ -64,8 +107,13 @@ impl Device {
         }
     }
 
-    /// Opens `path` read-write (O_DIRECT unless `direct_io` is false) and takes an exclusive lock.
+    /// Opens `path` read-write (O_DIRECT unless `direct_io` is false) as its one writer.
     pub fn open(path: &Path, direct_io: bool) -> Result<Device> {
+        Device::open_for(path, direct_io, Access::Writer)
+    }
+
+    /// Opens `path` for `access` (O_DIRECT unless `direct_io` is false) and takes its locks.
+    pub fn open_for(path: &Path, direct_io: bool, access: Access) -> Result<Device> {
         let openers = EXTERNAL_OPENERS.lock().expect("external openers").clone();
         for opener in openers {
             if let Some(external) = opener(path)? {
@@ -81,11 +129,12 @@ impl Device {
                     size_bytes,
                     is_block_device: true,
                     external: Some(external),
+                    access,
                 });
             }
         }
         let mut options = OpenOptions::new();
-        options.read(true).write(true);
+        options.read(true).write(access != Access::Reader);
         if direct_io {
             options.custom_flags(libc::O_DIRECT);
         }
@@ -96,10 +145,8 @@ impl Device {
                 Error::DeviceOpen { path: path.to_path_buf(), source }
             }
         })?;
-        // SAFETY: flock on a valid fd.
-        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-            let e = std::io::Error::last_os_error();
-            return Err(if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        if let Err(e) = take_locks(&file, access) {
+            return Err(if matches!(e.raw_os_error(), Some(libc::EAGAIN | libc::EACCES)) {
                 Error::Locked { path: path.to_path_buf() }
             } else {
                 Error::io(format!("locking {}", path.display()), e)
@@ -108,7 +155,7 @@ impl Device {
         let metadata = file.metadata().map_err(|e| Error::io(format!("stat {}", path.display()), e))?;
         let is_block_device = metadata.file_type().is_block_device();
         let size_bytes = if is_block_device { block_device_size(&file, path)? } else { metadata.len() };
-        Ok(Device { path: path.to_path_buf(), file, size_bytes, is_block_device, external: None })
+        Ok(Device { path: path.to_path_buf(), file, size_bytes, is_block_device, external: None, access })
     }
 
     pub fn fd(&self) -> i32 {
@@ -146,10 +193,11 @@ impl Device {
 
 impl Drop for Device {
     fn drop(&mut self) {
-        // Release the lock now: an io_uring ring that registered this file drops its reference
-        // asynchronously, which would otherwise keep the lock held for a while after close.
-        // SAFETY: flock on our own valid fd.
-        unsafe { libc::flock(self.file.as_raw_fd(), libc::LOCK_UN) };
+        // Release the locks now: an io_uring ring that registered this file drops its reference
+        // asynchronously, which would otherwise keep them held for a while after close.
+        if self.external.is_none() {
+            let _ = ofd_lock(&self.file, libc::F_UNLCK, 0, 0);
+        }
     }
 }
 
@@ -217,6 +265,26 @@ mod tests {
         assert!(matches!(Device::open(&p, true), Err(Error::Locked { .. })));
         drop(d);
         Device::open(&p, true).unwrap();
+    }
+
+    #[test]
+    fn readers_beside_a_writer_but_format_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("d0");
+        create_file(&p, 1 << 20).unwrap();
+        let writer = Device::open_for(&p, false, Access::Writer).unwrap();
+        let reader = Device::open_for(&p, false, Access::Reader).unwrap();
+        let second_reader = Device::open_for(&p, false, Access::Reader).unwrap();
+        assert!(matches!(Device::open_for(&p, false, Access::Writer), Err(Error::Locked { .. })));
+        assert!(matches!(Device::open_for(&p, false, Access::Exclusive), Err(Error::Locked { .. })));
+        assert!(reader.write_all_at(&[1], 0).is_err(), "a reader's file is opened read-only");
+        drop(writer);
+        assert!(matches!(Device::open_for(&p, false, Access::Exclusive), Err(Error::Locked { .. })));
+        let writer = Device::open_for(&p, false, Access::Writer).unwrap();
+        drop((writer, reader, second_reader));
+        let format = Device::open_for(&p, false, Access::Exclusive).unwrap();
+        assert!(matches!(Device::open_for(&p, false, Access::Reader), Err(Error::Locked { .. })));
+        drop(format);
     }
 
     #[test]

@@ -2,7 +2,11 @@
 //! device. A put or delete is acknowledged only once its journal batch is durable; when the ring
 //! fills, the whole table is written to the older checkpoint slot with the next generation and the
 //! ring starts over. Recovery takes the newest valid checkpoint and replays the journal batches of
-//! that generation in sequence until the first one that does not check out (a torn write).
+//! that generation in sequence. A batch that does not check out ends the log only when nothing
+//! valid of that generation follows it (a torn write); otherwise it is damage (see
+//! `store::commit::recover`). Every header records the store epoch it was written in, and its crc
+//! covers the store uuid too: a header left over from a store formatted earlier on the same
+//! device never counts as one of this store's.
 
 use super::codec::{round_up, Decoder, Encoder};
 use super::table::{ObjectRecord, TableChange};
@@ -20,11 +24,15 @@ pub struct CheckpointHeader {
     pub record_count: u64,
     pub payload_bytes: u64,
     pub payload_crc: u32,
+    /// Store epoch the checkpoint was written in.
+    pub epoch: u64,
 }
 
 /// Encodes a checkpoint of `records` as generation `generation`, padded to `block_size`.
 pub fn encode_checkpoint<'a>(
+    store: &[u8; 16],
     generation: u64,
+    epoch: u64,
     records: impl Iterator<Item = &'a ObjectRecord>,
     block_size: u64,
 ) -> Vec<u8> {
@@ -39,14 +47,20 @@ pub fn encode_checkpoint<'a>(
     header.u64(generation);
     header.u64(count);
     header.u64(payload.bytes.len() as u64);
-    frame(header, &payload.bytes, block_size)
+    frame(header, &payload.bytes, store, epoch, block_size)
 }
 
-/// Finishes a header whose fields are written (adds the payload crc and the header crc), pads it
-/// to `HEADER_BYTES`, appends the payload and pads the whole to `block_size`.
-fn frame(mut header: Encoder, payload: &[u8], block_size: u64) -> Vec<u8> {
+/// The header crc: over the store uuid, then the header's fields.
+fn header_crc(store: &[u8; 16], fields: &[u8]) -> u32 {
+    crc32c::crc32c_append(crc32c::crc32c(store), fields)
+}
+
+/// Finishes a header whose fields are written (adds the payload crc, the epoch and the header
+/// crc), pads it to `HEADER_BYTES`, appends the payload and pads the whole to `block_size`.
+fn frame(mut header: Encoder, payload: &[u8], store: &[u8; 16], epoch: u64, block_size: u64) -> Vec<u8> {
     header.u32(crc32c::crc32c(payload));
-    let header_crc = crc32c::crc32c(&header.bytes);
+    header.u64(epoch);
+    let header_crc = header_crc(store, &header.bytes);
     header.u32(header_crc);
     debug_assert!(header.bytes.len() <= HEADER_BYTES);
     let mut bytes = header.bytes;
@@ -58,7 +72,7 @@ fn frame(mut header: Encoder, payload: &[u8], block_size: u64) -> Vec<u8> {
 }
 
 /// Decodes a checkpoint header; `None` where the slot holds no valid header (never written, torn).
-pub fn decode_checkpoint_header(block: &[u8]) -> Option<CheckpointHeader> {
+pub fn decode_checkpoint_header(block: &[u8], store: &[u8; 16]) -> Option<CheckpointHeader> {
     if block.len() < HEADER_BYTES || block[..8] != CHECKPOINT_MAGIC {
         return None;
     }
@@ -68,9 +82,10 @@ pub fn decode_checkpoint_header(block: &[u8]) -> Option<CheckpointHeader> {
         record_count: d.u64().ok()?,
         payload_bytes: d.u64().ok()?,
         payload_crc: d.u32().ok()?,
+        epoch: d.u64().ok()?,
     };
-    let header_crc = d.u32().ok()?;
-    (crc32c::crc32c(&block[..8 + 8 * 3 + 4]) == header_crc).then_some(h)
+    let stored_crc = d.u32().ok()?;
+    (header_crc(store, &block[..8 + 8 * 3 + 4 + 8]) == stored_crc).then_some(h)
 }
 
 /// Decodes a checkpoint's records from the bytes after its header.
@@ -103,6 +118,8 @@ pub struct BatchHeader {
     pub change_count: u32,
     pub payload_bytes: u32,
     pub payload_crc: u32,
+    /// Store epoch the batch was written in.
+    pub epoch: u64,
 }
 
 impl BatchHeader {
@@ -113,7 +130,14 @@ impl BatchHeader {
 }
 
 /// Encodes one journal batch, padded to `block_size`.
-pub fn encode_batch(generation: u64, sequence: u64, changes: &[TableChange], block_size: u64) -> Vec<u8> {
+pub fn encode_batch(
+    store: &[u8; 16],
+    generation: u64,
+    sequence: u64,
+    epoch: u64,
+    changes: &[TableChange],
+    block_size: u64,
+) -> Vec<u8> {
     let mut payload = Encoder::default();
     for c in changes {
         c.encode(&mut payload);
@@ -124,11 +148,11 @@ pub fn encode_batch(generation: u64, sequence: u64, changes: &[TableChange], blo
     header.u64(sequence);
     header.u32(changes.len() as u32);
     header.u32(payload.bytes.len() as u32);
-    frame(header, &payload.bytes, block_size)
+    frame(header, &payload.bytes, store, epoch, block_size)
 }
 
 /// Decodes a batch header; `None` where the bytes are not a valid header.
-pub fn decode_batch_header(block: &[u8]) -> Option<BatchHeader> {
+pub fn decode_batch_header(block: &[u8], store: &[u8; 16]) -> Option<BatchHeader> {
     if block.len() < HEADER_BYTES || block[..8] != JOURNAL_MAGIC {
         return None;
     }
@@ -139,9 +163,10 @@ pub fn decode_batch_header(block: &[u8]) -> Option<BatchHeader> {
         change_count: d.u32().ok()?,
         payload_bytes: d.u32().ok()?,
         payload_crc: d.u32().ok()?,
+        epoch: d.u64().ok()?,
     };
-    let header_crc = d.u32().ok()?;
-    (crc32c::crc32c(&block[..8 + 8 * 2 + 4 * 3]) == header_crc).then_some(h)
+    let stored_crc = d.u32().ok()?;
+    (header_crc(store, &block[..8 + 8 * 2 + 4 * 3 + 8]) == stored_crc).then_some(h)
 }
 
 /// Decodes a batch's changes; `None` where the payload is torn (its checksum fails).
@@ -159,6 +184,8 @@ mod tests {
     use super::*;
     use crate::layout::alloc::Extent;
 
+    const STORE: [u8; 16] = [7; 16];
+
     fn record(id: u64) -> ObjectRecord {
         ObjectRecord {
             id,
@@ -174,10 +201,11 @@ mod tests {
     #[test]
     fn checkpoint_round_trip_and_torn_payload() {
         let records: Vec<_> = (1..50).map(record).collect();
-        let bytes = encode_checkpoint(7, records.iter(), 4096);
+        let bytes = encode_checkpoint(&STORE, 7, 3, records.iter(), 4096);
         assert_eq!(bytes.len() % 4096, 0);
-        let h = decode_checkpoint_header(&bytes).unwrap();
-        assert_eq!(h.generation, 7);
+        assert!(decode_checkpoint_header(&bytes, &[8; 16]).is_none(), "another store's checkpoint");
+        let h = decode_checkpoint_header(&bytes, &STORE).unwrap();
+        assert_eq!((h.generation, h.epoch), (7, 3));
         let payload = &bytes[HEADER_BYTES..HEADER_BYTES + h.payload_bytes as usize];
         assert_eq!(decode_checkpoint_payload(&h, payload, 1).unwrap(), records);
         let mut torn = payload.to_vec();
@@ -185,15 +213,19 @@ mod tests {
         assert!(decode_checkpoint_payload(&h, &torn, 1).is_err());
         let mut bad_header = bytes.clone();
         bad_header[9] ^= 1;
-        assert!(decode_checkpoint_header(&bad_header).is_none());
+        assert!(decode_checkpoint_header(&bad_header, &STORE).is_none());
     }
 
     #[test]
     fn batch_round_trip_and_torn_payload() {
         let changes = vec![TableChange::Put(record(3)), TableChange::Delete { id: 2 }];
-        let bytes = encode_batch(4, 11, &changes, 4096);
-        let h = decode_batch_header(&bytes).unwrap();
-        assert_eq!((h.generation, h.sequence, h.change_count), (4, 11, 2));
+        let bytes = encode_batch(&STORE, 4, 11, 5, &changes, 4096);
+        assert!(decode_batch_header(&bytes, &[8; 16]).is_none(), "another store's batch");
+        let h = decode_batch_header(&bytes, &STORE).unwrap();
+        assert_eq!((h.generation, h.sequence, h.change_count, h.epoch), (4, 11, 2, 5));
+        let mut bad_epoch = bytes.clone();
+        bad_epoch[40] ^= 1;
+        assert!(decode_batch_header(&bad_epoch, &STORE).is_none(), "the epoch is covered by the header crc");
         assert_eq!(h.padded_bytes(4096), 4096);
         let payload = &bytes[HEADER_BYTES..HEADER_BYTES + h.payload_bytes as usize];
         assert_eq!(decode_batch_payload(&h, payload, 1).unwrap(), changes);
@@ -205,8 +237,8 @@ mod tests {
     proptest::proptest! {
         #[test]
         fn arbitrary_headers_never_panic(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..200)) {
-            let _ = decode_batch_header(&bytes);
-            let _ = decode_checkpoint_header(&bytes);
+            let _ = decode_batch_header(&bytes, &STORE);
+            let _ = decode_checkpoint_header(&bytes, &STORE);
         }
     }
 }

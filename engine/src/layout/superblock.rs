@@ -1,5 +1,6 @@
 //! The superblock: the first 4 KiB of every device (with a backup copy in the last 4 KiB), naming
-//! the store, the device's place in it and the layout parameters. See `docs/format.md`.
+//! the store, the device's place in it, the layout parameters and the store epoch the device last
+//! took part in. See `docs/format.md`.
 
 use super::codec::{Decoder, Encoder};
 use super::SUPERBLOCK_BYTES;
@@ -9,9 +10,11 @@ use std::path::Path;
 /// "TERAIOSB": the first eight bytes of every teraio device.
 pub const MAGIC: [u8; 8] = *b"TERAIOSB";
 /// The on-disk format version this build writes and reads.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 /// Bytes of the encoded fields (the rest of the 4 KiB block is zero).
-const ENCODED_BYTES: usize = 8 + 4 + 4 + 16 + 2 + 2 + 4 + 4 + 8 * 8 + 4;
+const ENCODED_BYTES: usize = 8 + 4 + 4 + 16 + 2 + 2 + 4 + 4 + 8 * 9 + 4;
+/// Bytes of the encoded fields of a version 1 superblock (no epoch), to recognise old stores.
+const V1_ENCODED_BYTES: usize = ENCODED_BYTES - 8;
 
 /// Store-wide flags kept in the superblock.
 pub mod flags {
@@ -45,6 +48,10 @@ pub struct Superblock {
     pub created_unix_secs: u64,
     /// Largest caller metadata blob per object.
     pub max_meta_bytes: u64,
+    /// The store epoch this device last took part in: advanced on every device at each writer
+    /// open and each checkpoint, and recorded in every checkpoint and journal batch, so that a
+    /// device put back from an older copy is found (see `store::identity`).
+    pub epoch: u64,
 }
 
 impl Superblock {
@@ -67,6 +74,7 @@ impl Superblock {
         e.u64(self.journal_bytes);
         e.u64(self.created_unix_secs);
         e.u64(self.max_meta_bytes);
+        e.u64(self.epoch);
         let crc = crc32c::crc32c(&e.bytes);
         e.u32(crc);
         debug_assert_eq!(e.bytes.len(), ENCODED_BYTES);
@@ -79,16 +87,24 @@ impl Superblock {
         if block.len() < ENCODED_BYTES || block[..8] != MAGIC {
             return Err(Error::NotATeraioDevice { path: path.to_path_buf() });
         }
-        let stored_crc = u32::from_le_bytes(block[ENCODED_BYTES - 4..ENCODED_BYTES].try_into().expect("4 bytes"));
-        let crc = crc32c::crc32c(&block[..ENCODED_BYTES - 4]);
-        if crc != stored_crc {
+        let crc_matches = |encoded: usize| {
+            let stored = u32::from_le_bytes(block[encoded - 4..encoded].try_into().expect("4 bytes"));
+            (crc32c::crc32c(&block[..encoded - 4]) == stored, stored)
+        };
+        let format_version = u32::from_le_bytes(block[8..12].try_into().expect("4 bytes"));
+        // A whole superblock of another version (its own checksum holds) is that version's, not damage.
+        if format_version == 1 && crc_matches(V1_ENCODED_BYTES).0 {
+            return Err(Error::UnsupportedVersion { path: path.to_path_buf(), found: 1, supported: FORMAT_VERSION });
+        }
+        let (matches, stored_crc) = crc_matches(ENCODED_BYTES);
+        if !matches {
+            let crc = crc32c::crc32c(&block[..ENCODED_BYTES - 4]);
             return Err(Error::CorruptSuperblock {
                 path: path.to_path_buf(),
-                detail: format!("checksum {crc:#010x} does not match the stored {stored_crc:#010x}"),
+                detail: format!("superblock checksum {crc:#010x} does not match the stored {stored_crc:#010x}"),
             });
         }
-        let mut d = Decoder::new(&block[8..], "superblock");
-        let format_version = d.u32()?;
+        let mut d = Decoder::new(&block[12..], "superblock");
         if format_version != FORMAT_VERSION {
             return Err(Error::UnsupportedVersion {
                 path: path.to_path_buf(),
@@ -112,6 +128,7 @@ impl Superblock {
             journal_bytes: d.u64()?,
             created_unix_secs: d.u64()?,
             max_meta_bytes: d.u64()?,
+            epoch: d.u64()?,
         };
         sb.validate(path)?;
         Ok(sb)
@@ -119,7 +136,9 @@ impl Superblock {
 
     /// Checks the internal consistency of the fields (a valid checksum over nonsense is still nonsense).
     fn validate(&self, path: &Path) -> Result<()> {
-        let bad = |detail: String| Err(Error::CorruptSuperblock { path: path.to_path_buf(), detail });
+        let bad = |detail: String| {
+            Err(Error::CorruptSuperblock { path: path.to_path_buf(), detail: format!("superblock fields: {detail}") })
+        };
         let bs = self.block_size as u64;
         if !bs.is_power_of_two() || !(512..=65536).contains(&bs) {
             return bad(format!("block size {bs} is not a power of two in 512..=65536"));
@@ -147,6 +166,11 @@ impl Superblock {
             return bad("metadata area overlaps the data area".into());
         }
         Ok(())
+    }
+
+    /// Whether `other` describes the same device of the same store, whatever its epoch.
+    pub fn same_identity(&self, other: &Superblock) -> bool {
+        Superblock { epoch: other.epoch, ..self.clone() } == *other
     }
 
     /// Offset of the backup superblock on this device.
@@ -185,6 +209,7 @@ mod tests {
             journal_bytes: 0,
             created_unix_secs: 1,
             max_meta_bytes: 1024,
+            epoch: 9,
         }
     }
 
@@ -206,6 +231,17 @@ mod tests {
                 assert!(Superblock::decode(&b, Path::new("x")).is_err(), "flip at {byte}.{bit} not detected");
             }
         }
+    }
+
+    #[test]
+    fn a_version_1_superblock_is_an_old_store_not_damage() {
+        let mut block = sample().encode();
+        block[8..12].copy_from_slice(&1u32.to_le_bytes());
+        // Version 1 had no epoch: its checksum sat where the epoch is now.
+        let crc = crc32c::crc32c(&block[..V1_ENCODED_BYTES - 4]);
+        block[V1_ENCODED_BYTES - 4..V1_ENCODED_BYTES].copy_from_slice(&crc.to_le_bytes());
+        let err = Superblock::decode(&block, Path::new("x")).unwrap_err();
+        assert!(matches!(err, Error::UnsupportedVersion { found: 1, supported: FORMAT_VERSION, .. }), "{err}");
     }
 
     #[test]

@@ -38,6 +38,11 @@ pub(crate) struct JournalState {
     pub generation: u64,
     pub sequence: u64,
     pub position: u64,
+    /// The store epoch batches and checkpoints are written in (after recovery: the newest one
+    /// they record).
+    pub epoch: u64,
+    /// The store uuid, which every header's crc covers.
+    pub store: [u8; 16],
 }
 
 impl JournalState {
@@ -118,13 +123,23 @@ impl Shared {
 
     /// Writes the whole table as the next checkpoint generation and restarts the journal.
     /// The header block goes last, after the rest is durable, so a valid header means a whole
-    /// checkpoint.
+    /// checkpoint. First every device's superblocks move to the next store epoch, which the
+    /// checkpoint records: a device put back from a copy older than this is then found at open.
     pub(crate) fn checkpoint(&self, journal: &mut JournalState) -> Result<()> {
+        let epoch = journal.epoch + 1;
+        super::identity::write_epoch(self, epoch)?;
+        journal.epoch = epoch;
         let bytes = {
             let table = self.table.read().expect("table");
             let mut objects: Vec<&Arc<Object>> = table.values().collect();
             objects.sort_by_key(|o| o.record.id);
-            encode_checkpoint(journal.generation + 1, objects.iter().map(|o| &o.record), journal.block_size)
+            encode_checkpoint(
+                &journal.store,
+                journal.generation + 1,
+                epoch,
+                objects.iter().map(|o| &o.record),
+                journal.block_size,
+            )
         };
         if bytes.len() as u64 > journal.slot_bytes {
             return Err(Error::TableFull {
@@ -159,7 +174,7 @@ pub(crate) fn run_commit(shared: Arc<Shared>, rx: Receiver<CommitMsg>, mut journ
         }
         commit_batch(&shared, &mut journal, messages, batch_limit);
     }
-    if journal.position > 0 {
+    if journal.position > 0 && !shared.read_only {
         if let Err(e) = shared.checkpoint(&mut journal) {
             tracing::error!(error = %e, "final checkpoint at close failed; the journal will be replayed at open");
         }
@@ -281,7 +296,14 @@ fn write_batch(shared: &Shared, journal: &mut JournalState, changes: &[TableChan
         return Ok(());
     }
     shared.flush_devices(flush_mask)?;
-    let bytes = encode_batch(journal.generation + 1, journal.sequence, changes, journal.block_size);
+    let bytes = encode_batch(
+        &journal.store,
+        journal.generation + 1,
+        journal.sequence,
+        journal.epoch,
+        changes,
+        journal.block_size,
+    );
     if journal.position + bytes.len() as u64 > journal.journal_bytes {
         shared.checkpoint(journal)?;
         // The checkpoint advanced the generation: re-encode for it.
@@ -296,14 +318,38 @@ fn write_batch(shared: &Shared, journal: &mut JournalState, changes: &[TableChan
     Ok(())
 }
 
-/// Rebuilds the table from device 0: the newest valid checkpoint plus its journal batches.
-/// Journal batches carry the generation of the checkpoint they follow plus one.
+/// What to do about damaged metadata on device 0, said after every such error (with `FSCK_HINT`).
+pub(crate) const RESTORE_DEVICE0: &str =
+    "restore device 0 from a copy taken together with the other devices, or re-create the store from its sources";
+/// Where to see the rest: open stops at the first damage, fsck lists all (fsck's own report drops it).
+pub(crate) const FSCK_HINT: &str = "; `teraio fsck` lists every damaged part and writes nothing";
+
+/// What recovery saw besides the table: damage it recovered from without loss (problems for
+/// fsck) and the harmless remains of interrupted writes (notes).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Findings {
+    pub problems: Vec<String>,
+    pub notes: Vec<String>,
+    /// The newest checkpoint is damaged (recovered from the older one): a new checkpoint fixes it.
+    pub checkpoint_damaged: bool,
+}
+
+/// Rebuilds the table from device 0: the newest valid checkpoint plus its journal batches, and
+/// the newest store epoch they record (in `JournalState::epoch`). Reads only. Journal batches carry
+/// the generation of the checkpoint they follow plus one.
+///
+/// A batch that does not check out ends the log only when no valid batch of its generation lies
+/// after it: batches are written one after the other, each after the previous one is durable, so
+/// an interrupted write is always the last one. A damaged batch with valid ones after it is
+/// damage, and dropping it would lose acknowledged changes: that is an error, never skipped.
 pub(crate) fn recover(
     device0: &Device,
     sb0: &Superblock,
     geometry: &Geometry,
+    findings: &mut Findings,
 ) -> Result<(Vec<ObjectRecord>, JournalState)> {
     let block = sb0.block_size as u64;
+    let path = device0.path.display().to_string();
     let mut journal = JournalState {
         metadata_start: sb0.metadata_start,
         slot_bytes: sb0.checkpoint_slot_bytes,
@@ -312,6 +358,8 @@ pub(crate) fn recover(
         generation: 0,
         sequence: 0,
         position: 0,
+        epoch: 0,
+        store: sb0.store_uuid,
     };
     let read = |offset: u64, len: u64| -> Result<AlignedBuf> {
         let mut buf = AlignedBuf::new(len as usize, block as usize)?;
@@ -323,65 +371,113 @@ pub(crate) fn recover(
     for slot in 0..2u64 {
         let offset = sb0.metadata_start + slot * sb0.checkpoint_slot_bytes;
         let header_block = read(offset, block)?;
-        if let Some(h) = decode_checkpoint_header(&header_block) {
-            if h.generation % 2 == slot && HEADER_BYTES as u64 + h.payload_bytes <= sb0.checkpoint_slot_bytes {
-                candidates.push((h, offset));
+        match decode_checkpoint_header(&header_block, &sb0.store_uuid) {
+            Some(h)
+                if h.generation % 2 == slot && HEADER_BYTES as u64 + h.payload_bytes <= sb0.checkpoint_slot_bytes =>
+            {
+                candidates.push((h, slot, offset));
             }
+            Some(h) => findings.problems.push(format!(
+                "{path}: checkpoint slot {slot} (offset {offset}) holds a header of generation {} with {} payload \
+                 bytes, which cannot belong there",
+                h.generation, h.payload_bytes
+            )),
+            None if header_block.iter().all(|&b| b == 0) => {}
+            None => findings.notes.push(format!(
+                "{path}: checkpoint slot {slot} (offset {offset}) holds no valid header (an interrupted \
+                 checkpoint write, or damage to a checkpoint no longer needed)"
+            )),
         }
     }
-    candidates.sort_by_key(|(h, _)| std::cmp::Reverse(h.generation));
+    candidates.sort_by_key(|(h, _, _)| std::cmp::Reverse(h.generation));
     let mut chosen = None;
-    let mut first_error = None;
-    for (h, offset) in candidates {
+    let mut failures = Vec::new();
+    for (i, (h, slot, offset)) in candidates.iter().enumerate() {
         let total = crate::layout::codec::round_up(HEADER_BYTES as u64 + h.payload_bytes, block);
-        let bytes = read(offset, total)?;
+        let bytes = read(*offset, total)?;
         let payload = &bytes[HEADER_BYTES..HEADER_BYTES + h.payload_bytes as usize];
-        match decode_checkpoint_payload(&h, payload, sb0.device_count) {
+        match decode_checkpoint_payload(h, payload, sb0.device_count) {
             Ok(records) => {
-                chosen = Some((h.generation, records));
+                chosen = Some((*h, records));
                 break;
             }
             Err(e) => {
-                tracing::warn!(generation = h.generation, error = %e, "checkpoint unreadable; trying the older one");
-                first_error.get_or_insert(e);
+                let e = match e {
+                    Error::CorruptMetadata { detail } => detail,
+                    other => other.to_string(),
+                };
+                let what = format!("checkpoint generation {} in slot {slot} (offset {offset})", h.generation);
+                failures.push(format!("{what}: {e}"));
+                if i == 0 {
+                    // Its header is written last, after the rest is durable: a valid header over a
+                    // bad payload is damage, not an interrupted write.
+                    findings.checkpoint_damaged = true;
+                    findings.problems.push(format!("{path}: the newest {what} is damaged: {e}"));
+                } else {
+                    findings.notes.push(format!(
+                        "{path}: the older {what} does not check out (a newer checkpoint was being written over it)"
+                    ));
+                }
             }
         }
     }
-    let Some((generation, records)) = chosen else {
-        return Err(first_error.unwrap_or(Error::CorruptMetadata { detail: "no valid checkpoint on device 0".into() }));
+    let Some((header, records)) = chosen else {
+        let seen =
+            if failures.is_empty() { "neither slot holds a valid header".to_string() } else { failures.join("; ") };
+        return Err(Error::CorruptMetadata {
+            detail: format!(
+                "device 0 ({path}) has no readable checkpoint ({seen}), so the object table cannot be rebuilt; \
+                 {RESTORE_DEVICE0}{FSCK_HINT}"
+            ),
+        });
     };
+    let generation = header.generation;
+    if findings.checkpoint_damaged {
+        findings.problems.last_mut().expect("just pushed").push_str(&format!(
+            "; recovered from generation {generation} and its journal (a new checkpoint replaces it)"
+        ));
+    }
     journal.generation = generation;
+    journal.epoch = header.epoch;
     let mut table: HashMap<u64, ObjectRecord> = records.into_iter().map(|r| (r.id, r)).collect();
 
-    // Replay this generation's batches in sequence; the first that does not check out ends it.
+    // Replay this generation's batches in sequence up to the first that does not check out.
     let journal_start = sb0.metadata_start + 2 * sb0.checkpoint_slot_bytes;
-    loop {
+    let batch_generation = generation + 1;
+    let stop: Option<(String, bool)> = loop {
         if journal.position + block > journal.journal_bytes {
-            break;
+            break None;
         }
         let head = read(journal_start + journal.position, block)?;
-        let Some(h) = decode_batch_header(&head) else { break };
-        if h.generation != generation + 1 || h.sequence != journal.sequence {
-            if journal.position == 0 && h.generation > generation + 1 {
-                return Err(Error::CorruptMetadata {
-                    detail: format!(
-                        "the journal follows checkpoint generation {} but only generation {} is readable",
-                        h.generation - 1,
-                        generation
-                    ),
-                });
-            }
-            break;
+        let Some(h) = decode_batch_header(&head, &sb0.store_uuid) else {
+            // Zeros, a torn header or the middle of an older batch: nothing to tell them apart by.
+            break Some(("no valid batch header".into(), false));
+        };
+        if h.generation > batch_generation && journal.position == 0 {
+            return Err(Error::CorruptMetadata {
+                detail: format!(
+                    "device 0 ({path}): the journal follows checkpoint generation {} but only generation {generation} \
+                     is readable, so the newest checkpoint is lost; {RESTORE_DEVICE0}{FSCK_HINT}",
+                    h.generation - 1
+                ),
+            });
+        }
+        if h.generation != batch_generation {
+            // A batch of an older generation: what the ring held before the last checkpoint.
+            break Some(("the ring holds an older generation's batch there".into(), false));
+        }
+        if h.sequence != journal.sequence {
+            break Some((format!("a batch header with sequence {} stands there", h.sequence), true));
         }
         let total = h.padded_bytes(block);
         if journal.position + total > journal.journal_bytes {
-            break;
+            break Some((format!("the batch claims {} bytes, past the end of the ring", total), true));
         }
         let bytes = if total == block { head } else { read(journal_start + journal.position, total)? };
         let Some(changes) =
             decode_batch_payload(&h, &bytes[HEADER_BYTES..HEADER_BYTES + h.payload_bytes as usize], sb0.device_count)
         else {
-            break;
+            break Some(("its payload does not check out".into(), true));
         };
         for change in changes {
             match change {
@@ -393,15 +489,87 @@ pub(crate) fn recover(
                 }
             }
         }
+        journal.epoch = journal.epoch.max(h.epoch);
         journal.position += total;
         journal.sequence += 1;
+    };
+    if let Some((reason, written)) = stop {
+        let at = journal_start + journal.position;
+        if let Some((later_offset, later)) =
+            find_later_batch(device0, sb0, journal.position, batch_generation, journal.sequence)?
+        {
+            // `later` at the stop itself is a batch of this generation out of sequence.
+            return Err(Error::CorruptMetadata {
+                detail: format!(
+                    "device 0 ({path}): journal batch {} of generation {batch_generation} at offset {at} is damaged \
+                     ({reason}), yet the valid batch {} of generation {} follows at offset {}: skipping the damaged \
+                     batch would silently lose acknowledged puts and deletes, so the store was not opened and \
+                     nothing was written; {RESTORE_DEVICE0}{FSCK_HINT}",
+                    journal.sequence,
+                    later.sequence,
+                    later.generation,
+                    journal_start + later_offset
+                ),
+            });
+        }
+        if written {
+            findings.notes.push(format!(
+                "{path}: the journal ends in an incomplete batch {} at offset {at} ({reason}): an interrupted write, \
+                 never acknowledged, ignored",
+                journal.sequence
+            ));
+        }
     }
     let mut records: Vec<ObjectRecord> = table.into_values().collect();
     records.sort_by_key(|r| r.id);
     for r in &records {
-        geometry.validate(r)?;
+        geometry.validate(r).map_err(|e| with_advice(e, &path))?;
     }
     Ok((records, journal))
+}
+
+/// The first valid batch header at or after `from` in the ring that belongs to `generation` or a
+/// newer one, skipping a header of `generation` at `from` itself only when it carries the
+/// expected sequence (then it is the batch that failed). Reads the ring in large pieces.
+fn find_later_batch(
+    device0: &Device,
+    sb0: &Superblock,
+    from: u64,
+    generation: u64,
+    sequence: u64,
+) -> Result<Option<(u64, crate::layout::metadata::BatchHeader)>> {
+    const PIECE: u64 = 4 << 20;
+    let (block, journal_bytes) = (sb0.block_size as u64, sb0.journal_bytes);
+    let journal_start = sb0.metadata_start + 2 * sb0.checkpoint_slot_bytes;
+    let piece = crate::layout::codec::round_down(PIECE, block).max(block);
+    let mut at = from;
+    while at + block <= journal_bytes {
+        let len = piece.min(crate::layout::codec::round_down(journal_bytes - at, block));
+        let mut buf = AlignedBuf::new(len as usize, block as usize)?;
+        device0.read_exact_at(&mut buf, journal_start + at)?;
+        for (i, b) in buf.chunks_exact(block as usize).enumerate() {
+            let offset = at + i as u64 * block;
+            let Some(h) = decode_batch_header(b, &sb0.store_uuid) else { continue };
+            if offset == from && h.generation == generation && h.sequence == sequence {
+                continue;
+            }
+            if h.generation >= generation {
+                return Ok(Some((offset, h)));
+            }
+        }
+        at += len;
+    }
+    Ok(None)
+}
+
+/// Adds the restore advice to a record-level metadata error found during recovery.
+pub(crate) fn with_advice(e: Error, device0: &str) -> Error {
+    match e {
+        Error::CorruptMetadata { detail } => {
+            Error::CorruptMetadata { detail: format!("device 0 ({device0}): {detail}; {RESTORE_DEVICE0}{FSCK_HINT}") }
+        }
+        other => other,
+    }
 }
 
 /// Builds live objects from recovered records, claiming their extents (a block claimed twice is

@@ -5,6 +5,7 @@
 
 mod commit;
 mod dispatch;
+mod identity;
 mod object;
 pub mod ticket;
 
@@ -13,7 +14,7 @@ use crate::backend::powercut::PowerCutBackend;
 use crate::backend::{self, BackendChoice, BackendKind};
 use crate::buffer::{AlignedBuf, BouncePool};
 use crate::config::{FormatConfig, OpenConfig, MAX_DEVICES, MIB};
-use crate::device::{self, Device};
+use crate::device::{self, Access, Device};
 use crate::error::{Error, Result};
 use crate::gpu::runtime::StoreGpu;
 use crate::layout::alloc::DeviceAllocator;
@@ -83,8 +84,27 @@ pub struct FsckReport {
     pub objects_checked: u64,
     pub bytes_checked: u64,
     pub units_checked: u64,
-    /// One line per problem; empty when the store is sound.
+    /// One line per problem (still there after any repair); empty when the store is sound.
     pub problems: Vec<String>,
+    /// Harmless findings, one line each: the remains of interrupted writes that recovery ignores.
+    pub notes: Vec<String>,
+    /// What `fsck_paths` with `repair` fixed, one line each.
+    pub repairs: Vec<String>,
+}
+
+/// The problems of a check that `fsck_paths` with `repair` can fix.
+#[derive(Debug, Default)]
+struct Fixable {
+    /// Damaged or disagreeing superblock copies (a writer's open rewrites both copies).
+    superblock_copies: Vec<String>,
+    /// A damaged newest checkpoint, recovered from without loss (a new checkpoint replaces it).
+    checkpoint: bool,
+}
+
+impl Fixable {
+    fn is_empty(&self) -> bool {
+        self.superblock_copies.is_empty() && !self.checkpoint
+    }
 }
 
 impl FsckReport {
@@ -116,6 +136,10 @@ pub(crate) struct Shared {
     pub backend_choice: BackendChoice,
     pub next_first_device: AtomicUsize,
     pub closed: AtomicBool,
+    /// Opened with `open_read_only`: nothing may be written.
+    pub read_only: bool,
+    /// What recovery at open found besides the table (reported by `fsck`).
+    pub recovery: commit::Findings,
 }
 
 impl Shared {
@@ -169,7 +193,7 @@ impl Store {
                     }
                 }
             }
-            let d = Device::open(path, config.direct_io)?;
+            let d = Device::open_for(path, config.direct_io, Access::Exclusive)?;
             if d.is_block_device && !config.force {
                 if let Some(m) = device::mounted_at(path) {
                     return Err(Error::InvalidConfig(format!(
@@ -181,12 +205,21 @@ impl Store {
             if !config.force {
                 let mut block = AlignedBuf::new(SUPERBLOCK_BYTES as usize, 4096)?;
                 if d.size_bytes >= SUPERBLOCK_BYTES && d.read_exact_at(&mut block, 0).is_ok() {
-                    if let Ok(sb) = Superblock::decode(&block, path) {
-                        return Err(Error::InvalidConfig(format!(
-                            "{} already holds teraio store {}; pass force to overwrite it",
-                            path.display(),
-                            sb.uuid_string()
-                        )));
+                    match Superblock::decode(&block, path) {
+                        Ok(sb) => {
+                            return Err(Error::InvalidConfig(format!(
+                                "{} already holds teraio store {}; pass force to overwrite it",
+                                path.display(),
+                                sb.uuid_string()
+                            )))
+                        }
+                        Err(Error::UnsupportedVersion { found, .. }) => {
+                            return Err(Error::InvalidConfig(format!(
+                                "{} already holds a teraio store of format version {found}; pass force to overwrite it",
+                                path.display()
+                            )))
+                        }
+                        Err(_) => {}
                     }
                 }
             }
@@ -230,6 +263,7 @@ impl Store {
                 journal_bytes: journal,
                 created_unix_secs: now,
                 max_meta_bytes: config.max_meta_bytes,
+                epoch: 1,
             });
         }
         // Metadata first: an empty checkpoint of generation 1 in slot 1, slot 0 and the journal
@@ -238,7 +272,7 @@ impl Store {
         let zero = AlignedBuf::new(block as usize, block as usize)?;
         devices[0].write_all_at(&zero, sb0.metadata_start)?;
         devices[0].write_all_at(&zero, sb0.metadata_start + 2 * slot_bytes)?;
-        let empty = encode_checkpoint(1, std::iter::empty(), block);
+        let empty = encode_checkpoint(&uuid, 1, 1, std::iter::empty(), block);
         let mut buf = AlignedBuf::new(empty.len(), block as usize)?;
         buf.copy_from_slice(&empty);
         devices[0].write_all_at(&buf, sb0.metadata_start + slot_bytes)?;
@@ -260,56 +294,44 @@ impl Store {
         Store::open(paths, open)
     }
 
-    /// Opens the store on `paths` (every device of it, in any order).
+    /// Opens the store on `paths` (every device of it, in any order) as its one writer. Nothing is
+    /// written before the devices, the checkpoints and the journal are checked; then every
+    /// device moves to a new store epoch (rewriting a damaged superblock copy from the good one).
     pub fn open(paths: &[impl AsRef<Path>], config: OpenConfig) -> Result<Store> {
+        Store::open_with(paths, config, Access::Writer)
+    }
+
+    /// Opens the store read-only, beside a writer that may hold it (for `info` and `fsck`): the
+    /// devices are opened O_RDONLY under a shared lock, nothing is repaired or written, and puts,
+    /// deletes and checkpoints are refused. Of a store a writer is changing, it sees the state of
+    /// one moment during the open.
+    pub fn open_read_only(paths: &[impl AsRef<Path>], config: OpenConfig) -> Result<Store> {
+        let mut attempts = 0;
+        loop {
+            match Store::open_with(paths, config.clone(), Access::Reader) {
+                // A writer may be between the writes of a superblock or a journal batch: look again.
+                Err(Error::CorruptMetadata { .. } | Error::CorruptSuperblock { .. }) if attempts < 3 => {
+                    attempts += 1;
+                    std::thread::sleep(std::time::Duration::from_millis(50));
+                }
+                other => return other,
+            }
+        }
+    }
+
+    fn open_with(paths: &[impl AsRef<Path>], config: OpenConfig, access: Access) -> Result<Store> {
         let paths: Vec<PathBuf> = paths.iter().map(|p| p.as_ref().to_path_buf()).collect();
         check_device_list(&paths)?;
-        let mut found: Vec<(Device, Superblock)> = Vec::with_capacity(paths.len());
+        let lock_wait = std::time::Duration::from_millis(config.lock_wait_ms);
+        let mut found = Vec::with_capacity(paths.len());
         for path in &paths {
-            let d = Device::open_locked(path, config.direct_io, std::time::Duration::from_millis(config.lock_wait_ms))?;
-            let sb = read_superblock(&d)?;
-            found.push((d, sb));
+            let d = Device::open_locked(path, config.direct_io, access, lock_wait)?;
+            let copies = identity::read_copies(&d);
+            found.push((d, copies));
         }
-        let expected = found[0].1.clone();
-        for (d, sb) in &found {
-            if sb.store_uuid != expected.store_uuid {
-                return Err(Error::WrongStore {
-                    path: d.path.clone(),
-                    expected: expected.uuid_string(),
-                    found: sb.uuid_string(),
-                });
-            }
-        }
+        let members = identity::assemble(found)?;
+        let expected = members.superblocks[0].clone();
         let count = expected.device_count;
-        let mut slots: Vec<Option<(Device, Superblock)>> = (0..count).map(|_| None).collect();
-        for (d, sb) in found {
-            let i = sb.device_index as usize;
-            if let Some((first, _)) = &slots[i] {
-                return Err(Error::DuplicateDevice {
-                    index: sb.device_index,
-                    first: first.path.clone(),
-                    second: d.path.clone(),
-                });
-            }
-            slots[i] = Some((d, sb));
-        }
-        if let Some(index) = slots.iter().position(Option::is_none) {
-            return Err(Error::MissingDevice { index: index as u16, count });
-        }
-        if paths.len() != count as usize {
-            return Err(Error::DeviceCountMismatch { given: paths.len(), count });
-        }
-        let (devices, superblocks): (Vec<Device>, Vec<Superblock>) = slots.into_iter().map(Option::unwrap).unzip();
-        for sb in &superblocks {
-            if (sb.block_size, sb.stripe_unit_bytes, sb.flags)
-                != (expected.block_size, expected.stripe_unit_bytes, expected.flags)
-            {
-                return Err(Error::CorruptSuperblock {
-                    path: devices[sb.device_index as usize].path.clone(),
-                    detail: "layout parameters differ from the other devices'".into(),
-                });
-            }
-        }
         let block = expected.block_size as u64;
         config.validate(block)?;
         let geometry = Geometry {
@@ -317,17 +339,28 @@ impl Store {
             stripe_unit: expected.stripe_unit_bytes as u64,
             device_count: count,
             checksums: expected.has_checksums(),
-            data_areas: superblocks.iter().map(|s| (s.data_start, s.data_end)).collect(),
+            data_areas: members.superblocks.iter().map(|s| (s.data_start, s.data_end)).collect(),
         };
 
-        let (records, journal) = commit::recover(&devices[0], &superblocks[0], &geometry)?;
+        let mut recovery = commit::Findings::default();
+        let (records, mut journal) =
+            commit::recover(&members.devices[0], &members.superblocks[0], &geometry, &mut recovery)?;
+        identity::check_recorded_epoch(&members, journal.epoch)?;
+        let identity::Members { devices, mut superblocks } = members;
         let allocators: Allocators = Arc::new(Mutex::new(
             superblocks
                 .iter()
                 .map(|s| DeviceAllocator::new(s.device_index, s.data_start / block, s.data_end / block))
                 .collect(),
         ));
-        let table = commit::claim(records, &allocators)?;
+        let table = commit::claim(records, &allocators)
+            .map_err(|e| commit::with_advice(e, &devices[0].path.display().to_string()))?;
+        if access == Access::Writer {
+            // Everything checked: from here on this writer's changes carry a new epoch.
+            let epoch = identity::next_epoch(&superblocks, journal.epoch);
+            identity::write_epoch_at_open(&devices, &mut superblocks, epoch)?;
+            journal.epoch = epoch;
+        }
 
         let choice = backend::choose(config.backend, &config.uring)?;
         tracing::info!(backend = ?choice.kind, reason = %choice.reason, "teraio backend");
@@ -340,7 +373,7 @@ impl Store {
             if let Some(injector) = &config.fault_injector {
                 b = Box::new(FaultyBackend::new(b, i as u16, injector.clone()));
             }
-            if let Some(dir) = &config.power_cut_log_dir {
+            if let Some(dir) = config.power_cut_log_dir.as_ref().filter(|_| access == Access::Writer) {
                 b = Box::new(PowerCutBackend::new(b, i as u16, &d.file, dir, block as usize)?);
             }
             if let Some(model) = config.emulate {
@@ -372,6 +405,8 @@ impl Store {
             backend_choice: choice,
             next_first_device: AtomicUsize::new(0),
             closed: AtomicBool::new(false),
+            read_only: access == Access::Reader,
+            recovery,
         });
         let s = shared.clone();
         let dispatcher = std::thread::Builder::new()
@@ -384,6 +419,15 @@ impl Store {
             .spawn(move || commit::run_commit(s, commit_rx, journal))
             .map_err(|e| Error::io("starting the commit thread", e))?;
         Ok(Store { shared, dispatcher: Some(dispatcher), committer: Some(committer) })
+    }
+
+    fn check_writable(&self) -> Result<()> {
+        if self.shared.read_only {
+            return Err(Error::InvalidConfig(
+                "the store is open read-only (for inspection); open it with Store::open to change it".into(),
+            ));
+        }
+        Ok(())
     }
 
     fn check_meta(&self, meta: &[u8]) -> Result<()> {
@@ -459,6 +503,7 @@ impl Store {
         meta: &[u8],
         priority: Priority,
     ) -> Result<Arc<ticket::Completion>> {
+        self.check_writable()?;
         self.check_meta(meta)?;
         self.shared.op_started()?;
         let object = match self.allocate(id, len as u64, meta) {
@@ -567,6 +612,7 @@ impl Store {
 
     /// Deletes object `id` durably; returns whether it existed.
     pub fn delete(&self, id: u64) -> Result<bool> {
+        self.check_writable()?;
         if self.shared.closed.load(Ordering::Acquire) {
             return Err(Error::Closed);
         }
@@ -585,6 +631,7 @@ impl Store {
 
     /// Writes a checkpoint of the table now (it also happens when the journal fills and at close).
     pub fn checkpoint(&self) -> Result<()> {
+        self.check_writable()?;
         let (tx, rx) = sync_channel(1);
         let sent =
             self.shared.commit_tx.lock().expect("commit").as_ref().map(|c| c.send(CommitMsg::Checkpoint { reply: tx }));
@@ -688,22 +735,36 @@ impl Store {
         self.shared.geometry.device_count
     }
 
-    /// Checks the store: both superblock copies of every device, that no two objects share a
-    /// block (already enforced at open), and every stripe unit's checksum, reading all data.
+    /// Checks the store and writes nothing: both superblock copies of every device (each bad
+    /// copy reported on its own), what recovery found in the checkpoints and the journal at open
+    /// (a damaged newest checkpoint; the remains of interrupted writes as notes), that no two
+    /// objects share a block (already enforced at open), and every stripe unit's checksum,
+    /// reading all data. A writer's open has already rewritten damaged superblock copies; for
+    /// the store as it lies on disk, use [`Store::fsck_paths`].
     pub fn fsck(&self) -> Result<FsckReport> {
+        self.check().map(|(report, _)| report)
+    }
+
+    /// `fsck`, and which of its problems a writer's open and a checkpoint would fix.
+    fn check(&self) -> Result<(FsckReport, Fixable)> {
         let mut report = FsckReport::default();
         for (d, sb) in self.shared.devices.iter().zip(&self.shared.superblocks) {
-            for (what, offset) in [("primary", 0), ("backup", sb.backup_offset())] {
-                let mut block = AlignedBuf::new(SUPERBLOCK_BYTES as usize, 4096)?;
-                match d.read_exact_at(&mut block, offset).and_then(|()| Superblock::decode(&block, &d.path)) {
-                    Ok(found) if &found == sb => {}
-                    Ok(_) => report
-                        .problems
-                        .push(format!("{}: {what} superblock differs from the one in use", d.path.display())),
-                    Err(e) => report.problems.push(format!("{}: {what} superblock: {e}", d.path.display())),
-                }
+            let copies = identity::read_copies(d);
+            if copies.chosen().is_some_and(|c| !c.same_identity(sb)) {
+                report.problems.push(format!(
+                    "{}: device {}: the superblock on disk differs from the one read at open",
+                    d.path.display(),
+                    sb.device_index
+                ));
             }
         }
+        let fixable = Fixable {
+            superblock_copies: identity::copy_problems(&self.shared.devices),
+            checkpoint: self.shared.recovery.checkpoint_damaged,
+        };
+        report.problems.extend(fixable.superblock_copies.iter().cloned());
+        report.problems.extend(self.shared.recovery.problems.iter().cloned());
+        report.notes.extend(self.shared.recovery.notes.iter().cloned());
         let objects: Vec<Arc<Object>> = self.shared.table.read().expect("table").values().cloned().collect();
         let g = &self.shared.geometry;
         for o in objects {
@@ -743,7 +804,57 @@ impl Store {
                 }
             }
         }
-        Ok(report)
+        Ok((report, fixable))
+    }
+
+    /// Checks the store on `paths` as it lies on disk, beside a writer if one holds it: opens it
+    /// read-only and runs [`Store::fsck`]. A store too damaged to open is one problem (the open
+    /// error, which names what and where), after each damaged superblock copy.
+    ///
+    /// With `repair`, and when no writer holds the store, then fixes what can be fixed without
+    /// losing anything, lists it in `repairs`, and checks again (`problems` is what is left): a
+    /// damaged superblock copy is rewritten from the good one, a damaged newest checkpoint is
+    /// replaced by a new one. Damaged object data, journal batches and devices cannot be rebuilt
+    /// (teraio keeps no second copy): they stay problems.
+    pub fn fsck_paths(paths: &[impl AsRef<Path>], config: OpenConfig, repair: bool) -> Result<FsckReport> {
+        let found = match Store::open_read_only(paths, config.clone()) {
+            Ok(store) => {
+                let found = store.check();
+                store.close()?;
+                found?
+            }
+            Err(e @ (Error::CorruptMetadata { .. } | Error::CorruptSuperblock { .. })) => {
+                let mut report = FsckReport::default();
+                let mut devices = Vec::new();
+                for p in paths {
+                    let lock_wait = std::time::Duration::from_millis(config.lock_wait_ms);
+                    devices.push(Device::open_locked(p.as_ref(), config.direct_io, Access::Reader, lock_wait)?);
+                }
+                report.problems.extend(identity::copy_problems(&devices));
+                report
+                    .problems
+                    .push(format!("the store cannot be opened: {}", e.to_string().replace(commit::FSCK_HINT, "")));
+                return Ok(report);
+            }
+            Err(e) => return Err(e),
+        };
+        let (report, fixable) = found;
+        if !repair || fixable.is_empty() {
+            return Ok(report);
+        }
+        let mut repairs: Vec<String> = fixable.superblock_copies.iter().map(|p| format!("rewrote {p}")).collect();
+        {
+            // A writer's open rewrites both superblock copies of every device from the good one.
+            let store = Store::open(paths, config.clone())?;
+            if fixable.checkpoint {
+                store.checkpoint()?;
+                repairs.push("wrote a new checkpoint in place of the damaged newest one".into());
+            }
+            store.close()?;
+        }
+        let mut after = Store::open_read_only(paths, config)?.check()?.0;
+        after.repairs = repairs;
+        Ok(after)
     }
 
     /// Waits for every op, writes a final checkpoint and stops the engine's threads. Dropping the
@@ -863,6 +974,7 @@ impl Store {
         meta: &[u8],
         priority: Priority,
     ) -> Result<crate::gpu::GpuTicket<()>> {
+        self.check_writable()?;
         let gpu = self.gpu_op(src, OpKind::Put)?;
         self.check_meta(meta)?;
         self.shared.op_started()?;
@@ -1072,6 +1184,9 @@ fn init_gpu(shared: &Arc<Shared>, ordinal: u32) -> Result<StoreGpu> {
 /// reads it into GPU memory through each path twice, alternating, and keeps each path's best GB/s.
 /// The run is given back to the allocator before returning.
 fn measure_gpu_paths(shared: &Arc<Shared>, gpu: &StoreGpu, ordinal: u32, bytes: u64) -> Result<(f64, f64)> {
+    if shared.read_only {
+        return Err(Error::InvalidConfig("a read-only store writes no measurement run".into()));
+    }
     let g = &shared.geometry;
     let chunk = shared.pool.chunk_bytes() as u64;
     let bytes = round_up(bytes.max(chunk), chunk);
@@ -1224,38 +1339,6 @@ fn check_device_list(paths: &[PathBuf]) -> Result<()> {
         }
     }
     Ok(())
-}
-
-/// Reads a device's superblock; if the primary is damaged but the backup is good, uses the
-/// backup and rewrites the primary from it.
-fn read_superblock(d: &Device) -> Result<Superblock> {
-    if d.size_bytes < 2 * SUPERBLOCK_BYTES {
-        return Err(Error::NotATeraioDevice { path: d.path.clone() });
-    }
-    let mut block = AlignedBuf::new(SUPERBLOCK_BYTES as usize, 4096)?;
-    d.read_exact_at(&mut block, 0)?;
-    let primary = Superblock::decode(&block, &d.path);
-    let primary_err = match primary {
-        Ok(sb) => return Ok(sb),
-        Err(e) => e,
-    };
-    let backup_offset = round_down(d.size_bytes, SUPERBLOCK_BYTES) - SUPERBLOCK_BYTES;
-    d.read_exact_at(&mut block, backup_offset)?;
-    match Superblock::decode(&block, &d.path) {
-        Ok(sb) if sb.backup_offset() == backup_offset => {
-            tracing::warn!(path = %d.path.display(), error = %primary_err, "primary superblock damaged; restored from the backup copy");
-            d.write_all_at(&block, 0)?;
-            d.sync()?;
-            Ok(sb)
-        }
-        _ => Err(match primary_err {
-            Error::NotATeraioDevice { .. } => primary_err,
-            Error::CorruptSuperblock { path, detail } => {
-                Error::CorruptSuperblock { path, detail: format!("{detail}; backup copy unusable too") }
-            }
-            other => other,
-        }),
-    }
 }
 
 /// Parses a backend name (re-exported for the CLI and bindings).
