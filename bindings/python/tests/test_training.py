@@ -67,7 +67,8 @@ def test_checkpointing_wins_where_nothing_can_be_moved() -> None:
     assert len(chosen) == 1 and chosen[0]["blocks"] == len(report.checkpointed_blocks)
     # Without checkpointing nothing fits in time (no tier to move to): slower, if it fits at all.
     none = [t for t in report.checkpoint_summary["tried"] if t["blocks"] == 0][0]
-    assert not none["fits"] or none["predicted_ms"] is None or none["predicted_ms"] > chosen[0]["predicted_ms"]
+    slower = none["predicted_ms"] is None or none["predicted_ms"] > chosen[0]["predicted_ms"]
+    assert not none["fits"] or slower
     # The blocks are plain modules again afterwards.
     assert all("forward" not in layer.__dict__ for layer in model.layers)
 
