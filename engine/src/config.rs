@@ -227,28 +227,10 @@ impl Default for GpuOptions {
     }
 }
 
-/// Parses sizes like `4096`, `4k`, `1MiB`, `64M`, `2G`, `1.5GiB` (binary units).
+/// Parses sizes like `4096`, `4k`, `1MiB`, `64M`, `2G`, `1.5GiB` (powers of 1024) or `94GB`
+/// (powers of 1000): teraio-units, the one parser every interface shares.
 pub fn parse_size(text: &str) -> Result<u64> {
-    let t = text.trim();
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
-    let (number, unit) = t.split_at(split);
-    let value: f64 =
-        number.parse().map_err(|_| Error::InvalidConfig(format!("{text:?} is not a size (e.g. 4k, 1MiB, 2G)")))?;
-    let multiplier = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kb" | "kib" => KIB,
-        "m" | "mb" | "mib" => MIB,
-        "g" | "gb" | "gib" => GIB,
-        "t" | "tb" | "tib" => 1024 * GIB,
-        other => {
-            return Err(Error::InvalidConfig(format!("unknown size unit {other:?} in {text:?}; use k, M, G or T")))
-        }
-    };
-    let bytes = value * multiplier as f64;
-    if !bytes.is_finite() || bytes < 0.0 || bytes.fract() != 0.0 {
-        return Err(Error::InvalidConfig(format!("{text:?} is not a whole number of bytes")));
-    }
-    Ok(bytes as u64)
+    teraio_units::parse_size_bytes(text).map_err(|e| Error::InvalidConfig(e.to_string()))
 }
 
 #[cfg(test)]
@@ -264,6 +246,7 @@ mod tests {
         assert!(parse_size("abc").is_err());
         assert!(parse_size("4q").is_err());
         assert!(parse_size("1.5").is_err());
+        assert_eq!(parse_size("1GB").unwrap(), 1_000_000_000, "GB is decimal, as the planner reads it");
     }
 
     #[test]

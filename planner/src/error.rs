@@ -5,16 +5,9 @@ use std::path::PathBuf;
 /// Everything that can go wrong while reading, generating, planning or simulating.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// A size, bandwidth or duration given on the command line did not parse.
-    #[error("cannot parse {what} {input:?}: {reason}")]
-    Parse {
-        /// What was being parsed ("size", "bandwidth", ...).
-        what: &'static str,
-        /// The text as given.
-        input: String,
-        /// Why it was refused.
-        reason: String,
-    },
+    /// A size or bandwidth given on the command line did not parse (teraio-units says why).
+    #[error(transparent)]
+    Parse(#[from] teraio_units::ParseError),
     /// A trace broke one of the rules in docs/trace.md.
     #[error("invalid trace: {0}")]
     InvalidTrace(String),

@@ -735,6 +735,19 @@ fn validate_trace(trace_json: &str) -> PyResult<()> {
     parse_trace(trace_json).map(drop)
 }
 
+/// Bytes from a size such as "24GiB", "2G" (powers of 1024) or "94GB" (powers of 1000): the
+/// parser the engine, planner and CLI use (teraio-units); ValueError says why a text is refused.
+#[pyfunction]
+fn parse_size(text: &str) -> PyResult<u64> {
+    teraio_units::parse_size_bytes(text).map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+/// Bytes per second from a bandwidth such as "6.5GB/s", "800MiB/s" or "4x6.5GB/s" (teraio-units).
+#[pyfunction]
+fn parse_bandwidth(text: &str) -> PyResult<f64> {
+    teraio_units::parse_bandwidth_bytes_per_s(text).map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
 /// What this machine offers for GPU I/O (CUDA driver, devices, cuFile and its mode), as text.
 #[pyfunction]
 fn gpu_probe(py: Python<'_>) -> String {
@@ -750,6 +763,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(plan, m)?)?;
     m.add_function(wrap_pyfunction!(simulate_plan, m)?)?;
     m.add_function(wrap_pyfunction!(validate_trace, m)?)?;
+    m.add_function(wrap_pyfunction!(parse_size, m)?)?;
+    m.add_function(wrap_pyfunction!(parse_bandwidth, m)?)?;
     m.add("TeraioError", py.get_type::<TeraioError>())?;
     m.add("NotFoundError", py.get_type::<NotFoundError>())?;
     m.add("NoSpaceError", py.get_type::<NoSpaceError>())?;

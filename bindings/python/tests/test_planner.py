@@ -132,6 +132,13 @@ def test_parse_size() -> None:
     assert teraio.parse_size("24GiB") == 24 << 30
     assert teraio.parse_size("1.5GB") == 1_500_000_000
     assert teraio.parse_size(4096) == 4096
+    # One meaning per spelling, as the engine and the CLI read it: bare G is binary, GB decimal.
+    assert teraio.parse_size("2G") == 2 << 30
+    assert teraio.parse_size("1GB") == 10**9
+    with pytest.raises(ValueError, match="unknown unit"):
+        teraio.parse_size("40 gigs")
+    with pytest.raises(ValueError):
+        teraio.parse_size(True)
     with pytest.raises(ValueError):
         teraio.parse_size("lots")
 

@@ -25,22 +25,8 @@ impl DeviceModel {
             Some((r, l)) => (r, Some(l)),
             None => (text, None),
         };
-        let rates = rates.trim();
-        let (number, scale) = if let Some(n) = rates.strip_suffix("GB/s") {
-            (n, 1e9)
-        } else if let Some(n) = rates.strip_suffix("MB/s") {
-            (n, 1e6)
-        } else {
-            return Err(format!("{text:?}: give a rate like 6.5GB/s or 7/6.5GB/s (read/write), optionally @20us"));
-        };
-        let parse = |s: &str| s.trim().parse::<f64>().ok().filter(|v| *v > 0.0).map(|v| v * scale);
-        let (read, write) = match number.split_once('/') {
-            Some((r, w)) => (parse(r), parse(w)),
-            None => (parse(number), parse(number)),
-        };
-        let (Some(read_bytes_per_s), Some(write_bytes_per_s)) = (read, write) else {
-            return Err(format!("{text:?}: rates must be positive numbers"));
-        };
+        let rates = teraio_units::parse_device_bandwidth(rates)
+            .map_err(|e| format!("{e}; give a rate like 6.5GB/s or 7/6.5GB/s (read/write), optionally @20us"))?;
         let latency = match latency {
             None => Duration::from_micros(20),
             Some(l) => {
@@ -48,7 +34,11 @@ impl DeviceModel {
                 Duration::from_micros(us.ok_or_else(|| format!("{text:?}: latency like @20us"))?)
             }
         };
-        Ok(DeviceModel { read_bytes_per_s, write_bytes_per_s, latency })
+        Ok(DeviceModel {
+            read_bytes_per_s: rates.read_bytes_per_s,
+            write_bytes_per_s: rates.write_bytes_per_s,
+            latency,
+        })
     }
 
     fn transfer_time(&self, kind: IoKind, len: u32) -> Duration {

@@ -3,35 +3,21 @@
 from __future__ import annotations
 
 import json
-import re
 from typing import Any, Optional, Sequence, Union
 
 from . import _native
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-
 
 def parse_size(value: Union[int, float, str]) -> int:
-    """Bytes from an int or a string such as `"24GiB"`, `"1.5 GB"`, `"4096"`."""
+    """Bytes from an int or a string such as `"24GiB"`, `"2G"` (powers of 1024), `"1.5GB"` (powers
+    of 1000) or `"4096"`: the one parser the engine, the planner and the CLI use too."""
+    if isinstance(value, bool):
+        raise ValueError(f"size must be a number of bytes or a string such as '24GiB', not {value!r}")
     if isinstance(value, (int, float)):
         if value < 0:
             raise ValueError(f"size must be >= 0, got {value}")
         return int(value)
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read size {value!r}: use a number of bytes or e.g. '24GiB', '1.5GB'")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    return _native.parse_size(value)
 
 
 def plan(
@@ -153,9 +139,7 @@ def validate_trace(trace: Union[str, dict[str, Any]]) -> None:
 
 
 def _bandwidth(value: Union[float, str]) -> float:
+    """Bytes per second from a number or a string such as `"6.5GB/s"` or `"4x6.5GB/s"`."""
     if isinstance(value, (int, float)):
         return float(value)
-    text = value.strip()
-    if text.lower().endswith("/s"):
-        text = text[:-2]
-    return float(parse_size(text))
+    return _native.parse_bandwidth(value)
