@@ -16,7 +16,7 @@ use crate::config::{FormatConfig, OpenConfig, MAX_DEVICES, MIB};
 use crate::device::{self, Device};
 use crate::error::{Error, Result};
 use crate::gpu::runtime::StoreGpu;
-use crate::layout::alloc::DeviceAllocator;
+use crate::layout::alloc::{DeviceAllocator, Extent};
 use crate::layout::codec::{round_down, round_up};
 use crate::layout::metadata::encode_checkpoint;
 use crate::layout::stripe::{position_bytes, unit_count, StripeMap};
@@ -394,36 +394,38 @@ impl Store {
         Ok(())
     }
 
-    /// Allocates a new object's extents across the devices (nothing is taken if any device is full).
+    /// Allocates a new object's extents. The device with the most free space takes the first
+    /// stripe unit (device 0 also holds the metadata, so a plain rotation would fill it first;
+    /// equal devices take turns), and every other first device is tried before giving up:
+    /// `NoSpace` means no placement exists. Nothing is taken when it fails.
     fn allocate(&self, id: u64, len_bytes: u64, meta: &[u8]) -> Result<Object> {
         let g = &self.shared.geometry;
         let padded = round_up(len_bytes, g.block_size);
         let units = unit_count(padded, g.stripe_unit);
         let spread = units.max(1).min(g.device_count as u64) as u16;
-        let first_device =
-            (self.shared.next_first_device.fetch_add(1, Ordering::Relaxed) % g.device_count as usize) as u16;
         let needs = position_bytes(padded, g.stripe_unit, spread);
-        let mut extents = Vec::new();
+        let count = g.device_count as usize;
+        let rotation = self.shared.next_first_device.fetch_add(1, Ordering::Relaxed);
         let mut allocators = self.shared.allocators.lock().expect("allocators");
-        for (position, need) in needs.iter().enumerate() {
-            if *need == 0 {
-                continue;
-            }
-            let device = (first_device + position as u16) % g.device_count;
-            match allocators[device as usize].allocate(need / g.block_size, MAX_EXTENTS_PER_DEVICE, g.block_size) {
-                Ok(mut e) => extents.append(&mut e),
-                Err(err) => {
-                    for x in extents {
-                        allocators[x.device as usize].free(x);
-                    }
-                    return Err(err);
-                }
+        let mut order: Vec<u16> = (0..count).map(|i| ((rotation + i) % count) as u16).collect();
+        // A stable sort: ties keep the rotation.
+        order.sort_by_key(|&d| std::cmp::Reverse(allocators[d as usize].free_blocks()));
+        for first_device in order {
+            if let Some(extents) = place(&mut allocators, g, first_device, &needs) {
+                drop(allocators);
+                let record = ObjectRecord {
+                    id,
+                    len_bytes,
+                    meta: meta.to_vec(),
+                    first_device,
+                    spread,
+                    extents,
+                    unit_crcs: Vec::new(),
+                };
+                return Ok(Object::new(record, self.shared.allocators.clone()));
             }
         }
-        drop(allocators);
-        let record =
-            ObjectRecord { id, len_bytes, meta: meta.to_vec(), first_device, spread, extents, unit_crcs: Vec::new() };
-        Ok(Object::new(record, self.shared.allocators.clone()))
+        Err(no_space(&allocators, g, padded))
     }
 
     /// Starts writing `data` as object `id` (replacing any object of that id once durable).
@@ -543,12 +545,27 @@ impl Store {
             end
         };
         self.shared.op_started()?;
-        let block = self.shared.geometry.block_size;
-        let verify = self.shared.config.verify_checksums;
+        let (verify, start, stop) = self.get_span(&object, offset, end, true);
         let op = Arc::new(Op::new(OpKind::Get, id, priority, OpObject::Get(object), ptr as usize, offset, end, verify));
         let completion = op.completion.clone();
-        self.shared.enqueue(op, round_down(offset, block), round_up(end, block));
+        self.shared.enqueue(op, start, stop);
         Ok(completion)
+    }
+
+    /// Whether a get of object bytes `offset..end` is verified, and the object bytes it reads.
+    /// Verified (the store keeps checksums, `verify_checksums` is on and the data passes through
+    /// host memory): whole stripe units, so a ranged get also reads the rest of each unit its
+    /// range touches (into bounce memory) and every byte it returns is checked. Else whole blocks.
+    fn get_span(&self, object: &Object, offset: u64, end: u64, via_host: bool) -> (bool, u64, u64) {
+        let g = &self.shared.geometry;
+        let r = &object.record;
+        let verify = self.shared.config.verify_checksums && via_host && !r.unit_crcs.is_empty() && end > offset;
+        if verify {
+            let stop = round_up(end, g.stripe_unit).min(r.len_bytes);
+            (true, round_down(offset, g.stripe_unit), round_up(stop, g.block_size))
+        } else {
+            (false, round_down(offset, g.block_size), round_up(end, g.block_size))
+        }
     }
 
     /// Puts `data` and waits until it is durable.
@@ -863,7 +880,7 @@ impl Store {
         meta: &[u8],
         priority: Priority,
     ) -> Result<crate::gpu::GpuTicket<()>> {
-        let gpu = self.gpu_op(src, OpKind::Put)?;
+        let gpu = self.gpu_op(src)?;
         self.check_meta(meta)?;
         self.shared.op_started()?;
         let object = match self.allocate(id, src.len as u64, meta) {
@@ -882,7 +899,9 @@ impl Store {
             src.ptr as usize,
             0,
             src.len as u64,
-            false,
+            // The caller's bytes are on the host only inside bounce chunks: checksums come
+            // from there, and objects put through cuFile keep none (docs/gpu.md).
+            self.shared.geometry.checksums && !gpu.use_cufile,
         );
         let handoff = gpu.handoff.map(|slot| (gpu.device.handoff.clone(), slot));
         op.gpu = Some(gpu);
@@ -919,42 +938,30 @@ impl Store {
             }
             end
         };
-        let gpu = self.gpu_op(dst, OpKind::Get)?;
+        let gpu = self.gpu_op(dst)?;
         self.shared.op_started()?;
-        let block = self.shared.geometry.block_size;
-        let verify = self.shared.config.verify_checksums;
+        // On the cuFile path the bytes never pass through host memory: nothing to check them
+        // in (the GPU report and docs/gpu.md say so).
+        let (verify, start, stop) = self.get_span(&object, offset, end, !gpu.use_cufile);
         let mut op = Op::new(OpKind::Get, id, priority, OpObject::Get(object), dst.ptr as usize, offset, end, verify);
         let handoff = gpu.handoff.map(|slot| (gpu.device.handoff.clone(), slot));
         op.gpu = Some(gpu);
         let op = Arc::new(op);
         let completion = op.completion.clone();
-        self.shared.enqueue(op, round_down(offset, block), round_up(end, block));
+        self.shared.enqueue(op, start, stop);
         Ok(crate::gpu::GpuTicket { ticket: Ticket { completion, buffer: Some(()) }, handoff })
     }
 
     /// The GPU part of a new op on `mem`: checks the pointer, finds the device's state and path.
-    fn gpu_op(&self, mem: crate::gpu::DeviceSlice, kind: OpKind) -> Result<dispatch::GpuOp> {
+    fn gpu_op(&self, mem: crate::gpu::DeviceSlice) -> Result<dispatch::GpuOp> {
         let state = self.gpu_state(mem.device)?;
         if mem.len > 0 {
             crate::gpu::cuda::check_device_pointer(mem.ptr, mem.len, mem.device)?;
         }
         let device = state.device(mem.device)?;
         let use_cufile = state.uses_cufile(mem.device);
-        // Checksums of a GPU op come from its bounced pieces; on the cuFile path the data never
-        // passes through host memory, so objects put that way keep no checksums (documented in
-        // docs/gpu.md) and gets there are not verified.
-        let crcs = match kind {
-            OpKind::Put => self.shared.geometry.checksums && !use_cufile,
-            OpKind::Get => self.shared.config.verify_checksums && !use_cufile,
-        };
         let handoff = device.handoff.claim();
-        Ok(dispatch::GpuOp {
-            device,
-            use_cufile,
-            piece_crcs: crcs.then(|| Mutex::new(Vec::new())),
-            handoff,
-            handoff_signalled: AtomicBool::new(false),
-        })
+        Ok(dispatch::GpuOp { device, use_cufile, handoff, handoff_signalled: AtomicBool::new(false) })
     }
 }
 
@@ -974,6 +981,8 @@ fn init_gpu(shared: &Arc<Shared>, ordinal: u32) -> Result<StoreGpu> {
         reason: String::new(),
         measured_gbps: None,
         pinned_bytes: slab_bytes as u64,
+        store_checksums: shared.geometry.checksums,
+        verify_checksums: shared.config.verify_checksums,
     };
     let mut gpu = StoreGpu {
         cufile_queues: Vec::new(),
@@ -1077,8 +1086,8 @@ fn measure_gpu_paths(shared: &Arc<Shared>, gpu: &StoreGpu, ordinal: u32, bytes: 
     let bytes = round_up(bytes.max(chunk), chunk);
     let extent = {
         let mut allocators = shared.allocators.lock().expect("allocators");
-        let mut run = allocators[0].allocate(bytes / g.block_size, 1, g.block_size)?;
-        run.pop().expect("one extent")
+        let run = allocators[0].allocate(bytes / g.block_size, 1);
+        run.ok_or_else(|| no_space(&allocators, g, bytes))?.pop().expect("one extent")
     };
     let start = extent.start_block * g.block_size;
     let result = (|| {
@@ -1203,6 +1212,59 @@ fn measure_gpu_read(
     }
     let seconds = begin.elapsed().as_secs_f64();
     Ok(bytes as f64 / seconds / 1e9)
+}
+
+/// Takes the extents of an object whose stripe unit 0 goes to `first_device` and position p to
+/// the p-th device after it, `needs[p]` bytes each; None (nothing taken) if a device lacks room.
+fn place(allocators: &mut [DeviceAllocator], g: &Geometry, first_device: u16, needs: &[u64]) -> Option<Vec<Extent>> {
+    let mut extents = Vec::new();
+    for (position, need) in needs.iter().enumerate() {
+        if *need == 0 {
+            continue;
+        }
+        let device = (first_device + position as u16) % g.device_count;
+        match allocators[device as usize].allocate(need / g.block_size, MAX_EXTENTS_PER_DEVICE) {
+            Some(mut e) => extents.append(&mut e),
+            None => {
+                for x in extents {
+                    allocators[x.device as usize].free(x);
+                }
+                return None;
+            }
+        }
+    }
+    Some(extents)
+}
+
+/// The error of a failed placement of `needed` bytes: the store's free space, and the largest
+/// object some placement could take now (each device can give at most its
+/// `MAX_EXTENTS_PER_DEVICE` largest free runs to one object).
+fn no_space(allocators: &[DeviceAllocator], g: &Geometry, needed: u64) -> Error {
+    let count = g.device_count as usize;
+    let free_blocks: u64 = allocators.iter().map(DeviceAllocator::free_blocks).sum();
+    let capacity: Vec<u64> = allocators.iter().map(|a| a.placeable_blocks(MAX_EXTENTS_PER_DEVICE)).collect();
+    let fits = |blocks: u64| {
+        let padded = blocks * g.block_size;
+        let spread = unit_count(padded, g.stripe_unit).max(1).min(count as u64) as u16;
+        let needs = position_bytes(padded, g.stripe_unit, spread);
+        (0..count)
+            .any(|first| needs.iter().enumerate().all(|(p, need)| need / g.block_size <= capacity[(first + p) % count]))
+    };
+    // Each position's need grows with the object's size, so whether it fits is monotone.
+    let (mut low, mut high) = (0, free_blocks);
+    while low < high {
+        let mid = low + (high - low).div_ceil(2);
+        if fits(mid) {
+            low = mid;
+        } else {
+            high = mid - 1;
+        }
+    }
+    Error::NoSpace {
+        needed_bytes: needed,
+        free_bytes: free_blocks * g.block_size,
+        largest_placeable_bytes: low * g.block_size,
+    }
 }
 
 /// What `format` reports.
