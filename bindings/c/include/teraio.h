@@ -195,7 +195,10 @@ typedef struct teraio_open_options {
      */
     uint32_t durable;
     /**
-     * Nonzero: check stripe-unit checksums on every whole-unit get. Default 0.
+     * Nonzero: check the checksum of every stripe unit a get returns bytes of, failing it with
+     * `TERAIO_ERR_CORRUPT` (naming object, stripe unit, device and offset) instead of returning
+     * damaged data; a ranged get reads the rest of the units it touches to check them whole.
+     * Default 1.
      */
     uint32_t verify_checksums;
     /**

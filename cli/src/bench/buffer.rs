@@ -181,7 +181,8 @@ impl OpBuf {
     }
 
     /// Starts a put of the whole buffer as object `id`.
-    pub fn put(self, store: &Store, id: u64) -> CliResult<OpTicket> {
+    /// The engine's error is kept as it is, so that a full store can be told apart.
+    pub fn put(self, store: &Store, id: u64) -> Result<OpTicket, teraio_engine::Error> {
         Ok(match self {
             OpBuf::Host(b) => OpTicket::Host(store.put(id, b, &[], Priority::Normal)?),
             OpBuf::Gpu(b) => OpTicket::Gpu(store.put_gpu(id, b, &[], Priority::Normal)?),

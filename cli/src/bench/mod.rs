@@ -61,6 +61,13 @@ pub enum RwMode {
     Randrw,
 }
 
+/// A switch given as `on` or `off`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Switch {
+    On,
+    Off,
+}
+
 /// I/O backends (cuFile is listed so that asking for it gets a clear answer).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum BackendArg {
@@ -126,9 +133,13 @@ pub struct BenchArgs {
     /// Drop the page cache after writing the data set (needs root; matters with --buffered).
     #[arg(long)]
     pub drop_caches: bool,
-    /// Check every byte read back against what was written (and the engine's checksums).
+    /// Check every byte read back against what was written.
     #[arg(long)]
     pub verify: bool,
+    /// Check the engine's stripe-unit checksums on every get (a random read of a partial stripe
+    /// unit reads and checks the whole unit), as stores do by default; `off` measures without.
+    #[arg(long, value_enum, default_value = "on")]
+    pub verify_checksums: Switch,
     /// Go through the page cache instead of O_DIRECT.
     #[arg(long)]
     pub buffered: bool,
@@ -312,6 +323,7 @@ fn workload_from_args(args: &BenchArgs, data_bytes: u64) -> CliResult<Workload> 
         stripe_unit_bytes,
         devices: args.device_count(),
         verify: args.verify,
+        verify_checksums: args.verify_checksums == Switch::On,
         buffer: args.buffer,
         gpu_ordinal: args.gpu_device,
     })
@@ -349,7 +361,7 @@ pub fn open_config(args: &BenchArgs, w: &Workload) -> OpenConfig {
         } else {
             16 * MIB
         },
-        verify_checksums: w.verify,
+        verify_checksums: w.verify_checksums,
         durable: args.durable,
         emulate: args.emulate,
         gpu: GpuOptions {
