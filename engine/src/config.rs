@@ -104,8 +104,10 @@ pub struct OpenConfig {
     /// and registered with io_uring. Default 64 MiB.
     pub bounce_pool_bytes: u64,
     /// Check the crc32c of every stripe unit a get returns bytes of, failing the get with
-    /// `ChecksumMismatch` instead of returning damaged data. A ranged get reads the rest of the
-    /// stripe units its range touches to check them whole. Needs a store formatted with
+    /// `ChecksumMismatch` instead of returning damaged data. A checksum covers a whole stripe
+    /// unit: a ranged get checks the units it covers whole, and a unit it covers in part when
+    /// reading the rest of it at most doubles the get's I/O (else those bytes are returned
+    /// unchecked). Needs a store formatted with
     /// checksums; GPU gets on the cuFile path cannot be checked (their bytes never pass through
     /// host memory; the GPU report says so). Default true.
     pub verify_checksums: bool,

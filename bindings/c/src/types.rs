@@ -79,7 +79,8 @@ pub struct teraio_open_options {
     pub durable: u32,
     /// Nonzero: check the checksum of every stripe unit a get returns bytes of, failing it with
     /// `TERAIO_ERR_CORRUPT` (naming object, stripe unit, device and offset) instead of returning
-    /// damaged data; a ranged get reads the rest of the units it touches to check them whole.
+    /// damaged data. A ranged get checks the units it covers whole, and a partly covered one
+    /// when reading the rest of it at most doubles the get's I/O (else those bytes are unchecked).
     /// Default 1.
     pub verify_checksums: u32,
     /// Milliseconds to wait for a device lock held by another writer before failing with

@@ -106,7 +106,8 @@ pub struct BenchArgs {
     /// Submitting threads.
     #[arg(long, default_value_t = 1)]
     pub threads: usize,
-    /// Stripe unit of the store [default: the request size, at least 1MiB].
+    /// Stripe unit of the store [default: the request size, at least 1MiB for sequential and
+    /// 64KiB for random workloads].
     #[arg(long, value_parser = size_arg)]
     pub stripe_unit: Option<u64>,
     /// Store block size (I/O alignment).
@@ -285,7 +286,9 @@ fn workload_from_args(args: &BenchArgs, data_bytes: u64) -> CliResult<Workload> 
             format_bytes(data_bytes)
         )));
     }
-    let stripe_unit_bytes = args.stripe_unit.unwrap_or(request_bytes.max(MIB).next_multiple_of(block));
+    // Random reads of one whole stripe unit are checked without reading more than they return.
+    let floor = if args.pattern() == Pattern::Random { 64 * 1024 } else { MIB };
+    let stripe_unit_bytes = args.stripe_unit.unwrap_or(request_bytes.max(floor).next_multiple_of(block));
     if stripe_unit_bytes == 0 || !stripe_unit_bytes.is_multiple_of(block) {
         return Err(CliError::input(format!(
             "--stripe-unit {stripe_unit_bytes} must be a non-zero multiple of the block size {block}"

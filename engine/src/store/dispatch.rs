@@ -65,6 +65,8 @@ pub(crate) struct Op {
     /// through host memory: a verified get's check and a GPU put's stripe-unit checksums are
     /// built from these. None: no checksums are taken.
     pub piece_crcs: Option<Mutex<Vec<(u64, u64, u32)>>>,
+    /// A verified get: the object bytes whose stripe units it checks (see `Store::get_span`).
+    pub checked: (u64, u64),
     /// Set for ops on CUDA device memory (`user_ptr` is then a device address).
     pub gpu: Option<GpuOp>,
 }
@@ -123,6 +125,7 @@ impl Op {
             devices_written: AtomicU64::new(0),
             started: Instant::now(),
             piece_crcs: take_crcs.then(|| Mutex::new(Vec::new())),
+            checked: (user_start, user_end),
             gpu: None,
         }
     }
@@ -310,17 +313,17 @@ impl Shared {
         }
     }
 
-    /// A verified get: the checksum of every stripe unit it read (whole units: a ranged get
-    /// reads the rest of the units it touches too, see `Store::get_span`), combined from the
-    /// crcs its pieces took as they arrived, against the record's.
+    /// A verified get: the checksum of every stripe unit in its checked range (see
+    /// `Store::get_span`), combined from the crcs its pieces took as they arrived, against the
+    /// record's.
     fn verify_get(&self, op: &Op, crcs: &Mutex<Vec<(u64, u64, u32)>>) -> Result<()> {
         let OpObject::Get(object) = &op.object else { unreachable!("verify on a get") };
         let r = &object.record;
         let su = self.geometry.stripe_unit;
         let pieces = std::mem::take(&mut *crcs.lock().expect("piece crcs"));
-        let (start, end) = (op.user_start / su * su, op.user_end.div_ceil(su).saturating_mul(su).min(r.len_bytes));
+        let (start, end) = op.checked;
         let units = unit_crcs_from_pieces(pieces, su, r.len_bytes, start, end);
-        debug_assert_eq!(units.len() as u64, end.div_ceil(su) - start / su, "a verified get reads whole units");
+        debug_assert_eq!(units.len() as u64, end.div_ceil(su) - start / su, "every checked unit was read whole");
         for (unit, crc) in units {
             if r.unit_crcs[unit as usize] != crc {
                 let (device, device_offset) = self.unit_location(r, unit);

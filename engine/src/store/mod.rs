@@ -545,27 +545,39 @@ impl Store {
             end
         };
         self.shared.op_started()?;
-        let (verify, start, stop) = self.get_span(&object, offset, end, true);
-        let op = Arc::new(Op::new(OpKind::Get, id, priority, OpObject::Get(object), ptr as usize, offset, end, verify));
+        let span = self.get_span(&object, offset, end, true);
+        let mut op = Op::new(OpKind::Get, id, priority, OpObject::Get(object), ptr as usize, offset, end, span.verify);
+        op.checked = span.checked;
+        let op = Arc::new(op);
         let completion = op.completion.clone();
-        self.shared.enqueue(op, start, stop);
+        self.shared.enqueue(op, span.read.0, span.read.1);
         Ok(completion)
     }
 
-    /// Whether a get of object bytes `offset..end` is verified, and the object bytes it reads.
-    /// Verified (the store keeps checksums, `verify_checksums` is on and the data passes through
-    /// host memory): whole stripe units, so a ranged get also reads the rest of each unit its
-    /// range touches (into bounce memory) and every byte it returns is checked. Else whole blocks.
-    fn get_span(&self, object: &Object, offset: u64, end: u64, via_host: bool) -> (bool, u64, u64) {
-        let g = &self.shared.geometry;
-        let r = &object.record;
-        let verify = self.shared.config.verify_checksums && via_host && !r.unit_crcs.is_empty() && end > offset;
-        if verify {
-            let stop = round_up(end, g.stripe_unit).min(r.len_bytes);
-            (true, round_down(offset, g.stripe_unit), round_up(stop, g.block_size))
-        } else {
-            (false, round_down(offset, g.block_size), round_up(end, g.block_size))
+    /// What a get of object bytes `offset..end` reads and checks. Checks need a store that keeps
+    /// checksums, `verify_checksums`, and bytes that pass through host memory. A checksum covers
+    /// a whole stripe unit, so every unit the range covers whole is checked; a unit it covers
+    /// only in part (at either end) is read whole (the rest into bounce memory) and checked too
+    /// when that at most doubles the bytes the get reads, and returned unchecked otherwise
+    /// (e.g. 4 KiB out of a 1 MiB unit: 256 times the I/O).
+    fn get_span(&self, object: &Object, offset: u64, end: u64, via_host: bool) -> GetSpan {
+        let (su, block) = (self.shared.geometry.stripe_unit, self.shared.geometry.block_size);
+        let len = object.record.len_bytes;
+        let blocks = (round_down(offset, block), round_up(end, block));
+        let unchecked = GetSpan { verify: false, read: blocks, checked: (offset, offset) };
+        if !(self.shared.config.verify_checksums && via_host && !object.record.unit_crcs.is_empty()) {
+            return unchecked;
         }
+        let units = (round_down(offset, su), round_up(end, su).min(len));
+        let whole = (units.0, round_up(units.1, block));
+        if (whole.1 - whole.0) - (blocks.1 - blocks.0) <= end - offset {
+            return GetSpan { verify: end > offset, read: whole, checked: units };
+        }
+        let inner = (round_up(offset, su), if end == len { len } else { round_down(end, su) });
+        if inner.0 >= inner.1 {
+            return unchecked;
+        }
+        GetSpan { verify: true, read: blocks, checked: inner }
     }
 
     /// Puts `data` and waits until it is durable.
@@ -942,13 +954,15 @@ impl Store {
         self.shared.op_started()?;
         // On the cuFile path the bytes never pass through host memory: nothing to check them
         // in (the GPU report and docs/gpu.md say so).
-        let (verify, start, stop) = self.get_span(&object, offset, end, !gpu.use_cufile);
-        let mut op = Op::new(OpKind::Get, id, priority, OpObject::Get(object), dst.ptr as usize, offset, end, verify);
+        let span = self.get_span(&object, offset, end, !gpu.use_cufile);
+        let mut op =
+            Op::new(OpKind::Get, id, priority, OpObject::Get(object), dst.ptr as usize, offset, end, span.verify);
+        op.checked = span.checked;
         let handoff = gpu.handoff.map(|slot| (gpu.device.handoff.clone(), slot));
         op.gpu = Some(gpu);
         let op = Arc::new(op);
         let completion = op.completion.clone();
-        self.shared.enqueue(op, start, stop);
+        self.shared.enqueue(op, span.read.0, span.read.1);
         Ok(crate::gpu::GpuTicket { ticket: Ticket { completion, buffer: Some(()) }, handoff })
     }
 
@@ -1265,6 +1279,15 @@ fn no_space(allocators: &[DeviceAllocator], g: &Geometry, needed: u64) -> Error 
         free_bytes: free_blocks * g.block_size,
         largest_placeable_bytes: low * g.block_size,
     }
+}
+
+/// What a get reads and checks (`Store::get_span`).
+struct GetSpan {
+    verify: bool,
+    /// Object bytes read, block-aligned.
+    read: (u64, u64),
+    /// Object bytes whose stripe units are checked (whole units, or up to the object's end).
+    checked: (u64, u64),
 }
 
 /// What `format` reports.
