@@ -204,6 +204,14 @@ impl OpTicket {
         }
     }
 
+    /// Bumps `signal` when the op finishes.
+    pub fn signal_when_done(&self, signal: &std::sync::Arc<teraio_engine::DoneSignal>) {
+        match self {
+            OpTicket::Host(t) => t.signal_when_done(signal),
+            OpTicket::Gpu(t) => t.signal_when_done(signal),
+        }
+    }
+
     /// Waits for the op and hands the buffer back.
     pub fn wait(self) -> CliResult<OpBuf> {
         Ok(match self {

@@ -343,6 +343,8 @@ fn worker_loop(
     let requests_per_object = w.object_bytes / w.request_bytes;
     let mut inflight: VecDeque<Issued> = VecDeque::with_capacity(depth);
     let mut totals = PhaseTotals::default();
+    let done = std::sync::Arc::new(teraio_engine::DoneSignal::default());
+    let mut seen = 0u64;
     // Where this worker's next delete to make room starts in the random-write set.
     let mut room_cursor = worker as u64 * w.random_write_ids() / w.threads as u64;
     loop {
@@ -389,23 +391,18 @@ fn worker_loop(
                     Err(e) => return Err(e.into()),
                 }
             };
+            ticket.signal_when_done(&done);
             inflight.push_back(Issued { ticket, read, id, offset, bytes: op_bytes });
         }
-        // Wait for the oldest op, then also take every other op that has finished meanwhile,
-        // so that one slow request does not hold finished slots idle (random latencies).
-        let Some(oldest) = inflight.pop_front() else { break };
-        let mut finished = vec![oldest];
-        if inflight.len() > 1 {
-            let mut still_running = VecDeque::with_capacity(inflight.len());
-            for op in inflight.drain(..) {
-                if op.ticket.is_done() {
-                    finished.push(op);
-                } else {
-                    still_running.push_back(op);
-                }
-            }
-            inflight = still_running;
+        if inflight.is_empty() {
+            break;
         }
+        // Wait for any op to finish (not the oldest: a put that waits for its commit must not
+        // hold the slots of gets that finished meanwhile idle), then take every finished one.
+        seen = done.wait_past(seen);
+        let (finished, still_running): (VecDeque<Issued>, VecDeque<Issued>) =
+            inflight.drain(..).partition(|op| op.ticket.is_done());
+        inflight = still_running;
         for Issued { ticket, read, id, offset, bytes } in finished {
             let buf = ticket.wait()?;
             if read && w.verify {

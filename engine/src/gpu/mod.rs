@@ -137,6 +137,11 @@ impl<B> GpuTicket<B> {
         self.ticket.is_done()
     }
 
+    /// See [`Ticket::signal_when_done`].
+    pub fn signal_when_done(&self, signal: &Arc<crate::store::ticket::DoneSignal>) {
+        self.ticket.signal_when_done(signal)
+    }
+
     /// Waits at most `timeout`; `None` if the op is still running.
     pub fn wait_timeout(&self, timeout: Duration) -> Option<Result<()>> {
         self.ticket.wait_timeout(timeout)
