@@ -89,6 +89,44 @@ fn bench_every_mode_verifies_what_it_reads() {
 }
 
 #[test]
+fn bench_checks_checksums_unless_told_not_to() {
+    let tmp = scratch();
+    let targets = paths(tmp.path(), 2);
+    let on = bench_json(&targets, &["--rw", "randread", "--force"]);
+    assert_eq!(on["report"]["workload"]["verify_checksums"], true, "checked by default");
+    let off = bench_json(&targets, &["--rw", "randread", "--force", "--verify-checksums", "off"]);
+    assert_eq!(off["report"]["workload"]["verify_checksums"], false);
+    let table = teraio()
+        .arg("bench")
+        .args(&targets)
+        .args(["--data-size", "32MiB", "--object-size", "8MiB", "--no-progress", "--runtime", "200ms", "--force"])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&table.stdout).contains("checksums checked"));
+    let line = one_line_error(teraio().args(["bench", "--verify-checksums", "maybe"]), 2);
+    assert!(line.contains("maybe"), "{line}");
+}
+
+#[test]
+fn bench_time_based_random_writes_on_three_files_keep_running() {
+    // The reported case in small: a mixed random run on 3 files sized for the data set, where
+    // device 0 (metadata) used to fill first and stop the run with "not enough free space".
+    let tmp = scratch();
+    let targets = paths(tmp.path(), 3);
+    let out = teraio()
+        .arg("bench")
+        .args(&targets)
+        .args(["--rw", "randrw", "--read-percent", "70", "--request-size", "256KiB", "--queue-depth", "8"])
+        .args(["--data-size", "96MiB", "--object-size", "8MiB", "--runtime", "3s", "--no-progress", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "bench stopped: {}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(v["report"]["object_put"]["ops"].as_u64().unwrap() > 0);
+    assert!(v["report"]["elapsed_s"].as_f64().unwrap() >= 2.9, "the run lasted its runtime");
+}
+
+#[test]
 fn bench_table_has_percentiles_per_device_and_cpu() {
     let tmp = scratch();
     let targets = paths(tmp.path(), 2);

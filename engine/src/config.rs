@@ -103,7 +103,13 @@ pub struct OpenConfig {
     /// Bytes of bounce memory for unaligned buffers and partial last blocks, allocated at open
     /// and registered with io_uring. Default 64 MiB.
     pub bounce_pool_bytes: u64,
-    /// Check stripe-unit checksums on every whole-unit get. Default false (fsck always checks).
+    /// Check the crc32c of every stripe unit a get returns bytes of, failing the get with
+    /// `ChecksumMismatch` instead of returning damaged data. A checksum covers a whole stripe
+    /// unit: a ranged get checks the units it covers whole, and a unit it covers in part when
+    /// reading the rest of it at most doubles the get's I/O (else those bytes are returned
+    /// unchecked). Needs a store formatted with
+    /// checksums; GPU gets on the cuFile path cannot be checked (their bytes never pass through
+    /// host memory; the GPU report says so). Default true.
     pub verify_checksums: bool,
     /// Flush written devices and the journal before a put or delete is acknowledged, so it
     /// survives power loss, not only a process crash. Default true.
@@ -134,7 +140,7 @@ impl Default for OpenConfig {
             max_io_bytes: 4 * MIB,
             max_inflight_bytes: GIB,
             bounce_pool_bytes: 64 * MIB,
-            verify_checksums: false,
+            verify_checksums: true,
             durable: true,
             fault_injector: None,
             lock_wait_ms: 2000,

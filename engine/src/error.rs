@@ -51,8 +51,9 @@ pub enum Error {
     #[error("store metadata is corrupt: {detail}")]
     CorruptMetadata { detail: String },
 
-    #[error("not enough free space for {needed_bytes} bytes on device {device} ({free_bytes} bytes free there, largest usable run {largest_free_bytes}); delete objects or add devices")]
-    NoSpace { device: u16, needed_bytes: u64, free_bytes: u64, largest_free_bytes: u64 },
+    /// Raised only when no placement of the object exists on any device.
+    #[error("{}", no_space_message(*needed_bytes, *free_bytes, *largest_placeable_bytes))]
+    NoSpace { needed_bytes: u64, free_bytes: u64, largest_placeable_bytes: u64 },
 
     #[error("the object table is full ({detail}); delete objects or format with a larger metadata area")]
     TableFull { detail: String },
@@ -89,6 +90,20 @@ pub enum Error {
 
     #[error("CUDA call {call} failed: {detail}")]
     Gpu { call: &'static str, detail: String },
+}
+
+/// The advice depends on why nothing fits: too little space in all, or space too scattered
+/// (over devices or into runs) for an object this large.
+fn no_space_message(needed: u64, free: u64, largest: u64) -> String {
+    if needed > free {
+        format!(
+            "not enough free space for an object of {needed} bytes: the store has {free} bytes free in all, and the largest object it can place now is {largest} bytes; delete objects or add devices"
+        )
+    } else {
+        format!(
+            "no placement for an object of {needed} bytes although the store has {free} bytes free: that space is split over devices and free runs so that the largest object it can place now is {largest} bytes; store it as smaller objects, or delete objects to make room"
+        )
+    }
 }
 
 impl Error {
@@ -146,11 +161,10 @@ impl Clone for Error {
             Error::DeviceCountMismatch { given, count } => Error::DeviceCountMismatch { given: *given, count: *count },
             Error::Locked { path } => Error::Locked { path: path.clone() },
             Error::CorruptMetadata { detail } => Error::CorruptMetadata { detail: detail.clone() },
-            Error::NoSpace { device, needed_bytes, free_bytes, largest_free_bytes } => Error::NoSpace {
-                device: *device,
+            Error::NoSpace { needed_bytes, free_bytes, largest_placeable_bytes } => Error::NoSpace {
                 needed_bytes: *needed_bytes,
                 free_bytes: *free_bytes,
-                largest_free_bytes: *largest_free_bytes,
+                largest_placeable_bytes: *largest_placeable_bytes,
             },
             Error::TableFull { detail } => Error::TableFull { detail: detail.clone() },
             Error::NotFound { id } => Error::NotFound { id: *id },

@@ -25,5 +25,5 @@ pub use config::{parse_size, FormatConfig, GpuOptions, GpuPath, OpenConfig, GIB,
 pub use error::{Error, Result};
 pub use queue::Priority;
 pub use stats::{IoCounters, LatencySummary, OpCounters, StatsSnapshot};
-pub use store::ticket::{wait_all, wait_all_ok, IoBuf, IoBufMut, Ticket};
+pub use store::ticket::{wait_all, wait_all_ok, DoneSignal, IoBuf, IoBufMut, Ticket};
 pub use store::{DeviceInfo, FsckReport, ObjectInfo, Store, StoreInfo, StoreInfoAtFormat};

@@ -195,7 +195,11 @@ typedef struct teraio_open_options {
      */
     uint32_t durable;
     /**
-     * Nonzero: check stripe-unit checksums on every whole-unit get. Default 0.
+     * Nonzero: check the checksum of every stripe unit a get returns bytes of, failing it with
+     * `TERAIO_ERR_CORRUPT` (naming object, stripe unit, device and offset) instead of returning
+     * damaged data. A ranged get checks the units it covers whole, and a partly covered one
+     * when reading the rest of it at most doubles the get's I/O (else those bytes are unchecked).
+     * Default 1.
      */
     uint32_t verify_checksums;
     /**

@@ -77,7 +77,11 @@ pub struct teraio_open_options {
     pub direct_io: u32,
     /// Nonzero: a put or delete returns only once it would survive power loss. Default 1.
     pub durable: u32,
-    /// Nonzero: check stripe-unit checksums on every whole-unit get. Default 0.
+    /// Nonzero: check the checksum of every stripe unit a get returns bytes of, failing it with
+    /// `TERAIO_ERR_CORRUPT` (naming object, stripe unit, device and offset) instead of returning
+    /// damaged data. A ranged get checks the units it covers whole, and a partly covered one
+    /// when reading the rest of it at most doubles the get's I/O (else those bytes are unchecked).
+    /// Default 1.
     pub verify_checksums: u32,
     /// Milliseconds to wait for a device lock held by another writer before failing with
     /// `TERAIO_ERR_LOCKED` (a crashed writer's lock is released only once the kernel has

@@ -7,7 +7,9 @@
  * Covers: random round trips (sizes 0, 1, 4095, 4096, 4097, 1 MiB + 3, ...), blocking and
  * asynchronous paths, every error path (NULL/made-up/stale handles, missing objects, too-small
  * buffers, out-of-range reads, invalid arguments, a locked store, use after close and after
- * free), reopening, and several threads sharing one store, including a close racing them.
+ * free), reopening, several threads sharing one store, including a close racing them, checksums
+ * checked on every get by default (a flipped bit is TERAIO_ERR_CORRUPT, not data), and the
+ * no-space error.
  */
 #define _DEFAULT_SOURCE /* usleep, clock_gettime */
 #include "teraio.h"
@@ -193,7 +195,7 @@ static void test_async(teraio_store *store) {
 }
 
 static void test_error_paths(teraio_store *store) {
-    unsigned char buf[8192];
+    unsigned char buf[8192] = {0};
     uint64_t len = 0;
     teraio_ticket *ticket = NULL;
     teraio_object_info info;
@@ -435,6 +437,79 @@ static void test_ticket_across_close(teraio_store *store) {
     free(back);
 }
 
+/* A store of its own on one 16 MiB file: one object with a bit flipped on disk must fail a default
+ * get with TERAIO_ERR_CORRUPT naming object, unit, device and offset; with verify_checksums = 0
+ * the damaged bytes come back. Also: an object larger than the store is TERAIO_ERR_NO_SPACE. */
+static void test_damaged_data(const char *dir) {
+    char path[4200];
+    snprintf(path, sizeof path, "%s/corrupt0", dir);
+    const char *paths[1] = {path};
+    teraio_format_options format;
+    EXPECT(teraio_format_options_init(&format), TERAIO_OK);
+    format.create_file_bytes = 16 * MIB;
+    format.force = 1;
+    format.stripe_unit_bytes = 64 * 1024;
+    teraio_open_options open = test_open_options();
+    CHECK(open.verify_checksums == 1); /* on by default */
+    size_t len = 300000;
+    unsigned char *data = xmalloc(len), *back = xmalloc(len);
+    fill_random(data, len, 4242);
+    teraio_store *store = NULL;
+    EXPECT(teraio_create(paths, 1, &format, &open, &store), TERAIO_OK);
+    if (!store) return;
+    EXPECT(teraio_put(store, 5, data, len, NULL, 0), TERAIO_OK);
+    unsigned char *big = xmalloc(64 * MIB);
+    EXPECT(teraio_put(store, 6, big, 64 * MIB, NULL, 0), TERAIO_ERR_NO_SPACE);
+    CHECK(strstr(teraio_last_error_message(), "bytes free") != NULL);
+    free(big);
+    EXPECT(teraio_close(store), TERAIO_OK);
+    EXPECT(teraio_store_free(store), TERAIO_OK);
+
+    /* Flip one bit of the object's bytes in the file. */
+    FILE *f = fopen(path, "r+b");
+    CHECK(f != NULL);
+    if (!f) return;
+    size_t file_len = 16 * MIB;
+    unsigned char *file = xmalloc(file_len);
+    CHECK(fread(file, 1, file_len, f) == file_len);
+    unsigned char *at = NULL;
+    for (size_t i = 0; i + 64 <= file_len && !at; i += 512) /* objects start block-aligned */
+        if (memcmp(file + i, data + 199680, 64) == 0) at = file + i + 320;
+    CHECK(at != NULL);
+    if (at) {
+        long offset = (long)(at - file) + 3;
+        unsigned char byte = (unsigned char)(at[3] ^ 0x10);
+        CHECK(fseek(f, offset, SEEK_SET) == 0 && fwrite(&byte, 1, 1, f) == 1);
+    }
+    fclose(f);
+    free(file);
+
+    store = NULL;
+    EXPECT(teraio_open(paths, 1, &open, &store), TERAIO_OK);
+    if (store) {
+        EXPECT(teraio_get(store, 5, back, len, NULL), TERAIO_ERR_CORRUPT);
+        const char *message = teraio_last_error_message();
+        CHECK(strstr(message, "object 5") && strstr(message, "stripe unit 3") && strstr(message, "device 0") &&
+              strstr(message, "offset"));
+        /* 50,000 bytes of the damaged unit, away from the flip: reading the rest of the unit at
+         * most doubles the I/O, so the unit is read and checked whole. */
+        EXPECT(teraio_get_range(store, 5, 196608 + 8192, back, 50000), TERAIO_ERR_CORRUPT);
+        EXPECT(teraio_store_free(store), TERAIO_OK);
+    }
+    open.verify_checksums = 0;
+    store = NULL;
+    EXPECT(teraio_open(paths, 1, &open, &store), TERAIO_OK);
+    if (store) {
+        EXPECT(teraio_get(store, 5, back, len, NULL), TERAIO_OK);
+        size_t differing = 0;
+        for (size_t i = 0; i < len; i++) differing += back[i] != data[i];
+        CHECK(differing == 1);
+        EXPECT(teraio_store_free(store), TERAIO_OK);
+    }
+    free(data);
+    free(back);
+}
+
 int main(int argc, char **argv) {
     if (argc != 2) {
         fprintf(stderr, "usage: %s DIR\n", argv[0]);
@@ -484,6 +559,7 @@ int main(int argc, char **argv) {
     store = NULL;
     EXPECT(teraio_open(devices, 2, &open, &store), TERAIO_OK);
     if (store) test_ticket_across_close(store);
+    test_damaged_data(argv[1]);
 
     clock_gettime(CLOCK_MONOTONIC, &end);
     double seconds = (double)(end.tv_sec - start.tv_sec) + (double)(end.tv_nsec - start.tv_nsec) / 1e9;

@@ -64,6 +64,24 @@ fn to_py_err(error: EngineError) -> PyErr {
     }
 }
 
+/// An object id from Python: an int in 0..2**64. Booleans, negative or too large numbers and
+/// non-integers are refused with `InvalidArgumentError` (not Python's OverflowError, and `True`
+/// is not taken as id 1).
+struct ObjectId(u64);
+
+impl<'py> FromPyObject<'py> for ObjectId {
+    fn extract_bound(ob: &Bound<'py, PyAny>) -> PyResult<Self> {
+        let refuse = || {
+            let shown = ob.repr().map(|r| r.to_string()).unwrap_or_else(|_| "?".into());
+            InvalidArgumentError::new_err(format!("object id {shown} is not an integer in 0..2**64"))
+        };
+        if ob.is_instance_of::<pyo3::types::PyBool>() {
+            return Err(refuse());
+        }
+        ob.extract::<u64>().map(ObjectId).map_err(|_| refuse())
+    }
+}
+
 fn planner_err(error: teraio_planner::Error) -> PyErr {
     PlannerError::new_err(error.to_string())
 }
@@ -242,7 +260,7 @@ impl Store {
     #[staticmethod]
     #[pyo3(signature = (paths, *, file_size_bytes=None, stripe_unit_bytes=1<<20, block_size=4096,
         checksums=true, force=false, durable=true, direct_io=true, queue_depth=32, backend="auto",
-        max_inflight_bytes=None, verify_checksums=false, emulate=None, gpu="auto"))]
+        max_inflight_bytes=None, verify_checksums=true, emulate=None, gpu="auto"))]
     #[allow(clippy::too_many_arguments)]
     fn create(
         py: Python<'_>,
@@ -279,7 +297,7 @@ impl Store {
     /// Opens the existing store on `paths` (all of its devices, in any order).
     #[staticmethod]
     #[pyo3(signature = (paths, *, durable=true, direct_io=true, queue_depth=32, backend="auto",
-        max_inflight_bytes=None, verify_checksums=false, emulate=None, gpu="auto"))]
+        max_inflight_bytes=None, verify_checksums=true, emulate=None, gpu="auto"))]
     #[allow(clippy::too_many_arguments)]
     fn open(
         py: Python<'_>,
@@ -308,13 +326,14 @@ impl Store {
     fn put_address(
         &self,
         py: Python<'_>,
-        id: u64,
+        id: ObjectId,
         address: usize,
         length: usize,
         owner: PyObject,
         meta: Vec<u8>,
         urgent: bool,
     ) -> PyResult<Handle> {
+        let id = id.0;
         if address == 0 && length > 0 {
             return Err(InvalidArgumentError::new_err("null address"));
         }
@@ -338,7 +357,7 @@ impl Store {
     fn get_address(
         &self,
         py: Python<'_>,
-        id: u64,
+        id: ObjectId,
         address: usize,
         length: usize,
         owner: PyObject,
@@ -346,6 +365,7 @@ impl Store {
         whole: bool,
         urgent: bool,
     ) -> PyResult<Handle> {
+        let id = id.0;
         if address == 0 && length > 0 {
             return Err(InvalidArgumentError::new_err("null address"));
         }
@@ -371,7 +391,7 @@ impl Store {
     fn put_device(
         &self,
         py: Python<'_>,
-        id: u64,
+        id: ObjectId,
         address: u64,
         length: usize,
         device: u32,
@@ -379,6 +399,7 @@ impl Store {
         meta: Vec<u8>,
         urgent: bool,
     ) -> PyResult<Handle> {
+        let id = id.0;
         let store = self.store()?;
         let slice = teraio_engine::gpu::DeviceSlice { ptr: address, len: length, device };
         // SAFETY: as documented above; the engine checks that the pointer is device memory.
@@ -397,7 +418,7 @@ impl Store {
     fn get_device(
         &self,
         py: Python<'_>,
-        id: u64,
+        id: ObjectId,
         address: u64,
         length: usize,
         device: u32,
@@ -406,6 +427,7 @@ impl Store {
         whole: bool,
         urgent: bool,
     ) -> PyResult<Handle> {
+        let id = id.0;
         let store = self.store()?;
         let slice = teraio_engine::gpu::DeviceSlice { ptr: address, len: length, device };
         // SAFETY: as documented above.
@@ -422,26 +444,30 @@ impl Store {
 
     /// Writes `data` as object `id` and waits until it is acknowledged.
     #[pyo3(signature = (id, data, meta=b"".to_vec()))]
-    fn put_bytes(&self, py: Python<'_>, id: u64, data: Vec<u8>, meta: Vec<u8>) -> PyResult<()> {
+    fn put_bytes(&self, py: Python<'_>, id: ObjectId, data: Vec<u8>, meta: Vec<u8>) -> PyResult<()> {
+        let id = id.0;
         let store = self.store()?;
         py.allow_threads(|| store.put_blocking(id, &data, &meta)).map_err(to_py_err)
     }
 
     /// Reads the whole of object `id`.
-    fn get_bytes<'py>(&self, py: Python<'py>, id: u64) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
+    fn get_bytes<'py>(&self, py: Python<'py>, id: ObjectId) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
+        let id = id.0;
         let store = self.store()?;
         let data = py.allow_threads(|| store.get_to_vec(id)).map_err(to_py_err)?;
         Ok(pyo3::types::PyBytes::new(py, &data))
     }
 
     /// Deletes object `id`; returns whether it existed.
-    fn delete(&self, py: Python<'_>, id: u64) -> PyResult<bool> {
+    fn delete(&self, py: Python<'_>, id: ObjectId) -> PyResult<bool> {
+        let id = id.0;
         let store = self.store()?;
         py.allow_threads(|| store.delete(id)).map_err(to_py_err)
     }
 
     /// Object metadata as a dict (`id`, `len_bytes`, `meta`, `devices`, `extent_count`), or None.
-    fn stat<'py>(&self, py: Python<'py>, id: u64) -> PyResult<Option<Bound<'py, PyDict>>> {
+    fn stat<'py>(&self, py: Python<'py>, id: ObjectId) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let id = id.0;
         let store = self.store()?;
         store.stat(id).map(|info| object_dict(py, &info)).transpose()
     }

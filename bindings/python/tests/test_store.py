@@ -132,3 +132,79 @@ def test_gpu_options_and_probe_say_what_they_found(store_dir: pathlib.Path) -> N
         teraio.Store.create([store_dir / "dev0"], file_size_bytes=64 << 20, gpu="warp")
     with teraio.Store.create([store_dir / "dev1"], file_size_bytes=64 << 20, durable=False) as store:
         assert store.gpu_report() is None  # no GPU op yet
+
+
+def _flip_one_bit_of(path: pathlib.Path, needle: bytes) -> None:
+    raw = bytearray(path.read_bytes())
+    at = raw.find(needle)
+    assert at >= 0, "object bytes not found on the device"
+    raw[at + 5] ^= 0x04
+    path.write_bytes(bytes(raw))
+
+
+def test_damaged_data_raises_corrupt_error_by_default(store_dir: pathlib.Path) -> None:
+    paths = [store_dir / "dev0"]
+    data = np.random.default_rng(11).integers(0, 255, 300_000, dtype=np.uint8)
+    with teraio.Store.create(paths, file_size_bytes=16 << 20, stripe_unit_bytes=64 << 10) as s:
+        s.put(1, data)
+    _flip_one_bit_of(paths[0], data[200_000:200_064].tobytes())
+    with teraio.Store.open(paths) as s:  # checks are on without asking
+        with pytest.raises(teraio.CorruptError, match=r"object 1, stripe unit 3 \(device 0, offset \d+\)"):
+            s.get(1, np.empty_like(data))
+        with pytest.raises(teraio.CorruptError, match="object 1"):
+            s.get_bytes(1)
+    with teraio.Store.open(paths, verify_checksums=False) as s:
+        out = s.get(1, np.empty_like(data))
+        assert np.count_nonzero(out != data) == 1  # unchecked: the damaged byte comes back
+    with teraio.Store.open(paths, verify_checksums=True) as s:
+        with pytest.raises(teraio.CorruptError):
+            s.get(1, np.empty_like(data))
+
+
+def test_object_arrays_and_non_plain_buffers_are_refused(store: teraio.Store) -> None:
+    with pytest.raises(teraio.InvalidArgumentError, match="object pointers"):
+        store.put(1, np.array([object(), "x"], dtype=object))
+    with pytest.raises(teraio.InvalidArgumentError, match="object pointers"):
+        store.put(1, np.zeros(2, dtype=[("a", "i4"), ("b", "O")]))
+    assert store.stat(1) is None  # nothing was stored
+    store.put(2, np.arange(4, dtype=np.int64))
+    with pytest.raises(teraio.InvalidArgumentError, match="object pointers"):
+        store.get(2, np.empty(4, dtype=object))
+    with pytest.raises(teraio.InvalidArgumentError, match="cannot store a list"):
+        store.put(3, [1, 2, 3])
+    with pytest.raises(teraio.InvalidArgumentError, match="not plain numeric data"):
+        store.put(3, memoryview(np.zeros(3, dtype=[("a", "<i4"), ("b", "<f8")])))
+    with pytest.raises(teraio.InvalidArgumentError, match="C-contiguous"):
+        store.put(3, memoryview(bytearray(16))[::2])
+    assert store.stat(3) is None
+    # Plain buffers of other formats are stored as their bytes.
+    store.put(4, memoryview(np.arange(6, dtype=">f4").reshape(2, 3)))
+    assert store.get_bytes(4) == np.arange(6, dtype=">f4").tobytes()
+
+
+@pytest.mark.parametrize("bad_id", [-1, 2**64, True, False, 1.5, "3", None])
+def test_bad_ids_raise_invalid_argument_on_every_method(store: teraio.Store, bad_id: object) -> None:
+    store.put(1, b"one")
+    out = np.empty(8, dtype=np.uint8)
+    calls = [
+        lambda: store.put(bad_id, b"x"),  # type: ignore[arg-type]
+        lambda: store.put_async(bad_id, np.ones(4, dtype=np.uint8)),  # type: ignore[arg-type]
+        lambda: store.get(bad_id, out),  # type: ignore[arg-type]
+        lambda: store.get_async(bad_id, out),  # type: ignore[arg-type]
+        lambda: store.get_bytes(bad_id),  # type: ignore[arg-type]
+        lambda: store.delete(bad_id),  # type: ignore[arg-type]
+        lambda: store.stat(bad_id),  # type: ignore[arg-type]
+        lambda: store._native.put_bytes(bad_id, b"x"),
+    ]
+    for call in calls:
+        with pytest.raises(teraio.InvalidArgumentError, match="object id"):
+            call()
+    assert [o["id"] for o in store.list()] == [1]
+    assert store.get_bytes(1) == b"one"
+
+
+def test_ids_span_the_whole_u64_range(store: teraio.Store) -> None:
+    for good in (0, 2**64 - 1, np.uint64(2**63), np.int64(7)):
+        store.put(good, b"ok")  # type: ignore[arg-type]
+        assert store.get_bytes(good) == b"ok"  # type: ignore[arg-type]
+        assert store.delete(good) is True  # type: ignore[arg-type]

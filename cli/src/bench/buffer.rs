@@ -181,7 +181,8 @@ impl OpBuf {
     }
 
     /// Starts a put of the whole buffer as object `id`.
-    pub fn put(self, store: &Store, id: u64) -> CliResult<OpTicket> {
+    /// The engine's error is kept as it is, so that a full store can be told apart.
+    pub fn put(self, store: &Store, id: u64) -> Result<OpTicket, teraio_engine::Error> {
         Ok(match self {
             OpBuf::Host(b) => OpTicket::Host(store.put(id, b, &[], Priority::Normal)?),
             OpBuf::Gpu(b) => OpTicket::Gpu(store.put_gpu(id, b, &[], Priority::Normal)?),
@@ -200,6 +201,14 @@ impl OpTicket {
         match self {
             OpTicket::Host(t) => t.is_done(),
             OpTicket::Gpu(t) => t.is_done(),
+        }
+    }
+
+    /// Bumps `signal` when the op finishes.
+    pub fn signal_when_done(&self, signal: &std::sync::Arc<teraio_engine::DoneSignal>) {
+        match self {
+            OpTicket::Host(t) => t.signal_when_done(signal),
+            OpTicket::Gpu(t) => t.signal_when_done(signal),
         }
     }
 

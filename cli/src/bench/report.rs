@@ -108,6 +108,8 @@ pub struct BenchReport {
     pub object_put: DirectionResult,
     pub cpu: CpuResult,
     pub verified_bytes: u64,
+    /// Objects of the random-write set deleted so that random writes found room.
+    pub room_deletes: u64,
     /// With GPU buffers: the engine's GPU path (bounce or cuFile) and why it was chosen.
     pub gpu_path: Option<String>,
 }
@@ -164,6 +166,7 @@ impl BenchReport {
                 cores_per_gb_per_s: if gb_per_s > 0.0 { cores_busy / gb_per_s } else { 0.0 },
             },
             verified_bytes: totals.verified_bytes,
+            room_deletes: totals.room_deletes,
             gpu_path: None,
         }
     }
@@ -204,6 +207,12 @@ impl BenchReport {
             "host CPU: {:.2} cores busy (user {:.2} s, system {:.2} s) = {:.2} cores per GB/s\n",
             self.cpu.cores_busy, self.cpu.user_s, self.cpu.system_s, self.cpu.cores_per_gb_per_s
         ));
+        if self.room_deletes > 0 {
+            out.push_str(&format!(
+                "store full: {} older object(s) of the random-write set deleted to make room\n",
+                self.room_deletes
+            ));
+        }
         if self.workload.verify {
             out.push_str(&format!("verify: {} read back, every byte matched\n", format_bytes(self.verified_bytes)));
         }

@@ -13,6 +13,9 @@
 //!   small object of `request_bytes` with a random id out of a separate set of
 //!   [`RANDOM_WRITE_IDS`] (each put replaces the earlier object of that id).
 //! - Mixed: each op is a read with probability `read_percent`, else a write, as above.
+//! - A random write that finds the store full (a put needs room for the new version before
+//!   the old one is freed) deletes other objects of the random-write set, in turn, until it
+//!   fits, so a time-based run keeps going; the report counts those deletes.
 
 use super::buffer::{HostBuf, OpBuf, OpTicket};
 use super::pattern::{self, Rng};
@@ -66,6 +69,8 @@ pub struct Workload {
     pub devices: usize,
     /// With verify: every byte read is checked against the pattern it was written with.
     pub verify: bool,
+    /// The engine checks stripe-unit checksums on every get.
+    pub verify_checksums: bool,
     pub buffer: BufferKind,
     /// CUDA device of GPU buffers.
     pub gpu_ordinal: u32,
@@ -139,7 +144,7 @@ impl Workload {
     pub fn describe(&self) -> String {
         let mix = if self.reads() && self.writes() { format!(" {}% reads", self.read_percent) } else { String::new() };
         format!(
-            "{}{mix}, {} requests, qd {}/device, {} thread(s), {} device(s), {} in {} object(s) of {}, stripe unit {}, {} buffers{}",
+            "{}{mix}, {} requests, qd {}/device, {} thread(s), {} device(s), {} in {} object(s) of {}, stripe unit {}, {} buffers, checksums {}{}",
             self.fio_rw(),
             format_bytes(self.request_bytes),
             self.queue_depth,
@@ -153,6 +158,14 @@ impl Workload {
                 BufferKind::Host => "host",
                 BufferKind::Pinned => "pinned",
                 BufferKind::Gpu => "GPU",
+            },
+            match (self.verify_checksums, self.pattern) {
+                (false, _) => "not checked",
+                // The engine checks a partial stripe unit only when that at most doubles the I/O.
+                (true, Pattern::Random) if 2 * self.request_bytes < self.stripe_unit_bytes => {
+                    "checked for whole stripe units only (requests are under half a unit)"
+                }
+                (true, _) => "checked",
             },
             if self.verify { ", verifying every byte" } else { "" }
         )
@@ -183,6 +196,8 @@ pub struct PhaseTotals {
     pub write_bytes: u64,
     /// Bytes compared against the written pattern (with verify).
     pub verified_bytes: u64,
+    /// Objects of the random-write set deleted to make room for random writes.
+    pub room_deletes: u64,
 }
 
 impl PhaseTotals {
@@ -192,6 +207,7 @@ impl PhaseTotals {
         self.write_ops += o.write_ops;
         self.write_bytes += o.write_bytes;
         self.verified_bytes += o.verified_bytes;
+        self.room_deletes += o.room_deletes;
     }
 }
 
@@ -327,6 +343,10 @@ fn worker_loop(
     let requests_per_object = w.object_bytes / w.request_bytes;
     let mut inflight: VecDeque<Issued> = VecDeque::with_capacity(depth);
     let mut totals = PhaseTotals::default();
+    let done = std::sync::Arc::new(teraio_engine::DoneSignal::default());
+    let mut seen = 0u64;
+    // Where this worker's next delete to make room starts in the random-write set.
+    let mut room_cursor = worker as u64 * w.random_write_ids() / w.threads as u64;
     loop {
         while inflight.len() < depth && !stop.load(Ordering::Relaxed) && !interrupted() {
             if deadline.is_some_and(|d| Instant::now() >= d) {
@@ -363,25 +383,26 @@ fn worker_loop(
                     pattern::fill(&mut bytes, id, 0);
                     buf.write_from(&bytes)?;
                 }
-                buf.put(store, id)?
+                match buf.put(store, id) {
+                    Ok(ticket) => ticket,
+                    Err(teraio_engine::Error::NoSpace { .. }) if w.pattern == Pattern::Random => {
+                        put_making_room(store, w, id, &mut room_cursor, &mut totals)?
+                    }
+                    Err(e) => return Err(e.into()),
+                }
             };
+            ticket.signal_when_done(&done);
             inflight.push_back(Issued { ticket, read, id, offset, bytes: op_bytes });
         }
-        // Wait for the oldest op, then also take every other op that has finished meanwhile,
-        // so that one slow request does not hold finished slots idle (random latencies).
-        let Some(oldest) = inflight.pop_front() else { break };
-        let mut finished = vec![oldest];
-        if inflight.len() > 1 {
-            let mut still_running = VecDeque::with_capacity(inflight.len());
-            for op in inflight.drain(..) {
-                if op.ticket.is_done() {
-                    finished.push(op);
-                } else {
-                    still_running.push_back(op);
-                }
-            }
-            inflight = still_running;
+        if inflight.is_empty() {
+            break;
         }
+        // Wait for any op to finish (not the oldest: a put that waits for its commit must not
+        // hold the slots of gets that finished meanwhile idle), then take every finished one.
+        seen = done.wait_past(seen);
+        let (finished, still_running): (VecDeque<Issued>, VecDeque<Issued>) =
+            inflight.drain(..).partition(|op| op.ticket.is_done());
+        inflight = still_running;
         for Issued { ticket, read, id, offset, bytes } in finished {
             let buf = ticket.wait()?;
             if read && w.verify {
@@ -400,6 +421,42 @@ fn worker_loop(
         }
     }
     Ok(totals)
+}
+
+/// A random write that found the store full: deletes objects of the random-write set other
+/// than `id`, from `cursor` on, until a put of `id` fits. The failed put took its buffer with
+/// it, so this one gets a new one.
+fn put_making_room(
+    store: &Store,
+    w: &Workload,
+    id: u64,
+    cursor: &mut u64,
+    totals: &mut PhaseTotals,
+) -> CliResult<OpTicket> {
+    let ids = w.random_write_ids();
+    for _ in 0..ids {
+        let victim = RANDOM_WRITE_ID_BASE + *cursor % ids;
+        *cursor += 1;
+        if victim == id || !store.delete(victim)? {
+            continue;
+        }
+        totals.room_deletes += 1;
+        let mut buf = OpBuf::new(w.request_bytes as usize, w.buffer, w.gpu_ordinal)?;
+        if w.verify {
+            let mut bytes = vec![0u8; w.request_bytes as usize];
+            pattern::fill(&mut bytes, id, 0);
+            buf.write_from(&bytes)?;
+        }
+        match buf.put(store, id) {
+            Ok(ticket) => return Ok(ticket),
+            Err(teraio_engine::Error::NoSpace { .. }) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Err(CliError::failed(format!(
+        "a random write of {} finds the store full even with every other object of the random-write set deleted; give a smaller --data-size or larger targets",
+        format_bytes(w.request_bytes)
+    )))
 }
 
 /// Counts a finished op.
@@ -429,6 +486,7 @@ mod tests {
             stripe_unit_bytes: 4 << 20,
             devices: 1,
             verify: false,
+            verify_checksums: true,
             buffer: BufferKind::Host,
             gpu_ordinal: 0,
         }
@@ -446,6 +504,40 @@ mod tests {
         assert_eq!(w.ops_in_flight_per_worker(), 256);
         assert_eq!(w.fio_rw(), "randread");
         assert_eq!(workload(Pattern::Sequential, 70).fio_rw(), "rw");
+    }
+
+    #[test]
+    fn random_writes_into_a_full_store_delete_older_ones_and_keep_running() {
+        use teraio_engine::{FormatConfig, OpenConfig, MIB};
+        let dir = tempfile::Builder::new()
+            .tempdir_in(std::env::var_os("TERAIO_TEST_DIR").map_or_else(std::env::temp_dir, Into::into))
+            .unwrap();
+        let paths = [dir.path().join("d0")];
+        let format = FormatConfig {
+            stripe_unit_bytes: MIB,
+            checkpoint_slot_bytes: Some(MIB),
+            journal_bytes: Some(MIB),
+            create_file_bytes: Some(16 * MIB),
+            ..FormatConfig::default()
+        };
+        let open = OpenConfig { durable: false, queue_depth: 4, ..OpenConfig::default() };
+        let store = Store::create(&paths, &format, open).unwrap();
+        let mut w = workload(Pattern::Random, 0);
+        (w.request_bytes, w.object_bytes, w.object_count, w.queue_depth, w.verify) = (256 << 10, MIB, 2, 4, true);
+        prefill(&store, &w, &Progress::default()).unwrap();
+        // Fill what is left with objects outside the workload's ids: every put now needs room.
+        let filler = vec![0u8; 256 << 10];
+        let mut id = 1 << 50;
+        while store.put_blocking(id, &filler, b"").is_ok() {
+            id += 1;
+        }
+        let totals = run_phase(&store, &w, Limit::Runtime(Duration::from_millis(300)), &Progress::default()).unwrap();
+        assert!(totals.write_ops > 0);
+        assert!(totals.room_deletes > 0, "the store was full, so writes had to make room");
+        // Reads of what the random writes left behind are whole and checked.
+        w.read_percent = 50;
+        let totals = run_phase(&store, &w, Limit::Runtime(Duration::from_millis(200)), &Progress::default()).unwrap();
+        assert!(totals.read_ops > 0);
     }
 
     #[test]

@@ -227,7 +227,11 @@ pub fn create_file(path: &Path, size_bytes: u64) -> Result<()> {
     if rc != 0 {
         let e = std::io::Error::last_os_error();
         if e.raw_os_error() == Some(libc::ENOSPC) {
-            return Err(Error::NoSpace { device: 0, needed_bytes: size_bytes, free_bytes: 0, largest_free_bytes: 0 });
+            // The file system is full, not a store: say which file could not get its blocks.
+            return Err(Error::io(
+                format!("reserving {size_bytes} bytes for {} (its file system is full)", path.display()),
+                e,
+            ));
         }
         // File systems without fallocate: fall back to a sparse file, and say so.
         tracing::warn!(path = %path.display(), error = %e, "fallocate failed; the device file is sparse");

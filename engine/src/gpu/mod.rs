@@ -68,6 +68,25 @@ pub struct GpuPathReport {
     pub measured_gbps: Option<(f64, f64)>,
     /// Bytes of pinned host memory the store uses (its bounce slab; bounded by `bounce_pool_bytes`).
     pub pinned_bytes: u64,
+    /// The store keeps stripe-unit checksums (format option).
+    pub store_checksums: bool,
+    /// The store was opened with `verify_checksums`.
+    pub verify_checksums: bool,
+}
+
+impl GpuPathReport {
+    /// What GPU ops on this path check: checksums can be taken and checked only where the bytes
+    /// pass through host memory (the pinned bounce chunks), never on the cuFile path.
+    pub fn checksum_note(&self) -> &'static str {
+        match (self.path, self.store_checksums, self.verify_checksums) {
+            (_, false, _) => "none (the store keeps no checksums)",
+            (GpuPath::Cufile | GpuPath::Gds, _, _) => {
+                "NOT checked on cuFile gets, and cuFile puts keep none: their bytes never pass through host memory (gpu=bounce checks every get)"
+            }
+            (_, true, true) => "every get checked in the pinned bounce chunks",
+            (_, true, false) => "not checked (verify_checksums is off)",
+        }
+    }
 }
 
 impl std::fmt::Display for GpuPathReport {
@@ -79,7 +98,7 @@ impl std::fmt::Display for GpuPathReport {
         for m in &self.cufile_mode {
             write!(f, "; {m}")?;
         }
-        Ok(())
+        write!(f, "; checksums: {}", self.checksum_note())
     }
 }
 
@@ -116,6 +135,11 @@ impl<B> GpuTicket<B> {
     /// Whether the op has finished; never blocks.
     pub fn is_done(&self) -> bool {
         self.ticket.is_done()
+    }
+
+    /// See [`Ticket::signal_when_done`].
+    pub fn signal_when_done(&self, signal: &Arc<crate::store::ticket::DoneSignal>) {
+        self.ticket.signal_when_done(signal)
     }
 
     /// Waits at most `timeout`; `None` if the op is still running.

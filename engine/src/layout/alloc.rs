@@ -76,25 +76,26 @@ impl DeviceAllocator {
         self.free_blocks -= len;
     }
 
+    /// Most blocks one `allocate` with `max_extents` pieces could take now: the sum of the
+    /// largest `max_extents` free runs.
+    pub fn placeable_blocks(&self, max_extents: usize) -> u64 {
+        self.by_len.iter().rev().take(max_extents).map(|&(len, _)| len).sum()
+    }
+
     /// Takes `len_blocks`: one contiguous run if any fits (the smallest that does), else the largest
-    /// runs first, in at most `max_extents` pieces. Nothing is taken when it fails.
-    pub fn allocate(&mut self, len_blocks: u64, max_extents: usize, block_size: u64) -> Result<Vec<Extent>> {
+    /// runs first, in at most `max_extents` pieces. None (nothing taken) when it does not fit;
+    /// the store then tries other devices and builds the error from the whole store's free space.
+    pub fn allocate(&mut self, len_blocks: u64, max_extents: usize) -> Option<Vec<Extent>> {
         assert!(len_blocks > 0 && max_extents > 0);
-        let no_space = |a: &Self| Error::NoSpace {
-            device: a.device,
-            needed_bytes: len_blocks * block_size,
-            free_bytes: a.free_blocks * block_size,
-            largest_free_bytes: a.largest_free_blocks() * block_size,
-        };
         if len_blocks > self.free_blocks {
-            return Err(no_space(self));
+            return None;
         }
         if let Some(&(len, start)) = self.by_len.range((len_blocks, 0)..).next() {
             self.remove_run(start, len);
             if len > len_blocks {
                 self.insert_run(start + len_blocks, len - len_blocks);
             }
-            return Ok(vec![Extent { device: self.device, start_block: start, len_blocks }]);
+            return Some(vec![Extent { device: self.device, start_block: start, len_blocks }]);
         }
         // No single run is large enough: gather the largest runs.
         let mut pieces = Vec::new();
@@ -108,7 +109,7 @@ impl DeviceAllocator {
             still -= take;
         }
         if still > 0 {
-            return Err(no_space(self));
+            return None;
         }
         let mut extents = Vec::with_capacity(pieces.len());
         for (start, len, take) in pieces {
@@ -121,7 +122,7 @@ impl DeviceAllocator {
         // Keep device order within the object: ascending addresses read better on spinning
         // media and make the stripe map easy to read.
         extents.sort_by_key(|e| e.start_block);
-        Ok(extents)
+        Some(extents)
     }
 
     /// Marks an extent as used (rebuilding from the table on open). Fails if any of it is not free,
@@ -179,12 +180,12 @@ mod tests {
     #[test]
     fn best_fit_then_merge_back() {
         let mut a = DeviceAllocator::new(0, 10, 110);
-        let x = a.allocate(30, 4, 4096).unwrap();
-        let y = a.allocate(30, 4, 4096).unwrap();
+        let x = a.allocate(30, 4).unwrap();
+        let y = a.allocate(30, 4).unwrap();
         assert_eq!(x, vec![Extent { device: 0, start_block: 10, len_blocks: 30 }]);
         a.free(x[0]);
         // A 20-block request takes the 30-block hole (best fit), not the 40-block tail.
-        let z = a.allocate(20, 4, 4096).unwrap();
+        let z = a.allocate(20, 4).unwrap();
         assert_eq!(z[0].start_block, 10);
         a.free(z[0]);
         a.free(y[0]);
@@ -195,20 +196,20 @@ mod tests {
     #[test]
     fn fragmented_space_is_gathered_and_failure_takes_nothing() {
         let mut a = DeviceAllocator::new(3, 0, 100);
-        let parts: Vec<_> = (0..10).map(|_| a.allocate(10, 1, 4096).unwrap()[0]).collect();
+        let parts: Vec<_> = (0..10).map(|_| a.allocate(10, 1).unwrap()[0]).collect();
         for p in parts.iter().step_by(2) {
             a.free(*p);
         }
         assert_eq!(a.largest_free_blocks(), 10);
-        let e = a.allocate(30, 8, 4096).unwrap();
+        assert_eq!(a.placeable_blocks(2), 20);
+        let e = a.allocate(30, 8).unwrap();
         assert_eq!(e.iter().map(|x| x.len_blocks).sum::<u64>(), 30);
         assert_eq!(e.len(), 3);
         let before = a.free_blocks();
-        let err = a.allocate(30, 8, 4096).unwrap_err();
-        assert!(matches!(err, Error::NoSpace { device: 3, .. }));
+        assert!(a.allocate(30, 8).is_none());
         assert_eq!(a.free_blocks(), before);
         // Too many pieces needed: refused, nothing taken.
-        assert!(a.allocate(20, 1, 4096).is_err());
+        assert!(a.allocate(20, 1).is_none());
         assert_eq!(a.free_blocks(), before);
     }
 
@@ -235,7 +236,7 @@ mod tests {
                         for b in e.start_block..e.end_block() { owned.remove(&b); }
                         a.free(e);
                     }
-                } else if let Ok(es) = a.allocate(len, 4, 4096) {
+                } else if let Some(es) = a.allocate(len, 4) {
                     prop_assert_eq!(es.iter().map(|e| e.len_blocks).sum::<u64>(), len);
                     for e in &es {
                         prop_assert!(e.start_block >= 5 && e.end_block() <= 1005);

@@ -19,6 +19,7 @@ use crate::gpu::copy::CopyDirection;
 use crate::gpu::handoff::HandoffSlot;
 use crate::gpu::runtime::GpuDevice;
 use crate::layout::stripe::{Piece, StripeMap};
+use crate::layout::table::ObjectRecord;
 use crate::queue::{Priority, Request};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -60,7 +61,12 @@ pub(crate) struct Op {
     /// Bit i set: device i was written (for the flush before commit).
     pub devices_written: AtomicU64,
     pub started: Instant,
-    pub verify: bool,
+    /// (object offset, bytes, crc32c) of each piece's true object bytes, taken as the piece passes
+    /// through host memory: a verified get's check and a GPU put's stripe-unit checksums are
+    /// built from these. None: no checksums are taken.
+    pub piece_crcs: Option<Mutex<Vec<(u64, u64, u32)>>>,
+    /// A verified get: the object bytes whose stripe units it checks (see `Store::get_span`).
+    pub checked: (u64, u64),
     /// Set for ops on CUDA device memory (`user_ptr` is then a device address).
     pub gpu: Option<GpuOp>,
 }
@@ -70,10 +76,6 @@ pub(crate) struct GpuOp {
     pub device: Arc<GpuDevice>,
     /// Whole blocks go through cuFile (else every piece bounces).
     pub use_cufile: bool,
-    /// (object offset, bytes, crc32c) of each bounced piece's caller bytes: a put's stripe-unit
-    /// checksums and a verified get's check are built from these, since the caller's bytes are
-    /// only ever on the host inside a bounce chunk.
-    pub piece_crcs: Option<Mutex<Vec<(u64, u64, u32)>>>,
     pub handoff: Option<HandoffSlot>,
     pub handoff_signalled: std::sync::atomic::AtomicBool,
 }
@@ -107,7 +109,7 @@ impl Op {
         user_ptr: usize,
         user_start: u64,
         user_end: u64,
-        verify: bool,
+        take_crcs: bool,
     ) -> Self {
         Op {
             kind,
@@ -122,7 +124,8 @@ impl Op {
             completion: Arc::new(Completion::default()),
             devices_written: AtomicU64::new(0),
             started: Instant::now(),
-            verify,
+            piece_crcs: take_crcs.then(|| Mutex::new(Vec::new())),
+            checked: (user_start, user_end),
             gpu: None,
         }
     }
@@ -137,6 +140,28 @@ impl Op {
 
     pub fn bytes(&self) -> u64 {
         self.user_end - self.user_start
+    }
+
+    /// The object's length: a put's is its caller range, a get's is in its record.
+    fn object_len(&self) -> u64 {
+        match &self.object {
+            OpObject::Get(o) => o.record.len_bytes,
+            OpObject::Put(_) => self.user_end,
+        }
+    }
+
+    /// Takes the checksum of a piece's true object bytes (those below the object's end) at
+    /// `bytes`, where they now are in host memory, if this op takes checksums.
+    ///
+    /// # Safety
+    /// `bytes` must be valid for reads of the piece's true bytes.
+    unsafe fn take_piece_crc(&self, piece: Piece, bytes: *const u8) {
+        if let Some(crcs) = &self.piece_crcs {
+            let len = (piece.object_offset + piece.len).min(self.object_len()).saturating_sub(piece.object_offset);
+            // SAFETY: forwarded contract.
+            let crc = crc32c::crc32c(unsafe { std::slice::from_raw_parts(bytes, len as usize) });
+            crcs.lock().expect("piece crcs").push((piece.object_offset, len, crc));
+        }
     }
 }
 
@@ -267,51 +292,59 @@ impl Shared {
         }
         match op.kind {
             OpKind::Put => {
-                if let (Some(gpu), OpObject::Put(object)) = (&op.gpu, &op.object) {
-                    if let Some(crcs) = &gpu.piece_crcs {
-                        let pieces = std::mem::take(&mut *crcs.lock().expect("piece crcs"));
-                        let su = self.geometry.stripe_unit;
-                        let units = unit_crcs_from_pieces(pieces, su, op.user_end, 0, op.user_end);
-                        if let Some(o) = object.lock().expect("put object").as_mut() {
-                            o.record.unit_crcs = units.into_iter().map(|(_, crc)| crc).collect();
-                        }
+                if let (Some(crcs), OpObject::Put(object)) = (&op.piece_crcs, &op.object) {
+                    // A GPU put's bytes were on the host only in its bounce chunks.
+                    let pieces = std::mem::take(&mut *crcs.lock().expect("piece crcs"));
+                    let su = self.geometry.stripe_unit;
+                    let units = unit_crcs_from_pieces(pieces, su, op.user_end, 0, op.user_end);
+                    if let Some(o) = object.lock().expect("put object").as_mut() {
+                        o.record.unit_crcs = units.into_iter().map(|(_, crc)| crc).collect();
                     }
                 }
                 self.send_to_commit(op.clone())
             }
             OpKind::Get => {
-                let result = match (&op.gpu, op.verify) {
-                    (_, false) => Ok(()),
-                    (None, true) => self.verify_get(op),
-                    (Some(gpu), true) => self.verify_gpu_get(op, gpu),
+                let result = match &op.piece_crcs {
+                    Some(crcs) => self.verify_get(op, crcs),
+                    None => Ok(()),
                 };
                 self.finish_op(op, result);
             }
         }
     }
 
-    /// A verified GPU get: the checksums of the bounced pieces against the record's.
-    fn verify_gpu_get(&self, op: &Op, gpu: &GpuOp) -> Result<()> {
+    /// A verified get: the checksum of every stripe unit in its checked range (see
+    /// `Store::get_span`), combined from the crcs its pieces took as they arrived, against the
+    /// record's.
+    fn verify_get(&self, op: &Op, crcs: &Mutex<Vec<(u64, u64, u32)>>) -> Result<()> {
         let OpObject::Get(object) = &op.object else { unreachable!("verify on a get") };
         let r = &object.record;
-        let Some(crcs) = &gpu.piece_crcs else { return Ok(()) };
-        if r.unit_crcs.is_empty() {
-            return Ok(());
-        }
-        let pieces = std::mem::take(&mut *crcs.lock().expect("piece crcs"));
         let su = self.geometry.stripe_unit;
-        for (unit, crc) in unit_crcs_from_pieces(pieces, su, r.len_bytes, op.user_start, op.user_end) {
-            if unit < r.unit_crcs.len() as u64 && r.unit_crcs[unit as usize] != crc {
-                let map = StripeMap::new(r, su, self.geometry.block_size, self.geometry.device_count);
-                let mut at = None;
-                map.for_each_piece(unit * su..unit * su + self.geometry.block_size, self.geometry.block_size, |p| {
-                    at.get_or_insert((p.device, p.device_offset));
-                });
-                let (device, device_offset) = at.expect("a unit has a first block");
+        let pieces = std::mem::take(&mut *crcs.lock().expect("piece crcs"));
+        let (start, end) = op.checked;
+        let units = unit_crcs_from_pieces(pieces, su, r.len_bytes, start, end);
+        debug_assert_eq!(units.len() as u64, end.div_ceil(su) - start / su, "every checked unit was read whole");
+        for (unit, crc) in units {
+            if r.unit_crcs[unit as usize] != crc {
+                let (device, device_offset) = self.unit_location(r, unit);
                 return Err(Error::ChecksumMismatch { id: op.id, unit, device, device_offset });
             }
         }
         Ok(())
+    }
+
+    /// Where stripe unit `unit` of an object starts on disk: (device, byte offset).
+    fn unit_location(&self, r: &ObjectRecord, unit: u64) -> (u16, u64) {
+        let (su, block) = (self.geometry.stripe_unit, self.geometry.block_size);
+        let mut at = None;
+        StripeMap::new(r, su, block, self.geometry.device_count).for_each_piece(
+            unit * su..unit * su + block,
+            block,
+            |p| {
+                at.get_or_insert((p.device, p.device_offset));
+            },
+        );
+        at.expect("a unit has a first block")
     }
 
     /// Completes an op: wakes its ticket and updates the counters.
@@ -338,40 +371,6 @@ impl Shared {
             gpu.signal_handoff();
         }
         self.op_finished();
-    }
-
-    /// Checks the checksum of every stripe unit the get covered completely.
-    fn verify_get(&self, op: &Op) -> Result<()> {
-        let OpObject::Get(object) = &op.object else { unreachable!("verify on a get") };
-        let r = &object.record;
-        if r.unit_crcs.is_empty() {
-            return Ok(());
-        }
-        let su = self.geometry.stripe_unit;
-        let first_unit = op.user_start.div_ceil(su);
-        for unit in first_unit..r.unit_crcs.len() as u64 {
-            let (start, end) = (unit * su, ((unit + 1) * su).min(r.len_bytes));
-            if end > op.user_end {
-                break;
-            }
-            // SAFETY: [start, end) lies inside the caller's buffer, which the ticket keeps alive.
-            let bytes = unsafe {
-                std::slice::from_raw_parts(
-                    (op.user_ptr + (start - op.user_start) as usize) as *const u8,
-                    (end - start) as usize,
-                )
-            };
-            if crc32c::crc32c(bytes) != r.unit_crcs[unit as usize] {
-                let map = StripeMap::new(r, su, self.geometry.block_size, self.geometry.device_count);
-                let mut at = None;
-                map.for_each_piece(start..start + self.geometry.block_size, self.geometry.block_size, |p| {
-                    at.get_or_insert((p.device, p.device_offset));
-                });
-                let (device, device_offset) = at.expect("a unit has a first block");
-                return Err(Error::ChecksumMismatch { id: op.id, unit, device, device_offset });
-            }
-        }
-        Ok(())
     }
 }
 
@@ -648,11 +647,8 @@ fn build_gpu_bounce(
                     s.request_done(&o);
                     return;
                 }
-                if let Some(crcs) = o.gpu.as_ref().and_then(|g| g.piece_crcs.as_ref()) {
-                    // SAFETY: the copy filled these chunk bytes.
-                    let bytes = unsafe { std::slice::from_raw_parts(chunk_ptr.0.add(in_chunk), overlap_len) };
-                    crcs.lock().expect("piece crcs").push((overlap_start, overlap_len as u64, crc32c::crc32c(bytes)));
-                }
+                // SAFETY: the copy filled the piece's bytes (a put covers the whole object).
+                unsafe { o.take_piece_crc(piece, chunk_ptr.0) };
                 let (s2, o2) = (s.clone(), o.clone());
                 let request = Request {
                     kind: IoKind::Write,
@@ -700,22 +696,20 @@ fn build_gpu_bounce(
                         finish_device_request(&s, &o, Some(chunk), IoKind::Read, device, device_offset, len, result);
                         return;
                     }
-                    if let Some(crcs) = o.gpu.as_ref().and_then(|g| g.piece_crcs.as_ref()) {
-                        // SAFETY: the read filled the chunk.
-                        let bytes = unsafe { std::slice::from_raw_parts(chunk_ptr.0.add(in_chunk), overlap_len) };
-                        crcs.lock().expect("piece crcs").push((
-                            overlap_start,
-                            overlap_len as u64,
-                            crc32c::crc32c(bytes),
-                        ));
-                    }
+                    // SAFETY: the read filled the chunk, while it is still hot in cache.
+                    unsafe { o.take_piece_crc(piece, chunk_ptr.0) };
                     let (s2, o2) = (s.clone(), o.clone());
-                    let then = Box::new(move |copied: Result<()>| {
+                    let then: crate::gpu::copy::AfterCopy = Box::new(move |copied: Result<()>| {
                         if let Err(e) = copied {
                             o2.set_error(e);
                         }
                         finish_device_request(&s2, &o2, Some(chunk), IoKind::Read, device, device_offset, len, Ok(()));
                     });
+                    if overlap_len == 0 {
+                        // Read only to verify its stripe unit (outside the caller's range).
+                        then(Ok(()));
+                        return;
+                    }
                     // SAFETY: the chunk is pinned and held until `then` runs; the destination lies
                     // in the caller's buffer, which the ticket keeps alive.
                     unsafe {
@@ -791,7 +785,11 @@ fn build_request(shared: &Arc<Shared>, op: &Arc<Op>, piece: Piece, chunk: Option
                     }
                 }
             }
-            OpKind::Get => copy_out = Some((SendPtr(user_at(overlap_start) as *mut u8), in_chunk, overlap_len)),
+            // Nothing to copy for a piece read only to verify its stripe unit.
+            OpKind::Get if overlap_len > 0 => {
+                copy_out = Some((SendPtr(user_at(overlap_start) as *mut u8), in_chunk, overlap_len))
+            }
+            OpKind::Get => {}
         }
         let ptr = chunk.ptr;
         bounce = Some(chunk);
@@ -802,6 +800,7 @@ fn build_request(shared: &Arc<Shared>, op: &Arc<Op>, piece: Piece, chunk: Option
 
     let shared_done = shared.clone();
     let op_done = op.clone();
+    let buf_at = SendPtr(buf);
     let (device, device_offset, len) = (piece.device, piece.device_offset, piece.len);
     Request {
         kind,
@@ -811,6 +810,11 @@ fn build_request(shared: &Arc<Shared>, op: &Arc<Op>, piece: Piece, chunk: Option
         fixed_index: None,
         priority: op.priority,
         on_complete: Box::new(move |result| {
+            let buf_at = buf_at;
+            if result.is_ok() && op_done.kind == OpKind::Get {
+                // SAFETY: the read filled `buf` with the piece, which is still hot in cache.
+                unsafe { op_done.take_piece_crc(piece, buf_at.0) };
+            }
             if let (Ok(()), Some((dst, at, n)), Some(chunk)) = (&result, &copy_out, &bounce) {
                 // SAFETY: the read filled the chunk; dst lies inside the caller's buffer.
                 unsafe { std::ptr::copy_nonoverlapping(chunk.ptr.add(*at), dst.0, *n) };

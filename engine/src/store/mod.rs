@@ -17,7 +17,7 @@ use crate::config::{FormatConfig, OpenConfig, MAX_DEVICES, MIB};
 use crate::device::{self, Access, Device};
 use crate::error::{Error, Result};
 use crate::gpu::runtime::StoreGpu;
-use crate::layout::alloc::DeviceAllocator;
+use crate::layout::alloc::{DeviceAllocator, Extent};
 use crate::layout::codec::{round_down, round_up};
 use crate::layout::metadata::encode_checkpoint;
 use crate::layout::stripe::{position_bytes, unit_count, StripeMap};
@@ -438,36 +438,38 @@ impl Store {
         Ok(())
     }
 
-    /// Allocates a new object's extents across the devices (nothing is taken if any device is full).
+    /// Allocates a new object's extents. The device with the most free space takes the first
+    /// stripe unit (device 0 also holds the metadata, so a plain rotation would fill it first;
+    /// equal devices take turns), and every other first device is tried before giving up:
+    /// `NoSpace` means no placement exists. Nothing is taken when it fails.
     fn allocate(&self, id: u64, len_bytes: u64, meta: &[u8]) -> Result<Object> {
         let g = &self.shared.geometry;
         let padded = round_up(len_bytes, g.block_size);
         let units = unit_count(padded, g.stripe_unit);
         let spread = units.max(1).min(g.device_count as u64) as u16;
-        let first_device =
-            (self.shared.next_first_device.fetch_add(1, Ordering::Relaxed) % g.device_count as usize) as u16;
         let needs = position_bytes(padded, g.stripe_unit, spread);
-        let mut extents = Vec::new();
+        let count = g.device_count as usize;
+        let rotation = self.shared.next_first_device.fetch_add(1, Ordering::Relaxed);
         let mut allocators = self.shared.allocators.lock().expect("allocators");
-        for (position, need) in needs.iter().enumerate() {
-            if *need == 0 {
-                continue;
-            }
-            let device = (first_device + position as u16) % g.device_count;
-            match allocators[device as usize].allocate(need / g.block_size, MAX_EXTENTS_PER_DEVICE, g.block_size) {
-                Ok(mut e) => extents.append(&mut e),
-                Err(err) => {
-                    for x in extents {
-                        allocators[x.device as usize].free(x);
-                    }
-                    return Err(err);
-                }
+        let mut order: Vec<u16> = (0..count).map(|i| ((rotation + i) % count) as u16).collect();
+        // A stable sort: ties keep the rotation.
+        order.sort_by_key(|&d| std::cmp::Reverse(allocators[d as usize].free_blocks()));
+        for first_device in order {
+            if let Some(extents) = place(&mut allocators, g, first_device, &needs) {
+                drop(allocators);
+                let record = ObjectRecord {
+                    id,
+                    len_bytes,
+                    meta: meta.to_vec(),
+                    first_device,
+                    spread,
+                    extents,
+                    unit_crcs: Vec::new(),
+                };
+                return Ok(Object::new(record, self.shared.allocators.clone()));
             }
         }
-        drop(allocators);
-        let record =
-            ObjectRecord { id, len_bytes, meta: meta.to_vec(), first_device, spread, extents, unit_crcs: Vec::new() };
-        Ok(Object::new(record, self.shared.allocators.clone()))
+        Err(no_space(&allocators, g, padded))
     }
 
     /// Starts writing `data` as object `id` (replacing any object of that id once durable).
@@ -588,12 +590,39 @@ impl Store {
             end
         };
         self.shared.op_started()?;
-        let block = self.shared.geometry.block_size;
-        let verify = self.shared.config.verify_checksums;
-        let op = Arc::new(Op::new(OpKind::Get, id, priority, OpObject::Get(object), ptr as usize, offset, end, verify));
+        let span = self.get_span(&object, offset, end, true);
+        let mut op = Op::new(OpKind::Get, id, priority, OpObject::Get(object), ptr as usize, offset, end, span.verify);
+        op.checked = span.checked;
+        let op = Arc::new(op);
         let completion = op.completion.clone();
-        self.shared.enqueue(op, round_down(offset, block), round_up(end, block));
+        self.shared.enqueue(op, span.read.0, span.read.1);
         Ok(completion)
+    }
+
+    /// What a get of object bytes `offset..end` reads and checks. Checks need a store that keeps
+    /// checksums, `verify_checksums`, and bytes that pass through host memory. A checksum covers
+    /// a whole stripe unit, so every unit the range covers whole is checked; a unit it covers
+    /// only in part (at either end) is read whole (the rest into bounce memory) and checked too
+    /// when that at most doubles the bytes the get reads, and returned unchecked otherwise
+    /// (e.g. 4 KiB out of a 1 MiB unit: 256 times the I/O).
+    fn get_span(&self, object: &Object, offset: u64, end: u64, via_host: bool) -> GetSpan {
+        let (su, block) = (self.shared.geometry.stripe_unit, self.shared.geometry.block_size);
+        let len = object.record.len_bytes;
+        let blocks = (round_down(offset, block), round_up(end, block));
+        let unchecked = GetSpan { verify: false, read: blocks, checked: (offset, offset) };
+        if !(self.shared.config.verify_checksums && via_host && !object.record.unit_crcs.is_empty()) {
+            return unchecked;
+        }
+        let units = (round_down(offset, su), round_up(end, su).min(len));
+        let whole = (units.0, round_up(units.1, block));
+        if (whole.1 - whole.0) - (blocks.1 - blocks.0) <= end - offset {
+            return GetSpan { verify: end > offset, read: whole, checked: units };
+        }
+        let inner = (round_up(offset, su), if end == len { len } else { round_down(end, su) });
+        if inner.0 >= inner.1 {
+            return unchecked;
+        }
+        GetSpan { verify: true, read: blocks, checked: inner }
     }
 
     /// Puts `data` and waits until it is durable.
@@ -975,7 +1004,7 @@ impl Store {
         priority: Priority,
     ) -> Result<crate::gpu::GpuTicket<()>> {
         self.check_writable()?;
-        let gpu = self.gpu_op(src, OpKind::Put)?;
+        let gpu = self.gpu_op(src)?;
         self.check_meta(meta)?;
         self.shared.op_started()?;
         let object = match self.allocate(id, src.len as u64, meta) {
@@ -994,7 +1023,9 @@ impl Store {
             src.ptr as usize,
             0,
             src.len as u64,
-            false,
+            // The caller's bytes are on the host only inside bounce chunks: checksums come
+            // from there, and objects put through cuFile keep none (docs/gpu.md).
+            self.shared.geometry.checksums && !gpu.use_cufile,
         );
         let handoff = gpu.handoff.map(|slot| (gpu.device.handoff.clone(), slot));
         op.gpu = Some(gpu);
@@ -1031,42 +1062,32 @@ impl Store {
             }
             end
         };
-        let gpu = self.gpu_op(dst, OpKind::Get)?;
+        let gpu = self.gpu_op(dst)?;
         self.shared.op_started()?;
-        let block = self.shared.geometry.block_size;
-        let verify = self.shared.config.verify_checksums;
-        let mut op = Op::new(OpKind::Get, id, priority, OpObject::Get(object), dst.ptr as usize, offset, end, verify);
+        // On the cuFile path the bytes never pass through host memory: nothing to check them
+        // in (the GPU report and docs/gpu.md say so).
+        let span = self.get_span(&object, offset, end, !gpu.use_cufile);
+        let mut op =
+            Op::new(OpKind::Get, id, priority, OpObject::Get(object), dst.ptr as usize, offset, end, span.verify);
+        op.checked = span.checked;
         let handoff = gpu.handoff.map(|slot| (gpu.device.handoff.clone(), slot));
         op.gpu = Some(gpu);
         let op = Arc::new(op);
         let completion = op.completion.clone();
-        self.shared.enqueue(op, round_down(offset, block), round_up(end, block));
+        self.shared.enqueue(op, span.read.0, span.read.1);
         Ok(crate::gpu::GpuTicket { ticket: Ticket { completion, buffer: Some(()) }, handoff })
     }
 
     /// The GPU part of a new op on `mem`: checks the pointer, finds the device's state and path.
-    fn gpu_op(&self, mem: crate::gpu::DeviceSlice, kind: OpKind) -> Result<dispatch::GpuOp> {
+    fn gpu_op(&self, mem: crate::gpu::DeviceSlice) -> Result<dispatch::GpuOp> {
         let state = self.gpu_state(mem.device)?;
         if mem.len > 0 {
             crate::gpu::cuda::check_device_pointer(mem.ptr, mem.len, mem.device)?;
         }
         let device = state.device(mem.device)?;
         let use_cufile = state.uses_cufile(mem.device);
-        // Checksums of a GPU op come from its bounced pieces; on the cuFile path the data never
-        // passes through host memory, so objects put that way keep no checksums (documented in
-        // docs/gpu.md) and gets there are not verified.
-        let crcs = match kind {
-            OpKind::Put => self.shared.geometry.checksums && !use_cufile,
-            OpKind::Get => self.shared.config.verify_checksums && !use_cufile,
-        };
         let handoff = device.handoff.claim();
-        Ok(dispatch::GpuOp {
-            device,
-            use_cufile,
-            piece_crcs: crcs.then(|| Mutex::new(Vec::new())),
-            handoff,
-            handoff_signalled: AtomicBool::new(false),
-        })
+        Ok(dispatch::GpuOp { device, use_cufile, handoff, handoff_signalled: AtomicBool::new(false) })
     }
 }
 
@@ -1086,6 +1107,8 @@ fn init_gpu(shared: &Arc<Shared>, ordinal: u32) -> Result<StoreGpu> {
         reason: String::new(),
         measured_gbps: None,
         pinned_bytes: slab_bytes as u64,
+        store_checksums: shared.geometry.checksums,
+        verify_checksums: shared.config.verify_checksums,
     };
     let mut gpu = StoreGpu {
         cufile_queues: Vec::new(),
@@ -1192,8 +1215,8 @@ fn measure_gpu_paths(shared: &Arc<Shared>, gpu: &StoreGpu, ordinal: u32, bytes: 
     let bytes = round_up(bytes.max(chunk), chunk);
     let extent = {
         let mut allocators = shared.allocators.lock().expect("allocators");
-        let mut run = allocators[0].allocate(bytes / g.block_size, 1, g.block_size)?;
-        run.pop().expect("one extent")
+        let run = allocators[0].allocate(bytes / g.block_size, 1);
+        run.ok_or_else(|| no_space(&allocators, g, bytes))?.pop().expect("one extent")
     };
     let start = extent.start_block * g.block_size;
     let result = (|| {
@@ -1318,6 +1341,68 @@ fn measure_gpu_read(
     }
     let seconds = begin.elapsed().as_secs_f64();
     Ok(bytes as f64 / seconds / 1e9)
+}
+
+/// Takes the extents of an object whose stripe unit 0 goes to `first_device` and position p to
+/// the p-th device after it, `needs[p]` bytes each; None (nothing taken) if a device lacks room.
+fn place(allocators: &mut [DeviceAllocator], g: &Geometry, first_device: u16, needs: &[u64]) -> Option<Vec<Extent>> {
+    let mut extents = Vec::new();
+    for (position, need) in needs.iter().enumerate() {
+        if *need == 0 {
+            continue;
+        }
+        let device = (first_device + position as u16) % g.device_count;
+        match allocators[device as usize].allocate(need / g.block_size, MAX_EXTENTS_PER_DEVICE) {
+            Some(mut e) => extents.append(&mut e),
+            None => {
+                for x in extents {
+                    allocators[x.device as usize].free(x);
+                }
+                return None;
+            }
+        }
+    }
+    Some(extents)
+}
+
+/// The error of a failed placement of `needed` bytes: the store's free space, and the largest
+/// object some placement could take now (each device can give at most its
+/// `MAX_EXTENTS_PER_DEVICE` largest free runs to one object).
+fn no_space(allocators: &[DeviceAllocator], g: &Geometry, needed: u64) -> Error {
+    let count = g.device_count as usize;
+    let free_blocks: u64 = allocators.iter().map(DeviceAllocator::free_blocks).sum();
+    let capacity: Vec<u64> = allocators.iter().map(|a| a.placeable_blocks(MAX_EXTENTS_PER_DEVICE)).collect();
+    let fits = |blocks: u64| {
+        let padded = blocks * g.block_size;
+        let spread = unit_count(padded, g.stripe_unit).max(1).min(count as u64) as u16;
+        let needs = position_bytes(padded, g.stripe_unit, spread);
+        (0..count)
+            .any(|first| needs.iter().enumerate().all(|(p, need)| need / g.block_size <= capacity[(first + p) % count]))
+    };
+    // Each position's need grows with the object's size, so whether it fits is monotone.
+    let (mut low, mut high) = (0, free_blocks);
+    while low < high {
+        let mid = low + (high - low).div_ceil(2);
+        if fits(mid) {
+            low = mid;
+        } else {
+            high = mid - 1;
+        }
+    }
+    Error::NoSpace {
+        needed_bytes: needed,
+        free_bytes: free_blocks * g.block_size,
+        largest_placeable_bytes: low * g.block_size,
+    }
+}
+
+/// What a get reads and checks (`Store::get_span`).
+struct GetSpan {
+    verify: bool,
+    /// Object bytes read, block-aligned.
+    read: (u64, u64),
+    /// Object bytes whose stripe units are checked (whole units, or up to the object's end).
+    checked: (u64, u64),
 }
 
 /// What `format` reports.

@@ -88,6 +88,36 @@ struct CompletionState {
     /// Threads blocked in `wait`: finishing wakes the condvar only when there are some, since a
     /// wake is a system call and most ops finish before anyone waits (or are polled).
     waiters: usize,
+    /// Told when the op finishes (`Ticket::signal_when_done`).
+    signal: Option<Arc<DoneSignal>>,
+}
+
+/// Lets one thread wait until any of many tickets finishes, instead of on one of them: each
+/// ticket registered with [`Ticket::signal_when_done`] bumps the count when its op finishes.
+/// A caller that keeps ops of different latencies in flight (gets and puts) then refills a
+/// finished slot at once rather than when its oldest op is done.
+#[derive(Default)]
+pub struct DoneSignal {
+    finished: Mutex<u64>,
+    changed: Condvar,
+}
+
+impl DoneSignal {
+    /// Ops finished so far among the registered tickets.
+    pub fn finished(&self) -> u64 {
+        *self.finished.lock().expect("done signal")
+    }
+
+    /// Waits until more than `seen` registered ops have finished; returns how many have.
+    pub fn wait_past(&self, seen: u64) -> u64 {
+        let guard = self.finished.lock().expect("done signal");
+        *self.changed.wait_while(guard, |n| *n <= seen).expect("done signal")
+    }
+
+    fn bump(&self) {
+        *self.finished.lock().expect("done signal") += 1;
+        self.changed.notify_all();
+    }
 }
 
 impl Completion {
@@ -96,9 +126,13 @@ impl Completion {
         debug_assert!(state.result.is_none(), "op finished twice");
         state.result = Some(result);
         let wake = state.waiters > 0;
+        let signal = state.signal.take();
         drop(state);
         if wake {
             self.done.notify_all();
+        }
+        if let Some(signal) = signal {
+            signal.bump();
         }
     }
     pub(crate) fn is_done(&self) -> bool {
@@ -152,6 +186,17 @@ impl<B> Ticket<B> {
         self.completion.is_done()
     }
 
+    /// Bumps `signal` when the op finishes (at once if it already has).
+    pub fn signal_when_done(&self, signal: &Arc<DoneSignal>) {
+        let mut state = self.completion.state.lock().expect("completion");
+        if state.result.is_some() {
+            drop(state);
+            signal.bump();
+        } else {
+            state.signal = Some(signal.clone());
+        }
+    }
+
     /// Waits at most `timeout`; `None` if the op is still running.
     pub fn wait_timeout(&self, timeout: Duration) -> Option<Result<()>> {
         self.completion.wait_timeout(timeout)
@@ -186,5 +231,39 @@ pub fn wait_all_ok<B>(tickets: impl IntoIterator<Item = Ticket<B>>) -> Result<Ve
     match first_error {
         Some(e) => Err(e),
         None => Ok(out),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ticket() -> Ticket<()> {
+        Ticket { completion: Arc::new(Completion::default()), buffer: Some(()) }
+    }
+
+    #[test]
+    fn a_done_signal_wakes_on_any_registered_ticket() {
+        let signal = Arc::new(DoneSignal::default());
+        let (slow, fast) = (ticket(), ticket());
+        slow.signal_when_done(&signal);
+        fast.signal_when_done(&signal);
+        let fast_completion = fast.completion.clone();
+        let waiter = std::thread::spawn({
+            let signal = signal.clone();
+            move || signal.wait_past(0)
+        });
+        // The younger op finishes first: the waiter wakes although the older one still runs.
+        fast_completion.finish(Ok(()));
+        assert_eq!(waiter.join().unwrap(), 1);
+        assert!(fast.is_done() && !slow.is_done());
+        slow.completion.finish(Err(Error::Closed));
+        assert_eq!(signal.finished(), 2);
+        // Registering an op that already finished counts it at once.
+        let done = ticket();
+        done.completion.finish(Ok(()));
+        done.signal_when_done(&signal);
+        assert_eq!(signal.wait_past(2), 3);
+        drop((slow, fast, done));
     }
 }

@@ -33,7 +33,7 @@ class Store:
         queue_depth: int = 32,
         backend: str = "auto",
         max_inflight_bytes: Optional[int] = None,
-        verify_checksums: bool = False,
+        verify_checksums: bool = True,
         emulate: Optional[str] = None,
         gpu: str = "auto",
     ) -> Store: ...
@@ -46,7 +46,7 @@ class Store:
         queue_depth: int = 32,
         backend: str = "auto",
         max_inflight_bytes: Optional[int] = None,
-        verify_checksums: bool = False,
+        verify_checksums: bool = True,
         emulate: Optional[str] = None,
         gpu: str = "auto",
     ) -> Store: ...

@@ -23,7 +23,18 @@ if TYPE_CHECKING:  # pragma: no cover
 PathLike = Union[str, "os.PathLike[str]"]
 
 
+# struct-module format characters of plain data (no Python objects, no pointers), and the
+# byte-order prefixes and repeat counts that may come with them.
+_PLAIN_FORMAT_CHARS = frozenset("bBhHiIlLqQnNefdc?xs@=<>!0123456789")
+
+
 def _numpy_address(array: numpy.ndarray, writable: bool) -> tuple[int, int]:
+    if array.dtype.hasobject:
+        # Its bytes are pointers to Python objects: stored, they would come back as dangling ones.
+        raise _native.InvalidArgumentError(
+            f"numpy arrays of dtype {array.dtype} hold Python object pointers, not data; "
+            "convert to a numeric dtype (or bytes) first"
+        )
     if not array.flags["C_CONTIGUOUS"]:
         raise ValueError("numpy array must be C-contiguous (use numpy.ascontiguousarray)")
     if writable and not array.flags["WRITEABLE"]:
@@ -111,6 +122,7 @@ class Store:
         queue_depth: int = 32,
         backend: str = "auto",
         max_inflight_bytes: Optional[int] = None,
+        verify_checksums: bool = True,
         emulate: Optional[str] = None,
         gpu: str = "auto",
     ) -> Store:
@@ -121,6 +133,9 @@ class Store:
         `emulate="6.5GB/s@20us"` makes every device behave like an SSD of that bandwidth and
         latency (an emulated array: put the files in tmpfs with `direct_io=False`). `gpu` picks the
         path for CUDA tensors: "auto" (measured choice), "bounce", "cufile" or "gds" (true GDS only).
+        `verify_checksums` (on by default) checks every stripe unit a get returns bytes of and
+        raises CorruptError instead of returning damaged data; GPU gets on the cuFile path cannot
+        be checked (`gpu_report()` says so).
         """
         native = _native.Store.create(
             _path_list(paths),
@@ -134,6 +149,7 @@ class Store:
             queue_depth=queue_depth,
             backend=backend,
             max_inflight_bytes=max_inflight_bytes,
+            verify_checksums=verify_checksums,
             emulate=emulate,
             gpu=gpu,
         )
@@ -149,6 +165,7 @@ class Store:
         queue_depth: int = 32,
         backend: str = "auto",
         max_inflight_bytes: Optional[int] = None,
+        verify_checksums: bool = True,
         emulate: Optional[str] = None,
         gpu: str = "auto",
     ) -> Store:
@@ -160,6 +177,7 @@ class Store:
             queue_depth=queue_depth,
             backend=backend,
             max_inflight_bytes=max_inflight_bytes,
+            verify_checksums=verify_checksums,
             emulate=emulate,
             gpu=gpu,
         )
@@ -186,7 +204,7 @@ class Store:
         if isinstance(data, numpy.ndarray):
             address, length = _numpy_address(data, writable=False)
             return Handle(self._native.put_address(object_id, address, length, data, meta, urgent))
-        array = numpy.frombuffer(memoryview(data), dtype=numpy.uint8)
+        array = _plain_bytes(data)
         address, length = (int(array.__array_interface__["data"][0]), int(array.nbytes))
         return Handle(self._native.put_address(object_id, address, length, array, meta, urgent))
 
@@ -287,6 +305,26 @@ class Store:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _plain_bytes(data: Any) -> numpy.ndarray:
+    """A uint8 view of a bytes-like object whose buffer is contiguous plain data."""
+    import numpy
+
+    try:
+        view = memoryview(data)
+    except TypeError:
+        raise _native.InvalidArgumentError(
+            f"cannot store a {type(data).__name__}: give a torch tensor, a numpy array or a bytes-like object"
+        ) from None
+    if not set(view.format) <= _PLAIN_FORMAT_CHARS:
+        raise _native.InvalidArgumentError(
+            f"buffer of format {view.format!r} is not plain numeric data (it may hold Python objects or "
+            "pointers); pass bytes or a numpy array of a numeric or structured dtype"
+        )
+    if not view.c_contiguous:
+        raise _native.InvalidArgumentError("buffer must be C-contiguous")
+    return numpy.frombuffer(view.cast("B"), dtype=numpy.uint8)
 
 
 def _path_list(paths: Union[PathLike, Sequence[PathLike]]) -> list[str]:
