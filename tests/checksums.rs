@@ -3,19 +3,12 @@
 //! it covers whole, and a unit it covers in part when reading the rest of it at most doubles the
 //! get's I/O; `verify_checksums: false` turns the check off.
 
-use std::io::{Read, Seek, SeekFrom, Write};
 use teraio_e2e::*;
 use teraio_engine::{BackendKind, Error, OpenConfig, Priority, Store};
 
+/// The damage these tests do: one byte with bits flipped.
 fn flip_byte(path: &std::path::Path, offset: u64) {
-    let mut f = std::fs::OpenOptions::new().read(true).write(true).open(path).unwrap();
-    let mut b = [0u8; 1];
-    f.seek(SeekFrom::Start(offset)).unwrap();
-    f.read_exact(&mut b).unwrap();
-    b[0] ^= 0x01;
-    f.seek(SeekFrom::Start(offset)).unwrap();
-    f.write_all(&b).unwrap();
-    f.sync_all().unwrap();
+    flip_bits(path, offset, 0x01);
 }
 
 /// (device index, byte offset on it) where `needle` is stored.

@@ -65,3 +65,16 @@ pub fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
 
 /// Both real backends, for tests that must pass on each.
 pub const BACKENDS: [BackendKind; 2] = [BackendKind::IoUring, BackendKind::Psync];
+
+/// Damages a device file as failing media would: XORs `mask` into the byte at `offset`, durably.
+pub fn flip_bits(path: &std::path::Path, offset: u64, mask: u8) {
+    use std::io::{Read, Seek, SeekFrom, Write};
+    let mut f = std::fs::OpenOptions::new().read(true).write(true).open(path).unwrap();
+    let mut b = [0u8; 1];
+    f.seek(SeekFrom::Start(offset)).unwrap();
+    f.read_exact(&mut b).unwrap();
+    b[0] ^= mask;
+    f.seek(SeekFrom::Start(offset)).unwrap();
+    f.write_all(&b).unwrap();
+    f.sync_all().unwrap();
+}

@@ -1,18 +1,11 @@
 //! Every bad input and every device failure gives a clear error and loses nothing.
 
-use std::io::{Read, Seek, SeekFrom, Write};
 use teraio_e2e::*;
 use teraio_engine::{BackendKind, Error, Fault, FaultInjector, FaultRule, IoKind, OpenConfig, Priority, Store};
 
+/// The damage these tests do: one byte with bits flipped.
 fn flip_byte(path: &std::path::Path, offset: u64) {
-    let mut f = std::fs::OpenOptions::new().read(true).write(true).open(path).unwrap();
-    let mut b = [0u8; 1];
-    f.seek(SeekFrom::Start(offset)).unwrap();
-    f.read_exact(&mut b).unwrap();
-    b[0] ^= 0x20;
-    f.seek(SeekFrom::Start(offset)).unwrap();
-    f.write_all(&b).unwrap();
-    f.sync_all().unwrap();
+    flip_bits(path, offset, 0x20);
 }
 
 /// Offset of the first occurrence of `needle` in the file.

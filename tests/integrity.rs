@@ -7,7 +7,7 @@
 //! Stores are left "crashed" (acknowledged puts in the journal, no closing checkpoint) by a
 //! child process, this test binary re-run as `writer_child`, that exits without closing.
 
-use std::io::{Read, Seek, SeekFrom, Write};
+use std::io::{Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use teraio_e2e::*;
@@ -59,15 +59,9 @@ fn crashed_store(count: usize) -> TempDevices {
     devices
 }
 
-fn flip_byte(path: &Path, offset: u64) {
-    let mut f = std::fs::OpenOptions::new().read(true).write(true).open(path).unwrap();
-    let mut b = [0u8; 1];
-    f.seek(SeekFrom::Start(offset)).unwrap();
-    f.read_exact(&mut b).unwrap();
-    b[0] ^= 0x20;
-    f.seek(SeekFrom::Start(offset)).unwrap();
-    f.write_all(&b).unwrap();
-    f.sync_all().unwrap();
+/// The damage these tests do: one byte with bits flipped.
+fn flip_byte(path: &std::path::Path, offset: u64) {
+    flip_bits(path, offset, 0x20);
 }
 
 fn write_at(path: &Path, offset: u64, bytes: &[u8]) {
