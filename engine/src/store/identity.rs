@@ -287,14 +287,20 @@ pub(crate) fn write_epoch_at_open(devices: &[Device], superblocks: &mut [Superbl
     }
     for (d, sb) in devices.iter().zip(superblocks.iter_mut()) {
         sb.epoch = epoch;
-        let encoded = sb.encode();
-        let mut buf = AlignedBuf::new(encoded.len(), 4096)?;
-        buf.copy_from_slice(&encoded);
-        d.write_all_at(&buf, 0)?;
-        d.write_all_at(&buf, sb.backup_offset())?;
-        d.sync()?;
+        write_superblock_copies(d, sb)?;
     }
     Ok(())
+}
+
+/// Writes both copies of a device's superblock (at its start and its backup offset) directly,
+/// before the device queues exist (format, open), and syncs the device.
+pub(crate) fn write_superblock_copies(d: &Device, sb: &Superblock) -> Result<()> {
+    let encoded = sb.encode();
+    let mut buf = AlignedBuf::new(encoded.len(), 4096)?;
+    buf.copy_from_slice(&encoded);
+    d.write_all_at(&buf, 0)?;
+    d.write_all_at(&buf, sb.backup_offset())?;
+    d.sync()
 }
 
 /// At a checkpoint: every device's two copies rewritten at `epoch` through the device queues,

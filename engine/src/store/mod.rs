@@ -277,12 +277,7 @@ impl Store {
         buf.copy_from_slice(&empty);
         devices[0].write_all_at(&buf, sb0.metadata_start + slot_bytes)?;
         for (d, sb) in devices.iter().zip(&superblocks) {
-            let encoded = sb.encode();
-            let mut buf = AlignedBuf::new(encoded.len(), 4096)?;
-            buf.copy_from_slice(&encoded);
-            d.write_all_at(&buf, 0)?;
-            d.write_all_at(&buf, sb.backup_offset())?;
-            d.sync()?;
+            identity::write_superblock_copies(d, sb)?;
         }
         tracing::info!(uuid = %sb0.uuid_string(), devices = devices.len(), "formatted teraio store");
         Ok(StoreInfoAtFormat { uuid: sb0.uuid_string(), superblocks })
