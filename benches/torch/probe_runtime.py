@@ -49,6 +49,28 @@ def build(name: str) -> tuple[torch.nn.Module, int, bool]:
     return model, 151936, True
 
 
+@contextlib.contextmanager
+def _on_oom(run: object):
+    """Prints what the plan expected where a step runs out of memory, then re-raises."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        result = run.plan_result or {}
+        print("OOM: allocated", torch.cuda.memory_allocated() / 2**30, "GiB")
+        print(
+            "OOM: prediction",
+            {k: v for k, v in result.get("prediction", {}).items() if "peak" in k or k == "outcome"},
+        )
+        print("OOM: reserve", run.reserve_bytes, "checkpointed", len(run.checkpoint_blocks))
+        print("OOM: checkpoint candidates", run.checkpoint_summary.get("tried"))
+        print("OOM: executor", run.executor.stats.as_dict())
+        print(
+            "OOM: state planned host", run.state.planned_bytes("host"), "ssd", run.state.planned_bytes("ssd")
+        )
+        print("OOM: step times", run._step_times_ms, "planning_s", getattr(run, "planning_s", None))
+        raise
+
+
 def main() -> None:
     import teraio
 
@@ -75,7 +97,10 @@ def main() -> None:
         extra = {"host_memory": "64GiB", "ssd_bandwidth": "1.7GB/s", "host_link_bandwidth": "50GB/s"}
     generator = torch.Generator().manual_seed(1234)
     started_all = time.perf_counter()
-    with teraio.offload(model, optimizer, store=store, gpu_memory=args.cap_bytes, **extra) as run:
+    with (
+        teraio.offload(model, optimizer, store=store, gpu_memory=args.cap_bytes, **extra) as run,
+        _on_oom(run),
+    ):
         for step in range(args.steps):
             tokens = torch.randint(0, vocab, (4, 2048), generator=generator).cuda()
             started = time.perf_counter()
@@ -86,13 +111,20 @@ def main() -> None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             value = loss.item()
-            print(f"step {step}: loss {value:.6f} {(time.perf_counter() - started) * 1e3:.0f} ms", flush=True)
+            peak = torch.cuda.max_memory_allocated() / 2**30
+            retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+            print(
+                f"step {step}: loss {value:.6f} {(time.perf_counter() - started) * 1e3:.0f} ms, "
+                f"peak allocated {peak:.2f} GiB, allocator retries so far {retries}",
+                flush=True,
+            )
     print(f"total {time.perf_counter() - started_all:.1f} s")
     report = run.report()
     print(report)
     print("machine", report.machine)
     print("checkpoint", report.checkpoint_summary)
     print("recompute", report.plan_summary.get("recompute", {}).get("chosen"))
+    print("plan", {k: v for k, v in report.plan_summary.items() if k != "recompute"})
     store.close()
 
 

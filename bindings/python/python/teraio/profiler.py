@@ -62,6 +62,8 @@ class TensorRecord:
     producer: Optional[Producer] = None
     #: A forward op wrote it in place after it was made.
     mutated: bool = False
+    #: The op after which its storage was seen freed (None: not seen die while recording).
+    died_op: Optional[int] = None
 
     def use(self, op: int, access: str) -> None:
         if self.uses.get(op) != "write":
@@ -146,6 +148,8 @@ class Profiler:
         self.module_args: dict[int, tuple[str, int, int, int]] = {}
         self._handles: list[Any] = []
         self._mode: Optional[_Recorder] = None
+        # Records made while recording whose storage has not been seen freed yet (`_note_deaths`).
+        self._watch: list[TensorRecord] = []
         self._hooks_context: Any = None
         self._phase = "forward"
         self._pack_count = 0
@@ -337,6 +341,8 @@ class Profiler:
         )
         self.records.append(record)
         self._live[storage_key(tensor)] = record
+        if alloc_op is not None:
+            self._watch.append(record)
         return record
 
     def _lookup(self, tensor: torch.Tensor) -> Optional[TensorRecord]:
@@ -390,6 +396,22 @@ class Profiler:
             entry["layer"] = int(match.group(1))
         self.ops.append(entry)
         self._timings.append(timing)
+        self._note_deaths(op)
+
+    def _note_deaths(self, op: int) -> None:
+        """Notes which storages were freed by the time `op` ran. A storage lives as long as
+        anything holds it, which can be long after its last use: autocast's cache of low-precision
+        weight copies holds them to the end of the autocast region, a model output object holds
+        the logits. The planner must not count that memory as free any earlier."""
+        if not self._watch:
+            return
+        alive = []
+        for record in self._watch:
+            if record.weak.expired():
+                record.died_op = op
+            else:
+                alive.append(record)
+        self._watch = alive
 
     def _producer(self, op: int, func: Any, args: Any, kwargs: Any) -> Optional[Producer]:
         """The op and its arguments, tensors as views of recorded storages (None: an argument
@@ -436,6 +458,27 @@ class Profiler:
                 durations.append(max(0.0, float(timing)))
         return durations
 
+    def _held_lifetime(
+        self, record: TensorRecord, free_op: int, uses: list[tuple[int, str]]
+    ) -> tuple[int, list[tuple[int, str]]]:
+        """`free_op` and `uses` stretched to where the storage was seen freed (`_note_deaths`): a
+        tensor held past its last use is freed no earlier; an activation held past its last
+        forward use gets a use there, so that an offload cannot free it before then either."""
+        if record.died_op is None or record.died_op < 1 or record.kind not in ("temporary", "activation"):
+            return free_op, uses
+        held = record.died_op - 1  # alive after op `held`, gone after `died_op`
+        if self.ops[held]["phase"] != "forward":
+            # Backward frees saved tensors as its nodes finish, at the last use give or take the
+            # op running meanwhile; what outlives its use by far is held in forward.
+            return free_op, uses
+        if held > free_op:
+            return held, uses
+        if record.kind == "activation":
+            forward = [op for op, _ in uses if self.ops[op]["phase"] == "forward"]
+            if held > max(forward, default=-1):
+                return free_op, sorted([*uses, (held, "read")])
+        return free_op, uses
+
     def trace(self, gpu_capacity_bytes: Optional[int] = None, description: str = "") -> dict[str, Any]:
         """The recorded iteration in the planner's trace format (docs/trace.md, version 1)."""
         if self._mode is not None:
@@ -461,6 +504,7 @@ class Profiler:
             else:
                 alloc_op = min(record.alloc_op if record.alloc_op is not None else uses[0][0], uses[0][0])
                 free_op = uses[-1][0]
+                free_op, uses = self._held_lifetime(record, free_op, uses)
             tensors.append(
                 {
                     "id": record.id,

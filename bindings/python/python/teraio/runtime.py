@@ -158,6 +158,14 @@ class Report:
                 "  host time in teraio per iteration: "
                 + ", ".join(f"{name} {v:.1f} ms" for name, v in self.host_ms_per_iteration.items())
             )
+        unplanned_steps = self.step_times_ms[: self.steps - self.planned_steps]
+        if unplanned_steps:
+            planning = self.plan_summary.get("planning_s")
+            lines.append(
+                "  steps before the plan: "
+                + ", ".join(f"{v:.0f} ms" for v in unplanned_steps)
+                + (f"; planning took {planning:.1f} s" if planning is not None else "")
+            )
         if self.prediction_warning:
             lines.append(f"  WARNING: {self.prediction_warning}")
         if self.checkpointed_blocks or self.checkpoint_summary:
@@ -571,10 +579,12 @@ class offload:
             self._peaks.append(int(torch.cuda.max_memory_allocated(self.device)))
         if planning:
             assert self.profiler is not None
+            planning_started = time.perf_counter()
             if self.calibrate:
                 self._calibrate(self.profiler)
             self.fallback_state.close()
             self._make_plan(self.profiler)
+            self.planning_s = time.perf_counter() - planning_started
             self._planned_from_step = self.step + 1
             self._stats_at_plan = self.executor.stats.as_dict()
             self._state_stats_at_plan = self.state.stats.as_dict()
@@ -949,6 +959,9 @@ class offload:
                 "fits": self.plan_result["plan"]["fits"],
                 "outcome": prediction.get("outcome"),
                 "planning_time_ms": prediction.get("planning_time_ms"),
+                # Calibrating, building the trace and planning every candidate, host seconds (in
+                # the step that ends the calibration iteration).
+                "planning_s": getattr(self, "planning_s", None),
                 "ops": len(self.trace["ops"]) if self.trace else None,
                 "tensors": len(self.trace["tensors"]) if self.trace else None,
             }
