@@ -80,6 +80,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=9)
     parser.add_argument("--documented", action="store_true")
     parser.add_argument("--store-dir", default="")
+    parser.add_argument("--checkpoint", default="auto", choices=["auto", "off", "all"])
     args = parser.parse_args()
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_bytes / total), 0)
@@ -92,9 +93,9 @@ def main() -> None:
         durable=False,
         force=True,
     )
-    extra = {}
+    extra: dict[str, str] = {"checkpoint": args.checkpoint} if args.checkpoint != "auto" else {}
     if args.documented:
-        extra = {"host_memory": "64GiB", "ssd_bandwidth": "1.7GB/s", "host_link_bandwidth": "50GB/s"}
+        extra.update(host_memory="64GiB", ssd_bandwidth="1.7GB/s", host_link_bandwidth="50GB/s")
     generator = torch.Generator().manual_seed(1234)
     started_all = time.perf_counter()
     with (
