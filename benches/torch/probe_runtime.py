@@ -81,6 +81,7 @@ def main() -> None:
     parser.add_argument("--documented", action="store_true")
     parser.add_argument("--store-dir", default="")
     parser.add_argument("--checkpoint", default="auto", choices=["auto", "off", "all"])
+    parser.add_argument("--calibrate", default="auto", choices=["auto", "on", "off"])
     args = parser.parse_args()
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_bytes / total), 0)
@@ -93,7 +94,9 @@ def main() -> None:
         durable=False,
         force=True,
     )
-    extra: dict[str, str] = {"checkpoint": args.checkpoint} if args.checkpoint != "auto" else {}
+    extra: dict[str, object] = {"checkpoint": args.checkpoint} if args.checkpoint != "auto" else {}
+    if args.calibrate != "auto":
+        extra["calibrate"] = args.calibrate == "on"
     if args.documented:
         extra.update(host_memory="64GiB", ssd_bandwidth="1.7GB/s", host_link_bandwidth="50GB/s")
     generator = torch.Generator().manual_seed(1234)

@@ -53,6 +53,7 @@ def test_checkpointing_wins_where_nothing_can_be_moved() -> None:
         host_memory=0,
         host_link_bandwidth="10GB/s",
         recompute="off",
+        checkpoint="auto",
         reserve=0,
         min_bytes=64 << 10,
     ) as run:
@@ -111,6 +112,7 @@ def test_never_predicted_slower_than_checkpointing_every_block() -> None:
         gpu_memory=peak - activations // 3,
         host_memory=1 << 30,
         host_link_bandwidth="50MB/s",
+        checkpoint="auto",
         reserve=0,
         min_bytes=64 << 10,
     ) as run:
@@ -175,6 +177,7 @@ def _bitwise_against_reference(
         optimizer,
         gpu_memory=params * 6,
         host_memory=1 << 30,
+        checkpoint="auto",
         host_link_bandwidth="2GB/s",
         reserve=0,
         min_bytes=16 << 10,
