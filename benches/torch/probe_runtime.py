@@ -29,24 +29,10 @@ def build(name: str) -> tuple[torch.nn.Module, int, bool]:
         from bench_llama import build_model
 
         return build_model(), 32000, False
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from bench_regime import FAMILIES, build_model
 
-    config = Qwen2Config(
-        vocab_size=151936,
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-    )
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Qwen2ForCausalLM(config)
-    model.config.use_cache = False
-    return model, 151936, True
+    model = build_model("qwen2", "autocast", torch.device("cuda"), tiny=False)
+    return model, FAMILIES["qwen2"][2]["vocab_size"], True
 
 
 @contextlib.contextmanager
