@@ -26,6 +26,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .profiler import SaveEvent
+from .recompute import remade_entry
 
 
 def find_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -197,17 +198,7 @@ def checkpoint_trace(
             entry["kind"] = "temporary"  # the hooks never see it: nothing to move
             largest = max(largest, entry["size_bytes"])
             freed += entry["size_bytes"]
-            trace["tensors"].append(
-                {
-                    "id": next_id,
-                    "name": f"{entry['name']} (block recomputed)",
-                    "size_bytes": entry["size_bytes"],
-                    "kind": "temporary",
-                    "alloc_op": at,
-                    "free_op": later[-1]["op"] if later else at,
-                    "uses": [{"op": at, "access": "write"}, *later],
-                }
-            )
+            trace["tensors"].append(remade_entry(entry, next_id, at, later, "block recomputed"))
             next_id += 1
         if largest:
             # The recomputed forward's own temporaries, about one more saved tensor's worth.

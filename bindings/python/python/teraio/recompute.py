@@ -334,15 +334,7 @@ def apply_to_trace(
         later = [u for u in entry["uses"] if u["op"] > at]
         entry["uses"] = [u for u in entry["uses"] if u["op"] < at]
         entry["free_op"] = entry["uses"][-1]["op"]
-        copy_entry = {
-            "id": next_id,
-            "name": f"{entry['name']} (recomputed)",
-            "size_bytes": entry["size_bytes"],
-            "kind": "temporary",
-            "alloc_op": at,
-            "free_op": later[-1]["op"] if later else at,
-            "uses": [{"op": at, "access": "write"}, *later],
-        }
+        copy_entry = remade_entry(entry, next_id, at, later, "recomputed")
         next_id += 1
         trace["tensors"].append(copy_entry)
         remade[tensor_id] = copy_entry
@@ -374,3 +366,19 @@ def _add_read(entry: dict[str, Any], op: int) -> None:
     entry["uses"] = [{"op": o, "access": uses[o]} for o in sorted(uses)]
     if entry["free_op"] is not None and op > entry["free_op"]:
         entry["free_op"] = op
+
+
+def remade_entry(
+    entry: dict[str, Any], tensor_id: int, at: int, later: list[dict[str, Any]], how: str
+) -> dict[str, Any]:
+    """The trace entry of `entry`'s tensor made again at op `at` (a temporary written there and
+    read by the `later` uses): per-tensor recompute and checkpointed blocks both rewrite so."""
+    return {
+        "id": tensor_id,
+        "name": f"{entry['name']} ({how})",
+        "size_bytes": entry["size_bytes"],
+        "kind": "temporary",
+        "alloc_op": at,
+        "free_op": later[-1]["op"] if later else at,
+        "uses": [{"op": at, "access": "write"}, *later],
+    }
