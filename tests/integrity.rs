@@ -313,16 +313,19 @@ fn a_reader_opens_beside_the_writer_and_writes_nothing() {
     drop(reader);
 }
 
+/// Formats `devices`, puts object 1 and closes the store; returns its uuid.
+fn closed_store_with_one_object(devices: &TempDevices) -> String {
+    let store = create(devices, BackendKind::Auto);
+    store.put_blocking(1, &random_bytes(400_000, 1), b"").unwrap();
+    let uuid = store.info().uuid;
+    store.close().unwrap();
+    uuid
+}
+
 #[test]
 fn a_device_put_back_from_an_older_copy_is_stale() {
     let devices = TempDevices::new(3, 16 << 20);
-    let uuid = {
-        let store = create(&devices, BackendKind::Auto);
-        store.put_blocking(1, &random_bytes(400_000, 1), b"").unwrap();
-        let uuid = store.info().uuid;
-        store.close().unwrap();
-        uuid
-    };
+    let uuid = closed_store_with_one_object(&devices);
     // Copies of device 2 (closed store) and of device 0 (taken while the writer had it open).
     let old2 = std::fs::read(&devices.paths[2]).unwrap();
     let store = Store::open(&devices.paths, config()).unwrap();
@@ -355,13 +358,7 @@ fn a_device_put_back_from_an_older_copy_is_stale() {
 #[test]
 fn a_short_or_wiped_member_device_is_named() {
     let devices = TempDevices::new(3, 16 << 20);
-    let uuid = {
-        let store = create(&devices, BackendKind::Auto);
-        store.put_blocking(1, &random_bytes(400_000, 1), b"").unwrap();
-        let uuid = store.info().uuid;
-        store.close().unwrap();
-        uuid
-    };
+    let uuid = closed_store_with_one_object(&devices);
     let full = std::fs::read(&devices.paths[1]).unwrap();
 
     // Shorter than its superblock records: refused, never grown back with zeros.
