@@ -13,50 +13,87 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import sys
 import time
 import traceback
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_llama import GIB, build_model, make_batches
 
+#: DeepSpeed's asynchronous I/O settings for NVMe offload (1 MiB blocks, 16 requests in flight).
+AIO = {"block_size": 1048576, "queue_depth": 16, "single_submit": False, "overlap_events": True}
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+
+def init_single_process() -> None:
+    """The environment deepspeed.initialize reads for one rank started without a launcher."""
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as probe:  # a free port: rows run one after another
+            probe.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
+
+
+def zero_config(
+    *,
+    stage: int,
+    batch: int,
+    offload_param: Optional[str] = None,
+    offload_optimizer: Optional[str] = None,
+    nvme_dir: Optional[str] = None,
+    bf16: bool = False,
+    param_buffer_elements: Optional[int] = None,
+) -> dict[str, Any]:
+    """A ZeRO config with AdamW (lr 1e-4, weight decay 0.01). `offload_param` and
+    `offload_optimizer` are "cpu", "nvme" or None; NVMe swap files go under `nvme_dir`.
+    `param_buffer_elements` sets `offload_param.buffer_size`, which must exceed the largest
+    parameter's element count (DeepSpeed's default, 1e8, is below a 151936 x 1536 embedding)."""
+    zero: dict[str, Any] = {"stage": stage}
+    for key, device in (("offload_param", offload_param), ("offload_optimizer", offload_optimizer)):
+        if device is None:
+            continue
+        offload: dict[str, Any] = {"device": device, "pin_memory": True}
+        if device == "nvme":
+            offload["nvme_path"] = nvme_dir
+        zero[key] = offload
+    if param_buffer_elements is not None and "offload_param" in zero:
+        zero["offload_param"]["buffer_size"] = int(param_buffer_elements)
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": batch,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
+        "zero_optimization": zero,
+        "steps_per_print": 1000,
+    }
+    if "nvme" in (offload_param, offload_optimizer):
+        config["aio"] = dict(AIO)
+    if bf16:
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    init_single_process()
     torch.backends.cuda.matmul.allow_tf32 = False
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * GIB / total))
     import deepspeed
 
     os.makedirs(args.nvme_dir, exist_ok=True)
-    offload: dict[str, Any] = {"device": args.device, "pin_memory": True}
-    if args.device == "nvme":
-        offload["nvme_path"] = args.nvme_dir
-    config = {
-        "train_micro_batch_size_per_gpu": args.batch,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
-        "zero_optimization": {
-            "stage": 3,
-            "offload_param": dict(offload),
-            "offload_optimizer": dict(offload),
-        },
-        "aio": {
-            "block_size": 1048576,
-            "queue_depth": 16,
-            "single_submit": False,
-            "overlap_events": True,
-        },
-        "steps_per_print": 1000,
-    }
+    config = zero_config(
+        stage=3,
+        batch=args.batch,
+        offload_param=args.device,
+        offload_optimizer=args.device,
+        nvme_dir=args.nvme_dir,
+    )
     with deepspeed.zero.Init(config_dict_or_path=config):
         model = build_model()
     model.gradient_checkpointing_enable()

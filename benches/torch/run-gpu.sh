@@ -19,10 +19,18 @@
 #                             #   (';'-separated bench_llama.py options; CAP=22.53 skips the ideal run)
 #   run-gpu.sh diagnose       # a torch.profiler timeline of a planned flagship step, and variants
 #   run-gpu.sh emulated [CAP] # the flagship on an emulated 4 x 2.5 GB/s SSD array in tmpfs
+#   run-gpu.sh capacity       # bench_capacity.py's table: Qwen2-1.5B shape under a 12 GiB cap, 10 steps.
+#                             #   MODES picks the rows (default zero_offload,zero_infinity, ~8 min: the
+#                             #   teraio rows run in calls of their own; any of reference, teraio,
+#                             #   teraio_ssd, zero_infinity, zero_offload); STEPS, WARMUP, BATCH, CAP_GIB,
+#                             #   DEADLINE (s, default 540: no row starts after it); REFERENCE=a
+#                             #   results.jsonl of an earlier call with a reference row, for the losses
 # Needs .whl-py/ (ignored by git; carry it): the teraio wheel built on the dev machine
 # (`maturin build --release --strip -m bindings/python/Cargo.toml -o .whl-py`), torchtune 0.6.1
 # (`pip download --no-deps torchtune==0.6.1 -d .whl-py`), and for `baselines` .whl-py/ds/: DeepSpeed
-# 0.19.8 and its dependencies. Every mode runs with expandable_segments. Logs and RESULT lines go
+# 0.19.8 and its dependencies (hjson, pydantic, pydantic-core for cp312, annotated-types,
+# typing-inspection, typing-extensions) with Debian's libaio1 and libaio-dev .debs (for
+# `baselines` and `capacity`). Every mode runs with expandable_segments. Logs and RESULT lines go
 # to $OUT (results.jsonl; logs.tgz where there are many); the table is printed last (summarize.py).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -57,6 +65,28 @@ flagship() {
   shift 2
   timeout "$limit" python3 $B/bench_llama.py "$@" > "$OUT/f-$name.log" 2>&1
   echo "== flagship $name: $(grep -E 'iteration:|^RESULT' "$OUT/f-$name.log" | tail -2 | cut -c1-220)"
+}
+
+# DeepSpeed from .whl-py/ds/ into /tmp/ds-site (put it first on PYTHONPATH: its typing-extensions
+# is newer than the image's), with libaio from the .debs for its async_io op (ZeRO-Infinity's NVMe
+# swapping), JIT-built on first use. TORCH_CUDA_ARCH_LIST: the image's list holds "9.0a", which
+# DeepSpeed's op builder cannot parse.
+install_deepspeed() {
+  ls .whl-py/ds/*.whl > /dev/null 2>&1 || { echo "no .whl-py/ds/*.whl: DeepSpeed rows will fail"; return 1; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/ds-site \
+    .whl-py/ds/*.whl || return 1
+  if ls .whl-py/ds/libaio*.deb > /dev/null 2>&1; then
+    local debs
+    debs=$(mktemp -d)
+    for deb in .whl-py/ds/libaio*.deb; do dpkg -x "$deb" "$debs"; done
+    cp "$debs"/usr/include/libaio.h /usr/include/
+    cp -a "$debs"/usr/lib/x86_64-linux-gnu/libaio.so* /usr/lib/x86_64-linux-gnu/
+    ldconfig
+    rm -rf "$debs"
+  fi
+  export TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16
+  (ls /usr/include/libaio.h; ldconfig -p | grep -i libaio) 2>&1 | head -3
+  PYTHONPATH=/tmp/ds-site:/tmp/site python3 -c 'import deepspeed; print("deepspeed", deepspeed.__version__)'
 }
 
 summary() {
@@ -125,9 +155,7 @@ baselines)
   CAP=${2:-22.53}
   flagship save_on_cpu 120 --mode save_on_cpu --steps 8 --warmup 2 --cap-gib "$CAP"
   flagship torchtune 120 --mode torchtune --steps 8 --warmup 2 --cap-gib "$CAP"
-  if ls .whl-py/ds/*.whl > /dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/ds-site .whl-py/ds/*.whl
-    (ls /usr/include/libaio.h; ldconfig -p | grep -i libaio) 2>&1 | head -3
+  if install_deepspeed; then
     PYTHONPATH=/tmp/ds-site:/tmp/site timeout $((480 - SECONDS)) python3 $B/bench_deepspeed.py --device nvme \
       --cap-gib "$CAP" --steps 5 > "$OUT/f-ds-nvme.log" 2>&1
     if grep -q '"error"' "$OUT/f-ds-nvme.log" && [ $SECONDS -lt 360 ]; then
@@ -189,8 +217,25 @@ emulated)
   summary
   ;;
 
+capacity)
+  # Stores and swap folders under one work dir on the disk, each removed after its row (the
+  # ZeRO-Infinity swap folder takes ~25 GB of the ~64 GB free).
+  install_deepspeed
+  deadline=${DEADLINE:-540}
+  df -h /root | tail -1
+  PYTHONPATH=/tmp/ds-site:/tmp/site timeout $((deadline - SECONDS + 40)) python3 $B/bench_capacity.py table \
+    --modes "${MODES:-zero_offload,zero_infinity}" --steps "${STEPS:-10}" --warmup "${WARMUP:-3}" \
+    --batch "${BATCH:-1}" --cap-gib "${CAP_GIB:-12}" --work-dir /root/teraio-capacity \
+    --out-dir "$OUT/capacity" --deadline-s $((deadline - SECONDS)) --timeout-s $((deadline - SECONDS)) \
+    --teraio-timeout-s $((deadline - SECONDS)) ${REFERENCE:+--reference-from "$REFERENCE"} 2>&1 | tee "$OUT/capacity.log"
+  rm -rf /root/teraio-capacity
+  cp "$OUT/capacity/results.jsonl" "$OUT/results.jsonl"
+  cp "$OUT/capacity/capacity.md" "$OUT/capacity.md"
+  (cd "$OUT" && tar czf logs.tgz capacity && rm -rf capacity)
+  ;;
+
 *)
-  echo "unknown mode $what: tests, probe, regime, flagship, baselines, compare, diagnose or emulated" >&2
+  echo "unknown mode $what: tests, probe, regime, flagship, baselines, compare, diagnose, emulated or capacity" >&2
   exit 2
   ;;
 esac
