@@ -3,9 +3,10 @@ may use, with teraio and with DeepSpeed's offloaders, on the same disk and the s
 
 The model is bench_regime's Qwen2-1.5B shape by default (`--family`; random init, fixed seed,
 nothing downloaded): 1.54B parameters, so fp32 parameters + gradients + AdamW's two moments are
-24.7 GB against a 12 GiB (12.9 GB) cap. It is built on the CPU in every mode (the same initial
-weights for all of them), trained on fixed batches (bench_regime.make_batches) with SDPA attention
-and AdamW (lr 1e-4, weight decay 0.01). Modes, each in its own process:
+24.7 GB against a 12 GiB (12.9 GB) cap, 1.92x. It is built on the GPU from a fixed seed in every
+mode (the same initial weights for all of them) and trained on fixed batches
+(bench_regime.make_batches) with SDPA attention and AdamW (lr 1e-4, weight decay 0.01). Modes,
+each in its own process:
 
     reference      bf16 autocast over fp32 weights, everything on the GPU, no cap (the H100's 80 GB
                    holds it; a row that runs out of memory says so)
@@ -47,7 +48,8 @@ parameter count, labelled, beside the measured size of its swap folder and the p
     python3 benches/torch/bench_capacity.py table --tiny --work-dir /tmp/cap   # CPU smoke test
 
 `table` runs the modes one process each under a time limit per row and a deadline (an
-out-of-memory error, an exception or a timeout is a row, not a crash), removes each row's store
+out-of-memory error, an exception or a timeout is a row, not a crash; a row stops taking steps
+`STOP_MARGIN_S` before its limit and says so, keeping its figures), removes each row's store
 or swap folder after it (the GPU machine's disk has ~64 GB free), writes OUT/results.jsonl and
 prints a markdown table with each mode's loss agreement against the reference row (or against
 `--reference-from`, an earlier results.jsonl). `--tiny`: CPU, two small layers, 256 tokens, teraio's
@@ -73,6 +75,8 @@ from typing import Any, Optional
 
 import torch
 
+#: When this process started: a row's time budget counts its imports and setup too.
+STARTED = time.monotonic()
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import baselines  # noqa: E402  (beside this script)
@@ -85,6 +89,10 @@ DEEPSPEED_MODES = ("zero_infinity", "zero_offload")
 TERAIO_MODES = ("teraio", "teraio_ssd")
 #: Files of teraio's store, in one folder of the work dir (one disk on the GPU machine).
 STORE_FILES = ("f0", "f1")
+#: Disk space a teraio store must leave free (its files are reserved in full when created).
+DISK_KEPT_FREE = 8 * GIB
+#: A row stops taking steps this long before its time limit (the report, removing ~25 GB of swap).
+STOP_MARGIN_S = 30.0
 
 
 # -- measurements -----------------------------------------------------------------------------
@@ -239,6 +247,13 @@ def make_teraio(
     store_dir = os.path.join(args.work_dir, args.mode)
     os.makedirs(store_dir, exist_ok=True)
     file_size = int(args.store_gib * GIB / len(STORE_FILES))
+    free = shutil.disk_usage(store_dir).free
+    if free - file_size * len(STORE_FILES) < DISK_KEPT_FREE:
+        # The store's files are reserved in full at create: a full disk took a machine down.
+        raise RuntimeError(
+            f"a {args.store_gib:g} GiB store would leave less than {DISK_KEPT_FREE / GIB:g} GiB of the "
+            f"{free / GIB:.1f} GiB free under {store_dir}: lower --store-gib"
+        )
     store = teraio.Store.create(
         [os.path.join(store_dir, name) for name in STORE_FILES], file_size_bytes=file_size
     )
@@ -260,6 +275,14 @@ def make_deepspeed(args: argparse.Namespace, model: torch.nn.Module) -> tuple[An
     if args.mode == "zero_infinity":
         nvme_dir = os.path.join(args.work_dir, args.mode)
         os.makedirs(nvme_dir, exist_ok=True)
+        # Its swap files: bf16 parameters, fp32 master weights, two moments and gradients.
+        swap = 18 * sum(p.numel() for p in model.parameters())
+        free = shutil.disk_usage(nvme_dir).free
+        if free - swap < DISK_KEPT_FREE:
+            raise RuntimeError(
+                f"ZeRO-Infinity's ~{swap / GIB:.1f} GiB of swap files would leave less than "
+                f"{DISK_KEPT_FREE / GIB:g} GiB of the {free / GIB:.1f} GiB free under {nvme_dir}"
+            )
         config = bench_deepspeed.zero_config(
             stage=3,
             batch=args.batch,
@@ -288,14 +311,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise RuntimeError("DeepSpeed modes need CUDA")
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = False
-    # Built on the CPU in every mode so that all start from the same weights.
-    model = bench_regime.build_model(args.family, "autocast", torch.device("cpu"), args.tiny, seed=args.seed)
+    began = time.monotonic()
+    setup_s: dict[str, float] = {}
+    # Built on the device in every mode, from the same seed: the same initial weights in every
+    # row (a 1.5B build on the CPU takes ~50 s on 2 cores). Under the cap the fp32 model
+    # (6.2 GB) fits; DeepSpeed casts and partitions it from there.
+    cap = None
+    if args.mode != "reference" and (cuda or args.cap_gib_given):
+        cap = int(args.cap_gib * GIB)
+        if cuda:
+            apply_cap(cap)
+    model = bench_regime.build_model(args.family, "autocast", device, args.tiny, seed=args.seed)
+    setup_s["build"] = round(time.monotonic() - began, 1)
     params = sum(p.numel() for p in model.parameters())
     state = bench_regime.model_state_bytes(model)
     batches = bench_regime.make_batches(args.steps, args.batch, args.seq, model.config.vocab_size)
-    cap = None
-    if args.mode != "reference":
-        cap = tiny_cap(model, batches[0]) if args.tiny and not args.cap_gib_given else int(args.cap_gib * GIB)
+    if args.mode != "reference" and cap is None:
+        cap = tiny_cap(model, batches[0])
     result.update(
         params=params,
         vocab=model.config.vocab_size,
@@ -307,8 +339,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if cuda:
         result["gpu"] = torch.cuda.get_device_name(0)
         result["gpu_total_bytes"] = torch.cuda.get_device_properties(0).total_memory
-        if cap is not None:
-            apply_cap(cap)
 
     engine = None
     outer: Any = contextlib.nullcontext()
@@ -316,10 +346,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         engine, result["setup"] = make_deepspeed(args, model)
         optimizer = None
     else:
-        model.to(device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
         if args.mode in TERAIO_MODES:
             outer, result["setup"] = make_teraio(args, model, optimizer, cap)
+    setup_s["engine"] = round(time.monotonic() - began - setup_s["build"], 1)
+    result["setup_s"] = setup_s
+    print(f"  [{args.mode}] setup: {setup_s} s", flush=True)
 
     losses: list[float] = []
     times_ms: list[float] = []
@@ -330,6 +362,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         with sampler, outer:
             for step, tokens in enumerate(batches):
+                # Stop before a step that would not end inside the time budget: the row then
+                # reports its steps so far, with every figure, instead of being killed.
+                spent = time.monotonic() - STARTED
+                if args.time_budget_s and times_ms and spent + 1.2 * max(times_ms) / 1e3 > args.time_budget_s:
+                    result["stopped_early"] = f"time budget: {step} of {args.steps} steps in {spent:.0f} s"
+                    print(f"  [{args.mode}] {result['stopped_early']}", flush=True)
+                    break
                 if step == args.warmup:
                     if cuda:
                         torch.cuda.synchronize()
@@ -359,11 +398,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     except torch.cuda.OutOfMemoryError as error:
         result.update(oom=True, oom_step=step, error="CUDA out of memory: " + str(error).split("\n")[0])
         io_end = {}
+    except Exception as error:  # the row keeps the steps before it, and says what stopped it
+        traceback.print_exc()
+        result.update(error_step=step, error=f"{type(error).__name__}: {error}"[:800])
+        io_end = {}
     result.update(losses=losses, step_ms=times_ms)
     if args.mode == "reference" and cuda:
         result["gpu_holds_whole_model"] = not result.get("oom")
     timed = times_ms[args.warmup :]
-    if timed and not result.get("oom"):
+    if timed and "error" not in result:
         result["ms_per_iter"] = statistics.median(timed)
     window = peaks[args.warmup :] or peaks
     if window:
@@ -449,7 +492,9 @@ def table_row(args: argparse.Namespace, mode: str, started: float, log_path: str
     began = time.monotonic()
     with open(log_path, "w") as log:
         # The same process group as the table: a `timeout` around the table ends the row too.
-        child = subprocess.Popen(run_command(args, mode), stdout=log, stderr=subprocess.STDOUT)
+        # The row stops taking steps before its limit, leaving time to report and clean up.
+        command = run_command(args, mode) + ["--time-budget-s", str(max(1.0, timeout - STOP_MARGIN_S))]
+        child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         try:
             code: Optional[int] = child.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -501,12 +546,16 @@ def status_of(r: dict[str, Any]) -> str:
         return "skipped: " + r["skipped"]
     if r.get("oom"):
         return f"out of memory at step {r.get('oom_step')}"
+    if r.get("stopped_early"):
+        ms = r.get("ms_per_iter")
+        return "stopped at its " + r["stopped_early"] + (f" ({ms:.0f} ms/iter after warm-up)" if ms else "")
     if r.get("timeout"):
         text = f"{r['error']}, {len(r.get('losses') or [])} steps done"
         ms = partial_ms(r)
         return text + (f" (~{ms:.0f} ms/iter after warm-up)" if ms else "")
     if "ms_per_iter" not in r:
-        return "failed: " + str(r.get("error", "?")).replace("|", "/").replace("\n", " ")[:160]
+        where = f" at step {r['error_step']}" if "error_step" in r else ""
+        return f"failed{where}: " + str(r.get("error", "?")).replace("|", "/").replace("\n", " ")[:160]
     return "ok"
 
 
@@ -644,13 +693,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     common.add_argument(
         "--work-dir", required=True, help="teraio's stores and DeepSpeed's swap folders, one per row"
     )
-    common.add_argument("--store-gib", type=float, default=40.0, help="teraio's store, over its two files")
+    common.add_argument(
+        "--store-gib", type=float, default=None, help="teraio's store, two files (default 40; --tiny: 0.25)"
+    )
     common.add_argument("--ssd-host-memory", default=None, help='teraio_ssd\'s host_memory (default "8GiB")')
     common.add_argument("--zero-offload-stage", type=int, choices=[2, 3], default=2)
     common.add_argument("--tiny", action="store_true", help="CPU, 2 small layers (tests of this script)")
 
     one = commands.add_parser("run", parents=[common], help="one mode in this process")
     one.add_argument("--mode", choices=MODES, required=True)
+    one.add_argument(
+        "--time-budget-s", type=float, default=0, help="take no step that would end past this (0: no limit)"
+    )
 
     many = commands.add_parser("table", parents=[common], help="every mode, one process each")
     many.add_argument("--modes", default=",".join(MODES))
@@ -667,6 +721,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error("--warmup must be below --steps")
     if args.seq is None:
         args.seq = 256 if args.tiny else 2048
+    if args.store_gib is None:
+        args.store_gib = 0.25 if args.tiny else 40.0
     args.cap_gib_given = args.cap_gib is not None
     if args.cap_gib is None:
         args.cap_gib = 12.0

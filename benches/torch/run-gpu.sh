@@ -20,11 +20,15 @@
 #   run-gpu.sh diagnose       # a torch.profiler timeline of a planned flagship step, and variants
 #   run-gpu.sh emulated [CAP] # the flagship on an emulated 4 x 2.5 GB/s SSD array in tmpfs
 #   run-gpu.sh capacity       # bench_capacity.py's table: Qwen2-1.5B shape under a 12 GiB cap, 10 steps.
-#                             #   MODES picks the rows (default zero_offload,zero_infinity, ~8 min: the
+#                             #   MODES picks the rows (default zero_offload,zero_infinity, ~9 min: the
 #                             #   teraio rows run in calls of their own; any of reference, teraio,
 #                             #   teraio_ssd, zero_infinity, zero_offload); STEPS, WARMUP, BATCH, CAP_GIB,
-#                             #   DEADLINE (s, default 540: no row starts after it); REFERENCE=a
-#                             #   results.jsonl of an earlier call with a reference row, for the losses
+#                             #   DEADLINE (s, default 540: no row starts after it, and a row takes no
+#                             #   step that would end past it); REFERENCE=a results.jsonl of an earlier
+#                             #   call with a reference row, for the losses. On the H100 a ZeRO-Offload
+#                             #   row took 114 s (1.16 s/iter, the rest building the model and cpu_adam)
+#                             #   and ZeRO-Infinity had not finished its setup after 132 s: for its 10
+#                             #   steps, run MODES=zero_infinity alone
 # Needs .whl-py/ (ignored by git; carry it): the teraio wheel built on the dev machine
 # (`maturin build --release --strip -m bindings/python/Cargo.toml -o .whl-py`), torchtune 0.6.1
 # (`pip download --no-deps torchtune==0.6.1 -d .whl-py`), and for `baselines` .whl-py/ds/: DeepSpeed
@@ -220,11 +224,12 @@ emulated)
 capacity)
   # Stores and swap folders under one work dir on the disk, each removed after its row (the
   # ZeRO-Infinity swap folder takes ~25 GB of the ~64 GB free).
-  install_deepspeed
+  modes=${MODES:-zero_offload,zero_infinity}
+  [[ $modes == *zero_* ]] && install_deepspeed
   deadline=${DEADLINE:-540}
   df -h /root | tail -1
   PYTHONPATH=/tmp/ds-site:/tmp/site timeout $((deadline - SECONDS + 40)) python3 $B/bench_capacity.py table \
-    --modes "${MODES:-zero_offload,zero_infinity}" --steps "${STEPS:-10}" --warmup "${WARMUP:-3}" \
+    --modes "$modes" --steps "${STEPS:-10}" --warmup "${WARMUP:-3}" \
     --batch "${BATCH:-1}" --cap-gib "${CAP_GIB:-12}" --work-dir /root/teraio-capacity \
     --out-dir "$OUT/capacity" --deadline-s $((deadline - SECONDS)) --timeout-s $((deadline - SECONDS)) \
     --teraio-timeout-s $((deadline - SECONDS)) ${REFERENCE:+--reference-from "$REFERENCE"} 2>&1 | tee "$OUT/capacity.log"
