@@ -47,14 +47,14 @@ parameter count, labelled, beside the measured size of its swap folder and the p
     python3 benches/torch/bench_capacity.py table --modes zero_infinity,zero_offload --steps 3 ...
     python3 benches/torch/bench_capacity.py table --tiny --work-dir /tmp/cap   # CPU smoke test
 
-`table` runs the modes one process each under a time limit per row and a deadline (an
-out-of-memory error, an exception or a timeout is a row, not a crash; a row stops taking steps
-`STOP_MARGIN_S` before its limit and says so, keeping its figures), removes each row's store
-or swap folder after it (the GPU machine's disk has ~64 GB free), writes OUT/results.jsonl and
-prints a markdown table with each mode's loss agreement against the reference row (or against
-`--reference-from`, an earlier results.jsonl). `--tiny`: CPU, two small layers, 256 tokens, teraio's
-gpu_memory half of what an iteration needs without offload; DeepSpeed rows are recorded as
-skipped.
+`table` runs the modes one process each under a time limit per row and a deadline (an out-of-memory
+error, an exception or a timeout is a row, not a crash; a row stops taking steps `STOP_MARGIN_S`
+before its limit and says so, keeping its figures), removes each row's store or swap folder after
+it (the GPU machine's disk has ~64 GB free), writes OUT/results.jsonl and prints a markdown table
+with each mode's loss agreement against the first reference row (or against `--reference-from`, an
+earlier results.jsonl). A mode may repeat: `--modes reference,reference,teraio` also says whether
+the reference is itself bitwise reproducible. `--tiny`: CPU, two small layers, 256 tokens, teraio's
+gpu_memory half of what an iteration needs without offload; DeepSpeed rows are recorded as skipped.
 """
 
 from __future__ import annotations
@@ -609,7 +609,7 @@ def markdown(rows: list[dict[str, Any]], reference: Optional[dict[str, Any]]) ->
         pinned += " / " + summarize.gib(r.get("peak_host_locked_bytes"))
         ms = r.get("ms_per_iter")
         lines.append(
-            f"| {r['mode']} | {status_of(r)} | {'-' if ms is None else f'{ms:.0f}'} "
+            f"| {r.get('row', r['mode'])} | {status_of(r)} | {'-' if ms is None else f'{ms:.0f}'} "
             f"| {summarize.gib(r.get('peak_allocated_bytes'))} | {summarize.gib(r.get('cap_bytes'))} "
             f"| {summarize.gib(r.get('peak_host_rss_bytes'))} | {pinned} | {host} | {ssd} "
             f"| {loss_agreement(r, reference)} | {r.get('wall_s', '-')} |"
@@ -617,7 +617,7 @@ def markdown(rows: list[dict[str, Any]], reference: Optional[dict[str, Any]]) ->
     with_losses = [r for r in rows if r.get("losses")]
     if with_losses:
         steps = max(len(r["losses"]) for r in with_losses)
-        lines += ["", "| step | " + " | ".join(r["mode"] for r in with_losses) + " |"]
+        lines += ["", "| step | " + " | ".join(r.get("row", r["mode"]) for r in with_losses) + " |"]
         lines.append("| --- |" + " --- |" * len(with_losses))
         for i in range(steps):
             cells = [f"{r['losses'][i]:.6f}" if i < len(r["losses"]) else "-" for r in with_losses]
@@ -644,15 +644,18 @@ def table_main(args: argparse.Namespace) -> int:
     open(results_path, "w").close()
     started = time.monotonic()
     rows = []
-    for mode in modes:
+    for i, mode in enumerate(modes):
+        # A mode may repeat (reference,reference: is the reference itself bitwise reproducible?).
+        name = mode if modes.count(mode) == 1 else f"{mode}-{modes[: i + 1].count(mode)}"
         free = shutil.disk_usage(args.work_dir).free
-        r = table_row(args, mode, started, os.path.join(args.out_dir, f"capacity-{mode}.log"))
+        r = table_row(args, mode, started, os.path.join(args.out_dir, f"capacity-{name}.log"))
+        r["row"] = name
         r["disk_free_before_bytes"] = free
         rows.append(r)
         with open(results_path, "a") as f:
             f.write(json.dumps(r, default=str) + "\n")
         print(
-            f"[{time.monotonic() - started:5.0f} s] {mode}: {status_of(r)}"
+            f"[{time.monotonic() - started:5.0f} s] {name}: {status_of(r)}"
             + (f", {r['ms_per_iter']:.0f} ms/iter" if "ms_per_iter" in r else ""),
             flush=True,
         )
