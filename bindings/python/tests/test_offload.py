@@ -101,7 +101,7 @@ def test_tiny_budget_still_exact_with_on_demand_fetches(store: teraio.Store) -> 
     # and training stays exact.
     reference = _reference()
     losses, state, report, _ = _offloaded_run(
-        gpu_memory=1 << 20, host_memory=1 << 20, store=store, if_no_fit="run"
+        gpu_memory=1 << 20, host_memory=1 << 20, store=store, if_no_fit="run", whole_model="off"
     )
     _assert_same(reference, losses, state)
     assert report.plan_summary["fits"] is False
@@ -110,7 +110,7 @@ def test_tiny_budget_still_exact_with_on_demand_fetches(store: teraio.Store) -> 
 def test_budget_below_parameters_is_refused_before_training() -> None:
     model, optimizer = make()
     with pytest.raises(teraio.NoPlanFitsError, match="cannot hold the parameters"):
-        with teraio.offload(model, optimizer, gpu_memory=1 << 10, host_memory=1 << 20):
+        with teraio.offload(model, optimizer, gpu_memory=1 << 10, host_memory=1 << 20, whole_model="off"):
             pytest.fail("the block must not start")
 
 
@@ -121,7 +121,9 @@ def test_no_plan_fits_is_a_clear_error_before_the_planned_steps() -> None:
     data = batches(STEPS, rows=ROWS)
     steps = 0
     with pytest.raises(teraio.NoPlanFitsError, match="no plan fits"):
-        with teraio.offload(model, optimizer, gpu_memory=params * 2 + (64 << 10), host_memory=0, reserve=0):
+        with teraio.offload(
+            model, optimizer, gpu_memory=params * 2 + (64 << 10), host_memory=0, reserve=0, whole_model="off"
+        ):
             for x in data:
                 model(x).backward()
                 optimizer.step()

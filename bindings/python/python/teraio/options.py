@@ -36,9 +36,17 @@ class OffloadOptions:
 
     Plan:
         recompute: per-tensor recomputation of cheap saved activations: "auto", "on", "off".
+        whole_model: "auto" (default: on when the parameters, gradients and optimizer state
+            exceed `whole_model.WHOLE_MODEL_SHARE` of `gpu_memory`), "on" or "off". In whole-model
+            mode parameters, gradients and optimizer state live in host memory (up to
+            `host_memory`) and on the store, and come to the GPU only while used (docs/python.md,
+            "Whole-model offload").
+        step_window: whole-model mode: parameter + gradient + state bytes the streamed optimizer
+            step holds on the GPU per window ("auto": `whole_model.WINDOW_SHARE` of `gpu_memory`).
         checkpoint: whole-block recomputation (activation checkpointing of the repeated blocks,
-            e.g. transformer layers): "off" (the default), "auto" (plans with 0, 1/4, 1/2, 3/4
-            and all blocks checkpointed and keeps the fastest prediction), or "all". "auto" is
+            e.g. transformer layers): None (the default: "off", and "all" in whole-model mode),
+            "off", "auto" (plans with 0, 1/4, 1/2, 3/4 and all blocks checkpointed and keeps the
+            fastest prediction; in whole-model mode: "all"), or "all". "auto" is
             opt-in: on the H100 (Qwen2-1.5B shape, bf16, 65% cap) its plan with 21 of 28 blocks
             checkpointed met 210 plan mismatches and ran out of memory in its first planned step.
         tier_preference: "auto", "host" or "ssd".
@@ -69,7 +77,9 @@ class OffloadOptions:
     ssd_shared: Optional[bool] = None
     reserve: Optional[Size] = "auto"
     recompute: str = "auto"
-    checkpoint: str = "off"
+    checkpoint: Optional[str] = None
+    whole_model: str = "auto"
+    step_window: Size = "auto"
     tier_preference: str = "auto"
     offload_optimizer_state: bool = True
     offload_parameters: bool = False
@@ -89,14 +99,15 @@ class OffloadOptions:
     def __post_init__(self) -> None:
         choices = {
             "recompute": ("auto", "on", "off"),
-            "checkpoint": ("auto", "off", "all"),
+            "checkpoint": (None, "auto", "off", "all"),
+            "whole_model": ("auto", "on", "off"),
             "tier_preference": ("auto", "host", "ssd"),
             "if_no_fit": ("raise", "run"),
         }
         for name, allowed in choices.items():
             value = getattr(self, name)
             if value not in allowed:
-                listed = ", ".join(f'"{a}"' for a in allowed)
+                listed = ", ".join(repr(a) for a in allowed)
                 raise ValueError(f"{name} must be one of {listed}, not {value!r}")
         if self.copy_streams < 1:
             raise ValueError(f"copy_streams must be >= 1, got {self.copy_streams}")

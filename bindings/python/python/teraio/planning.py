@@ -20,6 +20,14 @@ def parse_size(value: Union[int, float, str]) -> int:
     return _native.parse_size(value)
 
 
+def format_bytes(nbytes: int) -> str:
+    """A byte count for people: GiB from 1 GiB up, else MiB, else KiB or bytes."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.2f} {unit}"
+    return f"{nbytes} B"
+
+
 def plan(
     trace: Union[str, dict[str, Any]],
     *,

@@ -199,6 +199,40 @@ class offload:
             device's memory.
     """
 
+    def __new__(
+        cls,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        options: Optional[OffloadOptions] = None,
+        *,
+        store: Optional[Store] = None,
+        gpu_memory: Optional[Union[int, str]] = None,
+        **overrides: Any,
+    ) -> Any:
+        """Whole-model mode (`teraio.whole_model.ModelOffload`) where parameters, gradients and
+        optimizer state do not fit the budget (`whole_model` option), else activation offload."""
+        options = (options or OffloadOptions()).replace(**overrides)
+        _refuse_compiled(model)
+        device = next(iter(model.parameters())).device
+        budget = _gpu_budget(device, gpu_memory)
+        from . import whole_model as wm
+
+        whole = options.whole_model == "on" or (
+            options.whole_model == "auto" and wm.needs_whole_model(model, optimizer, budget)
+        )
+        if not whole:
+            return super().__new__(cls)
+        host_memory, machine_notes = _host_memory(options)
+        return wm.ModelOffload(
+            model,
+            optimizer,
+            options,
+            store=store,
+            gpu_memory_bytes=budget,
+            host_memory_bytes=host_memory,
+            machine=machine_notes,
+        )
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -210,19 +244,15 @@ class offload:
         **overrides: Any,
     ) -> None:
         options = (options or OffloadOptions()).replace(**overrides)
+        if options.checkpoint is None:
+            options = options.replace(checkpoint="off")
         self.options = options
-        _refuse_compiled(model)
         first = next(iter(model.parameters()))
         self.device = first.device
         self.model = model
         self.optimizer = optimizer
         self.store = store
-        if gpu_memory is None:
-            if self.device.type == "cuda":
-                gpu_memory = int(torch.cuda.get_device_properties(self.device).total_memory)
-            else:
-                raise ValueError("gpu_memory is required on a CPU device")
-        self.gpu_memory_bytes = parse_size(gpu_memory)
+        self.gpu_memory_bytes = _gpu_budget(self.device, gpu_memory)
         self.machine: dict[str, Any] = {}
         self._resolve_machine(options)
         if options.warmup_steps is None:
@@ -314,15 +344,8 @@ class offload:
 
     def _resolve_machine(self, options: OffloadOptions) -> None:
         """Host memory, bandwidths and the reserve: given, or measured / bounded ("auto")."""
-        if options.host_memory == "auto":
-            available = machine.available_host_bytes()
-            self.host_memory_bytes = machine.default_host_memory(available)
-            self.machine["host_memory"] = (
-                f"{machine.HOST_MEMORY_SHARE:.0%} of MemAvailable ({(available or 0) / 2**30:.1f} GiB)"
-            )
-        else:
-            self.host_memory_bytes = parse_size(options.host_memory)
-            self.machine["host_memory"] = "given"
+        self.host_memory_bytes, notes = _host_memory(options)
+        self.machine.update(notes)
         want_link = options.host_link_bandwidth == "auto"
         want_ssd = self.store is not None and "auto" in (options.ssd_bandwidth, options.ssd_write_bandwidth)
         measured = machine.resolve_bandwidths(
@@ -1045,6 +1068,24 @@ class offload:
             if values:
                 summary[name] = {"measured": statistics.median(values), "profiled": profiled.get(name, 0.0)}
         return summary
+
+
+def _gpu_budget(device: torch.device, gpu_memory: Optional[Union[int, str]]) -> int:
+    """`gpu_memory` in bytes; default: the whole device."""
+    if gpu_memory is None:
+        if device.type == "cuda":
+            return int(torch.cuda.get_device_properties(device).total_memory)
+        raise ValueError("gpu_memory is required on a CPU device")
+    return parse_size(gpu_memory)
+
+
+def _host_memory(options: OffloadOptions) -> tuple[int, dict[str, Any]]:
+    """Pinned host memory the runtime may hold, and where the figure came from."""
+    if options.host_memory == "auto":
+        available = machine.available_host_bytes()
+        share = f"{machine.HOST_MEMORY_SHARE:.0%} of MemAvailable ({(available or 0) / 2**30:.1f} GiB)"
+        return machine.default_host_memory(available), {"host_memory": share}
+    return parse_size(options.host_memory), {"host_memory": "given"}
 
 
 def _refuse_compiled(model: torch.nn.Module) -> None:

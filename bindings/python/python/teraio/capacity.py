@@ -1,0 +1,150 @@
+"""Where a whole model's parameters, gradients and optimizer state live: the capacity plan.
+
+When they do not fit the GPU budget (`teraio.offload` decides; see `whole_model`), every
+parameter gets a home tier for each of its three kinds of bytes:
+
+- parameter (fp32 master or whatever its dtype is): read in the forward pass, again where
+  backward recomputes or uses it, read and written in the step: the most traffic per byte;
+- gradient: written once in backward, read once in the step;
+- optimizer state (e.g. AdamW's `exp_avg`, `exp_avg_sq`): read and written once, in the step.
+
+Host memory (pinned, at most `host_capacity_bytes`) takes them in that order of traffic per byte;
+what does not fit goes to the SSD store. The step runs in windows of at most `window_bytes`
+(parameter + gradient + state, on the GPU at once; a larger single parameter is a window of its
+own). Everything is decided before the first iteration, from sizes alone; the runtime checks the
+plan against the store's free space and says how much is missing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .planning import format_bytes as _gib
+from .tiers import HOST, SSD
+
+PARAMETER = "parameter"
+GRADIENT = "gradient"
+STATE = "optimizer_state"
+
+#: Kinds in the order host memory takes them (traffic per byte, highest first).
+KINDS = (PARAMETER, GRADIENT, STATE)
+
+
+@dataclass(frozen=True)
+class SlotSize:
+    """One parameter's bytes of each kind (state: the optimizer's per-parameter tensors)."""
+
+    name: str
+    parameter: int
+    gradient: int
+    state: int
+
+    def of(self, kind: str) -> int:
+        return {PARAMETER: self.parameter, GRADIENT: self.gradient, STATE: self.state}[kind]
+
+    @property
+    def total(self) -> int:
+        return self.parameter + self.gradient + self.state
+
+
+@dataclass
+class CapacityPlan:
+    """Per parameter (in `SlotSize` order) the tier of each kind, and the step's windows."""
+
+    tiers: list[dict[str, str]]
+    windows: list[list[int]]
+    host_bytes: dict[str, int] = field(default_factory=dict)
+    ssd_bytes: dict[str, int] = field(default_factory=dict)
+    window_bytes: int = 0
+    window_totals: list[int] = field(default_factory=list)
+
+    @property
+    def ssd_total(self) -> int:
+        return sum(self.ssd_bytes.values())
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host_bytes.values())
+
+    def summary(self) -> dict[str, object]:
+        return {
+            "host_bytes": dict(self.host_bytes),
+            "ssd_bytes": dict(self.ssd_bytes),
+            "windows": len(self.windows),
+            "window_bytes": self.window_bytes,
+            "largest_window_bytes": max(self.window_totals, default=0),
+        }
+
+
+class CapacityError(ValueError):
+    """The host cap and the store together cannot hold the model's state; `store_full`: the
+    store is there but too small (else there is no store for what host memory cannot hold)."""
+
+    def __init__(self, message: str, store_full: bool) -> None:
+        super().__init__(message)
+        self.store_full = store_full
+
+
+def place(
+    sizes: list[SlotSize],
+    *,
+    host_capacity_bytes: int,
+    ssd_capacity_bytes: Optional[int],
+    window_bytes: int,
+) -> CapacityPlan:
+    """The capacity plan (see the module docstring). `ssd_capacity_bytes` None: no store.
+
+    Raises `CapacityError` naming what is missing when host memory and the store cannot hold
+    everything."""
+    assert window_bytes > 0, window_bytes
+    tiers = [{kind: HOST for kind in KINDS} for _ in sizes]
+    host = {kind: sum(s.of(kind) for s in sizes) for kind in KINDS}
+    ssd = {kind: 0 for kind in KINDS}
+    overflow = sum(host.values()) - host_capacity_bytes
+    # Least traffic per byte leaves host memory first; within a kind, the last parameters first
+    # (their step window comes first, so their reads start the step's pipeline from the SSD).
+    for kind in reversed(KINDS):
+        for index in reversed(range(len(sizes))):
+            if overflow <= 0:
+                break
+            nbytes = sizes[index].of(kind)
+            if nbytes == 0:
+                continue
+            tiers[index][kind] = SSD
+            host[kind] -= nbytes
+            ssd[kind] += nbytes
+            overflow -= nbytes
+    total_ssd = sum(ssd.values())
+    if total_ssd and ssd_capacity_bytes is None:
+        need = sum(host.values()) + total_ssd
+        raise CapacityError(
+            f"the model's parameters, gradients and optimizer state ({_gib(need)}) exceed host_memory "
+            f"({_gib(host_capacity_bytes)}) by {_gib(total_ssd)}, and there is no store for the rest: "
+            "pass store=teraio.Store.create(...) or raise host_memory",
+            store_full=False,
+        )
+    if ssd_capacity_bytes is not None and total_ssd:
+        # A rewritten object needs room for its new version before the old one is freed.
+        largest = max(s.of(kind) for s, t in zip(sizes, tiers) for kind in KINDS if t[kind] == SSD)
+        if total_ssd + largest > ssd_capacity_bytes:
+            raise CapacityError(
+                f"the store has {_gib(ssd_capacity_bytes)} free; the plan needs {_gib(total_ssd + largest)} "
+                f"on it ({_gib(total_ssd)} of state that host_memory={_gib(host_capacity_bytes)} cannot "
+                f"hold, plus {_gib(largest)} to rewrite the largest object): add devices, grow the "
+                "store's files or raise host_memory",
+                store_full=True,
+            )
+    windows: list[list[int]] = []
+    totals: list[int] = []
+    for index, size in enumerate(sizes):
+        if windows and totals[-1] + size.total <= window_bytes:
+            windows[-1].append(index)
+            totals[-1] += size.total
+        else:
+            windows.append([index])
+            totals.append(size.total)
+    plan = CapacityPlan(tiers, windows, host, ssd, window_bytes, totals)
+    assert overflow <= 0 or not any(host.values()), "host memory over its cap"
+    assert sorted(i for w in windows for i in w) == list(range(len(sizes)))
+    return plan

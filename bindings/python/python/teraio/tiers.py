@@ -1,0 +1,270 @@
+"""Movers: one per tier, used by every tensor kind the whole-model runtime moves.
+
+A tier holds the bytes of a tensor while its GPU storage is released, under a key chosen by the
+caller. Both tiers take and fill flat byte views of GPU storage (`flat_bytes`), asynchronously,
+and return a `Transfer` that says when the copy is done and makes compute wait for it:
+
+- `HostTier`: pinned host buffers, one per key, allocated when a key is first written and capped
+  at `capacity_bytes` (an error past it, never a silent overflow); copies run on their own CUDA
+  streams after the compute work queued so far, and compute waits for a read on the GPU
+  (`wait_event`), not on the host.
+- `SsdTier`: objects in a `teraio.Store`, one per key, in one id namespace (`teraio.ids`). Data
+  moves through the engine's GPU path (`put_device`/`get_device`: its pinned bounce slab, or
+  cuFile with GPUDirect Storage), so Python stages nothing. The engine copies on its own streams,
+  so a transfer starts only once the compute stream has passed the point where it was asked for
+  (a CUDA event: the producer is done, or the allocator's reuse of the target memory is), and a
+  read is waited for on the host before compute uses it.
+
+On a CPU "device" both tiers copy synchronously (host tier) or through the engine's host path
+(SSD tier), for tests and CPU-only stacks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from .executor import HOST, SSD, copy_on_stream
+from .executor import _flat_bytes as flat_bytes
+from .state import _index
+from .store import Store
+
+#: The tier of tensors that stay on the GPU.
+GPU = "gpu"
+
+__all__ = ["GPU", "HOST", "SSD", "HostTier", "SsdTier", "Transfer", "flat_bytes"]
+
+
+class Transfer:
+    """One copy between the GPU and a tier."""
+
+    __slots__ = ("_done", "_join", "nbytes")
+
+    def __init__(self, nbytes: int, done: Callable[[], bool], join: Callable[[], None]) -> None:
+        self.nbytes = nbytes
+        self._done = done
+        self._join = join
+
+    def done(self) -> bool:
+        """The copy has finished (polls; never blocks)."""
+        return self._done()
+
+    def join(self) -> None:
+        """Makes the compute stream wait for the copy (a read: before its data is used; a write:
+        before its source is changed or freed)."""
+        self._join()
+
+
+def _finished() -> bool:
+    return True
+
+
+def _nothing() -> None:
+    return None
+
+
+class HostTier:
+    """Pinned host memory, at most `capacity_bytes` of it (see the module docstring)."""
+
+    name = HOST
+
+    def __init__(
+        self, device: torch.device, capacity_bytes: int, streams: Optional[tuple[Any, Any]] = None
+    ) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.capacity_bytes = capacity_bytes
+        self.used_bytes = 0
+        self.peak_bytes = 0  # the most it held (kept after `close`)
+        self.buffers: dict[Any, torch.Tensor] = {}
+        # The last write of each key: a read of the key is queued after it.
+        self._written: dict[Any, Any] = {}
+        if self.cuda:
+            self.d2h, self.h2d = (
+                streams if streams is not None else (torch.cuda.Stream(device), torch.cuda.Stream(device))
+            )
+
+    def reserve(self, key: Any, nbytes: int) -> None:
+        """Allocates the key's buffer now (start-up), so that running out is an error up front."""
+        if key in self.buffers:
+            assert self.buffers[key].numel() == nbytes, f"{key}: {self.buffers[key].numel()} != {nbytes}"
+            return
+        if self.used_bytes + nbytes > self.capacity_bytes:
+            raise MemoryError(
+                f"teraio host tier: {nbytes} more bytes would exceed its cap of {self.capacity_bytes} "
+                f"({self.used_bytes} in use)"
+            )
+        self.buffers[key] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+        self.used_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+
+    def write(self, key: Any, source: torch.Tensor) -> Transfer:
+        """Copies `source` (flat bytes on the GPU) to the key's buffer after the compute work
+        queued so far; the source's memory may be released as soon as this returns."""
+        self.reserve(key, source.numel())
+        host = self.buffers[key]
+        if not self.cuda:
+            host.copy_(source)
+            return Transfer(source.numel(), _finished, _nothing)
+        event = copy_on_stream(self.d2h, self.device, host, source, after=self._written.get(key))
+        # The allocator keeps the block until the copy has read it.
+        source.record_stream(self.d2h)
+        self._written[key] = event
+        return self._transfer(source.numel(), event)
+
+    def read(self, key: Any, target: torch.Tensor) -> Transfer:
+        """Copies the key's bytes into `target` (flat bytes on the GPU, allocated on the compute
+        stream) after the compute work queued so far and the key's last write."""
+        host = self.buffers[key]
+        assert host.numel() == target.numel(), f"{key}: {host.numel()} != {target.numel()}"
+        if not self.cuda:
+            target.copy_(host)
+            return Transfer(target.numel(), _finished, _nothing)
+        event = copy_on_stream(self.h2d, self.device, target, host, after=self._written.get(key))
+        target.record_stream(self.h2d)
+        return self._transfer(target.numel(), event)
+
+    def _transfer(self, nbytes: int, event: Any) -> Transfer:
+        device = self.device
+        return Transfer(nbytes, event.query, lambda: torch.cuda.current_stream(device).wait_event(event))
+
+    def discard(self, key: Any) -> None:
+        """Forgets the key's bytes (its buffer stays allocated for the next write)."""
+        self._written.pop(key, None)
+
+    def close(self) -> None:
+        if self.cuda:
+            self.d2h.synchronize()
+            self.h2d.synchronize()
+        self.buffers.clear()
+        self._written.clear()
+        self.used_bytes = 0
+
+
+class _Gated:
+    """An engine transfer that may start only once the compute stream passed `event`."""
+
+    __slots__ = ("start", "event", "handle", "owner")
+
+    def __init__(self, start: Callable[[], Any], event: Any, owner: torch.Tensor) -> None:
+        self.start = start
+        self.event = event
+        self.handle: Any = None
+        self.owner = owner  # the GPU memory, alive until the engine is done with it
+
+    def poll(self) -> bool:
+        """Starts the transfer if it may; True once it is done."""
+        if self.handle is None:
+            if self.event is not None and not self.event.query():
+                return False
+            self.handle = self.start()
+        return bool(self.handle.is_done())
+
+    def wait(self) -> None:
+        if self.handle is None:
+            if self.event is not None:
+                self.event.synchronize()
+            self.handle = self.start()
+        self.handle.wait()
+        self.owner = None  # type: ignore[assignment]
+
+
+class SsdTier:
+    """Objects in a store, ids `base + key index` (see the module docstring)."""
+
+    name = SSD
+
+    def __init__(self, device: torch.device, store: Store, id_base: int) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.store = store
+        self.native = store._native
+        self.id_base = id_base
+        self.ids: dict[Any, int] = {}
+        self._written: dict[Any, _Gated] = {}
+        self._in_flight: list[_Gated] = []
+
+    def object_id(self, key: Any) -> int:
+        if key not in self.ids:
+            self.ids[key] = self.id_base + len(self.ids)
+        return self.ids[key]
+
+    def write(self, key: Any, source: torch.Tensor) -> Transfer:
+        """Writes `source` (flat bytes) as the key's object once the compute work queued so far
+        is done. Do not release or change `source` until the transfer is done."""
+        object_id = self.object_id(key)
+        previous = self._written.get(key)
+        if previous is not None:
+            previous.wait()  # one version of an object in flight at a time
+        address, nbytes = source.data_ptr(), source.numel()
+        if self.cuda:
+            index = _index(self.device)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+
+            def start() -> Any:
+                return self.native.put_device(object_id, address, nbytes, index, source)
+
+        else:
+            event = None
+
+            def start() -> Any:
+                return self.native.put_address(object_id, address, nbytes, source)
+
+        gated = _Gated(start, event, source)
+        self._written[key] = gated
+        self._in_flight.append(gated)
+        gated.poll()
+        return Transfer(nbytes, gated.poll, gated.wait)
+
+    def read(self, key: Any, target: torch.Tensor) -> Transfer:
+        """Reads the key's object into `target` (flat bytes) once the compute stream has passed
+        this point (the allocator may have handed out memory that queued work still uses)."""
+        previous = self._written.get(key)
+        if previous is not None:
+            previous.wait()  # the read needs the object as last written
+        object_id = self.ids[key]
+        address, nbytes = target.data_ptr(), target.numel()
+        if self.cuda:
+            index = _index(self.device)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+
+            def start() -> Any:
+                return self.native.get_device(object_id, address, nbytes, index, target)
+
+        else:
+            event = None
+
+            def start() -> Any:
+                return self.native.get_address(object_id, address, nbytes, target)
+
+        gated = _Gated(start, event, target)
+        self._in_flight.append(gated)
+        gated.poll()
+        return Transfer(nbytes, gated.poll, gated.wait)
+
+    def poll(self) -> None:
+        """Starts transfers whose compute point has passed; drops finished ones."""
+        self._in_flight = [gated for gated in self._in_flight if not gated.poll()]
+        for key in [
+            key for key, gated in self._written.items() if gated.handle is not None and gated.handle.is_done()
+        ]:
+            self._written.pop(key).wait()
+
+    def discard(self, key: Any) -> None:
+        pending = self._written.pop(key, None)
+        if pending is not None:
+            pending.wait()
+
+    def close(self) -> None:
+        """Waits for every transfer and deletes the tier's objects."""
+        for gated in self._in_flight:
+            gated.wait()
+        self._in_flight.clear()
+        self._written.clear()
+        if not self.store.closed:
+            for object_id in self.ids.values():
+                self.store.delete(object_id)
+        self.ids.clear()

@@ -1,0 +1,789 @@
+"""Whole-model offload: parameters, gradients and optimizer state live in host memory and on the
+SSD store, and come to the GPU only while they are used.
+
+`teraio.offload` switches to this mode when the model's parameters, gradients and optimizer
+state do not fit the GPU budget (`whole_model="auto"`, see `needs_whole_model`). The model and the
+training loop stay as they are; the optimizer object stays the user's, and its arithmetic is
+torch's own (its `step` is called per window), so losses match training without offload.
+
+Units. The model's repeated blocks (`blocks.find_blocks`: transformer layers) are units, and so
+is every other module that owns parameters directly (embeddings, final norm, head). Each unit's
+`forward` is wrapped on the instance:
+
+- entering a unit brings its parameters in (their storage grows back and the bytes are copied up
+  from their tier; `untyped_storage().resize_`, so the `Parameter` objects the model and the
+  optimizer hold stay the same) and prefetches the next units of the recorded order, up to
+  `pull_forward_bytes` ahead;
+- leaving it (in the forward pass) releases the parameters again, except those autograd saved
+  for backward (seen by a `saved_tensors_hooks` pack hook): those stay until their gradient is in;
+- with activation checkpointing (every block by default in this mode: `checkpoint` None or
+  "all"; "off" to leave activations to the user), backward's recomputation of a block enters the
+  unit again, so its parameters come back exactly when backward needs them, and are released once
+  their gradients are accumulated.
+
+Gradients. A post-accumulate-grad hook on each parameter moves the gradient to its tier as soon as
+backward has produced it and drops it from the GPU (`param.grad = None`); gradient accumulation
+over micro-batches adds the held gradient back on the GPU.
+
+The step. `optimizer.step` is replaced on the instance by a streamed step: for one window of
+parameters at a time, their parameter, gradient and state bytes come in (the next window's reads
+are issued first, so they overlap), `param.grad` is set for the window only, the user's optimizer
+steps (torch optimizers skip parameters whose `grad` is None), and the updated parameters and
+state go back to their tiers. The step's GPU memory is bounded by two windows.
+
+Data moves through `teraio.tiers` (pinned host buffers allocated at start-up under the host cap;
+the store through the engine's GPU path) and where each kind lives is `teraio.capacity`'s plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import resource
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from . import blocks as bk
+from . import capacity as cp
+from . import ids
+from .options import OffloadOptions
+from .planning import format_bytes, parse_size
+from .store import Store
+from .tiers import GPU, HOST, SSD, HostTier, SsdTier, Transfer, flat_bytes
+
+#: Whole-model mode starts when parameters + gradients + optimizer state exceed this share of the
+#: GPU budget: the rest is the least that activations and the allocator need.
+WHOLE_MODEL_SHARE = 0.75
+
+#: Default step window: this share of the GPU budget (parameter + gradient + state bytes).
+WINDOW_SHARE = 0.125
+
+#: GPU gradients waiting for an SSD write, at most (the tier's writes run behind backward).
+MAX_GRADIENT_WRITES_BYTES = 1 << 30
+
+
+def state_bytes_estimate(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Optimizer state bytes: as they are if the optimizer has stepped, else what its kind will
+    allocate (Adam, AdamW and their relatives: two tensors per parameter; SGD with momentum: one)."""
+    present = sum(_nbytes(v) for p in list(optimizer.state) for _, v in _state_tensors(optimizer, p))
+    if present:
+        return present
+    per_param = 0
+    name = type(optimizer).__name__.lower()
+    if "adam" in name or "lamb" in name:
+        per_param = 2
+    elif any(group.get("momentum", 0) for group in optimizer.param_groups):
+        per_param = 1
+    return per_param * sum(_nbytes(p) for p in _trained(optimizer))
+
+
+def needs_whole_model(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, gpu_memory_bytes: int
+) -> bool:
+    """Whether parameters + gradients + optimizer state exceed `WHOLE_MODEL_SHARE` of the budget."""
+    params = sum(_nbytes(p) for _, p in _named_unique_parameters(model))
+    grads = sum(_nbytes(p) for p in _trained(optimizer))
+    return params + grads + state_bytes_estimate(model, optimizer) > WHOLE_MODEL_SHARE * gpu_memory_bytes
+
+
+@dataclass
+class WholeModelReport:
+    """What whole-model offload did (per-iteration figures: median over the steps after the first)."""
+
+    steps: int
+    measured_iteration_ms: Optional[float]
+    step_times_ms: list[float]
+    step_ms: Optional[float]
+    peak_gpu_bytes: Optional[int]
+    gpu_memory_bytes: int
+    #: {"in"|"out": {tier: {kind: bytes}}} per iteration (median iteration's counts).
+    bytes_per_iteration: dict[str, dict[str, dict[str, int]]]
+    #: Where each kind lives: {tier: {kind: bytes}}.
+    placement: dict[str, dict[str, int]]
+    pinned_host_bytes: int
+    peak_host_rss_bytes: int
+    #: GPU bytes of streamed parameters, gradients and state the runtime held at once in the step.
+    peak_step_window_bytes: int
+    window_bytes: int
+    windows: int
+    units: int
+    checkpointed_blocks: int
+    #: Host time blocked waiting for transfers, per iteration (ms): before a unit's forward or
+    #: recomputation, and inside the step.
+    wait_ms_per_iteration: dict[str, float] = field(default_factory=dict)
+    #: Units whose parameters were not prefetched in time and were fetched on demand.
+    on_demand_fetches: int = 0
+    mode: str = "whole-model"
+    machine: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        def gib(value: Optional[int]) -> str:
+            return "-" if value is None else format_bytes(value)
+
+        ms = "-" if self.measured_iteration_ms is None else f"{self.measured_iteration_ms:.1f} ms"
+        lines = [
+            f"teraio whole-model offload: {self.steps} steps, {self.units} units, "
+            f"{self.checkpointed_blocks} blocks checkpointed",
+            f"  iteration: {ms} (median after the first); step {self.step_ms or 0:.1f} ms in "
+            f"{self.windows} windows of <= {gib(self.window_bytes)}",
+            f"  peak GPU memory {gib(self.peak_gpu_bytes)} (budget {gib(self.gpu_memory_bytes)}), "
+            f"step windows {gib(self.peak_step_window_bytes)}",
+            f"  pinned host {gib(self.pinned_host_bytes)}, peak host RSS {gib(self.peak_host_rss_bytes)}",
+        ]
+        for tier, kinds in self.placement.items():
+            lines.append(f"  on {tier}: " + ", ".join(f"{k} {gib(v)}" for k, v in kinds.items()))
+        for direction, tiers in self.bytes_per_iteration.items():
+            for tier, kinds in tiers.items():
+                if any(kinds.values()):
+                    moved = ", ".join(f"{k} {gib(v)}" for k, v in kinds.items() if v)
+                    lines.append(f"  {direction} per iteration, {tier}: {moved}")
+        if self.wait_ms_per_iteration:
+            waits = ", ".join(f"{k} {v:.1f} ms" for k, v in self.wait_ms_per_iteration.items())
+            lines.append(f"  host waits per iteration: {waits}; on-demand fetches {self.on_demand_fetches}")
+        return "\n".join(lines)
+
+
+class _Slot:
+    """One parameter: where its kinds live and what is on the GPU now."""
+
+    __slots__ = (
+        "index",
+        "name",
+        "param",
+        "nbytes",
+        "tiers",
+        "resident",
+        "fetch",
+        "write",
+        "release_pending",
+        "saved",
+        "grad_held",
+        "incoming_grad",
+        "units",
+    )
+
+    def __init__(self, index: int, name: str, param: torch.nn.Parameter, tiers: dict[str, str]) -> None:
+        self.index = index
+        self.name = name
+        self.param = param
+        self.nbytes = int(param.untyped_storage().nbytes())
+        self.tiers = tiers
+        self.resident = True  # the GPU storage holds the bytes (or a queued read will)
+        self.fetch: Optional[Transfer] = None  # a read in flight into the storage
+        self.write: Optional[Transfer] = None  # an SSD write reading the storage
+        self.release_pending = False  # release once `write` is done (`_poll`)
+        self.saved = False  # autograd saved it in this forward pass: keep until its gradient
+        self.grad_held = False  # a gradient of this iteration is in its tier
+        self.incoming_grad: Optional[tuple[torch.Tensor, Transfer]] = None  # read for the step
+        self.units: list[int] = []
+
+
+@dataclass
+class _Unit:
+    name: str
+    module: torch.nn.Module
+    slots: list[int]
+
+
+class ModelOffload:
+    """Whole-model offload around an unchanged training loop (see the module docstring). Made by
+    `teraio.offload` when the model's state does not fit; use it the same way."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        options: OffloadOptions,
+        *,
+        store: Optional[Store],
+        gpu_memory_bytes: int,
+        host_memory_bytes: int,
+        machine: dict[str, Any],
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.options = options
+        self.store = store
+        self.gpu_memory_bytes = gpu_memory_bytes
+        self.machine = machine
+        self.device = next(iter(model.parameters())).device
+        self.cuda = self.device.type == "cuda"
+        named = _named_unique_parameters(model)
+        _refuse_shared_storage(named)
+        trained = {id(p) for p in _trained(optimizer)}
+        state_per_param = self._state_bytes_per_param([p for _, p in named], trained)
+        sizes = [
+            cp.SlotSize(
+                name, _nbytes(p), _nbytes(p) if id(p) in trained else 0, state_per_param.get(id(p), 0)
+            )
+            for name, p in named
+        ]
+        window = options.step_window
+        window_bytes = int(WINDOW_SHARE * gpu_memory_bytes) if window == "auto" else parse_size(window)
+        ssd_free = None if store is None else sum(int(d["free_bytes"]) for d in store.info()["devices"])
+        try:
+            self.plan = cp.place(
+                sizes,
+                host_capacity_bytes=host_memory_bytes,
+                ssd_capacity_bytes=ssd_free,
+                window_bytes=window_bytes,
+            )
+        except cp.CapacityError as error:
+            from ._native import NoSpaceError
+            from .runtime import NoPlanFitsError
+
+            kind = NoSpaceError if error.store_full else NoPlanFitsError
+            raise kind(f"teraio.offload: {error}") from None
+        streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) if self.cuda else None
+        self.host = HostTier(self.device, host_memory_bytes, streams)
+        self.ssd: dict[str, SsdTier] = {}
+        if store is not None:
+            self.ssd = {
+                cp.PARAMETER: SsdTier(self.device, store, ids.base("model_parameters")),
+                cp.GRADIENT: SsdTier(self.device, store, ids.base("model_gradients")),
+                cp.STATE: SsdTier(self.device, store, ids.base("model_optimizer_state")),
+            }
+        self.slots = [_Slot(i, name, p, self.plan.tiers[i]) for i, (name, p) in enumerate(named)]
+        self._slot_of = {id(slot.param): slot for slot in self.slots}
+        # Resident parameters by storage address: what the pack hook recognises.
+        self._slot_at = {slot.param.untyped_storage().data_ptr(): slot for slot in self.slots}
+        self.units = self._find_units()
+        self.blocks = bk.find_blocks(model) if (options.checkpoint or "all") != "off" else []
+        self.checkpointer = bk.Checkpointer(self.blocks)
+        # Bytes of each optimizer-state tensor moved out: (("optimizer_state", name), slot) -> n.
+        self._state_nbytes: dict[Any, int] = {}
+        self._seen_state: set[tuple[int, str]] = set()
+        # Optimizer state whose SSD write is in flight: released once written.
+        self._state_writes: list[tuple[Transfer, torch.Tensor, int, int]] = []
+        self._gradient_writes: list[tuple[Transfer, int]] = []
+        # The units entered in the first iteration, in order (forward, then recomputation in
+        # backward): later iterations prefetch along it.
+        self._order: list[int] = []
+        self._recorded: Optional[list[int]] = None
+        self._position = 0
+        self._hooks: list[Any] = []
+        self._saved_hooks: Any = None
+        self._original_step: Optional[Callable[..., Any]] = None
+        self._original_zero_grad: Optional[Callable[..., Any]] = None
+        self._counts = _Counts()
+        self._iterations: list[_Counts] = []
+        self._step_started = 0.0
+        self._step_times_ms: list[float] = []
+        self._step_ms: list[float] = []
+        self._peaks: list[int] = []
+        self._window_bytes = 0  # GPU bytes of streamed tensors the step holds now
+        self.peak_step_window_bytes = 0
+        self.on_demand_fetches = 0
+        self.steps = 0
+
+    # -- set-up --------------------------------------------------------------------------------
+
+    def _state_bytes_per_param(self, params: list[torch.nn.Parameter], trained: set[int]) -> dict[int, int]:
+        present = {id(p): sum(_nbytes(v) for _, v in _state_tensors(self.optimizer, p)) for p in params}
+        if any(present.values()):
+            return present
+        total = sum(_nbytes(p) for p in params if id(p) in trained)
+        share = state_bytes_estimate(self.model, self.optimizer) / total if total else 0
+        return {id(p): int(share * _nbytes(p)) for p in params if id(p) in trained}
+
+    def _find_units(self) -> list[_Unit]:
+        """Blocks, then every other module owning parameters directly, in registration order."""
+        blocks = bk.find_blocks(self.model)
+        block_ids = {id(block) for _, block in blocks}
+        units: list[_Unit] = []
+        for name, module in self.model.named_modules():
+            if id(module) in block_ids:
+                params = list(module.parameters())
+            elif _inside(name, blocks):
+                continue
+            else:
+                params = list(module.parameters(recurse=False))
+            if not params:
+                continue
+            slots = sorted({self._slot_of[id(p)].index for p in params})
+            for index in slots:
+                self.slots[index].units.append(len(units))
+            units.append(_Unit(name or type(module).__name__, module, slots))
+        missing = [slot.name for slot in self.slots if not slot.units]
+        assert not missing, f"parameters in no unit: {missing[:5]}"
+        return units
+
+    def __enter__(self) -> ModelOffload:
+        for slot in self.slots:
+            for kind in (cp.PARAMETER, cp.GRADIENT):
+                if slot.tiers[kind] == HOST and (kind == cp.PARAMETER or slot.param.requires_grad):
+                    self.host.reserve((kind, slot.index), slot.nbytes)
+        self._move_out_at_start()
+        for index, unit in enumerate(self.units):
+            unit.module.forward = self._wrapped_forward(index, unit.module.forward)  # type: ignore[method-assign]
+        self.checkpointer.apply({name for name, _ in self.blocks})
+        for slot in self.slots:
+            if slot.param.requires_grad:
+                self._hooks.append(slot.param.register_post_accumulate_grad_hook(self._gradient_ready))
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        self._saved_hooks.__enter__()
+        self._original_step = self.optimizer.step
+        self._original_zero_grad = self.optimizer.zero_grad
+        self.optimizer.step = self._streamed_step  # type: ignore[method-assign]
+        self.optimizer.zero_grad = self._zero_grad  # type: ignore[method-assign]
+        self._begin_iteration()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._saved_hooks is not None:
+            self._saved_hooks.__exit__(None, None, None)
+            self._saved_hooks = None
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        self.checkpointer.apply(set())
+        for unit in self.units:
+            unit.module.__dict__.pop("forward", None)
+        if self._original_step is not None:
+            self.optimizer.__dict__.pop("step", None)
+            self.optimizer.__dict__.pop("zero_grad", None)
+        self._bring_everything_back()
+        self.host.close()
+        for tier in self.ssd.values():
+            tier.close()
+
+    def _move_out_at_start(self) -> None:
+        for slot in self.slots:
+            slot.write = self._write(slot, cp.PARAMETER, flat_bytes(slot.param))
+            if slot.param.grad is not None:
+                self._move_gradient_out(slot)
+            for name, value in _state_tensors(self.optimizer, slot.param):
+                self._state_out(slot, name, value)
+            self._release(slot, wait=True)
+        self._drain_writes()
+        self._counts = _Counts()
+
+    def _bring_everything_back(self) -> None:
+        """After training: parameters, gradients and state back on the GPU, as they were."""
+        self._drain_writes()
+        for slot in self.slots:
+            self._acquire(slot)
+            self._join(slot)
+            for name, value in _state_tensors(self.optimizer, slot.param, resident=False):
+                self._read(slot, (cp.STATE, name), value).join()
+            if slot.grad_held:
+                slot.param.grad = self._read_gradient(slot)
+                slot.grad_held = False
+        if self.cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+
+    # -- tiers ---------------------------------------------------------------------------------
+
+    def _tier(self, slot: _Slot, kind: Any) -> Any:
+        base = kind[0] if isinstance(kind, tuple) else kind
+        return self.host if slot.tiers[base] == HOST else self.ssd[base]
+
+    def _write(self, slot: _Slot, kind: Any, source: torch.Tensor) -> Transfer:
+        tier = self._tier(slot, kind)
+        self._counts.add("out", tier.name, kind, source.numel())
+        return tier.write((kind, slot.index), source)
+
+    def _read(self, slot: _Slot, kind: Any, tensor: torch.Tensor) -> Transfer:
+        """Grows `tensor`'s storage back (on the compute stream) and reads its bytes into it."""
+        storage = tensor.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(slot.nbytes if kind == cp.PARAMETER else self._state_nbytes[(kind, slot.index)])
+        tier = self._tier(slot, kind)
+        self._counts.add("in", tier.name, kind, storage.nbytes())
+        return tier.read((kind, slot.index), flat_bytes(tensor))
+
+    def _drain_writes(self) -> None:
+        for transfer, _ in self._gradient_writes:
+            transfer.join()
+        self._gradient_writes.clear()
+        self._finish_state_writes(0)
+        for slot in self.slots:
+            if slot.release_pending:
+                self._release(slot, wait=True)
+
+    # -- parameters ----------------------------------------------------------------------------
+
+    def _acquire(self, slot: _Slot) -> None:
+        """Makes the parameter's storage resident (a read is queued if it was released)."""
+        slot.release_pending = False
+        if slot.resident:
+            return
+        slot.fetch = self._read(slot, cp.PARAMETER, slot.param)
+        slot.resident = True
+        self._slot_at[slot.param.untyped_storage().data_ptr()] = slot
+
+    def _join(self, slot: _Slot) -> None:
+        fetch, slot.fetch = slot.fetch, None
+        if fetch is not None:
+            fetch.join()
+
+    def _release(self, slot: _Slot, wait: bool = False) -> None:
+        """Drops the parameter's GPU storage (its bytes are current in its tier); with an SSD
+        write still reading it, later (`_poll`) unless `wait`."""
+        if slot.tiers[cp.PARAMETER] == GPU or not slot.resident:
+            return
+        if slot.write is not None:
+            if not wait and not slot.write.done():
+                slot.release_pending = True
+                return
+            slot.write.join()
+            slot.write = None
+        # A read in flight into this storage must land first (the SSD tier's engine writes it).
+        self._join(slot)
+        self._slot_at.pop(slot.param.untyped_storage().data_ptr(), None)
+        slot.param.untyped_storage().resize_(0)
+        slot.resident = False
+        slot.release_pending = False
+
+    def _enter_unit(self, index: int) -> None:
+        started = time.perf_counter()
+        self._poll()
+        if self._recorded is None:
+            self._order.append(index)
+        self._position += 1
+        slots = [self.slots[i] for i in self.units[index].slots]
+        if self._recorded is not None and any(not slot.resident for slot in slots):
+            self.on_demand_fetches += 1
+        for slot in slots:
+            self._acquire(slot)
+        self._prefetch_ahead()
+        for slot in slots:
+            self._join(slot)
+        self._counts.wait_s["units"] += time.perf_counter() - started
+
+    def _horizon(self) -> list[_Slot]:
+        """The parameters of the next units in the recorded order, `pull_forward_bytes` of them
+        (counting those already resident, which need no read; at least one parameter unless 0)."""
+        budget = parse_size(self.options.pull_forward_bytes)
+        if self._recorded is None or budget == 0:
+            return []
+        ahead = 0
+        slots: list[_Slot] = []
+        for index in self._recorded[self._position : self._position + len(self.units)]:
+            for i in self.units[index].slots:
+                slot = self.slots[i]
+                if ahead > 0 and ahead + slot.nbytes > budget:
+                    return slots
+                slots.append(slot)
+                ahead += slot.nbytes
+        return slots
+
+    def _prefetch_ahead(self) -> None:
+        """Issues the reads of the parameters in the horizon."""
+        for slot in self._horizon():
+            self._acquire(slot)
+
+    def _leave_unit(self, index: int) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return  # recomputation in backward: the parameters stay until their gradients
+        soon = {slot.index for slot in self._horizon()}
+        for i in self.units[index].slots:
+            if not self.slots[i].saved and i not in soon:
+                self._release(self.slots[i])
+
+    def _wrapped_forward(self, index: int, forward: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            self._enter_unit(index)
+            output = forward(*args, **kwargs)
+            self._leave_unit(index)
+            return output
+
+        return run
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        # Autograd saves parameters as they are or as views (a Linear's `weight.t()`).
+        slot = self._slot_at.get(tensor.untyped_storage().data_ptr())
+        if slot is not None:
+            slot.saved = True
+        return tensor
+
+    # -- gradients -----------------------------------------------------------------------------
+
+    def _gradient_ready(self, param: torch.Tensor) -> None:
+        slot = self._slot_of[id(param)]
+        self._move_gradient_out(slot)
+        # Backward is done with the parameter once its gradient is accumulated.
+        slot.saved = False
+        self._release(slot)
+
+    def _move_gradient_out(self, slot: _Slot) -> None:
+        grad = slot.param.grad
+        assert grad is not None
+        if slot.grad_held:
+            # Accumulation over micro-batches: held + new, the sum autograd would have made.
+            grad = grad + self._read_gradient(slot)
+        grad = grad.contiguous()
+        transfer = self._write(slot, cp.GRADIENT, flat_bytes(grad))
+        slot.grad_held = True
+        slot.param.grad = None
+        if slot.tiers[cp.GRADIENT] == SSD:
+            # The engine reads the GPU memory until done; bound how much of it waits.
+            self._gradient_writes = [(t, n) for t, n in self._gradient_writes if not t.done()]
+            self._gradient_writes.append((transfer, slot.nbytes))
+            while sum(n for _, n in self._gradient_writes) > MAX_GRADIENT_WRITES_BYTES:
+                self._gradient_writes.pop(0)[0].join()
+
+    def _read_gradient(self, slot: _Slot) -> torch.Tensor:
+        grad = torch.empty_like(slot.param, memory_format=torch.contiguous_format)
+        tier = self._tier(slot, cp.GRADIENT)
+        self._counts.add("in", tier.name, cp.GRADIENT, slot.nbytes)
+        tier.read((cp.GRADIENT, slot.index), flat_bytes(grad)).join()
+        return grad
+
+    def _zero_grad(self, set_to_none: bool = True) -> None:
+        assert self._original_zero_grad is not None
+        self._original_zero_grad(set_to_none=set_to_none)
+        for slot in self.slots:
+            if slot.grad_held:
+                slot.grad_held = False
+                self._tier(slot, cp.GRADIENT).discard((cp.GRADIENT, slot.index))
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def _streamed_step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        if closure is not None:
+            raise ValueError("teraio.offload (whole-model): optimizer.step(closure) is not supported")
+        started = time.perf_counter()
+        for slot in self.slots:  # gradients set outside backward (e.g. by hand) move out too
+            if slot.param.grad is not None:
+                self._move_gradient_out(slot)
+        windows = [w for w in self.plan.windows if any(self.slots[i].grad_held for i in w)]
+        assert self._original_step is not None
+        result = None
+        pending = self._fetch_window(windows[0]) if windows else []
+        for position, window in enumerate(windows):
+            following = self._fetch_window(windows[position + 1]) if position + 1 < len(windows) else []
+            for transfer in pending:
+                transfer.join()
+            stepped = []
+            for i in window:
+                slot = self.slots[i]
+                self._join(slot)
+                if slot.incoming_grad is not None:
+                    grad, transfer = slot.incoming_grad
+                    transfer.join()
+                    slot.param.grad = grad
+                    slot.incoming_grad = None
+                    slot.grad_held = False
+                    stepped.append(slot)
+            result = self._original_step()
+            for slot in stepped:
+                self._write_back(slot)
+            pending = following
+        for slot in self.slots:
+            slot.saved = False
+            self._release(slot)
+        self._position = 0
+        self._prefetch_ahead()  # the next forward pass's first units
+        elapsed = time.perf_counter() - started
+        self._counts.wait_s["step"] += elapsed
+        self._step_ms.append(elapsed * 1e3)
+        self._end_iteration()
+        return result
+
+    def _fetch_window(self, window: list[int]) -> list[Transfer]:
+        """Issues the reads of a window's parameters, gradients and optimizer state."""
+        transfers: list[Transfer] = []
+        for i in window:
+            slot = self.slots[i]
+            if not slot.grad_held:
+                continue
+            self._finish_state_writes(self.plan.window_bytes, slot=slot)
+            if slot.write is not None:
+                slot.write.join()  # the step changes the parameter: its last write must be done
+                slot.write = None
+            if not slot.resident:
+                self._acquire(slot)
+                self._account(slot.nbytes)
+            grad = torch.empty_like(slot.param, memory_format=torch.contiguous_format)
+            tier = self._tier(slot, cp.GRADIENT)
+            self._counts.add("in", tier.name, cp.GRADIENT, slot.nbytes)
+            slot.incoming_grad = (grad, tier.read((cp.GRADIENT, slot.index), flat_bytes(grad)))
+            self._account(slot.nbytes)
+            for name, value in _state_tensors(self.optimizer, slot.param, resident=False):
+                transfers.append(self._read(slot, (cp.STATE, name), value))
+                self._account(_nbytes(value))
+        return transfers
+
+    def _account(self, nbytes: int) -> None:
+        self._window_bytes += nbytes
+        self.peak_step_window_bytes = max(self.peak_step_window_bytes, self._window_bytes)
+
+    def _write_back(self, slot: _Slot) -> None:
+        """After its step: gradient dropped, parameter and state back to their tiers."""
+        slot.param.grad = None
+        self._window_bytes -= slot.nbytes
+        for name, value in _state_tensors(self.optimizer, slot.param):
+            new = (slot.index, name) not in self._seen_state
+            self._state_out(slot, name, value)
+            if not new:
+                self._window_bytes -= self._state_nbytes[((cp.STATE, name), slot.index)]
+        slot.write = self._write(slot, cp.PARAMETER, flat_bytes(slot.param))
+        if slot.tiers[cp.PARAMETER] == HOST:
+            slot.write = None  # the allocator keeps the memory until the copy has read it
+        self._release(slot)
+        self._window_bytes -= slot.nbytes
+
+    def _state_out(self, slot: _Slot, name: str, value: torch.Tensor) -> None:
+        """Writes one optimizer-state tensor to its tier and releases it (an SSD write: once the
+        engine has read it)."""
+        self._seen_state.add((slot.index, name))
+        kind = (cp.STATE, name)
+        nbytes = _nbytes(value)
+        self._state_nbytes[(kind, slot.index)] = nbytes
+        if slot.tiers[cp.STATE] == HOST:
+            self.host.reserve((kind, slot.index), nbytes)
+        transfer = self._write(slot, kind, flat_bytes(value))
+        if slot.tiers[cp.STATE] == HOST:
+            value.untyped_storage().resize_(0)
+        else:
+            self._state_writes.append((transfer, value, nbytes, slot.index))
+
+    def _finish_state_writes(self, keep_bytes: int, slot: Optional[_Slot] = None) -> None:
+        """Releases optimizer state whose SSD write is done; waits for the oldest while more than
+        `keep_bytes` wait, and for every write of `slot` (the step is about to change it)."""
+        still = []
+        for transfer, value, nbytes, index in self._state_writes:
+            if slot is not None and index == slot.index:
+                transfer.join()  # still resident: the step uses it as it is
+                continue
+            if transfer.done():
+                value.untyped_storage().resize_(0)
+            else:
+                still.append((transfer, value, nbytes, index))
+        while still and sum(n for _, _, n, _ in still) > keep_bytes:
+            transfer, value, _, _ = still.pop(0)
+            transfer.join()
+            value.untyped_storage().resize_(0)
+        self._state_writes = still
+
+    def _poll(self) -> None:
+        for tier in self.ssd.values():
+            tier.poll()
+        if self._state_writes:
+            self._finish_state_writes(self.plan.window_bytes)
+        for slot in self.slots:
+            if slot.release_pending and slot.write is not None and slot.write.done():
+                self._release(slot)
+
+    # -- iterations and the report ---------------------------------------------------------------
+
+    def _begin_iteration(self) -> None:
+        self._position = 0
+        self._step_started = time.perf_counter()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _end_iteration(self) -> None:
+        if self._recorded is None:
+            self._recorded = list(self._order)
+        self._iterations.append(self._counts)
+        self._counts = _Counts()
+        if self.options.sync_each_step and self.cuda:
+            torch.cuda.synchronize(self.device)
+        self._step_times_ms.append((time.perf_counter() - self._step_started) * 1e3)
+        if self.cuda:
+            self._peaks.append(int(torch.cuda.max_memory_allocated(self.device)))
+        self.steps += 1
+        self._begin_iteration()
+
+    def report(self) -> WholeModelReport:
+        later = self._iterations[1:] or self._iterations
+        middle = later[len(later) // 2] if later else _Counts()
+        times = self._step_times_ms[1:] or self._step_times_ms
+        return WholeModelReport(
+            steps=self.steps,
+            measured_iteration_ms=statistics.median(times) if times else None,
+            step_times_ms=list(self._step_times_ms),
+            step_ms=statistics.median(self._step_ms[1:] or self._step_ms) if self._step_ms else None,
+            peak_gpu_bytes=max(self._peaks[1:] or self._peaks) if self._peaks else None,
+            gpu_memory_bytes=self.gpu_memory_bytes,
+            bytes_per_iteration=middle.moved(),
+            placement={HOST: dict(self.plan.host_bytes), SSD: dict(self.plan.ssd_bytes)},
+            pinned_host_bytes=self.host.peak_bytes,
+            peak_host_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            peak_step_window_bytes=self.peak_step_window_bytes,
+            window_bytes=self.plan.window_bytes,
+            windows=len(self.plan.windows),
+            units=len(self.units),
+            checkpointed_blocks=len(self.blocks),
+            wait_ms_per_iteration={k: v * 1e3 for k, v in middle.wait_s.items()},
+            on_demand_fetches=self.on_demand_fetches,
+            machine=dict(self.machine),
+        )
+
+
+class _Counts:
+    """Bytes moved and host waits in one iteration."""
+
+    def __init__(self) -> None:
+        self.bytes: dict[tuple[str, str, str], int] = {}
+        self.wait_s = {"units": 0.0, "step": 0.0}
+
+    def add(self, direction: str, tier: str, kind: Any, nbytes: int) -> None:
+        base = kind[0] if isinstance(kind, tuple) else kind
+        key = (direction, tier, base)
+        self.bytes[key] = self.bytes.get(key, 0) + nbytes
+
+    def moved(self) -> dict[str, dict[str, dict[str, int]]]:
+        out: dict[str, dict[str, dict[str, int]]] = {}
+        for (direction, tier, kind), nbytes in sorted(self.bytes.items()):
+            out.setdefault(direction, {}).setdefault(tier, {})[kind] = nbytes
+        return out
+
+
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return int(tensor.untyped_storage().nbytes())
+
+
+def _state_tensors(
+    optimizer: torch.optim.Optimizer, param: torch.Tensor, resident: bool = True
+) -> list[tuple[str, torch.Tensor]]:
+    """The optimizer's per-parameter tensors of `param` (not its scalar `step`) whose storage is
+    (`resident`) or is not on the GPU now."""
+    return [
+        (name, value)
+        for name, value in optimizer.state.get(param, {}).items()
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and (_nbytes(value) > 0) == resident
+    ]
+
+
+def _named_unique_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    seen: set[int] = set()
+    named = []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) not in seen:
+            seen.add(id(param))
+            named.append((name, param))
+    return named
+
+
+def _refuse_shared_storage(named: list[tuple[str, torch.nn.Parameter]]) -> None:
+    """Two parameters over one storage cannot be released one at a time."""
+    owners: dict[int, str] = {}
+    for name, param in named:
+        pointer = param.untyped_storage().data_ptr()
+        if pointer in owners:
+            raise ValueError(
+                f"teraio.offload (whole-model): parameters {owners[pointer]} and {name} share one "
+                "storage; give each its own tensor"
+            )
+        owners[pointer] = name
+
+
+def _trained(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+
+
+def _inside(name: str, blocks: list[tuple[str, torch.nn.Module]]) -> bool:
+    return any(name.startswith(block + ".") for block, _ in blocks)

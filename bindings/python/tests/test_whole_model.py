@@ -1,0 +1,260 @@
+"""Whole-model offload on the CPU device: parameters, gradients and optimizer state in host memory
+and on the store, exact against training without offload."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Optional
+
+import pytest
+import teraio
+import torch
+from teraio import capacity as cp
+from teraio import ids
+from teraio.tiers import HostTier
+from teraio.whole_model import ModelOffload, needs_whole_model
+from tiny import batches, make, train
+
+STEPS = 4
+ROWS = 256
+
+
+class TiedLM(torch.nn.Module):
+    """Embedding, blocks and a head tied to the embedding (as Llama-3.2 and Qwen2 small models)."""
+
+    def __init__(self, vocab: int = 96, dim: int = 32, layers: int = 3) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.layers = torch.nn.ModuleList(
+            [
+                torch.nn.Sequential(torch.nn.LayerNorm(dim), torch.nn.Linear(dim, dim), torch.nn.GELU())
+                for _ in range(layers)
+            ]
+        )
+        self.norm = torch.nn.LayerNorm(dim)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = x + layer(x)
+        logits = self.head(self.norm(x))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+
+
+def _tied(seed: int = 0) -> tuple[TiedLM, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = TiedLM()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _tokens(count: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 96, (4, 16), generator=generator) for _ in range(count)]
+
+
+def _assert_same(reference: Any, other: Any) -> None:
+    (ref_model, ref_opt, ref_losses), (model, optimizer, losses) = reference, other
+    assert losses == ref_losses
+    for (name, p), (_, q) in zip(ref_model.named_parameters(), model.named_parameters()):
+        assert q.untyped_storage().nbytes() == p.untyped_storage().nbytes(), name
+        assert torch.equal(p, q), name
+    for p, q in zip(ref_model.parameters(), model.parameters()):
+        for key, value in ref_opt.state[p].items():
+            assert torch.equal(value, optimizer.state[q][key]), key
+
+
+def _run(
+    build: Any, data: list[torch.Tensor], store: Optional[teraio.Store], **options: Any
+) -> tuple[Any, ModelOffload]:
+    model, optimizer = build()
+    with teraio.offload(model, optimizer, store=store, gpu_memory=4096, **options) as run:
+        assert isinstance(run, ModelOffload)
+        losses = train(model, optimizer, data)  # type: ignore[arg-type]
+    return (model, optimizer, losses), run
+
+
+def _reference(build: Any, data: list[torch.Tensor]) -> Any:
+    model, optimizer = build()
+    return model, optimizer, train(model, optimizer, data)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("host_memory", [1 << 30, 300_000, 0], ids=["host", "mixed", "ssd"])
+def test_exact_on_every_tier(store: teraio.Store, host_memory: int) -> None:
+    data = batches(STEPS, rows=ROWS)
+    reference = _reference(make, data)
+    result, run = _run(make, data, store, host_memory=host_memory)
+    _assert_same(reference, result)
+    report = run.report()
+    placed = report.placement
+    if host_memory == 0:
+        assert sum(placed["host"].values()) == 0 and sum(placed["ssd"].values()) > 0
+    elif host_memory == 1 << 30:
+        assert sum(placed["ssd"].values()) == 0
+    else:
+        assert sum(placed["host"].values()) > 0 and sum(placed["ssd"].values()) > 0
+        # Host memory takes parameters first, optimizer state last.
+        assert placed["host"]["parameter"] > 0 and placed["ssd"]["optimizer_state"] > 0
+    moved = report.bytes_per_iteration
+    params = sum(p.untyped_storage().nbytes() for p in result[0].parameters())
+    total_in = sum(sum(kinds.values()) for kinds in moved["in"].values())
+    # Every iteration brings every parameter in (forward + recomputation + step), its gradient
+    # and its two AdamW state tensors.
+    assert total_in >= params * (2 + 1 + 2)
+    assert pytest.approx(report.pinned_host_bytes) == sum(placed["host"].values())
+    assert store.list() == []  # the run's objects are deleted at exit
+
+
+def test_tied_weights_and_no_checkpointing(store: teraio.Store) -> None:
+    # The head shares the embedding's weight; without checkpointing, autograd saves parameters
+    # (LayerNorm, Linear in fp32), which must stay until their gradients are in.
+    data = _tokens(STEPS)
+    reference = _reference(_tied, data)
+    result, run = _run(_tied, data, store, host_memory=20_000, checkpoint="off")
+    _assert_same(reference, result)
+    assert run.report().checkpointed_blocks == 0
+
+
+def test_checkpointed_tied_model(store: teraio.Store) -> None:
+    data = _tokens(STEPS)
+    reference = _reference(_tied, data)
+    result, run = _run(_tied, data, store, host_memory=0)
+    _assert_same(reference, result)
+    assert run.report().checkpointed_blocks == 3
+
+
+def test_parameters_are_released_between_uses(store: teraio.Store) -> None:
+    model, optimizer = make()
+    data = batches(2, rows=ROWS)
+    resident_during_forward: list[int] = []
+
+    def probe(module: torch.nn.Module, args: Any, output: Any) -> None:
+        resident_during_forward.append(sum(p.untyped_storage().nbytes() > 0 for p in model.parameters()))
+
+    handle = model.layers[2].register_forward_hook(probe)
+    with teraio.offload(
+        model, optimizer, store=store, gpu_memory=1 << 20, host_memory=1 << 30, pull_forward_bytes=0
+    ):
+        train(model, optimizer, data)
+        # Between iterations nothing of the model is on the device.
+        assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
+        assert all(
+            not optimizer.state[p] or optimizer.state[p]["exp_avg"].untyped_storage().nbytes() == 0
+            for p in model.parameters()
+        )
+    handle.remove()
+    # Inside layer 2's forward only its own four tensors were resident.
+    assert max(resident_during_forward) <= 4
+    assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())  # back at exit
+
+
+def test_step_memory_is_bounded_by_its_window(store: teraio.Store) -> None:
+    window = 100_000
+    data = batches(2, rows=ROWS)
+    reference = _reference(make, data)
+    result, run = _run(make, data, store, host_memory=1 << 30, step_window=window)
+    _assert_same(reference, result)
+    largest = max(p.untyped_storage().nbytes() * 4 for p in result[0].parameters())
+    report = run.report()
+    assert report.windows > 4
+    assert 0 < report.peak_step_window_bytes <= 2 * max(window, largest)
+
+
+def test_gradient_accumulation_is_exact(store: teraio.Store) -> None:
+    data = batches(4, rows=ROWS)
+
+    def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[float]:
+        losses = []
+        for first, second in zip(data[::2], data[1::2]):
+            for x in (first, second):
+                loss = model(x)
+                loss.backward()
+                losses.append(loss.item())
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return losses
+
+    ref_model, ref_opt = make()
+    ref_losses = accumulate(ref_model, ref_opt)
+    model, optimizer = make()
+    with teraio.offload(model, optimizer, store=store, gpu_memory=1 << 20, host_memory=100_000):
+        losses = accumulate(model, optimizer)
+    _assert_same((ref_model, ref_opt, ref_losses), (model, optimizer, losses))
+
+
+def test_model_trains_on_after_exit(store: teraio.Store) -> None:
+    data = batches(4, rows=ROWS)
+    reference = _reference(make, data)
+    model, optimizer = make()
+    with teraio.offload(model, optimizer, store=store, gpu_memory=1 << 20, host_memory=0):
+        losses = train(model, optimizer, data[:2])
+    losses += train(model, optimizer, data[2:])  # plain torch again
+    _assert_same(reference, (model, optimizer, losses))
+
+
+def test_auto_switches_on_when_the_state_does_not_fit() -> None:
+    model, optimizer = make()
+    state = sum(p.numel() * 4 for p in model.parameters()) * 4  # params + grads + 2 AdamW tensors
+    assert needs_whole_model(model, optimizer, int(state / 0.75) - 1024)
+    assert not needs_whole_model(model, optimizer, int(state / 0.75) + 1024)
+    with teraio.offload(model, optimizer, gpu_memory=state * 4, host_memory=1 << 30) as run:
+        assert type(run).__name__ == "offload"
+    with teraio.offload(model, optimizer, gpu_memory=state * 4, host_memory=1 << 30, whole_model="on") as run:
+        assert isinstance(run, ModelOffload)
+
+
+def test_store_too_small_is_refused_before_training(store_dir: Any) -> None:
+    small = teraio.Store.create(
+        [store_dir / "d0"], file_size_bytes=4 << 20, durable=False, stripe_unit_bytes=64 << 10
+    )
+    model, optimizer = make(dim=256, hidden=1024)  # 8 MiB of parameters: 32 MiB with state
+    with pytest.raises(teraio.NoSpaceError, match="the plan needs"):
+        teraio.offload(model, optimizer, store=small, gpu_memory=1 << 20, host_memory=0)
+    assert small.list() == []
+    small.close()
+
+
+def test_no_store_and_too_little_host_memory_is_a_clear_error() -> None:
+    model, optimizer = make()
+    with pytest.raises(teraio.NoPlanFitsError, match="no store for the rest"):
+        teraio.offload(model, optimizer, gpu_memory=1 << 20, host_memory=1000)
+
+
+def test_pinned_host_memory_never_exceeds_its_cap() -> None:
+    tier = HostTier(torch.device("cpu"), 1000)
+    tier.reserve("a", 600)
+    with pytest.raises(MemoryError, match="cap of 1000"):
+        tier.reserve("b", 500)
+    assert tier.used_bytes == 600
+
+
+def test_capacity_plan_moves_the_least_used_bytes_to_the_store() -> None:
+    sizes = [cp.SlotSize(f"p{i}", 100, 100, 200) for i in range(4)]
+    plan = cp.place(sizes, host_capacity_bytes=1000, ssd_capacity_bytes=10_000, window_bytes=800)
+    # 1600 bytes, 1000 on host: 600 must go; optimizer state leaves first, last parameters first.
+    assert plan.ssd_bytes == {"parameter": 0, "gradient": 0, "optimizer_state": 600}
+    assert [t["optimizer_state"] for t in plan.tiers] == ["host", "ssd", "ssd", "ssd"]
+    assert plan.windows == [[0, 1], [2, 3]]
+    everything = cp.place(sizes, host_capacity_bytes=0, ssd_capacity_bytes=10_000, window_bytes=10)
+    assert everything.host_total == 0 and everything.ssd_total == 1600
+    assert everything.windows == [[0], [1], [2], [3]]
+    with pytest.raises(cp.CapacityError, match="needs 1.*KiB"):
+        cp.place(sizes, host_capacity_bytes=0, ssd_capacity_bytes=1000, window_bytes=800)
+
+
+def test_object_id_namespaces_are_disjoint() -> None:
+    bases = [ids.base(name) for name in ids.NAMESPACES]
+    assert len(set(bases)) == len(bases)
+    assert ids.namespace_of(ids.base("model_gradients") + 5) == "model_gradients"
+    with pytest.raises(ValueError, match="unknown object-id namespace"):
+        ids.base("nope")
+
+
+def test_copy_of_model_is_untouched() -> None:
+    # deepcopy before offload keeps its own storage (nothing teraio does leaks into it).
+    model, optimizer = make()
+    twin = copy.deepcopy(model)
+    with teraio.offload(model, optimizer, gpu_memory=1 << 20, host_memory=1 << 30):
+        train(model, optimizer, batches(1, rows=ROWS))
+    assert all(p.untyped_storage().nbytes() > 0 for p in twin.parameters())
