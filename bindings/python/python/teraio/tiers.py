@@ -125,6 +125,14 @@ class HostTier:
         target.record_stream(self.h2d)
         return self._transfer(target.numel(), event)
 
+    def read_to_host(self, key: Any, target: torch.Tensor) -> None:
+        """Copies the key's bytes into `target` (flat bytes in CPU memory) once its last write
+        is done."""
+        written = self._written.get(key)
+        if written is not None:
+            written.synchronize()
+        target.copy_(self.buffers[key])
+
     def _transfer(self, nbytes: int, event: Any) -> Transfer:
         device = self.device
         return Transfer(nbytes, event.query, lambda: torch.cuda.current_stream(device).wait_event(event))
@@ -244,6 +252,13 @@ class SsdTier:
         self._in_flight.append(gated)
         gated.poll()
         return Transfer(nbytes, gated.poll, gated.wait)
+
+    def read_to_host(self, key: Any, target: torch.Tensor) -> None:
+        """Reads the key's object into `target` (flat bytes in CPU memory) and waits."""
+        previous = self._written.get(key)
+        if previous is not None:
+            previous.wait()
+        self.native.get_address(self.ids[key], target.data_ptr(), target.numel(), target).wait()
 
     def poll(self) -> None:
         """Starts transfers whose compute point has passed; drops finished ones."""

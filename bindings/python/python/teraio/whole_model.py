@@ -41,6 +41,7 @@ import dataclasses
 import resource
 import statistics
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -49,6 +50,7 @@ import torch
 from . import blocks as bk
 from . import capacity as cp
 from . import ids
+from .machine import reserve_from_allocator
 from .options import OffloadOptions
 from .planning import format_bytes, parse_size
 from .store import Store
@@ -116,6 +118,10 @@ class WholeModelReport:
     wait_ms_per_iteration: dict[str, float] = field(default_factory=dict)
     #: Units whose parameters were not prefetched in time and were fetched on demand.
     on_demand_fetches: int = 0
+    #: Parameters the first iteration's unused memory kept on the GPU for good.
+    resident_parameter_bytes: int = 0
+    #: Where the state went at exit: "gpu", or "cpu" where it did not fit `gpu_memory`.
+    returned_to: str = "gpu"
     mode: str = "whole-model"
     machine: dict[str, Any] = field(default_factory=dict)
 
@@ -134,7 +140,8 @@ class WholeModelReport:
             f"{self.windows} windows of <= {gib(self.window_bytes)}",
             f"  peak GPU memory {gib(self.peak_gpu_bytes)} (budget {gib(self.gpu_memory_bytes)}), "
             f"step windows {gib(self.peak_step_window_bytes)}",
-            f"  pinned host {gib(self.pinned_host_bytes)}, peak host RSS {gib(self.peak_host_rss_bytes)}",
+            f"  pinned host {gib(self.pinned_host_bytes)}, peak host RSS {gib(self.peak_host_rss_bytes)}; "
+            f"parameters kept on the GPU {gib(self.resident_parameter_bytes)}",
         ]
         for tier, kinds in self.placement.items():
             lines.append(f"  on {tier}: " + ", ".join(f"{k} {gib(v)}" for k, v in kinds.items()))
@@ -280,6 +287,10 @@ class ModelOffload:
         self._window_bytes = 0  # GPU bytes of streamed tensors the step holds now
         self.peak_step_window_bytes = 0
         self.on_demand_fetches = 0
+        #: Where the model's state went at exit: "gpu" (where it was), or "cpu" when it did not fit.
+        self.returned_to = "gpu"
+        #: Parameters kept on the GPU after the first iteration (`_keep_resident`).
+        self.resident_parameter_bytes = 0
         self.steps = 0
 
     # -- set-up --------------------------------------------------------------------------------
@@ -365,8 +376,23 @@ class ModelOffload:
         self._counts = _Counts()
 
     def _bring_everything_back(self) -> None:
-        """After training: parameters, gradients and state back on the GPU, as they were."""
+        """After training: parameters, gradients and state back on the GPU as they were, where
+        they fit `gpu_memory`; else into (unpinned) CPU memory, with a warning, so that nothing
+        is lost and the caller decides where the model goes next."""
         self._drain_writes()
+        if self.cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        if not self._fits_back():
+            self.returned_to = "cpu"
+            warnings.warn(
+                "teraio.offload (whole-model): the model's parameters, gradients and optimizer state "
+                f"do not fit gpu_memory={format_bytes(self.gpu_memory_bytes)}; they are left in CPU "
+                "memory (model.to(device) once there is room)",
+                stacklevel=3,
+            )
+            for slot in self.slots:
+                self._move_to_cpu(slot)
+            return
         for slot in self.slots:
             self._acquire(slot)
             self._join(slot)
@@ -377,6 +403,33 @@ class ModelOffload:
                 slot.grad_held = False
         if self.cuda:
             torch.cuda.current_stream(self.device).synchronize()
+
+    def _fits_back(self) -> bool:
+        if not self.cuda:
+            return True
+        away = sum(slot.nbytes * (1 - slot.resident + slot.grad_held) for slot in self.slots)
+        away += sum(self._state_nbytes[key] for key in self._state_nbytes)
+        return away + int(torch.cuda.memory_allocated(self.device)) <= self.gpu_memory_bytes
+
+    def _move_to_cpu(self, slot: _Slot) -> None:
+        def fetched(kind: Any, like: torch.Tensor) -> torch.Tensor:
+            host = torch.empty(like.shape, dtype=like.dtype)
+            self._tier(slot, kind).read_to_host((kind, slot.index), flat_bytes(host))
+            return host
+
+        param = slot.param
+        if slot.resident:
+            self._join(slot)
+            param.data = param.data.cpu()
+        else:
+            param.data = fetched(cp.PARAMETER, param)
+        state = self.optimizer.state.get(param, {})
+        for name, value in list(state.items()):
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                state[name] = value.cpu() if _nbytes(value) else fetched((cp.STATE, name), value)
+        if slot.grad_held:
+            param.grad = fetched(cp.GRADIENT, param)
+            slot.grad_held = False
 
     # -- tiers ---------------------------------------------------------------------------------
 
@@ -598,7 +651,7 @@ class ModelOffload:
             if slot.write is not None:
                 slot.write.join()  # the step changes the parameter: its last write must be done
                 slot.write = None
-            if not slot.resident:
+            if slot.tiers[cp.PARAMETER] != GPU:
                 self._acquire(slot)
                 self._account(slot.nbytes)
             grad = torch.empty_like(slot.param, memory_format=torch.contiguous_format)
@@ -624,11 +677,12 @@ class ModelOffload:
             self._state_out(slot, name, value)
             if not new:
                 self._window_bytes -= self._state_nbytes[((cp.STATE, name), slot.index)]
-        slot.write = self._write(slot, cp.PARAMETER, flat_bytes(slot.param))
-        if slot.tiers[cp.PARAMETER] == HOST:
-            slot.write = None  # the allocator keeps the memory until the copy has read it
-        self._release(slot)
-        self._window_bytes -= slot.nbytes
+        if slot.tiers[cp.PARAMETER] != GPU:
+            slot.write = self._write(slot, cp.PARAMETER, flat_bytes(slot.param))
+            if slot.tiers[cp.PARAMETER] == HOST:
+                slot.write = None  # the allocator keeps the memory until the copy has read it
+            self._release(slot)
+            self._window_bytes -= slot.nbytes
 
     def _state_out(self, slot: _Slot, name: str, value: torch.Tensor) -> None:
         """Writes one optimizer-state tensor to its tier and releases it (an SSD write: once the
@@ -683,6 +737,7 @@ class ModelOffload:
     def _end_iteration(self) -> None:
         if self._recorded is None:
             self._recorded = list(self._order)
+            self._keep_resident()
         self._iterations.append(self._counts)
         self._counts = _Counts()
         if self.options.sync_each_step and self.cuda:
@@ -692,6 +747,25 @@ class ModelOffload:
             self._peaks.append(int(torch.cuda.max_memory_allocated(self.device)))
         self.steps += 1
         self._begin_iteration()
+
+    def _keep_resident(self) -> None:
+        """After the first iteration: the GPU memory it left unused (its peak, plus the reserve
+        the allocator's behaviour asks for) keeps parameters resident for good, largest first:
+        each saves its reads in forward, recomputation and the step, and its write after it."""
+        if not self.cuda:
+            return
+        peak = int(torch.cuda.max_memory_allocated(self.device))
+        reserved = int(torch.cuda.max_memory_reserved(self.device))
+        reserve = reserve_from_allocator(self.gpu_memory_bytes, reserved, peak)
+        spare = self.gpu_memory_bytes - reserve - peak
+        for slot in sorted(self.slots, key=lambda s: -s.nbytes):
+            if slot.tiers[cp.PARAMETER] == GPU or slot.nbytes > spare:
+                continue
+            spare -= slot.nbytes
+            self._acquire(slot)
+            self._join(slot)
+            slot.tiers[cp.PARAMETER] = GPU
+            self.resident_parameter_bytes += slot.nbytes
 
     def report(self) -> WholeModelReport:
         later = self._iterations[1:] or self._iterations
@@ -715,6 +789,8 @@ class ModelOffload:
             checkpointed_blocks=len(self.blocks),
             wait_ms_per_iteration={k: v * 1e3 for k, v in middle.wait_s.items()},
             on_demand_fetches=self.on_demand_fetches,
+            resident_parameter_bytes=self.resident_parameter_bytes,
+            returned_to=self.returned_to,
             machine=dict(self.machine),
         )
 
