@@ -757,7 +757,14 @@ class ModelOffload:
         peak = int(torch.cuda.max_memory_allocated(self.device))
         reserved = int(torch.cuda.max_memory_reserved(self.device))
         reserve = reserve_from_allocator(self.gpu_memory_bytes, reserved, peak)
-        spare = self.gpu_memory_bytes - reserve - peak
+        # Writes to the store hold GPU memory until the engine has read it, up to their bounds;
+        # the first iteration need not have reached them.
+        in_flight = 0
+        if any(slot.tiers[cp.GRADIENT] == SSD for slot in self.slots):
+            in_flight += MAX_GRADIENT_WRITES_BYTES
+        if any(slot.tiers[cp.STATE] == SSD for slot in self.slots):
+            in_flight += self.plan.window_bytes
+        spare = self.gpu_memory_bytes - reserve - peak - in_flight
         for slot in sorted(self.slots, key=lambda s: -s.nbytes):
             if slot.tiers[cp.PARAMETER] == GPU or slot.nbytes > spare:
                 continue
