@@ -84,6 +84,9 @@ import bench_regime  # noqa: E402
 import summarize  # noqa: E402
 
 GIB = 1 << 30
+#: ZeRO-Infinity's offload_param.buffer_count (see make_deepspeed).
+ZERO_INFINITY_PARAM_BUFFERS = 40
+
 MODES = ["reference", "teraio", "teraio_ssd", "zero_infinity", "zero_offload"]
 DEEPSPEED_MODES = ("zero_infinity", "zero_offload")
 TERAIO_MODES = ("teraio", "teraio_ssd")
@@ -292,6 +295,9 @@ def make_deepspeed(args: argparse.Namespace, model: torch.nn.Module) -> tuple[An
             bf16=True,
             param_buffer_elements=param_buffer_elements(model),
         )
+        # One swap buffer per parameter in flight: the default 5 cannot hold one decoder layer's
+        # ~12 parameters ("Not enough buffers 0 for swapping 1" on the H100); 40 hold three.
+        config["zero_optimization"]["offload_param"]["buffer_count"] = ZERO_INFINITY_PARAM_BUFFERS
     else:
         config = bench_deepspeed.zero_config(
             stage=args.zero_offload_stage, batch=args.batch, offload_optimizer="cpu", bf16=True
