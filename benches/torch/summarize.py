@@ -1,5 +1,5 @@
 """Prints the table of benchmark results: the RESULT lines of bench_regime.py, bench_llama.py and
-bench_deepspeed.py logs, or saved results files (benches/torch/results/*.jsonl).
+bench_deepspeed.py logs, or saved results files (benches/results/*/*.jsonl).
 
     python3 benches/torch/summarize.py OUT/results.jsonl [more logs ...] [--reports]
 
