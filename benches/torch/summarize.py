@@ -6,7 +6,7 @@ bench_deepspeed.py logs, or saved results files (benches/results/*/*.jsonl).
 One table per model, dtype and shape: ms/iter, % of ideal, peak allocated / reserved, bytes per
 tier and recomputed, teraio's predicted against measured iteration, its host time, and the loss
 agreement with the first ideal run next to the ideal-vs-ideal spread. After each table, per cap:
-teraio against the fastest checkpointing mode that fits, and the issue's targets. `--reports`
+teraio against the fastest checkpointing mode that fits, and the targets. `--reports`
 adds each teraio run's own report.
 
     python3 benches/torch/summarize.py --index benches/results
