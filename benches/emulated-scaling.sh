@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Emulated SSD arrays (issue 10): `teraio bench --emulate` on N files in tmpfs (buffered), each
+# Emulated SSD arrays: `teraio bench --emulate` on N files in tmpfs (buffered), each
 # file standing in for one SSD of the given bandwidth; prints aggregate GB/s against the sum of
 # the emulated devices for N = 1, 2, 4, 8, and the host's own limit (the same files, not emulated).
 # Usage: benches/emulated-scaling.sh [PER_DEVICE_RATE] [DIR]    (default 0.5GB/s, /dev/shm/teraio-emu)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Planning-time benchmark and paper check for the teraio lifetime planner (issue 6).
+# Planning-time benchmark and paper check for the teraio lifetime planner.
 #
 # 1. Times `plan` on whole-model Llama3-8B and Llama3-70B traces (fp32 AdamW, H100 NVL op times,
 #    4 SSDs of 6.7/6.5 GB/s) in release mode. Paper: 31.2 s (8B), 396.6 s (70B).
