@@ -3,7 +3,8 @@
 //! Thin on purpose (the work is in `teraio-engine` and `teraio-planner`): a `Store` whose put/get
 //! take raw host pointers with an owner object that keeps the memory alive, `Handle`s to wait on
 //! with the GIL released, engine errors as specific Python exceptions carrying the engine's
-//! message, and the planner (`plan`, `simulate`) on JSON traces. The typed Python face is
+//! message, and the planner (`plan`: `teraio_planner::predict::plan_and_predict`, `simulate_plan`)
+//! on JSON traces. The typed Python face is
 //! `teraio/__init__.py` and `teraio/_native.pyi`.
 
 use std::path::PathBuf;
@@ -15,12 +16,13 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use teraio_engine::{Error as EngineError, FormatConfig, OpenConfig, Priority, Store as EngineStore, Ticket};
-use teraio_planner::greedy::{plan_teraio, PlannerConfig, TierPreference};
+use teraio_planner::greedy::{PlannerConfig, TierPreference};
 use teraio_planner::hardware::Hardware;
 use teraio_planner::plan::Plan;
+use teraio_planner::predict::{plan_and_predict, PlanOptions};
 use teraio_planner::sim::{simulate, Policy, SimConfig};
-use teraio_planner::trace::{Access, Tensor, TensorKind, TensorUse, Trace};
-use teraio_planner::units::ReadWriteBandwidth;
+use teraio_planner::trace::{TensorKind, Trace};
+use teraio_units::ReadWriteBandwidth;
 
 create_exception!(teraio, TeraioError, PyException, "Base class of every teraio error.");
 create_exception!(teraio, NotFoundError, TeraioError, "No object with that id in the store.");
@@ -565,33 +567,6 @@ fn object_dict<'py>(py: Python<'py>, info: &teraio_engine::ObjectInfo) -> PyResu
     Ok(dict)
 }
 
-fn parse_kind(name: &str) -> PyResult<TensorKind> {
-    serde_json::from_value(serde_json::Value::String(name.to_string())).map_err(|_| {
-        PyValueError::new_err(format!(
-            "unknown tensor kind {name:?}; known: weight, gradient, optimizer_state, activation, temporary"
-        ))
-    })
-}
-
-/// Pins tensors the runtime cannot move: each unmovable tensor gets a use at every op of its live
-/// range, so it has no inactive period and the planner leaves it where it is.
-fn pin_unmovable(trace: &mut Trace, movable: &[TensorKind]) {
-    let op_count = trace.ops.len() as u32;
-    for tensor in trace.tensors.iter_mut().filter(|t| !movable.contains(&t.kind)) {
-        pin_tensor(tensor, op_count);
-    }
-}
-
-fn pin_tensor(tensor: &mut Tensor, op_count: u32) {
-    let from = tensor.live_from_op();
-    let to = tensor.live_to_op(op_count);
-    let writes: std::collections::HashSet<u32> =
-        tensor.uses.iter().filter(|u| u.access == Access::Write).map(|u| u.op).collect();
-    tensor.uses = (from..=to)
-        .map(|op| TensorUse { op, access: if writes.contains(&op) { Access::Write } else { Access::Read } })
-        .collect();
-}
-
 /// A trace from its JSON text, checked against the format's rules.
 fn parse_trace(trace_json: &str) -> PyResult<Trace> {
     let trace: Trace =
@@ -625,7 +600,9 @@ fn hardware_from(
 }
 
 /// Plans migrations for a trace (JSON, docs/trace.md) and predicts the iteration with the
-/// simulator. Returns JSON: `{"plan": <plan file>, "prediction": {...}}`.
+/// simulator: `teraio_planner::predict::plan_and_predict`, the call `teraio plan` makes. Returns
+/// its `PlanAndPrediction` as JSON, `{"prediction": {...}, "plan": <plan file>}`, the document
+/// `teraio plan --json` prints.
 ///
 /// `movable_kinds` limits what the plan may move to the kinds the runtime can execute (the others
 /// are pinned: they keep their memory for their whole live range).
@@ -652,11 +629,7 @@ fn plan(
     ssd_via_host_link: bool,
     tier_preference: &str,
 ) -> PyResult<String> {
-    let mut trace = parse_trace(trace_json)?;
-    if let Some(kinds) = movable_kinds {
-        let kinds = kinds.iter().map(|k| parse_kind(k)).collect::<PyResult<Vec<_>>>()?;
-        pin_unmovable(&mut trace, &kinds);
-    }
+    let trace = parse_trace(trace_json)?;
     let hardware = hardware_from(
         gpu_memory_bytes,
         ssd_read_bytes_per_s,
@@ -668,49 +641,18 @@ fn plan(
         ssd_shared,
         ssd_via_host_link,
     )?;
-    if !(prefetch_slack.is_finite() && prefetch_slack >= 0.0) {
-        return Err(PyValueError::new_err("prefetch_slack must be a finite number >= 0"));
-    }
-    let tier_preference = match tier_preference {
-        "ssd" => TierPreference::Ssd,
-        "host" => TierPreference::Host,
-        "auto" => TierPreference::Auto,
-        other => {
-            return Err(PyValueError::new_err(format!(
-                "tier_preference must be \"ssd\", \"host\" or \"auto\", not {other:?}"
-            )))
-        }
-    };
-    let config = PlannerConfig { reserve_bytes, prefetch_slack, tier_preference, ..PlannerConfig::default() };
+    // A misspelt name is the caller's bad argument (ValueError), as for any Python function.
+    let value_error = |e: teraio_planner::Error| PyValueError::new_err(e.to_string());
+    let movable_kinds = movable_kinds
+        .map(|kinds| kinds.iter().map(|k| k.parse::<TensorKind>()).collect::<Result<Vec<_>, _>>())
+        .transpose()
+        .map_err(value_error)?;
+    let tier_preference = tier_preference.parse::<TierPreference>().map_err(value_error)?;
+    let planner = PlannerConfig { reserve_bytes, prefetch_slack, tier_preference, ..PlannerConfig::default() };
+    let options = PlanOptions { planner, movable_kinds };
     py.allow_threads(move || {
-        let started = std::time::Instant::now();
-        let outcome = plan_teraio(&trace, &hardware, config).map_err(planner_err)?;
-        let planning_time_ms = started.elapsed().as_secs_f64() * 1e3;
-        let predicted =
-            simulate(&trace, &hardware, Policy::Planned(&outcome.plan), SimConfig::default()).map_err(planner_err)?;
-        let ideal_time_us = trace.compute_time_us();
-        let traffic = outcome.plan.bytes_moved(&trace);
-        let unplanned_peak_bytes = outcome.base_pressure_bytes.iter().copied().max().unwrap_or(0);
-        let value = serde_json::json!({
-            "plan": outcome.plan,
-            "prediction": {
-                "planning_time_ms": planning_time_ms,
-                "ideal_time_us": ideal_time_us,
-                "iteration_time_us": predicted.iteration_time_us,
-                "stall_time_us": predicted.stall_time_us,
-                "percent_of_ideal": predicted.percent_of(ideal_time_us),
-                "peak_gpu_bytes": predicted.peak_gpu_bytes,
-                "unplanned_peak_bytes": unplanned_peak_bytes,
-                "fits": outcome.plan.fits,
-                "outcome": predicted.outcome,
-                "expected_stall_us": outcome.expected_stall_us,
-                "ssd_written_bytes": traffic.written_bytes[0],
-                "ssd_read_bytes": traffic.read_bytes[0],
-                "host_written_bytes": traffic.written_bytes[1],
-                "host_read_bytes": traffic.read_bytes[1],
-            }
-        });
-        serde_json::to_string(&value).map_err(|e| PlannerError::new_err(e.to_string()))
+        let result = plan_and_predict(&trace, &hardware, &options).map_err(planner_err)?;
+        serde_json::to_string(&result).map_err(|e| PlannerError::new_err(e.to_string()))
     })
 }
 
