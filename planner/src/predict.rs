@@ -28,6 +28,31 @@ pub struct PlanOptions {
     pub movable_kinds: Option<Vec<TensorKind>>,
 }
 
+/// A plan request as JSON clients (the C API) send it beside the trace:
+/// `{"hardware": {...}, "options": {...}}`, with `Hardware`'s and `PlanOptions`' field names.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PlanRequest {
+    /// The machine to plan for.
+    pub hardware: Hardware,
+    /// Default: `PlanOptions::default()`.
+    #[serde(default)]
+    pub options: PlanOptions,
+}
+
+/// [`plan_and_predict`] on JSON text: a trace (docs/trace.md) and a [`PlanRequest`] in, the
+/// [`PlanAndPrediction`] out. A request or trace that does not decode is `Error::Config` or
+/// `Error::InvalidTrace`, naming what is wrong.
+pub fn plan_and_predict_json(trace_json: &str, request_json: &str) -> Result<String> {
+    let trace: Trace = serde_json::from_str(trace_json)
+        .map_err(|e| Error::InvalidTrace(format!("the trace is not valid trace JSON: {e}")))?;
+    let request: PlanRequest = serde_json::from_str(request_json).map_err(|e| {
+        Error::Config(format!("the plan request is not {{\"hardware\": {{...}}, \"options\": {{...}}}} JSON: {e}"))
+    })?;
+    let result = plan_and_predict(&trace, &request.hardware, &request.options)?;
+    serde_json::to_string(&result).map_err(|e| Error::Config(format!("cannot write the prediction as JSON: {e}")))
+}
+
 /// A plan and what the simulator predicts for it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct PlanAndPrediction {
@@ -216,6 +241,26 @@ mod tests {
         let nothing = PlanOptions { movable_kinds: Some(vec![]), ..PlanOptions::default() };
         let result = plan_and_predict(&trace, &hardware, &nothing).unwrap();
         assert!(result.plan.migrations.is_empty() && !result.prediction.fits);
+    }
+
+    #[test]
+    fn the_json_entry_takes_a_request_and_returns_the_same_document() {
+        let trace = tiny_trace();
+        let hardware = hardware_at_three_quarters(&trace);
+        let request = PlanRequest { hardware, options: PlanOptions::default() };
+        let trace_json = serde_json::to_string(&trace).unwrap();
+        let text = plan_and_predict_json(&trace_json, &serde_json::to_string(&request).unwrap()).unwrap();
+        let from_json: PlanAndPrediction = serde_json::from_str(&text).unwrap();
+        let direct = plan_and_predict(&trace, &hardware, &request.options).unwrap();
+        assert_eq!(from_json.plan, direct.plan);
+        assert_eq!(from_json.prediction.simulated.iteration_time_us, direct.prediction.simulated.iteration_time_us);
+        // Options may be left out; a misspelt field or a bad trace is named.
+        let bare = format!(r#"{{"hardware": {}}}"#, serde_json::to_string(&hardware).unwrap());
+        assert!(plan_and_predict_json(&trace_json, &bare).is_ok());
+        let message = plan_and_predict_json(&trace_json, r#"{"hardwre": {}}"#).unwrap_err().to_string();
+        assert!(message.contains("hardwre"), "{message}");
+        let message = plan_and_predict_json("{", &bare).unwrap_err().to_string();
+        assert!(message.contains("trace"), "{message}");
     }
 
     #[test]
