@@ -15,7 +15,8 @@ use pyo3::exceptions::{PyException, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use teraio_engine::{Error as EngineError, FormatConfig, OpenConfig, Priority, Store as EngineStore, Ticket};
+use teraio_engine::options::{store_configs, OptionKind, OptionStage, OptionValue, StoreConfigs, STORE_OPTIONS};
+use teraio_engine::{Error as EngineError, Priority, Store as EngineStore, Ticket};
 use teraio_planner::greedy::{PlannerConfig, TierPreference};
 use teraio_planner::hardware::Hardware;
 use teraio_planner::plan::Plan;
@@ -228,93 +229,97 @@ impl Store {
     }
 }
 
-// The arguments mirror the Python keyword arguments one to one.
-#[allow(clippy::too_many_arguments)]
-fn open_config(
-    durable: bool,
-    direct_io: bool,
-    queue_depth: usize,
-    backend: &str,
-    max_inflight_bytes: Option<u64>,
-    verify_checksums: bool,
-    emulate: Option<&str>,
-    gpu: &str,
-) -> PyResult<OpenConfig> {
-    let backend = teraio_engine::store::parse_backend(backend).map_err(to_py_err)?;
-    let mut config = OpenConfig { durable, direct_io, queue_depth, backend, verify_checksums, ..OpenConfig::default() };
-    if let Some(bytes) = max_inflight_bytes {
-        config.max_inflight_bytes = bytes;
+/// One keyword argument's value, owned while the engine's option table reads it.
+enum KeywordValue {
+    Flag(bool),
+    Count(u64),
+    Text(String),
+    Unset,
+}
+
+impl KeywordValue {
+    fn extract(name: &str, value: &Bound<'_, PyAny>) -> PyResult<Self> {
+        if value.is_none() {
+            Ok(KeywordValue::Unset)
+        } else if let Ok(flag) = value.downcast::<pyo3::types::PyBool>() {
+            Ok(KeywordValue::Flag(flag.is_true()))
+        } else if let Ok(text) = value.extract::<String>() {
+            Ok(KeywordValue::Text(text))
+        } else if let Ok(count) = value.extract::<u64>() {
+            Ok(KeywordValue::Count(count))
+        } else {
+            let shown = value.repr().map(|r| r.to_string()).unwrap_or_else(|_| "?".into());
+            Err(InvalidArgumentError::new_err(format!(
+                "{name}={shown}: store options take a bool, an int >= 0, a str or None"
+            )))
+        }
     }
-    if let Some(model) = emulate {
-        config.emulate = Some(
-            teraio_engine::backend::throttle::DeviceModel::parse(model)
-                .map_err(|e| InvalidArgumentError::new_err(format!("emulate={model:?}: {e}")))?,
-        );
+
+    fn as_option(&self) -> OptionValue<'_> {
+        match self {
+            KeywordValue::Flag(flag) => OptionValue::Flag(*flag),
+            KeywordValue::Count(count) => OptionValue::Count(*count),
+            KeywordValue::Text(text) => OptionValue::Text(text),
+            KeywordValue::Unset => OptionValue::Unset,
+        }
     }
-    config.gpu.path = gpu.parse().map_err(to_py_err)?;
-    Ok(config)
+}
+
+/// The store configurations from `create`'s or `open`'s keyword arguments, through the engine's
+/// option table (`teraio_engine::options`): unknown names and wrong kinds are refused there.
+fn store_configs_from(options: Option<&Bound<'_, PyDict>>, creating: bool) -> PyResult<StoreConfigs> {
+    let mut values = Vec::new();
+    for (name, value) in options.into_iter().flat_map(|dict| dict.iter()) {
+        let name: String = name.extract()?;
+        let value = KeywordValue::extract(&name, &value)?;
+        values.push((name, value));
+    }
+    store_configs(values.iter().map(|(name, value)| (name.as_str(), value.as_option())), creating).map_err(to_py_err)
+}
+
+/// The option table as Python sees it (`teraio._native.STORE_OPTIONS`): one dict per option.
+fn store_options_table(py: Python<'_>) -> PyResult<Vec<Bound<'_, PyDict>>> {
+    STORE_OPTIONS
+        .iter()
+        .map(|option| {
+            let dict = PyDict::new(py);
+            dict.set_item("name", option.name)?;
+            dict.set_item("stage", if option.stage == OptionStage::Format { "format" } else { "open" })?;
+            dict.set_item("type", option.kind.python_type())?;
+            dict.set_item("accepts_size_text", option.kind == OptionKind::Bytes)?;
+            dict.set_item("optional", option.optional)?;
+            match option.default {
+                OptionValue::Flag(flag) => dict.set_item("default", flag)?,
+                OptionValue::Count(count) => dict.set_item("default", count)?,
+                OptionValue::Text(text) => dict.set_item("default", text)?,
+                OptionValue::Unset => dict.set_item("default", py.None())?,
+            }
+            dict.set_item("c_field", option.c_field)?;
+            dict.set_item("doc", option.doc)?;
+            Ok(dict)
+        })
+        .collect()
 }
 
 #[pymethods]
 impl Store {
-    /// Formats `paths` as a new store and opens it. Missing regular files are created with
+    /// Formats `paths` as a new store and opens it. Keyword arguments: the store options
+    /// (`STORE_OPTIONS`, format and open ones); missing regular files are created with
     /// `file_size_bytes`.
     #[staticmethod]
-    #[pyo3(signature = (paths, *, file_size_bytes=None, stripe_unit_bytes=1<<20, block_size=4096,
-        checksums=true, force=false, durable=true, direct_io=true, queue_depth=32, backend="auto",
-        max_inflight_bytes=None, verify_checksums=true, emulate=None, gpu="auto"))]
-    #[allow(clippy::too_many_arguments)]
-    fn create(
-        py: Python<'_>,
-        paths: Vec<PathBuf>,
-        file_size_bytes: Option<u64>,
-        stripe_unit_bytes: u64,
-        block_size: u64,
-        checksums: bool,
-        force: bool,
-        durable: bool,
-        direct_io: bool,
-        queue_depth: usize,
-        backend: &str,
-        max_inflight_bytes: Option<u64>,
-        verify_checksums: bool,
-        emulate: Option<&str>,
-        gpu: &str,
-    ) -> PyResult<Store> {
-        let format = FormatConfig {
-            stripe_unit_bytes,
-            block_size,
-            checksums,
-            create_file_bytes: file_size_bytes,
-            force,
-            direct_io,
-            ..FormatConfig::default()
-        };
-        let open =
-            open_config(durable, direct_io, queue_depth, backend, max_inflight_bytes, verify_checksums, emulate, gpu)?;
+    #[pyo3(signature = (paths, **options))]
+    fn create(py: Python<'_>, paths: Vec<PathBuf>, options: Option<&Bound<'_, PyDict>>) -> PyResult<Store> {
+        let StoreConfigs { format, open } = store_configs_from(options, true)?;
         let store = py.allow_threads(|| EngineStore::create(&paths, &format, open)).map_err(to_py_err)?;
         Ok(Store { inner: std::sync::Mutex::new(Some(std::sync::Arc::new(store))) })
     }
 
-    /// Opens the existing store on `paths` (all of its devices, in any order).
+    /// Opens the existing store on `paths` (all of its devices, in any order). Keyword
+    /// arguments: the open-stage store options (`STORE_OPTIONS`).
     #[staticmethod]
-    #[pyo3(signature = (paths, *, durable=true, direct_io=true, queue_depth=32, backend="auto",
-        max_inflight_bytes=None, verify_checksums=true, emulate=None, gpu="auto"))]
-    #[allow(clippy::too_many_arguments)]
-    fn open(
-        py: Python<'_>,
-        paths: Vec<PathBuf>,
-        durable: bool,
-        direct_io: bool,
-        queue_depth: usize,
-        backend: &str,
-        max_inflight_bytes: Option<u64>,
-        verify_checksums: bool,
-        emulate: Option<&str>,
-        gpu: &str,
-    ) -> PyResult<Store> {
-        let open =
-            open_config(durable, direct_io, queue_depth, backend, max_inflight_bytes, verify_checksums, emulate, gpu)?;
+    #[pyo3(signature = (paths, **options))]
+    fn open(py: Python<'_>, paths: Vec<PathBuf>, options: Option<&Bound<'_, PyDict>>) -> PyResult<Store> {
+        let StoreConfigs { open, .. } = store_configs_from(options, false)?;
         let store = py.allow_threads(|| EngineStore::open(&paths, open)).map_err(to_py_err)?;
         Ok(Store { inner: std::sync::Mutex::new(Some(std::sync::Arc::new(store))) })
     }
@@ -743,5 +748,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("InvalidArgumentError", py.get_type::<InvalidArgumentError>())?;
     m.add("PlannerError", py.get_type::<PlannerError>())?;
     m.add("TRACE_FORMAT_VERSION", teraio_planner::trace::FORMAT_VERSION)?;
+    m.add("STORE_OPTIONS", pyo3::types::PyTuple::new(py, store_options_table(py)?)?)?;
     Ok(())
 }
