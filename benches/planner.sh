@@ -14,8 +14,8 @@ set -euo pipefail
 work_dir="${1:-/tmp/teraio-planner-bench}"
 mkdir -p "$work_dir"
 cd "$(dirname "$0")/.."
-cargo build --release -q -p teraio-planner --bin teraio-planner
-bin="${CARGO_TARGET_DIR:-target}/release/teraio-planner"
+cargo build --release -q -p teraio-cli --bin teraio
+bin="${CARGO_TARGET_DIR:-target}/release/teraio"
 
 ssd="4x6.7/6.5GB/s"
 json_field() { grep -o "\"$1\": *[0-9.e+-]*" | head -1 | sed 's/.*: *//'; }

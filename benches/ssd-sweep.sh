@@ -9,8 +9,8 @@ set -euo pipefail
 work_dir="${1:-/tmp/teraio-ssd-sweep}"
 mkdir -p "$work_dir"
 cd "$(dirname "$0")/.."
-cargo build --release -q -p teraio-planner --bin teraio-planner
-bin="${CARGO_TARGET_DIR:-target}/release/teraio-planner"
+cargo build --release -q -p teraio-cli --bin teraio
+bin="${CARGO_TARGET_DIR:-target}/release/teraio"
 counts="1 2 3 4 6 8 12 16"
 
 sweep() { # model seq batch host_caps...

@@ -9,11 +9,11 @@ mod admin;
 mod bench;
 mod cpu;
 mod error;
+mod planning;
 mod targets;
 mod units;
 
 use clap::{Parser, Subcommand};
-use error::CliError;
 
 /// teraio: striped tensor-offload storage over many SSDs.
 #[derive(Parser)]
@@ -34,11 +34,11 @@ enum Command {
     /// Check a store: superblocks, the object table and every extent checksum.
     Fsck(admin::FsckArgs),
     /// Plan tensor migrations for a training trace and predict the iteration time.
-    Plan(teraio_planner::cli::PlanArgs),
+    Plan(planning::PlanArgs),
     /// Replay a trace under each offload policy and compare.
-    Sim(teraio_planner::cli::SimArgs),
+    Sim(planning::SimArgs),
     /// Generate a synthetic transformer-training trace.
-    Trace(teraio_planner::cli::TraceArgs),
+    Trace(planning::TraceArgs),
 }
 
 fn main() {
@@ -51,9 +51,9 @@ fn main() {
         Command::Format(args) => admin::format(args),
         Command::Info(args) => admin::info(args),
         Command::Fsck(args) => admin::fsck(args),
-        Command::Plan(args) => teraio_planner::cli::run_plan(args).map_err(CliError::from),
-        Command::Sim(args) => teraio_planner::cli::run_sim(args).map_err(CliError::from),
-        Command::Trace(args) => teraio_planner::cli::run_trace(args).map_err(CliError::from),
+        Command::Plan(args) => planning::run_plan(args),
+        Command::Sim(args) => planning::run_sim(args),
+        Command::Trace(args) => planning::run_trace(args),
     };
     if let Err(e) = result {
         eprintln!("error: {}", e.message);

@@ -7,6 +7,17 @@ pub fn size_arg(text: &str) -> Result<u64, String> {
     teraio_engine::parse_size(text).map_err(|e| e.to_string())
 }
 
+/// clap value parser for one bandwidth such as `6.5GB/s` or `4x800MiB/s`, in bytes per second.
+pub fn bandwidth_arg(text: &str) -> Result<f64, String> {
+    teraio_units::parse_bandwidth_bytes_per_s(text).map_err(|e| e.to_string())
+}
+
+/// clap value parser for an SSD array: `4x6.5GB/s` (same read and write), `4x6.7/6.5GB/s`
+/// (read/write per device), or `26GB/s` (one device or an aggregate).
+pub fn ssd_arg(text: &str) -> Result<teraio_units::ReadWriteBandwidth, String> {
+    teraio_units::parse_array_bandwidth(text).map_err(|e| e.to_string())
+}
+
 /// clap value parser for durations: `10` or `10s`, `500ms`, `2m`.
 pub fn duration_arg(text: &str) -> Result<Duration, String> {
     let t = text.trim();
@@ -39,6 +50,20 @@ pub fn format_bytes(bytes: u64) -> String {
         format!("{value:.0} {}", UNITS[unit])
     } else {
         format!("{value:.2} {}", UNITS[unit])
+    }
+}
+
+/// Bytes as GiB with two decimals (the unit GPU memory is sold in), for the planner's reports.
+pub fn format_gib(size_bytes: f64) -> String {
+    format!("{:.2} GiB", size_bytes / (1u64 << 30) as f64)
+}
+
+/// Microseconds as milliseconds or seconds, whichever reads better.
+pub fn format_duration_us(duration_us: f64) -> String {
+    if duration_us >= 1e6 {
+        format!("{:.3} s", duration_us / 1e6)
+    } else {
+        format!("{:.3} ms", duration_us / 1e3)
     }
 }
 
@@ -91,5 +116,23 @@ mod tests {
         assert_eq!(group_thousands(80512), "80,512");
         assert_eq!(group_thousands(512), "512");
         assert_eq!(size_arg("1M").unwrap(), 1 << 20);
+    }
+
+    #[test]
+    fn the_planner_commands_read_units_as_bench_does() {
+        // One meaning of G everywhere: `teraio plan --gpu-mem 1G` is the 1 GiB `teraio bench --size 1G` is.
+        assert_eq!(size_arg("1G").unwrap(), 1 << 30);
+        assert_eq!(size_arg("94GB").unwrap(), 94_000_000_000);
+        assert_eq!(bandwidth_arg("4x6.5GB/s").unwrap(), 26e9);
+        assert_eq!(ssd_arg("4x6.7/6.5GB/s").unwrap().write_bytes_per_s, 26e9);
+        let message = size_arg("40 gigs").unwrap_err();
+        assert!(message.contains("unknown unit"), "{message}");
+    }
+
+    #[test]
+    fn planner_durations_and_sizes_print() {
+        assert_eq!(format_gib((3u64 << 29) as f64), "1.50 GiB");
+        assert_eq!(format_duration_us(1500.0), "1.500 ms");
+        assert_eq!(format_duration_us(2.5e6), "2.500 s");
     }
 }

@@ -14,6 +14,7 @@ pub mod device;
 pub mod error;
 pub mod gpu;
 pub mod layout;
+pub mod options;
 pub mod queue;
 pub mod stats;
 pub mod store;

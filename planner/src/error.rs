@@ -5,9 +5,6 @@ use std::path::PathBuf;
 /// Everything that can go wrong while reading, generating, planning or simulating.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// A size or bandwidth given on the command line did not parse (teraio-units says why).
-    #[error(transparent)]
-    Parse(#[from] teraio_units::ParseError),
     /// A trace broke one of the rules in docs/trace.md.
     #[error("invalid trace: {0}")]
     InvalidTrace(String),
@@ -32,14 +29,6 @@ pub enum Error {
         path: PathBuf,
         /// The decoder's error.
         source: serde_json::Error,
-    },
-    /// Drawing the memory plot failed.
-    #[error("plot {path}: {reason}")]
-    Plot {
-        /// The output file.
-        path: PathBuf,
-        /// The drawing backend's message.
-        reason: String,
     },
 }
 

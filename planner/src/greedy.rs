@@ -24,7 +24,7 @@ use std::collections::BinaryHeap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::hardware::Hardware;
 use crate::ledger::{channel_index, Direction, Ledger, Span};
 use crate::lifetime::{base_pressure_bytes, copy_still_valid, inactive_periods, InactivePeriod, Timeline};
@@ -33,8 +33,9 @@ use crate::pressure::PressureTree;
 use crate::sim::{simulate, Outcome, Policy, SimConfig};
 use crate::trace::Trace;
 
-/// Planner settings.
+/// Planner settings. Fields missing from a JSON request take their defaults.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct PlannerConfig {
     /// Drop tensors whose SSD copy is still valid instead of writing them again (default true;
     /// false reproduces the paper's algorithm).
@@ -62,7 +63,7 @@ pub struct PlannerConfig {
 }
 
 /// Which tier the greedy tries to fill first when a period fits both.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum TierPreference {
     /// SSD first, host memory once the SSD's window falls below `ssd_preference` of the host's
@@ -74,6 +75,25 @@ pub enum TierPreference {
     Host,
     /// Both, keeping the plan the simulator predicts faster (planning takes twice as long).
     Auto,
+}
+
+impl std::str::FromStr for TierPreference {
+    type Err = Error;
+    fn from_str(text: &str) -> Result<Self> {
+        match text {
+            "ssd" => Ok(TierPreference::Ssd),
+            "host" => Ok(TierPreference::Host),
+            "auto" => Ok(TierPreference::Auto),
+            other => {
+                Err(Error::Config(format!("tier_preference must be \"ssd\", \"host\" or \"auto\", not {other:?}")))
+            }
+        }
+    }
+}
+
+impl TierPreference {
+    /// The names [`str::parse`] takes, as the CLI and Python spell them.
+    pub const NAMES: [&'static str; 3] = ["ssd", "host", "auto"];
 }
 
 impl Default for PlannerConfig {
@@ -656,7 +676,7 @@ mod tests {
     use super::*;
     use crate::sim::{simulate, Outcome, Policy, SimConfig};
     use crate::trace::{Access, Op, Phase, Tensor, TensorKind, TensorUse, FORMAT_VERSION};
-    use crate::units::ReadWriteBandwidth;
+    use teraio_units::ReadWriteBandwidth;
 
     const MB: u64 = 1_000_000;
 

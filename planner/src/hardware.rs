@@ -4,7 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::units::ReadWriteBandwidth;
+use teraio_units::ReadWriteBandwidth;
 
 /// Compute and memory figures of one GPU model, from the vendors' data sheets (dense, no sparsity).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]

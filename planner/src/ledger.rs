@@ -254,7 +254,7 @@ mod tests {
     use super::*;
     use crate::lifetime::Timeline;
     use crate::trace::{Access, Op, Phase, Tensor, TensorKind, TensorUse, Trace, FORMAT_VERSION};
-    use crate::units::ReadWriteBandwidth;
+    use teraio_units::ReadWriteBandwidth;
 
     fn ledger() -> Ledger {
         let trace = Trace {

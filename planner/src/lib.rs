@@ -4,22 +4,22 @@
 //! 2506.06472, §3.2). Needs no GPU and no engine.
 //!
 //! Pipeline: [`trace`] (or [`synth`]) → [`lifetime`] → [`greedy`] (with [`ledger`]) → [`plan`] →
-//! [`sim`] (with [`baselines`] to compare against) → [`report`] / [`plot`]; [`cli`] wires it up.
+//! [`sim`] (with [`baselines`] to compare against, [`report`]). [`predict::plan_and_predict`] is
+//! the one call every interface uses: the `teraio` command (the cli crate, which also holds the
+//! tables and plots), Python and C.
 
 pub mod baselines;
-pub mod cli;
 pub mod error;
 pub mod greedy;
 pub mod hardware;
 pub mod ledger;
 pub mod lifetime;
 pub mod plan;
-pub mod plot;
+pub mod predict;
 pub mod pressure;
 pub mod report;
 pub mod sim;
 pub mod synth;
 pub mod trace;
-pub mod units;
 
 pub use error::{Error, Result};

@@ -1,23 +1,20 @@
-//! Runs several policies on one trace and hardware in the simulator and lays the results out as a
-//! table (for people) or JSON (for scripts).
+//! Runs several policies on one trace and hardware in the simulator and collects their results
+//! (the CLI's `teraio sim` prints them as a table or JSON).
 
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
 use crate::baselines::{flashneuron_like, unlimited, zero_infinity_like};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::greedy::{plan_teraio, PlannerConfig};
 use crate::hardware::Hardware;
-use crate::lifetime::{base_pressure_bytes, Timeline};
 use crate::plan::Plan;
-use crate::plot::Series;
-use crate::sim::{simulate, Outcome, Policy, SimConfig, SimReport};
+use crate::sim::{simulate, Policy, SimConfig, SimReport};
 use crate::trace::Trace;
-use crate::units::{format_duration_us, format_gib};
 
 /// Policies the comparison can run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum PolicyName {
     /// Unlimited GPU memory.
@@ -59,6 +56,16 @@ impl PolicyName {
             PolicyName::Flashneuron => "flashneuron",
             PolicyName::Lru => "lru",
         }
+    }
+}
+
+impl std::str::FromStr for PolicyName {
+    type Err = Error;
+    fn from_str(text: &str) -> Result<Self> {
+        ALL_POLICIES.iter().copied().find(|policy| policy.label() == text).ok_or_else(|| {
+            let names: Vec<&str> = ALL_POLICIES.iter().map(|policy| policy.label()).collect();
+            Error::Config(format!("unknown policy {text:?}; known: {}", names.join(", ")))
+        })
     }
 }
 
@@ -162,75 +169,4 @@ pub fn compare(
         rows.push(run_policy(policy, trace, hardware, config, ideal_time_us)?);
     }
     Ok(Comparison { trace: trace.description.clone(), hardware: *hardware, ideal_time_us, rows })
-}
-
-/// Memory with nothing moved, on the stall-free time axis (the "before" line of the plot).
-pub fn unplanned_series(trace: &Trace) -> Series {
-    let timeline = Timeline::new(trace);
-    let pressure = base_pressure_bytes(trace);
-    let mut points = Vec::with_capacity(pressure.len() * 2);
-    for (slot, &bytes) in pressure.iter().enumerate() {
-        points.push((timeline.start_us[slot], bytes));
-        points.push((timeline.start_us[slot] + timeline.duration_us[slot], bytes));
-    }
-    ("no offload".to_string(), points)
-}
-
-fn outcome_text(outcome: &Outcome) -> String {
-    match outcome {
-        Outcome::Completed => "ok".into(),
-        Outcome::OutOfMemory { op, needed_bytes } => {
-            format!("OOM at op {op} ({})", format_gib(*needed_bytes as f64))
-        }
-    }
-}
-
-/// Readable table of a comparison.
-pub fn format_table(comparison: &Comparison) -> String {
-    let mut out = String::new();
-    out.push_str(&format!("trace: {}\n", comparison.trace));
-    let hw = &comparison.hardware;
-    out.push_str(&format!(
-        "hardware: GPU {}, SSD read {:.1} GB/s write {:.1} GB/s, host {} at {:.1} GB/s\n",
-        format_gib(hw.gpu_capacity_bytes as f64),
-        hw.ssd_read_bytes_per_s / 1e9,
-        hw.ssd_write_bytes_per_s / 1e9,
-        format_gib(hw.host_capacity_bytes as f64),
-        hw.host_link_bytes_per_s / 1e9,
-    ));
-    out.push_str(&format!("ideal iteration: {}\n\n", format_duration_us(comparison.ideal_time_us)));
-    out.push_str(&format!(
-        "{:<14} {:>8} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8} {:>8} {:>8} {:>8}  {}\n",
-        "policy",
-        "% ideal",
-        "iteration",
-        "stalls",
-        "peak GPU",
-        "peak host",
-        "SSD w",
-        "SSD r",
-        "host w",
-        "host r",
-        "plan ms",
-        "outcome"
-    ));
-    for row in &comparison.rows {
-        let sim = &row.sim;
-        out.push_str(&format!(
-            "{:<14} {:>7.1}% {:>10} {:>10} {:>10} {:>10} {:>8.1} {:>8.1} {:>8.1} {:>8.1} {:>8.1}  {}\n",
-            row.policy,
-            row.percent_of_ideal,
-            format_duration_us(sim.iteration_time_us),
-            format_duration_us(sim.stall_time_us),
-            format_gib(sim.peak_gpu_bytes as f64),
-            format_gib(sim.peak_host_bytes as f64),
-            sim.ssd_written_bytes as f64 / 1e9,
-            sim.ssd_read_bytes as f64 / 1e9,
-            sim.host_written_bytes as f64 / 1e9,
-            sim.host_read_bytes as f64 / 1e9,
-            row.planning_time_ms,
-            outcome_text(&sim.outcome),
-        ));
-    }
-    out
 }

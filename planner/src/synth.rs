@@ -17,13 +17,29 @@ pub const DIMENSION_MAX: u64 = 1 << 22;
 pub const LAYERS_MAX: u32 = 1024;
 
 /// Numeric format of training.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Dtype {
     /// Everything fp32 (the TERAIO paper's setting).
     Fp32,
     /// bf16 weights, gradients and activations; fp32 master weights and AdamW moments.
     Bf16,
+}
+
+impl Dtype {
+    /// The names [`str::parse`] takes.
+    pub const NAMES: [&'static str; 2] = ["fp32", "bf16"];
+}
+
+impl std::str::FromStr for Dtype {
+    type Err = Error;
+    fn from_str(text: &str) -> Result<Self> {
+        match text {
+            "fp32" => Ok(Dtype::Fp32),
+            "bf16" => Ok(Dtype::Bf16),
+            other => Err(Error::Config(format!("unknown dtype {other:?}; known: fp32, bf16"))),
+        }
+    }
 }
 
 /// Shape of a Llama-style model and of the batch.

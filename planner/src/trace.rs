@@ -34,6 +34,18 @@ pub enum TensorKind {
     Temporary,
 }
 
+impl std::str::FromStr for TensorKind {
+    type Err = Error;
+    /// The kind as the trace format spells it (`"activation"`, `"optimizer_state"`, ...).
+    fn from_str(name: &str) -> Result<Self> {
+        serde_json::from_value(serde_json::Value::String(name.to_string())).map_err(|_| {
+            Error::Config(format!(
+                "unknown tensor kind {name:?}; known: weight, gradient, optimizer_state, activation, temporary"
+            ))
+        })
+    }
+}
+
 /// Which pass of the iteration an op belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]

@@ -80,10 +80,7 @@ fn hardware_for(trace: &Trace, capacity_fraction: f64, host_mb: u64, ssd_gb_s: f
     let peak = base_pressure_bytes(trace).into_iter().max().unwrap_or(1);
     let mut hardware = Hardware::new(
         ((peak as f64 * capacity_fraction) as u64).max(1),
-        teraio_planner::units::ReadWriteBandwidth {
-            read_bytes_per_s: ssd_gb_s * 1e9,
-            write_bytes_per_s: ssd_gb_s * 1e9,
-        },
+        teraio_units::ReadWriteBandwidth { read_bytes_per_s: ssd_gb_s * 1e9, write_bytes_per_s: ssd_gb_s * 1e9 },
         host_mb * 1_000_000,
     );
     hardware.host_link_bytes_per_s = 12e9;

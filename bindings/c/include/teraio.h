@@ -738,6 +738,36 @@ enum teraio_status teraio_get_stats(struct teraio_store *store,
                                     struct teraio_stats *out_stats,
                                     size_t stats_size);
 
+/**
+ * Plans tensor migrations for a training trace and predicts the iteration (docs/planner.md).
+ * `trace_json` is a trace (docs/trace.md); `request_json` is `{"hardware": {...}, "options":
+ * {...}}` with the planner's `Hardware` fields (`gpu_capacity_bytes`, `ssd_read_bytes_per_s`,
+ * `ssd_write_bytes_per_s`, `ssd_latency_us`, `host_capacity_bytes`, `host_link_bytes_per_s`,
+ * `host_latency_us`, optional `ssd_shared`, `ssd_via_host_link`) and optional `options`
+ * (`planner`: `PlannerConfig` fields, `movable_kinds`). On success `*out_json` is
+ * `{"prediction": {...}, "plan": {...}}`, the document `teraio plan --json` prints.
+ *
+ * Errors: `INVALID_ARGUMENT` (a NULL pointer, text that is not UTF-8, a trace or request that
+ * does not decode or breaks a rule; the message names it).
+ * Ownership: `*out_json` is the library's; release it with `teraio_string_free`. It is left
+ * unchanged on failure. Threads: safe; planning a large trace takes a while (no store is used).
+ *
+ * # Safety
+ * `trace_json` and `request_json` must be NULL or NUL-terminated strings; `out_json` must be
+ * NULL or valid for a write of a pointer.
+ */
+enum teraio_status teraio_plan_json(const char *trace_json,
+                                    const char *request_json,
+                                    char **out_json);
+
+/**
+ * Releases a string the library handed out (`teraio_plan_json`'s `*out_json`). NULL is a no-op.
+ *
+ * # Safety
+ * `text` must be NULL or a string from this library not yet released.
+ */
+void teraio_string_free(char *text);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

@@ -12,7 +12,10 @@
 //!   releases the handle (closing first if needed).
 //! - Host memory only for now. Device (GPU) pointers will come as separate functions once the
 //!   engine has GPU paths; the host functions will keep their meaning.
+//! - The lifetime planner on JSON text ([`plan`]): `teraio_plan_json`, the planner's
+//!   `plan_and_predict`, as `teraio plan --json` and Python's `teraio.plan` run it.
 
+pub mod plan;
 pub mod registry;
 pub mod status;
 pub mod types;

@@ -8,8 +8,8 @@
  * asynchronous paths, every error path (NULL/made-up/stale handles, missing objects, too-small
  * buffers, out-of-range reads, invalid arguments, a locked store, use after close and after
  * free), reopening, several threads sharing one store, including a close racing them, checksums
- * checked on every get by default (a flipped bit is TERAIO_ERR_CORRUPT, not data), and the
- * no-space error.
+ * checked on every get by default (a flipped bit is TERAIO_ERR_CORRUPT, not data), the
+ * no-space error, and the planner on JSON (teraio_plan_json).
  */
 #define _DEFAULT_SOURCE /* usleep, clock_gettime */
 #include "teraio.h"
@@ -510,6 +510,38 @@ static void test_damaged_data(const char *dir) {
     free(back);
 }
 
+/* The planner from C: a 64 MiB activation kept from op 0 to op 7 and a 64 MiB temporary at ops
+ * 3-4 do not fit in 100 MB together, so the plan moves the activation. */
+static void test_plan_json(void) {
+    const char *trace =
+        "{\"format_version\": 1, \"description\": \"c\", \"gpu_capacity_bytes\": 1073741824, \"ops\": ["
+        "{\"name\": \"f0\", \"duration_us\": 10000.0, \"phase\": \"forward\"},"
+        "{\"name\": \"f1\", \"duration_us\": 10000.0, \"phase\": \"forward\"},"
+        "{\"name\": \"f2\", \"duration_us\": 10000.0, \"phase\": \"forward\"},"
+        "{\"name\": \"f3\", \"duration_us\": 10000.0, \"phase\": \"forward\"},"
+        "{\"name\": \"b4\", \"duration_us\": 10000.0, \"phase\": \"backward\"},"
+        "{\"name\": \"b5\", \"duration_us\": 10000.0, \"phase\": \"backward\"},"
+        "{\"name\": \"b6\", \"duration_us\": 10000.0, \"phase\": \"backward\"},"
+        "{\"name\": \"b7\", \"duration_us\": 10000.0, \"phase\": \"backward\"}],"
+        "\"tensors\": ["
+        "{\"id\": 1, \"name\": \"act\", \"size_bytes\": 67108864, \"kind\": \"activation\", \"alloc_op\": 0,"
+        " \"free_op\": 7, \"uses\": [{\"op\": 0, \"access\": \"write\"}, {\"op\": 7, \"access\": \"read\"}]},"
+        "{\"id\": 2, \"name\": \"tmp\", \"size_bytes\": 67108864, \"kind\": \"temporary\", \"alloc_op\": 3,"
+        " \"free_op\": 4, \"uses\": [{\"op\": 3, \"access\": \"write\"}, {\"op\": 4, \"access\": \"read\"}]}]}";
+    const char *request =
+        "{\"hardware\": {\"gpu_capacity_bytes\": 100000000, \"ssd_read_bytes_per_s\": 6.5e9,"
+        " \"ssd_write_bytes_per_s\": 6.5e9, \"ssd_latency_us\": 20.0, \"host_capacity_bytes\": 0,"
+        " \"host_link_bytes_per_s\": 25e9, \"host_latency_us\": 10.0}}";
+    char *result = NULL;
+    EXPECT(teraio_plan_json(trace, request, &result), TERAIO_OK);
+    CHECK(result != NULL && strstr(result, "\"prediction\":{") != NULL);
+    CHECK(result != NULL && strstr(result, "\"fits\":true") != NULL);
+    teraio_string_free(result);
+    result = NULL;
+    EXPECT(teraio_plan_json(trace, "{\"hardware\": 1}", &result), TERAIO_ERR_INVALID_ARGUMENT);
+    CHECK(result == NULL && strstr(teraio_last_error_message(), "plan request") != NULL);
+}
+
 int main(int argc, char **argv) {
     if (argc != 2) {
         fprintf(stderr, "usage: %s DIR\n", argv[0]);
@@ -526,6 +558,7 @@ int main(int argc, char **argv) {
     CHECK(strcmp(teraio_status_name(TERAIO_ERR_NOT_FOUND), "TERAIO_ERR_NOT_FOUND") == 0);
     CHECK(strcmp(teraio_status_name(-1), "TERAIO_UNKNOWN_STATUS") == 0);
     CHECK(strcmp(teraio_last_error_message(), "") == 0);
+    test_plan_json();
 
     teraio_store *store = create_store();
     test_round_trips(store);

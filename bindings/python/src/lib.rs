@@ -3,7 +3,8 @@
 //! Thin on purpose (the work is in `teraio-engine` and `teraio-planner`): a `Store` whose put/get
 //! take raw host pointers with an owner object that keeps the memory alive, `Handle`s to wait on
 //! with the GIL released, engine errors as specific Python exceptions carrying the engine's
-//! message, and the planner (`plan`, `simulate`) on JSON traces. The typed Python face is
+//! message, and the planner (`plan`: `teraio_planner::predict::plan_and_predict`, `simulate_plan`)
+//! on JSON traces. The typed Python face is
 //! `teraio/__init__.py` and `teraio/_native.pyi`.
 
 use std::path::PathBuf;
@@ -14,13 +15,15 @@ use pyo3::exceptions::{PyException, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use teraio_engine::{Error as EngineError, FormatConfig, OpenConfig, Priority, Store as EngineStore, Ticket};
-use teraio_planner::greedy::{plan_teraio, PlannerConfig, TierPreference};
+use teraio_engine::options::{store_configs, OptionKind, OptionStage, OptionValue, StoreConfigs, STORE_OPTIONS};
+use teraio_engine::{Error as EngineError, Priority, Store as EngineStore, Ticket};
+use teraio_planner::greedy::{PlannerConfig, TierPreference};
 use teraio_planner::hardware::Hardware;
 use teraio_planner::plan::Plan;
+use teraio_planner::predict::{plan_and_predict, PlanOptions};
 use teraio_planner::sim::{simulate, Policy, SimConfig};
-use teraio_planner::trace::{Access, Tensor, TensorKind, TensorUse, Trace};
-use teraio_planner::units::ReadWriteBandwidth;
+use teraio_planner::trace::{TensorKind, Trace};
+use teraio_units::ReadWriteBandwidth;
 
 create_exception!(teraio, TeraioError, PyException, "Base class of every teraio error.");
 create_exception!(teraio, NotFoundError, TeraioError, "No object with that id in the store.");
@@ -226,93 +229,97 @@ impl Store {
     }
 }
 
-// The arguments mirror the Python keyword arguments one to one.
-#[allow(clippy::too_many_arguments)]
-fn open_config(
-    durable: bool,
-    direct_io: bool,
-    queue_depth: usize,
-    backend: &str,
-    max_inflight_bytes: Option<u64>,
-    verify_checksums: bool,
-    emulate: Option<&str>,
-    gpu: &str,
-) -> PyResult<OpenConfig> {
-    let backend = teraio_engine::store::parse_backend(backend).map_err(to_py_err)?;
-    let mut config = OpenConfig { durable, direct_io, queue_depth, backend, verify_checksums, ..OpenConfig::default() };
-    if let Some(bytes) = max_inflight_bytes {
-        config.max_inflight_bytes = bytes;
+/// One keyword argument's value, owned while the engine's option table reads it.
+enum KeywordValue {
+    Flag(bool),
+    Count(u64),
+    Text(String),
+    Unset,
+}
+
+impl KeywordValue {
+    fn extract(name: &str, value: &Bound<'_, PyAny>) -> PyResult<Self> {
+        if value.is_none() {
+            Ok(KeywordValue::Unset)
+        } else if let Ok(flag) = value.downcast::<pyo3::types::PyBool>() {
+            Ok(KeywordValue::Flag(flag.is_true()))
+        } else if let Ok(text) = value.extract::<String>() {
+            Ok(KeywordValue::Text(text))
+        } else if let Ok(count) = value.extract::<u64>() {
+            Ok(KeywordValue::Count(count))
+        } else {
+            let shown = value.repr().map(|r| r.to_string()).unwrap_or_else(|_| "?".into());
+            Err(InvalidArgumentError::new_err(format!(
+                "{name}={shown}: store options take a bool, an int >= 0, a str or None"
+            )))
+        }
     }
-    if let Some(model) = emulate {
-        config.emulate = Some(
-            teraio_engine::backend::throttle::DeviceModel::parse(model)
-                .map_err(|e| InvalidArgumentError::new_err(format!("emulate={model:?}: {e}")))?,
-        );
+
+    fn as_option(&self) -> OptionValue<'_> {
+        match self {
+            KeywordValue::Flag(flag) => OptionValue::Flag(*flag),
+            KeywordValue::Count(count) => OptionValue::Count(*count),
+            KeywordValue::Text(text) => OptionValue::Text(text),
+            KeywordValue::Unset => OptionValue::Unset,
+        }
     }
-    config.gpu.path = gpu.parse().map_err(to_py_err)?;
-    Ok(config)
+}
+
+/// The store configurations from `create`'s or `open`'s keyword arguments, through the engine's
+/// option table (`teraio_engine::options`): unknown names and wrong kinds are refused there.
+fn store_configs_from(options: Option<&Bound<'_, PyDict>>, creating: bool) -> PyResult<StoreConfigs> {
+    let mut values = Vec::new();
+    for (name, value) in options.into_iter().flat_map(|dict| dict.iter()) {
+        let name: String = name.extract()?;
+        let value = KeywordValue::extract(&name, &value)?;
+        values.push((name, value));
+    }
+    store_configs(values.iter().map(|(name, value)| (name.as_str(), value.as_option())), creating).map_err(to_py_err)
+}
+
+/// The option table as Python sees it (`teraio._native.STORE_OPTIONS`): one dict per option.
+fn store_options_table(py: Python<'_>) -> PyResult<Vec<Bound<'_, PyDict>>> {
+    STORE_OPTIONS
+        .iter()
+        .map(|option| {
+            let dict = PyDict::new(py);
+            dict.set_item("name", option.name)?;
+            dict.set_item("stage", if option.stage == OptionStage::Format { "format" } else { "open" })?;
+            dict.set_item("type", option.kind.python_type())?;
+            dict.set_item("accepts_size_text", option.kind == OptionKind::Bytes)?;
+            dict.set_item("optional", option.optional)?;
+            match option.default {
+                OptionValue::Flag(flag) => dict.set_item("default", flag)?,
+                OptionValue::Count(count) => dict.set_item("default", count)?,
+                OptionValue::Text(text) => dict.set_item("default", text)?,
+                OptionValue::Unset => dict.set_item("default", py.None())?,
+            }
+            dict.set_item("c_field", option.c_field)?;
+            dict.set_item("doc", option.doc)?;
+            Ok(dict)
+        })
+        .collect()
 }
 
 #[pymethods]
 impl Store {
-    /// Formats `paths` as a new store and opens it. Missing regular files are created with
+    /// Formats `paths` as a new store and opens it. Keyword arguments: the store options
+    /// (`STORE_OPTIONS`, format and open ones); missing regular files are created with
     /// `file_size_bytes`.
     #[staticmethod]
-    #[pyo3(signature = (paths, *, file_size_bytes=None, stripe_unit_bytes=1<<20, block_size=4096,
-        checksums=true, force=false, durable=true, direct_io=true, queue_depth=32, backend="auto",
-        max_inflight_bytes=None, verify_checksums=true, emulate=None, gpu="auto"))]
-    #[allow(clippy::too_many_arguments)]
-    fn create(
-        py: Python<'_>,
-        paths: Vec<PathBuf>,
-        file_size_bytes: Option<u64>,
-        stripe_unit_bytes: u64,
-        block_size: u64,
-        checksums: bool,
-        force: bool,
-        durable: bool,
-        direct_io: bool,
-        queue_depth: usize,
-        backend: &str,
-        max_inflight_bytes: Option<u64>,
-        verify_checksums: bool,
-        emulate: Option<&str>,
-        gpu: &str,
-    ) -> PyResult<Store> {
-        let format = FormatConfig {
-            stripe_unit_bytes,
-            block_size,
-            checksums,
-            create_file_bytes: file_size_bytes,
-            force,
-            direct_io,
-            ..FormatConfig::default()
-        };
-        let open =
-            open_config(durable, direct_io, queue_depth, backend, max_inflight_bytes, verify_checksums, emulate, gpu)?;
+    #[pyo3(signature = (paths, **options))]
+    fn create(py: Python<'_>, paths: Vec<PathBuf>, options: Option<&Bound<'_, PyDict>>) -> PyResult<Store> {
+        let StoreConfigs { format, open } = store_configs_from(options, true)?;
         let store = py.allow_threads(|| EngineStore::create(&paths, &format, open)).map_err(to_py_err)?;
         Ok(Store { inner: std::sync::Mutex::new(Some(std::sync::Arc::new(store))) })
     }
 
-    /// Opens the existing store on `paths` (all of its devices, in any order).
+    /// Opens the existing store on `paths` (all of its devices, in any order). Keyword
+    /// arguments: the open-stage store options (`STORE_OPTIONS`).
     #[staticmethod]
-    #[pyo3(signature = (paths, *, durable=true, direct_io=true, queue_depth=32, backend="auto",
-        max_inflight_bytes=None, verify_checksums=true, emulate=None, gpu="auto"))]
-    #[allow(clippy::too_many_arguments)]
-    fn open(
-        py: Python<'_>,
-        paths: Vec<PathBuf>,
-        durable: bool,
-        direct_io: bool,
-        queue_depth: usize,
-        backend: &str,
-        max_inflight_bytes: Option<u64>,
-        verify_checksums: bool,
-        emulate: Option<&str>,
-        gpu: &str,
-    ) -> PyResult<Store> {
-        let open =
-            open_config(durable, direct_io, queue_depth, backend, max_inflight_bytes, verify_checksums, emulate, gpu)?;
+    #[pyo3(signature = (paths, **options))]
+    fn open(py: Python<'_>, paths: Vec<PathBuf>, options: Option<&Bound<'_, PyDict>>) -> PyResult<Store> {
+        let StoreConfigs { open, .. } = store_configs_from(options, false)?;
         let store = py.allow_threads(|| EngineStore::open(&paths, open)).map_err(to_py_err)?;
         Ok(Store { inner: std::sync::Mutex::new(Some(std::sync::Arc::new(store))) })
     }
@@ -565,33 +572,6 @@ fn object_dict<'py>(py: Python<'py>, info: &teraio_engine::ObjectInfo) -> PyResu
     Ok(dict)
 }
 
-fn parse_kind(name: &str) -> PyResult<TensorKind> {
-    serde_json::from_value(serde_json::Value::String(name.to_string())).map_err(|_| {
-        PyValueError::new_err(format!(
-            "unknown tensor kind {name:?}; known: weight, gradient, optimizer_state, activation, temporary"
-        ))
-    })
-}
-
-/// Pins tensors the runtime cannot move: each unmovable tensor gets a use at every op of its live
-/// range, so it has no inactive period and the planner leaves it where it is.
-fn pin_unmovable(trace: &mut Trace, movable: &[TensorKind]) {
-    let op_count = trace.ops.len() as u32;
-    for tensor in trace.tensors.iter_mut().filter(|t| !movable.contains(&t.kind)) {
-        pin_tensor(tensor, op_count);
-    }
-}
-
-fn pin_tensor(tensor: &mut Tensor, op_count: u32) {
-    let from = tensor.live_from_op();
-    let to = tensor.live_to_op(op_count);
-    let writes: std::collections::HashSet<u32> =
-        tensor.uses.iter().filter(|u| u.access == Access::Write).map(|u| u.op).collect();
-    tensor.uses = (from..=to)
-        .map(|op| TensorUse { op, access: if writes.contains(&op) { Access::Write } else { Access::Read } })
-        .collect();
-}
-
 /// A trace from its JSON text, checked against the format's rules.
 fn parse_trace(trace_json: &str) -> PyResult<Trace> {
     let trace: Trace =
@@ -625,7 +605,9 @@ fn hardware_from(
 }
 
 /// Plans migrations for a trace (JSON, docs/trace.md) and predicts the iteration with the
-/// simulator. Returns JSON: `{"plan": <plan file>, "prediction": {...}}`.
+/// simulator: `teraio_planner::predict::plan_and_predict`, the call `teraio plan` makes. Returns
+/// its `PlanAndPrediction` as JSON, `{"prediction": {...}, "plan": <plan file>}`, the document
+/// `teraio plan --json` prints.
 ///
 /// `movable_kinds` limits what the plan may move to the kinds the runtime can execute (the others
 /// are pinned: they keep their memory for their whole live range).
@@ -652,11 +634,7 @@ fn plan(
     ssd_via_host_link: bool,
     tier_preference: &str,
 ) -> PyResult<String> {
-    let mut trace = parse_trace(trace_json)?;
-    if let Some(kinds) = movable_kinds {
-        let kinds = kinds.iter().map(|k| parse_kind(k)).collect::<PyResult<Vec<_>>>()?;
-        pin_unmovable(&mut trace, &kinds);
-    }
+    let trace = parse_trace(trace_json)?;
     let hardware = hardware_from(
         gpu_memory_bytes,
         ssd_read_bytes_per_s,
@@ -668,49 +646,18 @@ fn plan(
         ssd_shared,
         ssd_via_host_link,
     )?;
-    if !(prefetch_slack.is_finite() && prefetch_slack >= 0.0) {
-        return Err(PyValueError::new_err("prefetch_slack must be a finite number >= 0"));
-    }
-    let tier_preference = match tier_preference {
-        "ssd" => TierPreference::Ssd,
-        "host" => TierPreference::Host,
-        "auto" => TierPreference::Auto,
-        other => {
-            return Err(PyValueError::new_err(format!(
-                "tier_preference must be \"ssd\", \"host\" or \"auto\", not {other:?}"
-            )))
-        }
-    };
-    let config = PlannerConfig { reserve_bytes, prefetch_slack, tier_preference, ..PlannerConfig::default() };
+    // A misspelt name is the caller's bad argument (ValueError), as for any Python function.
+    let value_error = |e: teraio_planner::Error| PyValueError::new_err(e.to_string());
+    let movable_kinds = movable_kinds
+        .map(|kinds| kinds.iter().map(|k| k.parse::<TensorKind>()).collect::<Result<Vec<_>, _>>())
+        .transpose()
+        .map_err(value_error)?;
+    let tier_preference = tier_preference.parse::<TierPreference>().map_err(value_error)?;
+    let planner = PlannerConfig { reserve_bytes, prefetch_slack, tier_preference, ..PlannerConfig::default() };
+    let options = PlanOptions { planner, movable_kinds };
     py.allow_threads(move || {
-        let started = std::time::Instant::now();
-        let outcome = plan_teraio(&trace, &hardware, config).map_err(planner_err)?;
-        let planning_time_ms = started.elapsed().as_secs_f64() * 1e3;
-        let predicted =
-            simulate(&trace, &hardware, Policy::Planned(&outcome.plan), SimConfig::default()).map_err(planner_err)?;
-        let ideal_time_us = trace.compute_time_us();
-        let traffic = outcome.plan.bytes_moved(&trace);
-        let unplanned_peak_bytes = outcome.base_pressure_bytes.iter().copied().max().unwrap_or(0);
-        let value = serde_json::json!({
-            "plan": outcome.plan,
-            "prediction": {
-                "planning_time_ms": planning_time_ms,
-                "ideal_time_us": ideal_time_us,
-                "iteration_time_us": predicted.iteration_time_us,
-                "stall_time_us": predicted.stall_time_us,
-                "percent_of_ideal": predicted.percent_of(ideal_time_us),
-                "peak_gpu_bytes": predicted.peak_gpu_bytes,
-                "unplanned_peak_bytes": unplanned_peak_bytes,
-                "fits": outcome.plan.fits,
-                "outcome": predicted.outcome,
-                "expected_stall_us": outcome.expected_stall_us,
-                "ssd_written_bytes": traffic.written_bytes[0],
-                "ssd_read_bytes": traffic.read_bytes[0],
-                "host_written_bytes": traffic.written_bytes[1],
-                "host_read_bytes": traffic.read_bytes[1],
-            }
-        });
-        serde_json::to_string(&value).map_err(|e| PlannerError::new_err(e.to_string()))
+        let result = plan_and_predict(&trace, &hardware, &options).map_err(planner_err)?;
+        serde_json::to_string(&result).map_err(|e| PlannerError::new_err(e.to_string()))
     })
 }
 
@@ -801,5 +748,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("InvalidArgumentError", py.get_type::<InvalidArgumentError>())?;
     m.add("PlannerError", py.get_type::<PlannerError>())?;
     m.add("TRACE_FORMAT_VERSION", teraio_planner::trace::FORMAT_VERSION)?;
+    m.add("STORE_OPTIONS", pyo3::types::PyTuple::new(py, store_options_table(py)?)?)?;
     Ok(())
 }

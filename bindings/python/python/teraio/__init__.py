@@ -1,6 +1,7 @@
 """teraio: tensor offload to NVMe SSDs and host memory for PyTorch training.
 
-- `Store`: the engine's tensor-object store (put/get torch tensors, numpy arrays, bytes).
+- `Store`: the engine's tensor-object store (put/get torch tensors, numpy arrays, bytes);
+  `STORE_OPTIONS`: the options `Store.create`/`Store.open` take (name, stage, type, default, doc).
 - `gpu_probe`: what this machine offers for GPU I/O (CUDA, cuFile, GDS or its compatibility mode).
 - `plan`: the lifetime planner on a trace (docs/trace.md); `simulate`: replays a trace under a plan.
 - `Profiler`: records training iterations into a trace (needs torch).
@@ -15,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._native import (
+    STORE_OPTIONS,
     TRACE_FORMAT_VERSION,
     ClosedError,
     CorruptError,
@@ -31,6 +33,7 @@ from .planning import parse_size, plan, simulate, validate_trace
 from .store import Handle, Store, gpu_probe
 
 __all__ = [
+    "STORE_OPTIONS",
     "TRACE_FORMAT_VERSION",
     "ClosedError",
     "CorruptError",

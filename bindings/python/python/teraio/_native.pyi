@@ -1,8 +1,11 @@
 """Type stubs of `teraio._native` (the Rust extension; src/lib.rs)."""
 
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 TRACE_FORMAT_VERSION: int
+#: The store options `Store.create`/`Store.open` take, one dict each: name, stage ("format" or
+#: "open"), type, accepts_size_text, optional, default, c_field (its C API field or None), doc.
+STORE_OPTIONS: tuple[dict[str, Any], ...]
 
 class TeraioError(Exception): ...
 class NotFoundError(TeraioError): ...
@@ -19,21 +22,29 @@ class Handle:
     def is_done(self) -> bool: ...
 
 class Store:
+    # The store options (STORE_OPTIONS, the engine's table) as keyword arguments;
+    # tests/test_store_options.py checks these signatures against the table.
     @staticmethod
     def create(
         paths: Sequence[str],
         *,
-        file_size_bytes: Optional[int] = None,
-        stripe_unit_bytes: int = 1048576,
-        block_size: int = 4096,
+        file_size_bytes: Optional[Union[int, str]] = None,
+        stripe_unit_bytes: Union[int, str] = 1048576,
+        block_size: Union[int, str] = 4096,
         checksums: bool = True,
         force: bool = False,
+        max_meta_bytes: Union[int, str] = 4096,
+        checkpoint_slot_bytes: Optional[Union[int, str]] = None,
+        journal_bytes: Optional[Union[int, str]] = None,
         durable: bool = True,
         direct_io: bool = True,
         queue_depth: int = 32,
         backend: str = "auto",
-        max_inflight_bytes: Optional[int] = None,
+        max_inflight_bytes: Union[int, str] = 1073741824,
+        max_io_bytes: Union[int, str] = 4194304,
+        bounce_pool_bytes: Union[int, str] = 67108864,
         verify_checksums: bool = True,
+        lock_wait_ms: int = 2000,
         emulate: Optional[str] = None,
         gpu: str = "auto",
     ) -> Store: ...
@@ -45,8 +56,11 @@ class Store:
         direct_io: bool = True,
         queue_depth: int = 32,
         backend: str = "auto",
-        max_inflight_bytes: Optional[int] = None,
+        max_inflight_bytes: Union[int, str] = 1073741824,
+        max_io_bytes: Union[int, str] = 4194304,
+        bounce_pool_bytes: Union[int, str] = 67108864,
         verify_checksums: bool = True,
+        lock_wait_ms: int = 2000,
         emulate: Optional[str] = None,
         gpu: str = "auto",
     ) -> Store: ...

@@ -55,8 +55,11 @@ def plan(
     as `teraio.offload` does), so SSD bytes take host-link bandwidth too. `tier_preference`:
     which tier a period goes to when both can take it: "ssd" (the paper), "host", or "auto"
     (plan both ways and keep the plan the simulator predicts faster).
-    Returns `{"plan": <plan, docs/planner.md>, "prediction": {...}}` where the prediction
-    holds the simulated iteration time, stalls, peak and bytes per tier.
+    Returns what `teraio plan --json` prints (the planner's `plan_and_predict`, docs/planner.md):
+    `{"plan": <plan file>, "prediction": {...}}`, where the prediction holds the planner's numbers
+    (`fits`, `unplanned_peak_bytes`, `planned_peak_bytes`, `planning_time_ms`, ...) beside the
+    simulated replay (`iteration_time_us`, `stall_time_us`, `peak_gpu_bytes`, bytes per tier,
+    `outcome`, ...).
     """
     trace_json = trace if isinstance(trace, str) else json.dumps(trace)
     result = _native.plan(

@@ -108,80 +108,26 @@ class Store:
         self._native = native
 
     @classmethod
-    def create(
-        cls,
-        paths: Union[PathLike, Sequence[PathLike]],
-        *,
-        file_size_bytes: Optional[int] = None,
-        stripe_unit_bytes: int = 1 << 20,
-        block_size: int = 4096,
-        checksums: bool = True,
-        force: bool = False,
-        durable: bool = True,
-        direct_io: bool = True,
-        queue_depth: int = 32,
-        backend: str = "auto",
-        max_inflight_bytes: Optional[int] = None,
-        verify_checksums: bool = True,
-        emulate: Optional[str] = None,
-        gpu: str = "auto",
-    ) -> Store:
-        """Formats `paths` as one store and opens it. Missing files are created with `file_size_bytes`.
+    def create(cls, paths: Union[PathLike, Sequence[PathLike]], **options: Any) -> Store:
+        """Formats `paths` as one store and opens it.
 
-        `durable=False` skips the flushes that make each put survive power loss (spilled
-        activations need no durability); `direct_io=False` is for file systems without O_DIRECT.
-        `emulate="6.5GB/s@20us"` makes every device behave like an SSD of that bandwidth and
-        latency (an emulated array: put the files in tmpfs with `direct_io=False`). `gpu` picks the
-        path for CUDA tensors: "auto" (measured choice), "bounce", "cufile" or "gds" (true GDS only).
-        `verify_checksums` (on by default) checks every stripe unit a get returns bytes of and
-        raises CorruptError instead of returning damaged data; GPU gets on the cuFile path cannot
-        be checked (`gpu_report()` says so).
+        Keyword arguments are the store options of `teraio.STORE_OPTIONS` (the engine's one
+        table of them, listed in docs/python.md, "Store options"), format and open ones; an
+        unknown name or a value of the wrong kind raises InvalidArgumentError naming it. Missing
+        files are created with `file_size_bytes`. `durable=False` skips the flushes that make
+        each put survive power loss (spilled activations need no durability); `direct_io=False`
+        is for file systems without O_DIRECT; `emulate="6.5GB/s@20us"` makes every device behave
+        like an SSD of that bandwidth and latency; `gpu` picks the path for CUDA tensors;
+        `verify_checksums` (on by default) raises CorruptError instead of returning damaged data.
+        Sizes take ints or strings such as `"64MiB"`.
         """
-        native = _native.Store.create(
-            _path_list(paths),
-            file_size_bytes=file_size_bytes,
-            stripe_unit_bytes=stripe_unit_bytes,
-            block_size=block_size,
-            checksums=checksums,
-            force=force,
-            durable=durable,
-            direct_io=direct_io,
-            queue_depth=queue_depth,
-            backend=backend,
-            max_inflight_bytes=max_inflight_bytes,
-            verify_checksums=verify_checksums,
-            emulate=emulate,
-            gpu=gpu,
-        )
-        return cls(native)
+        return cls(_native.Store.create(_path_list(paths), **options))
 
     @classmethod
-    def open(
-        cls,
-        paths: Union[PathLike, Sequence[PathLike]],
-        *,
-        durable: bool = True,
-        direct_io: bool = True,
-        queue_depth: int = 32,
-        backend: str = "auto",
-        max_inflight_bytes: Optional[int] = None,
-        verify_checksums: bool = True,
-        emulate: Optional[str] = None,
-        gpu: str = "auto",
-    ) -> Store:
-        """Opens the store on `paths` (every device of it, in any order); options as in `create`."""
-        native = _native.Store.open(
-            _path_list(paths),
-            durable=durable,
-            direct_io=direct_io,
-            queue_depth=queue_depth,
-            backend=backend,
-            max_inflight_bytes=max_inflight_bytes,
-            verify_checksums=verify_checksums,
-            emulate=emulate,
-            gpu=gpu,
-        )
-        return cls(native)
+    def open(cls, paths: Union[PathLike, Sequence[PathLike]], **options: Any) -> Store:
+        """Opens the store on `paths` (every device of it, in any order). Keyword arguments are
+        the open-stage options of `teraio.STORE_OPTIONS`, as in `create`."""
+        return cls(_native.Store.open(_path_list(paths), **options))
 
     # -- writes -----------------------------------------------------------------------------
 

@@ -1,10 +1,13 @@
-//! SVG plot of GPU memory over one iteration, one line per policy plus the capacity line.
+//! SVG plot of GPU memory over one iteration, one line per policy plus the capacity line
+//! (`teraio plan --svg`, `teraio sim --svg`).
 
 use std::path::Path;
 
 use plotters::prelude::*;
+use teraio_planner::lifetime::{base_pressure_bytes, Timeline};
+use teraio_planner::trace::Trace;
 
-use crate::error::{Error, Result};
+use crate::error::{CliError, CliResult};
 
 /// Most points drawn per line; longer series are thinned keeping each bucket's maximum.
 pub const POINTS_PER_SERIES_MAX: usize = 4000;
@@ -30,8 +33,8 @@ fn thin(points: &[(f64, u64)]) -> Vec<(f64, f64)> {
 }
 
 /// Draws memory over time (seconds, GiB) into an SVG file.
-pub fn plot_memory(path: &Path, title: &str, capacity_bytes: u64, series: &[Series]) -> Result<()> {
-    let plot_error = |reason: String| Error::Plot { path: path.to_path_buf(), reason };
+pub fn plot_memory(path: &Path, title: &str, capacity_bytes: u64, series: &[Series]) -> CliResult<()> {
+    let plot_error = |reason: String| CliError::failed(format!("plot {}: {reason}", path.display()));
     let lines: Vec<(String, Vec<(f64, f64)>)> =
         series.iter().map(|(label, points)| (label.clone(), thin(points))).collect();
     let capacity_gib = capacity_bytes as f64 / (1u64 << 30) as f64;
@@ -73,4 +76,16 @@ pub fn plot_memory(path: &Path, title: &str, capacity_bytes: u64, series: &[Seri
         .map_err(|e| plot_error(e.to_string()))?;
     root.present().map_err(|e| plot_error(e.to_string()))?;
     Ok(())
+}
+
+/// Memory with nothing moved, on the stall-free time axis (the "before" line of the plot).
+pub fn unplanned_series(trace: &Trace) -> Series {
+    let timeline = Timeline::new(trace);
+    let pressure = base_pressure_bytes(trace);
+    let mut points = Vec::with_capacity(pressure.len() * 2);
+    for (slot, &bytes) in pressure.iter().enumerate() {
+        points.push((timeline.start_us[slot], bytes));
+        points.push((timeline.start_us[slot] + timeline.duration_us[slot], bytes));
+    }
+    ("no offload".to_string(), points)
 }

@@ -1,8 +1,14 @@
-//! The command-line faces: argument parsing, the three commands end to end on a tiny model.
+//! The planner's command-line faces: argument parsing, the three commands end to end on a tiny
+//! model.
 
 use clap::{Parser, Subcommand};
-use teraio_planner::cli::{plan_command, sim_command, trace_command, PlanArgs, SimArgs, TraceArgs};
+use teraio_planner::greedy::TierPreference;
+use teraio_planner::predict::{plan_and_predict, PlanOptions};
+use teraio_planner::report::PolicyName;
+use teraio_planner::synth::Dtype;
 use teraio_planner::trace::Trace;
+
+use super::{plan_command, sim_command, trace_command, PlanArgs, SimArgs, TraceArgs};
 
 #[derive(Parser)]
 struct Cli {
@@ -80,9 +86,21 @@ fn trace_plan_and_sim_run_end_to_end() {
         panic!("plan arguments refused");
     };
     let json = plan_command(&args).unwrap();
-    let summary: serde_json::Value = serde_json::from_str(&json).unwrap();
-    assert!(summary["migrations"].as_u64().unwrap() > 0, "{json}");
-    assert_eq!(summary["fits"], serde_json::Value::Bool(true), "{json}");
+    let printed: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert!(printed["prediction"]["migrations"].as_u64().unwrap() > 0, "{json}");
+    assert_eq!(printed["prediction"]["fits"], serde_json::Value::Bool(true), "{json}");
+    // `--json` prints what the planner API returns (Python's `teraio.plan` returns it too), and
+    // `-o` writes its plan.
+    let hardware = args.hardware.hardware(&trace).unwrap();
+    let direct = plan_and_predict(&trace, &hardware, &PlanOptions::default()).unwrap();
+    let mut direct = serde_json::to_value(&direct).unwrap();
+    let mut printed = printed;
+    for value in [&mut direct, &mut printed] {
+        value["prediction"]["planning_time_ms"] = serde_json::Value::Null;
+    }
+    assert_eq!(printed, direct);
+    let saved: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&plan_path).unwrap()).unwrap();
+    assert_eq!(saved, printed["plan"]);
     assert!(std::fs::read_to_string(&svg_path).unwrap().contains("<svg"));
 
     let Ok(Command::Sim(args)) = parse(&[
@@ -107,4 +125,23 @@ fn trace_plan_and_sim_run_end_to_end() {
     for row in &comparison.rows {
         assert!(row.percent_of_ideal <= 100.0 + 1e-9, "{table}");
     }
+}
+
+#[test]
+fn named_values_parse_as_the_planner_spells_them() {
+    let Ok(Command::Plan(args)) = parse(&["plan", "t.json", "--tier-preference", "host"]) else {
+        panic!("--tier-preference host refused");
+    };
+    assert_eq!(args.planner.tier_preference, TierPreference::Host);
+    let error = parse(&["plan", "t.json", "--tier-preference", "fastest"]).err().unwrap();
+    assert!(error.contains("fastest") && error.contains("auto"), "{error}");
+    let Ok(Command::Sim(args)) = parse(&["sim", "t.json", "--policies", "teraio-ssd,zero-infinity"]) else {
+        panic!("--policies refused");
+    };
+    assert_eq!(args.policies, [PolicyName::TeraioSsd, PolicyName::ZeroInfinity]);
+    let Ok(Command::Trace(args)) = parse(&["trace", "--dtype", "bf16", "-o", "t.json"]) else {
+        panic!("--dtype bf16 refused");
+    };
+    assert_eq!(args.dtype, Some(Dtype::Bf16));
+    assert!(parse(&["trace", "--dtype", "fp8", "-o", "t.json"]).is_err());
 }

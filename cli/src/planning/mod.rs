@@ -1,37 +1,39 @@
-//! Command-line faces of the planner: clap argument structs and `run_*` functions for
-//! `teraio plan`, `teraio sim` and `teraio trace`. The `teraio` binary (the cli crate) flattens
-//! these structs into its sub-commands; each `run_*` prints a table, or JSON with `--json`.
+//! The planner's command-line faces: clap argument structs and `run_*` functions for
+//! `teraio plan`, `teraio sim` and `teraio trace`, with their tables and SVG plots. The planning
+//! itself is the planner crate's (`plan_and_predict`, `compare`, `generate`); `teraio plan
+//! --json` prints the `PlanAndPrediction` that Python's `teraio.plan` returns too.
+
+mod plot;
+#[cfg(test)]
+mod tests;
 
 use std::path::PathBuf;
-use std::time::Instant;
+use std::str::FromStr;
 
+use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::Args;
 use serde::Serialize;
 
-use crate::error::{Error, Result};
-use crate::greedy::{plan_teraio, PlannerConfig, TierPreference};
-use crate::hardware::{gpu_preset, Hardware};
-use crate::plan::{ActionKind, Plan, Tier};
-use crate::plot::plot_memory;
-use crate::report::{compare, format_table, unplanned_series, Comparison, PolicyName, ALL_POLICIES};
-use crate::sim::{simulate, Policy, SimConfig, SimReport};
-use crate::synth::{generate, model_preset, Dtype};
-use crate::trace::Trace;
-use crate::units::{
-    format_duration_us, format_gib, parse_bandwidth_bytes_per_s, parse_size_bytes, parse_ssd_bandwidth,
-    ReadWriteBandwidth,
-};
+use teraio_planner::greedy::{PlannerConfig, TierPreference};
+use teraio_planner::hardware::{gpu_preset, Hardware};
+use teraio_planner::plan::{ActionKind, Plan, Tier};
+use teraio_planner::predict::{plan_and_predict, PlanAndPrediction, PlanOptions};
+use teraio_planner::report::{compare, Comparison, PolicyName, PolicyRow, ALL_POLICIES};
+use teraio_planner::sim::{simulate, Outcome, Policy, SimConfig};
+use teraio_planner::synth::{generate, model_preset, Dtype};
+use teraio_planner::trace::Trace;
+use teraio_units::ReadWriteBandwidth;
 
-fn size_arg(text: &str) -> std::result::Result<u64, String> {
-    parse_size_bytes(text).map_err(|e| e.to_string())
-}
+use crate::error::{CliError, CliResult};
+use crate::units::{bandwidth_arg, format_duration_us, format_gib, size_arg, ssd_arg};
+use plot::{plot_memory, unplanned_series};
 
-fn bandwidth_arg(text: &str) -> std::result::Result<f64, String> {
-    parse_bandwidth_bytes_per_s(text).map_err(|e| e.to_string())
-}
-
-fn ssd_arg(text: &str) -> std::result::Result<ReadWriteBandwidth, String> {
-    parse_ssd_bandwidth(text).map_err(|e| e.to_string())
+/// A clap parser for one of the planner's named values (`names`), listed in `--help`.
+fn named<T>(names: impl IntoIterator<Item = &'static str>) -> impl TypedValueParser<Value = T>
+where
+    T: FromStr<Err = teraio_planner::Error> + Clone + Send + Sync + 'static,
+{
+    PossibleValuesParser::new(names).try_map(|name| name.parse::<T>())
 }
 
 /// Migration hardware of one GPU.
@@ -67,7 +69,7 @@ pub struct HardwareArgs {
 
 impl HardwareArgs {
     /// The hardware, with the trace's GPU capacity unless overridden.
-    pub fn hardware(&self, trace: &Trace) -> Result<Hardware> {
+    pub fn hardware(&self, trace: &Trace) -> CliResult<Hardware> {
         let mut hardware = Hardware::new(self.gpu_mem.unwrap_or(trace.gpu_capacity_bytes), self.ssd, self.host_mem);
         hardware.host_link_bytes_per_s = self.host_link;
         hardware.ssd_latency_us = self.ssd_latency_us;
@@ -98,7 +100,7 @@ pub struct PlannerArgs {
     pub reserve: u64,
     /// The tier a period goes to when both can take it: ssd (the paper), host, or auto (plan
     /// both ways, keep the faster by the simulator).
-    #[arg(long, value_enum, default_value_t = TierPreference::Ssd)]
+    #[arg(long, value_parser = named::<TierPreference>(TierPreference::NAMES), default_value = "ssd")]
     pub tier_preference: TierPreference,
 }
 
@@ -153,7 +155,7 @@ pub struct SimArgs {
     #[command(flatten)]
     pub planner: PlannerArgs,
     /// Policies to run, comma-separated [default: all].
-    #[arg(long, value_enum, value_delimiter = ',')]
+    #[arg(long, value_parser = named::<PolicyName>(ALL_POLICIES.map(PolicyName::label)), value_delimiter = ',')]
     pub policies: Vec<PolicyName>,
     /// Also replay this saved plan (from `teraio plan -o`).
     #[arg(long)]
@@ -200,7 +202,7 @@ pub struct TraceArgs {
     #[arg(long)]
     pub batch: Option<u64>,
     /// Override: numeric format.
-    #[arg(long, value_enum)]
+    #[arg(long, value_parser = named::<Dtype>(Dtype::NAMES))]
     pub dtype: Option<Dtype>,
     /// Pipeline stages (the trace is the last stage's).
     #[arg(long)]
@@ -219,8 +221,8 @@ pub struct TraceArgs {
     pub json: bool,
 }
 
-fn to_json<T: Serialize>(value: &T) -> Result<String> {
-    serde_json::to_string_pretty(value).map_err(|source| Error::Json { path: PathBuf::from("<stdout>"), source })
+fn to_json<T: Serialize>(value: &T) -> CliResult<String> {
+    serde_json::to_string_pretty(value).map_err(|e| CliError::failed(format!("cannot write JSON: {e}")))
 }
 
 /// Summary of a generated trace.
@@ -243,7 +245,7 @@ pub struct TraceSummary {
 }
 
 /// Generates a trace and returns the text to print.
-pub fn trace_command(args: &TraceArgs) -> Result<String> {
+pub fn trace_command(args: &TraceArgs) -> CliResult<String> {
     let mut model = model_preset(&args.model)?;
     let gpu = gpu_preset(&args.gpu)?;
     model.layers = args.layers.unwrap_or(model.layers);
@@ -268,7 +270,10 @@ pub fn trace_command(args: &TraceArgs) -> Result<String> {
         ops: trace.ops.len(),
         tensors: trace.tensors.len(),
         compute_time_us: trace.compute_time_us(),
-        peak_bytes_without_offload: crate::lifetime::base_pressure_bytes(&trace).into_iter().max().unwrap_or(0),
+        peak_bytes_without_offload: teraio_planner::lifetime::base_pressure_bytes(&trace)
+            .into_iter()
+            .max()
+            .unwrap_or(0),
         gpu_capacity_bytes: trace.gpu_capacity_bytes,
     };
     if args.json {
@@ -287,67 +292,24 @@ pub fn trace_command(args: &TraceArgs) -> Result<String> {
 }
 
 /// `teraio trace`.
-pub fn run_trace(args: &TraceArgs) -> Result<()> {
+pub fn run_trace(args: &TraceArgs) -> CliResult<()> {
     print!("{}", trace_command(args)?);
     Ok(())
 }
 
-/// What `plan` reports.
-#[derive(Debug, Serialize)]
-pub struct PlanSummary {
-    /// Trace description.
-    pub trace: String,
-    /// Hardware planned for.
-    pub hardware: Hardware,
-    /// Planning time.
-    pub planning_time_ms: f64,
-    /// Candidate (tensor, period) pairs.
-    pub candidates: usize,
-    /// Candidate evaluations (lazy greedy).
-    pub evaluations: usize,
-    /// Migrations planned.
-    pub migrations: usize,
-    /// Migrations to the SSD.
-    pub ssd_migrations: usize,
-    /// Migrations to host memory.
-    pub host_migrations: usize,
-    /// Offloads that drop a clean SSD copy instead of writing.
-    pub clean_drops: usize,
-    /// Urgent actions.
-    pub urgent_actions: usize,
-    /// Changes made by the stall repair (0 when bandwidth-feasible migrations were enough).
-    pub stall_repairs: usize,
-    /// GPU waiting time the planner expects from stalling transfers.
-    pub expected_stall_us: f64,
-    /// Peak memory with nothing moved.
-    pub unplanned_peak_bytes: u64,
-    /// Peak memory the planner predicts (stall-free timing).
-    pub predicted_peak_bytes: u64,
-    /// The planner predicts every op fits.
-    pub fits: bool,
-    /// Iteration time with unlimited memory.
-    pub ideal_time_us: f64,
-    /// Simulated replay of the plan.
-    pub predicted: SimReport,
-    /// Predicted throughput relative to ideal, percent.
-    pub percent_of_ideal: f64,
-}
-
-/// Plans, simulates the plan, writes the requested files, and returns the text to print.
-pub fn plan_command(args: &PlanArgs) -> Result<String> {
+/// Plans and predicts (`plan_and_predict`), writes the requested files, and returns the text
+/// to print: the `PlanAndPrediction` JSON with `--json`, else a table.
+pub fn plan_command(args: &PlanArgs) -> CliResult<String> {
     let trace = Trace::load(&args.trace)?;
     let hardware = args.hardware.hardware(&trace)?;
-    let started = Instant::now();
-    let outcome = plan_teraio(&trace, &hardware, args.planner.config())?;
-    let planning_time_ms = started.elapsed().as_secs_f64() * 1e3;
-    let plan = &outcome.plan;
-    let predicted = simulate(&trace, &hardware, Policy::Planned(plan), SimConfig::default())?;
-    let ideal_time_us = trace.compute_time_us();
+    let options = PlanOptions { planner: args.planner.config(), movable_kinds: None };
+    let result = plan_and_predict(&trace, &hardware, &options)?;
     if let Some(path) = &args.output {
-        plan.save(path)?;
+        result.plan.save(path)?;
     }
     if let Some(path) = &args.svg {
-        let after = (format!("{} (simulated)", plan.policy), predicted.memory_timeline.clone());
+        let after =
+            (format!("{} (simulated)", result.plan.policy), result.prediction.simulated.memory_timeline.clone());
         plot_memory(
             path,
             &format!("GPU memory: {}", trace.description),
@@ -355,35 +317,16 @@ pub fn plan_command(args: &PlanArgs) -> Result<String> {
             &[unplanned_series(&trace), after],
         )?;
     }
-    let summary = PlanSummary {
-        trace: trace.description.clone(),
-        hardware,
-        planning_time_ms,
-        candidates: outcome.candidate_count,
-        evaluations: outcome.evaluation_count,
-        migrations: plan.migrations.len(),
-        ssd_migrations: plan.migrations.iter().filter(|m| m.tier == Tier::Ssd).count(),
-        host_migrations: plan.migrations.iter().filter(|m| m.tier == Tier::Host).count(),
-        clean_drops: plan.migrations.iter().filter(|m| !m.writes).count(),
-        urgent_actions: plan.actions.iter().filter(|a| a.urgent).count(),
-        stall_repairs: outcome.repair_count,
-        expected_stall_us: outcome.expected_stall_us,
-        unplanned_peak_bytes: outcome.base_pressure_bytes.iter().copied().max().unwrap_or(0),
-        predicted_peak_bytes: plan.predicted_peak_bytes,
-        fits: plan.fits,
-        ideal_time_us,
-        percent_of_ideal: predicted.percent_of(ideal_time_us),
-        predicted,
-    };
     if args.json {
-        return to_json(&summary);
+        return to_json(&result);
     }
-    Ok(format_plan(&summary, plan, &trace, args.show_actions))
+    Ok(format_plan(&result, &trace, args.show_actions))
 }
 
-fn format_plan(summary: &PlanSummary, plan: &Plan, trace: &Trace, show_actions: usize) -> String {
+fn format_plan(result: &PlanAndPrediction, trace: &Trace, show_actions: usize) -> String {
+    let (plan, p) = (&result.plan, &result.prediction);
+    let simulated = &p.simulated;
     let traffic = plan.bytes_moved(trace);
-    let p = &summary.predicted;
     let mut out = format!(
         "trace: {}\n\
          planning: {:.1} ms, {} candidates, {} evaluations\n\
@@ -391,31 +334,31 @@ fn format_plan(summary: &PlanSummary, plan: &Plan, trace: &Trace, show_actions: 
          traffic per iteration: SSD write {:.1} GB, read {:.1} GB; host write {:.1} GB, read {:.1} GB\n\
          memory: {} without offload, {} planned peak, GPU {}: {}\n\
          predicted iteration: {} (ideal {}, {:.1}% of ideal), stalls {} in {} ops, peak {}, outcome {:?}\n",
-        summary.trace,
-        summary.planning_time_ms,
-        summary.candidates,
-        summary.evaluations,
-        summary.migrations,
-        summary.ssd_migrations,
-        summary.host_migrations,
-        summary.clean_drops,
-        summary.urgent_actions,
-        summary.stall_repairs,
+        p.trace,
+        p.planning_time_ms,
+        p.candidates,
+        p.evaluations,
+        p.migrations,
+        p.ssd_migrations,
+        p.host_migrations,
+        p.clean_drops,
+        p.urgent_actions,
+        p.stall_repairs,
         traffic.written_bytes[0] as f64 / 1e9,
         traffic.read_bytes[0] as f64 / 1e9,
         traffic.written_bytes[1] as f64 / 1e9,
         traffic.read_bytes[1] as f64 / 1e9,
-        format_gib(summary.unplanned_peak_bytes as f64),
-        format_gib(summary.predicted_peak_bytes as f64),
-        format_gib(summary.hardware.gpu_capacity_bytes as f64),
-        if summary.fits { "fits" } else { "does not fit" },
-        format_duration_us(p.iteration_time_us),
-        format_duration_us(summary.ideal_time_us),
-        summary.percent_of_ideal,
-        format_duration_us(p.stall_time_us),
-        p.stalled_ops,
-        format_gib(p.peak_gpu_bytes as f64),
-        p.outcome,
+        format_gib(p.unplanned_peak_bytes as f64),
+        format_gib(p.planned_peak_bytes as f64),
+        format_gib(p.hardware.gpu_capacity_bytes as f64),
+        if p.fits { "fits" } else { "does not fit" },
+        format_duration_us(simulated.iteration_time_us),
+        format_duration_us(p.ideal_time_us),
+        p.percent_of_ideal,
+        format_duration_us(simulated.stall_time_us),
+        simulated.stalled_ops,
+        format_gib(simulated.peak_gpu_bytes as f64),
+        simulated.outcome,
     );
     if show_actions > 0 && !plan.actions.is_empty() {
         out.push_str(&format!(
@@ -453,13 +396,13 @@ fn format_plan(summary: &PlanSummary, plan: &Plan, trace: &Trace, show_actions: 
 }
 
 /// `teraio plan`.
-pub fn run_plan(args: &PlanArgs) -> Result<()> {
+pub fn run_plan(args: &PlanArgs) -> CliResult<()> {
     print!("{}", plan_command(args)?);
     Ok(())
 }
 
 /// Runs the comparison and returns it with the text to print.
-pub fn sim_command(args: &SimArgs) -> Result<(Comparison, String)> {
+pub fn sim_command(args: &SimArgs) -> CliResult<(Comparison, String)> {
     let trace = Trace::load(&args.trace)?;
     let hardware = args.hardware.hardware(&trace)?;
     let policies: Vec<PolicyName> =
@@ -469,7 +412,7 @@ pub fn sim_command(args: &SimArgs) -> Result<(Comparison, String)> {
         let plan = Plan::load(path)?;
         let mut sim = simulate(&trace, &hardware, Policy::Planned(&plan), SimConfig::default())?;
         sim.policy = format!("plan:{}", plan.policy);
-        comparison.rows.push(crate::report::PolicyRow {
+        comparison.rows.push(PolicyRow {
             policy: sim.policy.clone(),
             planning_time_ms: 0.0,
             migrations: plan.migrations.len(),
@@ -492,7 +435,66 @@ pub fn sim_command(args: &SimArgs) -> Result<(Comparison, String)> {
 }
 
 /// `teraio sim`.
-pub fn run_sim(args: &SimArgs) -> Result<()> {
+pub fn run_sim(args: &SimArgs) -> CliResult<()> {
     print!("{}", sim_command(args)?.1);
     Ok(())
+}
+
+fn outcome_text(outcome: &Outcome) -> String {
+    match outcome {
+        Outcome::Completed => "ok".into(),
+        Outcome::OutOfMemory { op, needed_bytes } => {
+            format!("OOM at op {op} ({})", format_gib(*needed_bytes as f64))
+        }
+    }
+}
+
+/// Readable table of a comparison.
+fn format_table(comparison: &Comparison) -> String {
+    let mut out = String::new();
+    out.push_str(&format!("trace: {}\n", comparison.trace));
+    let hw = &comparison.hardware;
+    out.push_str(&format!(
+        "hardware: GPU {}, SSD read {:.1} GB/s write {:.1} GB/s, host {} at {:.1} GB/s\n",
+        format_gib(hw.gpu_capacity_bytes as f64),
+        hw.ssd_read_bytes_per_s / 1e9,
+        hw.ssd_write_bytes_per_s / 1e9,
+        format_gib(hw.host_capacity_bytes as f64),
+        hw.host_link_bytes_per_s / 1e9,
+    ));
+    out.push_str(&format!("ideal iteration: {}\n\n", format_duration_us(comparison.ideal_time_us)));
+    out.push_str(&format!(
+        "{:<14} {:>8} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8} {:>8} {:>8} {:>8}  {}\n",
+        "policy",
+        "% ideal",
+        "iteration",
+        "stalls",
+        "peak GPU",
+        "peak host",
+        "SSD w",
+        "SSD r",
+        "host w",
+        "host r",
+        "plan ms",
+        "outcome"
+    ));
+    for row in &comparison.rows {
+        let sim = &row.sim;
+        out.push_str(&format!(
+            "{:<14} {:>7.1}% {:>10} {:>10} {:>10} {:>10} {:>8.1} {:>8.1} {:>8.1} {:>8.1} {:>8.1}  {}\n",
+            row.policy,
+            row.percent_of_ideal,
+            format_duration_us(sim.iteration_time_us),
+            format_duration_us(sim.stall_time_us),
+            format_gib(sim.peak_gpu_bytes as f64),
+            format_gib(sim.peak_host_bytes as f64),
+            sim.ssd_written_bytes as f64 / 1e9,
+            sim.ssd_read_bytes as f64 / 1e9,
+            sim.host_written_bytes as f64 / 1e9,
+            sim.host_read_bytes as f64 / 1e9,
+            row.planning_time_ms,
+            outcome_text(&sim.outcome),
+        ));
+    }
+    out
 }
