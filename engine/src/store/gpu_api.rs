@@ -1,0 +1,180 @@
+//! The GPU data API: put and get from CUDA device memory, on the store's GPU path (chosen on the
+//! first GPU op by `crate::gpu::select`).
+
+use super::dispatch::{self, Op, OpKind, OpObject};
+use super::ticket::Ticket;
+use super::Store;
+use crate::error::{Error, Result};
+use crate::gpu::runtime::StoreGpu;
+use crate::layout::codec::round_up;
+use crate::queue::Priority;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
+
+/// GPU memory: put and get from CUDA device pointers, on the store's GPU path.
+impl Store {
+    /// Sets up GPU I/O for CUDA device `ordinal` now (else the first GPU op does it): pins the
+    /// bounce slab, chooses the path per `OpenConfig::gpu` (measuring both where `auto` may pick
+    /// either) and returns what was chosen and why. Later calls return the first outcome.
+    pub fn gpu_setup(&self, ordinal: u32) -> Result<crate::gpu::GpuPathReport> {
+        self.gpu_state(ordinal).map(|g| g.report.clone())
+    }
+
+    /// The GPU path report, if GPU I/O has been set up.
+    pub fn gpu_report(&self) -> Option<crate::gpu::GpuPathReport> {
+        self.shared.gpu.get().and_then(|r| r.as_ref().ok()).map(|g| g.report.clone())
+    }
+
+    pub(super) fn gpu_state(&self, ordinal: u32) -> Result<&StoreGpu> {
+        self.shared
+            .gpu
+            .get_or_init(|| crate::gpu::select::init_gpu(&self.shared, ordinal))
+            .as_ref()
+            .map_err(Clone::clone)
+    }
+
+    /// Starts writing device memory `data` as object `id`; the ticket hands `data` back when the
+    /// put is durable. The caller's writes to `data` must be complete (e.g. its stream
+    /// synchronized) before this call.
+    pub fn put_gpu<B: crate::gpu::DeviceIoBuf>(
+        &self,
+        id: u64,
+        data: B,
+        meta: &[u8],
+        priority: Priority,
+    ) -> Result<crate::gpu::GpuTicket<B>> {
+        let slice =
+            crate::gpu::DeviceSlice { ptr: data.device_ptr(), len: data.device_len(), device: data.device_ordinal() };
+        // SAFETY: the ticket owns `data`.
+        let t = unsafe { self.put_gpu_raw(id, slice, meta, priority)? };
+        Ok(t.holding(data))
+    }
+
+    /// Starts reading the whole of object `id` into device memory `buf` (at least as long as the
+    /// object; the rest is left untouched).
+    pub fn get_gpu<B: crate::gpu::DeviceIoBuf>(
+        &self,
+        id: u64,
+        buf: B,
+        priority: Priority,
+    ) -> Result<crate::gpu::GpuTicket<B>> {
+        let slice =
+            crate::gpu::DeviceSlice { ptr: buf.device_ptr(), len: buf.device_len(), device: buf.device_ordinal() };
+        // SAFETY: the ticket owns `buf`.
+        let t = unsafe { self.get_gpu_raw(id, 0, slice, true, priority)? };
+        Ok(t.holding(buf))
+    }
+
+    /// Starts reading `buf.device_len()` bytes of object `id` from byte `offset` into device memory.
+    pub fn get_gpu_range<B: crate::gpu::DeviceIoBuf>(
+        &self,
+        id: u64,
+        offset: u64,
+        buf: B,
+        priority: Priority,
+    ) -> Result<crate::gpu::GpuTicket<B>> {
+        let slice =
+            crate::gpu::DeviceSlice { ptr: buf.device_ptr(), len: buf.device_len(), device: buf.device_ordinal() };
+        // SAFETY: the ticket owns `buf`.
+        let t = unsafe { self.get_gpu_raw(id, offset, slice, false, priority)? };
+        Ok(t.holding(buf))
+    }
+
+    /// `put_gpu` from a raw device range (for the C ABI, Python and framework tensors).
+    ///
+    /// # Safety
+    /// `src` must be device memory of `src.device`, unchanged and allocated until the ticket is done.
+    pub unsafe fn put_gpu_raw(
+        &self,
+        id: u64,
+        src: crate::gpu::DeviceSlice,
+        meta: &[u8],
+        priority: Priority,
+    ) -> Result<crate::gpu::GpuTicket<()>> {
+        self.check_writable()?;
+        let gpu = self.gpu_op(src)?;
+        self.check_meta(meta)?;
+        self.shared.op_started()?;
+        let object = match self.allocate(id, src.len as u64, meta) {
+            Ok(o) => o,
+            Err(e) => {
+                self.shared.op_finished();
+                return Err(e);
+            }
+        };
+        let padded = round_up(src.len as u64, self.shared.geometry.block_size);
+        let mut op = Op::new(
+            OpKind::Put,
+            id,
+            priority,
+            OpObject::Put(Mutex::new(Some(object))),
+            src.ptr as usize,
+            0,
+            src.len as u64,
+            // The caller's bytes are on the host only inside bounce chunks: checksums come
+            // from there, and objects put through cuFile keep none (docs/gpu.md).
+            self.shared.geometry.checksums && !gpu.use_cufile,
+        );
+        let handoff = gpu.handoff.map(|slot| (gpu.device.handoff.clone(), slot));
+        op.gpu = Some(gpu);
+        let op = Arc::new(op);
+        let completion = op.completion.clone();
+        self.shared.enqueue(op, 0, padded);
+        Ok(crate::gpu::GpuTicket { ticket: Ticket { completion, buffer: Some(()) }, handoff })
+    }
+
+    /// `get_gpu_range` into a raw device range; with `whole`, `dst.len` may exceed the object.
+    ///
+    /// # Safety
+    /// `dst` must be device memory of `dst.device`, allocated and not otherwise accessed until the
+    /// ticket is done.
+    pub unsafe fn get_gpu_raw(
+        &self,
+        id: u64,
+        offset: u64,
+        dst: crate::gpu::DeviceSlice,
+        whole: bool,
+        priority: Priority,
+    ) -> Result<crate::gpu::GpuTicket<()>> {
+        let object = self.shared.table.read().expect("table").get(&id).cloned().ok_or(Error::NotFound { id })?;
+        let object_len = object.record.len_bytes;
+        let end = if whole && offset == 0 {
+            if (dst.len as u64) < object_len {
+                return Err(Error::BufferTooSmall { needed_bytes: object_len, given_bytes: dst.len as u64 });
+            }
+            object_len
+        } else {
+            let end = offset.saturating_add(dst.len as u64);
+            if end > object_len {
+                return Err(Error::RangeOutOfBounds { id, offset, len: dst.len as u64, object_len });
+            }
+            end
+        };
+        let gpu = self.gpu_op(dst)?;
+        self.shared.op_started()?;
+        // On the cuFile path the bytes never pass through host memory: nothing to check them
+        // in (the GPU report and docs/gpu.md say so).
+        let span = self.get_span(&object, offset, end, !gpu.use_cufile);
+        let mut op =
+            Op::new(OpKind::Get, id, priority, OpObject::Get(object), dst.ptr as usize, offset, end, span.verify);
+        op.checked = span.checked;
+        let handoff = gpu.handoff.map(|slot| (gpu.device.handoff.clone(), slot));
+        op.gpu = Some(gpu);
+        let op = Arc::new(op);
+        let completion = op.completion.clone();
+        self.shared.enqueue(op, span.read.0, span.read.1);
+        Ok(crate::gpu::GpuTicket { ticket: Ticket { completion, buffer: Some(()) }, handoff })
+    }
+
+    /// The GPU part of a new op on `mem`: checks the pointer, finds the device's state and path.
+    pub(super) fn gpu_op(&self, mem: crate::gpu::DeviceSlice) -> Result<dispatch::GpuOp> {
+        let state = self.gpu_state(mem.device)?;
+        if mem.len > 0 {
+            crate::gpu::cuda::check_device_pointer(mem.ptr, mem.len, mem.device)?;
+        }
+        let device = state.device(mem.device)?;
+        let use_cufile = state.uses_cufile(mem.device);
+        let handoff = device.handoff.claim();
+        Ok(dispatch::GpuOp { device, use_cufile, handoff, handoff_signalled: AtomicBool::new(false) })
+    }
+}
