@@ -2,8 +2,8 @@
 //! every put and get (host or GPU memory) goes through.
 
 use super::commit::CommitMsg;
-use super::dispatch::{Op, OpKind, OpObject};
 use super::object::Object;
+use super::op::{Op, OpKind, OpObject, OpSpec, Target};
 use super::ticket::{self, IoBuf, IoBufMut, Ticket};
 use super::Store;
 use crate::buffer::AlignedBuf;
@@ -88,16 +88,16 @@ impl Store {
             }
         };
         let padded = round_up(len as u64, self.shared.geometry.block_size);
-        let op = Arc::new(Op::new(
-            OpKind::Put,
+        let spec = OpSpec {
+            kind: OpKind::Put,
             id,
             priority,
-            OpObject::Put(Mutex::new(Some(object))),
-            ptr as usize,
-            0,
-            len as u64,
-            false,
-        ));
+            user_start: 0,
+            user_end: len as u64,
+            take_crcs: false,
+            checked: (0, 0),
+        };
+        let op = Arc::new(Op::new(spec, OpObject::Put(Mutex::new(Some(object))), Target::Host(ptr as usize)));
         let completion = op.completion.clone();
         self.shared.enqueue(op, 0, padded);
         Ok(completion)
@@ -163,9 +163,16 @@ impl Store {
         };
         self.shared.op_started()?;
         let span = self.get_span(&object, offset, end, true);
-        let mut op = Op::new(OpKind::Get, id, priority, OpObject::Get(object), ptr as usize, offset, end, span.verify);
-        op.checked = span.checked;
-        let op = Arc::new(op);
+        let spec = OpSpec {
+            kind: OpKind::Get,
+            id,
+            priority,
+            user_start: offset,
+            user_end: end,
+            take_crcs: span.verify,
+            checked: span.checked,
+        };
+        let op = Arc::new(Op::new(spec, OpObject::Get(object), Target::Host(ptr as usize)));
         let completion = op.completion.clone();
         self.shared.enqueue(op, span.read.0, span.read.1);
         Ok(completion)

@@ -3,13 +3,12 @@
 
 use super::object::Object;
 use super::ticket::Ticket;
-use super::{commit, identity, Store};
+use super::{commit, identity, verify, Store};
 use crate::buffer::AlignedBuf;
 use crate::config::OpenConfig;
 use crate::device::{Access, Device};
 use crate::error::{Error, Result};
 use crate::layout::codec::round_up;
-use crate::layout::stripe::StripeMap;
 use crate::queue::Priority;
 use std::path::Path;
 use std::sync::Arc;
@@ -121,12 +120,7 @@ impl Store {
                 let end = (start + g.stripe_unit).min(r.len_bytes);
                 report.units_checked += 1;
                 if crc32c::crc32c(&buf[start as usize..end as usize]) != *crc {
-                    let map = StripeMap::new(r, g.stripe_unit, g.block_size, g.device_count);
-                    let mut at = None;
-                    map.for_each_piece(start..start + g.block_size, g.block_size, |p| {
-                        at.get_or_insert((p.device, p.device_offset));
-                    });
-                    let (device, device_offset) = at.expect("unit has a block");
+                    let (device, device_offset) = verify::unit_location(g, r, unit as u64);
                     report.problems.push(
                         Error::ChecksumMismatch { id: r.id, unit: unit as u64, device, device_offset }.to_string(),
                     );

@@ -1,7 +1,7 @@
 //! The GPU data API: put and get from CUDA device memory, on the store's GPU path (chosen on the
 //! first GPU op by `crate::gpu::select`).
 
-use super::dispatch::{self, Op, OpKind, OpObject};
+use super::op::{GpuOp, Op, OpKind, OpObject, OpSpec, Target};
 use super::ticket::Ticket;
 use super::Store;
 use crate::error::{Error, Result};
@@ -103,20 +103,19 @@ impl Store {
             }
         };
         let padded = round_up(src.len as u64, self.shared.geometry.block_size);
-        let mut op = Op::new(
-            OpKind::Put,
+        let spec = OpSpec {
+            kind: OpKind::Put,
             id,
             priority,
-            OpObject::Put(Mutex::new(Some(object))),
-            src.ptr as usize,
-            0,
-            src.len as u64,
+            user_start: 0,
+            user_end: src.len as u64,
             // The caller's bytes are on the host only inside bounce chunks: checksums come
             // from there, and objects put through cuFile keep none (docs/gpu.md).
-            self.shared.geometry.checksums && !gpu.use_cufile,
-        );
+            take_crcs: self.shared.geometry.checksums && !gpu.use_cufile,
+            checked: (0, 0),
+        };
         let handoff = gpu.handoff.map(|slot| (gpu.device.handoff.clone(), slot));
-        op.gpu = Some(gpu);
+        let op = Op::new(spec, OpObject::Put(Mutex::new(Some(object))), Target::Gpu { ptr: src.ptr, gpu });
         let op = Arc::new(op);
         let completion = op.completion.clone();
         self.shared.enqueue(op, 0, padded);
@@ -155,11 +154,17 @@ impl Store {
         // On the cuFile path the bytes never pass through host memory: nothing to check them
         // in (the GPU report and docs/gpu.md say so).
         let span = self.get_span(&object, offset, end, !gpu.use_cufile);
-        let mut op =
-            Op::new(OpKind::Get, id, priority, OpObject::Get(object), dst.ptr as usize, offset, end, span.verify);
-        op.checked = span.checked;
+        let spec = OpSpec {
+            kind: OpKind::Get,
+            id,
+            priority,
+            user_start: offset,
+            user_end: end,
+            take_crcs: span.verify,
+            checked: span.checked,
+        };
         let handoff = gpu.handoff.map(|slot| (gpu.device.handoff.clone(), slot));
-        op.gpu = Some(gpu);
+        let op = Op::new(spec, OpObject::Get(object), Target::Gpu { ptr: dst.ptr, gpu });
         let op = Arc::new(op);
         let completion = op.completion.clone();
         self.shared.enqueue(op, span.read.0, span.read.1);
@@ -167,7 +172,7 @@ impl Store {
     }
 
     /// The GPU part of a new op on `mem`: checks the pointer, finds the device's state and path.
-    pub(super) fn gpu_op(&self, mem: crate::gpu::DeviceSlice) -> Result<dispatch::GpuOp> {
+    pub(super) fn gpu_op(&self, mem: crate::gpu::DeviceSlice) -> Result<GpuOp> {
         let state = self.gpu_state(mem.device)?;
         if mem.len > 0 {
             crate::gpu::cuda::check_device_pointer(mem.ptr, mem.len, mem.device)?;
@@ -175,6 +180,6 @@ impl Store {
         let device = state.device(mem.device)?;
         let use_cufile = state.uses_cufile(mem.device);
         let handoff = device.handoff.claim();
-        Ok(dispatch::GpuOp { device, use_cufile, handoff, handoff_signalled: AtomicBool::new(false) })
+        Ok(GpuOp { device, use_cufile, handoff, handoff_signalled: AtomicBool::new(false) })
     }
 }

@@ -12,9 +12,11 @@ mod gpu_api;
 mod identity;
 mod info;
 mod object;
+mod op;
 mod open;
 pub(crate) mod place;
 pub mod ticket;
+mod verify;
 
 pub use api::ObjectInfo;
 pub use fsck::FsckReport;
@@ -25,7 +27,7 @@ use crate::backend::{BackendChoice, BackendKind};
 use crate::buffer::BouncePool;
 use crate::config::OpenConfig;
 use crate::device::Device;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::gpu::runtime::StoreGpu;
 use crate::layout::superblock::Superblock;
 use crate::queue::DeviceQueue;
@@ -34,7 +36,7 @@ use commit::CommitMsg;
 use dispatch::DispatchState;
 use object::{Allocators, Geometry, Object};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::thread::JoinHandle;
@@ -66,26 +68,6 @@ pub(crate) struct Shared {
     pub read_only: bool,
     /// What recovery at open found besides the table (reported by `fsck`).
     pub recovery: commit::Findings,
-}
-
-impl Shared {
-    fn op_started(&self) -> Result<()> {
-        let mut n = self.ops_outstanding.lock().expect("ops");
-        if self.closed.load(Ordering::Acquire) {
-            return Err(Error::Closed);
-        }
-        *n += 1;
-        Ok(())
-    }
-
-    pub(crate) fn op_finished(&self) {
-        let mut n = self.ops_outstanding.lock().expect("ops");
-        *n -= 1;
-        // Only `close` waits for this (it sets `closed` under the same lock first).
-        if *n == 0 && self.closed.load(Ordering::Acquire) {
-            self.ops_idle.notify_all();
-        }
-    }
 }
 
 /// A striped tensor-object store. Cheap to share between threads (`&Store` is enough for every op).

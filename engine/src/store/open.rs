@@ -2,6 +2,7 @@
 //! its superblocks (`identity`), recovers its table (`commit::recover`), moves it to a new epoch,
 //! starts the device queues, the dispatcher and the commit thread, and stops them again.
 
+use super::dispatch::budget::Budget;
 use super::dispatch::DispatchState;
 use super::object::{Allocators, Geometry};
 use super::{commit, dispatch, identity, Shared, Store};
@@ -234,6 +235,7 @@ impl Store {
             );
         }
 
+        let budget = Budget::new(config.max_inflight_bytes, chunk_bytes);
         let (commit_tx, commit_rx) = std::sync::mpsc::channel();
         let shared = Arc::new(Shared {
             geometry,
@@ -245,7 +247,7 @@ impl Store {
             pool,
             table: RwLock::new(table),
             allocators,
-            dispatch: Mutex::new(DispatchState::default()),
+            dispatch: Mutex::new(DispatchState::new(budget)),
             dispatch_cv: Condvar::new(),
             commit_tx: Mutex::new(Some(commit_tx)),
             ops_outstanding: Mutex::new(0),
