@@ -4,10 +4,12 @@
 use super::commit::CommitMsg;
 use super::object::Object;
 use super::op::{Op, OpKind, OpObject, OpSpec, Target};
-use super::ticket::{self, IoBuf, IoBufMut, Ticket};
+use super::ticket::{Completion, IoBuf, IoBufMut, Ticket};
 use super::Store;
 use crate::buffer::AlignedBuf;
 use crate::error::{Error, Result};
+use crate::gpu::handoff::{HandoffFlags, HandoffSlot};
+use crate::gpu::DeviceSlice;
 use crate::layout::codec::{round_down, round_up};
 use crate::layout::table::ObjectRecord;
 use crate::queue::Priority;
@@ -48,8 +50,9 @@ impl Store {
     /// The ticket hands `data` back when the put is acknowledged: durable and visible to gets.
     pub fn put<B: IoBuf>(&self, id: u64, data: B, meta: &[u8], priority: Priority) -> Result<Ticket<B>> {
         // SAFETY: the ticket owns `data`, so the memory outlives the op.
-        let completion = unsafe { self.put_raw(id, data.io_ptr(), data.io_len(), meta, priority)? };
-        Ok(Ticket { completion, buffer: Some(data) })
+        let memory = Memory::Host { ptr: data.io_ptr() as usize, len: data.io_len() };
+        let started = unsafe { self.start_put(PutSpec { id, meta, priority }, memory)? };
+        Ok(Ticket { completion: started.completion, buffer: Some(data) })
     }
 
     /// `put` from raw memory (for the C ABI and Python).
@@ -65,57 +68,26 @@ impl Store {
         priority: Priority,
     ) -> Result<Ticket<()>> {
         // SAFETY: forwarded contract.
-        let completion = unsafe { self.put_raw(id, ptr, len, meta, priority)? };
-        Ok(Ticket { completion, buffer: Some(()) })
-    }
-
-    pub(super) unsafe fn put_raw(
-        &self,
-        id: u64,
-        ptr: *const u8,
-        len: usize,
-        meta: &[u8],
-        priority: Priority,
-    ) -> Result<Arc<ticket::Completion>> {
-        self.check_writable()?;
-        self.check_meta(meta)?;
-        self.shared.op_started()?;
-        let object = match self.allocate(id, len as u64, meta) {
-            Ok(o) => o,
-            Err(e) => {
-                self.shared.op_finished();
-                return Err(e);
-            }
-        };
-        let padded = round_up(len as u64, self.shared.geometry.block_size);
-        let spec = OpSpec {
-            kind: OpKind::Put,
-            id,
-            priority,
-            user_start: 0,
-            user_end: len as u64,
-            take_crcs: false,
-            checked: (0, 0),
-        };
-        let op = Arc::new(Op::new(spec, OpObject::Put(Mutex::new(Some(object))), Target::Host(ptr as usize)));
-        let completion = op.completion.clone();
-        self.shared.enqueue(op, 0, padded);
-        Ok(completion)
+        let started =
+            unsafe { self.start_put(PutSpec { id, meta, priority }, Memory::Host { ptr: ptr as usize, len })? };
+        Ok(Ticket { completion: started.completion, buffer: Some(()) })
     }
 
     /// Starts reading the whole of object `id` into `buf`, which may be longer than the object
     /// (the rest is left untouched) but not shorter.
     pub fn get<B: IoBufMut>(&self, id: u64, mut buf: B, priority: Priority) -> Result<Ticket<B>> {
         // SAFETY: the ticket owns `buf`.
-        let completion = unsafe { self.get_raw(id, 0, buf.io_mut_ptr(), buf.io_len(), true, priority)? };
-        Ok(Ticket { completion, buffer: Some(buf) })
+        let memory = Memory::Host { ptr: buf.io_mut_ptr() as usize, len: buf.io_len() };
+        let started = unsafe { self.start_get(GetSpec { id, offset: 0, whole: true, priority }, memory)? };
+        Ok(Ticket { completion: started.completion, buffer: Some(buf) })
     }
 
     /// Starts reading `buf.len()` bytes of object `id` from byte `offset` into `buf`.
     pub fn get_range<B: IoBufMut>(&self, id: u64, offset: u64, mut buf: B, priority: Priority) -> Result<Ticket<B>> {
         // SAFETY: the ticket owns `buf`.
-        let completion = unsafe { self.get_raw(id, offset, buf.io_mut_ptr(), buf.io_len(), false, priority)? };
-        Ok(Ticket { completion, buffer: Some(buf) })
+        let memory = Memory::Host { ptr: buf.io_mut_ptr() as usize, len: buf.io_len() };
+        let started = unsafe { self.start_get(GetSpec { id, offset, whole: false, priority }, memory)? };
+        Ok(Ticket { completion: started.completion, buffer: Some(buf) })
     }
 
     /// `get_range` into raw memory (for the C ABI and Python). With `whole`, `len` may exceed the
@@ -134,36 +106,68 @@ impl Store {
         priority: Priority,
     ) -> Result<Ticket<()>> {
         // SAFETY: forwarded contract.
-        let completion = unsafe { self.get_raw(id, offset, ptr, len, whole, priority)? };
-        Ok(Ticket { completion, buffer: Some(()) })
+        let memory = Memory::Host { ptr: ptr as usize, len };
+        let started = unsafe { self.start_get(GetSpec { id, offset, whole, priority }, memory)? };
+        Ok(Ticket { completion: started.completion, buffer: Some(()) })
     }
 
-    pub(super) unsafe fn get_raw(
-        &self,
-        id: u64,
-        offset: u64,
-        ptr: *mut u8,
-        len: usize,
-        whole: bool,
-        priority: Priority,
-    ) -> Result<Arc<ticket::Completion>> {
+    /// The one way a put starts, from host or GPU memory: checks it, allocates its object and
+    /// queues it.
+    ///
+    /// # Safety
+    /// `memory` must be valid for reads, unchanged, until the op is done.
+    pub(super) unsafe fn start_put(&self, spec: PutSpec, memory: Memory) -> Result<Started> {
+        self.check_writable()?;
+        let target = self.target(memory)?;
+        self.check_meta(spec.meta)?;
+        self.shared.op_started()?;
+        let len = memory.len() as u64;
+        let object = self.allocate(spec.id, len, spec.meta).inspect_err(|_| self.shared.op_finished())?;
+        // A GPU put's bytes are on the host only inside bounce chunks: its checksums come from
+        // there, and objects put through cuFile keep none (docs/gpu.md). A host put's come from
+        // the caller's buffer as it is dispatched.
+        let take_crcs = matches!(&target, Target::Gpu { gpu, .. } if !gpu.use_cufile) && self.shared.geometry.checksums;
+        let op = OpSpec {
+            kind: OpKind::Put,
+            id: spec.id,
+            priority: spec.priority,
+            user_start: 0,
+            user_end: len,
+            take_crcs,
+            checked: (0, 0),
+        };
+        let padded = round_up(len, self.shared.geometry.block_size);
+        Ok(self.start(Op::new(op, OpObject::Put(Mutex::new(Some(object))), target), 0, padded))
+    }
+
+    /// The one way a get starts, into host or GPU memory: finds the object, checks the range and
+    /// queues the op.
+    ///
+    /// # Safety
+    /// `memory` must be valid for writes, and not otherwise accessed, until the op is done.
+    pub(super) unsafe fn start_get(&self, spec: GetSpec, memory: Memory) -> Result<Started> {
+        let GetSpec { id, offset, whole, priority } = spec;
         let object = self.shared.table.read().expect("table").get(&id).cloned().ok_or(Error::NotFound { id })?;
-        let object_len = object.record.len_bytes;
+        let (object_len, len) = (object.record.len_bytes, memory.len() as u64);
         let end = if whole && offset == 0 {
-            if (len as u64) < object_len {
-                return Err(Error::BufferTooSmall { needed_bytes: object_len, given_bytes: len as u64 });
+            if len < object_len {
+                return Err(Error::BufferTooSmall { needed_bytes: object_len, given_bytes: len });
             }
             object_len
         } else {
-            let end = offset.saturating_add(len as u64);
+            let end = offset.saturating_add(len);
             if end > object_len {
-                return Err(Error::RangeOutOfBounds { id, offset, len: len as u64, object_len });
+                return Err(Error::RangeOutOfBounds { id, offset, len, object_len });
             }
             end
         };
+        let target = self.target(memory)?;
         self.shared.op_started()?;
-        let span = self.get_span(&object, offset, end, true);
-        let spec = OpSpec {
+        // On the cuFile path the bytes never pass through host memory: nothing to check them
+        // in (the GPU report and docs/gpu.md say so).
+        let via_host = !matches!(&target, Target::Gpu { gpu, .. } if gpu.use_cufile);
+        let span = self.get_span(&object, offset, end, via_host);
+        let op = OpSpec {
             kind: OpKind::Get,
             id,
             priority,
@@ -172,10 +176,24 @@ impl Store {
             take_crcs: span.verify,
             checked: span.checked,
         };
-        let op = Arc::new(Op::new(spec, OpObject::Get(object), Target::Host(ptr as usize)));
-        let completion = op.completion.clone();
-        self.shared.enqueue(op, span.read.0, span.read.1);
-        Ok(completion)
+        Ok(self.start(Op::new(op, OpObject::Get(object), target), span.read.0, span.read.1))
+    }
+
+    /// Where `memory` is, as an op sees it (for GPU memory: the device's state and path).
+    fn target(&self, memory: Memory) -> Result<Target> {
+        match memory {
+            Memory::Host { ptr, .. } => Ok(Target::Host(ptr)),
+            Memory::Gpu(slice) => Ok(Target::Gpu { ptr: slice.ptr, gpu: self.gpu_op(slice)? }),
+        }
+    }
+
+    /// Queues `op` for object bytes `start..end` (block-aligned).
+    fn start(&self, op: Op, start: u64, end: u64) -> Started {
+        let handoff = op.gpu.as_ref().and_then(|g| g.handoff.map(|slot| (g.device.handoff.clone(), slot)));
+        let op = Arc::new(op);
+        let started = Started { completion: op.completion.clone(), handoff };
+        self.shared.enqueue(op, start, end);
+        started
     }
 
     /// What a get of object bytes `offset..end` reads and checks. Checks need a store that keeps
@@ -184,7 +202,7 @@ impl Store {
     /// only in part (at either end) is read whole (the rest into bounce memory) and checked too
     /// when that at most doubles the bytes the get reads, and returned unchecked otherwise
     /// (e.g. 4 KiB out of a 1 MiB unit: 256 times the I/O).
-    pub(super) fn get_span(&self, object: &Object, offset: u64, end: u64, via_host: bool) -> GetSpan {
+    fn get_span(&self, object: &Object, offset: u64, end: u64, via_host: bool) -> GetSpan {
         let (su, block) = (self.shared.geometry.stripe_unit, self.shared.geometry.block_size);
         let len = object.record.len_bytes;
         let blocks = (round_down(offset, block), round_up(end, block));
@@ -273,11 +291,50 @@ impl Store {
     }
 }
 
+/// The caller's memory of a new op, before it is checked.
+#[derive(Clone, Copy)]
+pub(super) enum Memory {
+    Host { ptr: usize, len: usize },
+    Gpu(DeviceSlice),
+}
+
+impl Memory {
+    fn len(&self) -> usize {
+        match self {
+            Memory::Host { len, .. } => *len,
+            Memory::Gpu(slice) => slice.len,
+        }
+    }
+}
+
+/// A put, besides the caller's memory.
+pub(super) struct PutSpec<'a> {
+    pub id: u64,
+    pub meta: &'a [u8],
+    pub priority: Priority,
+}
+
+/// A get, besides the caller's memory: object bytes from `offset`, as many as the memory holds;
+/// with `whole` (and `offset` 0) the memory may be longer than the object, which is read whole.
+pub(super) struct GetSpec {
+    pub id: u64,
+    pub offset: u64,
+    pub whole: bool,
+    pub priority: Priority,
+}
+
+/// A queued op as its ticket needs it.
+pub(super) struct Started {
+    pub completion: Arc<Completion>,
+    /// The GPU stream hand-off slot of a GPU op, if it has one.
+    pub handoff: Option<(Arc<HandoffFlags>, HandoffSlot)>,
+}
+
 /// What a get reads and checks (`Store::get_span`).
-pub(super) struct GetSpan {
-    pub verify: bool,
+struct GetSpan {
+    verify: bool,
     /// Object bytes read, block-aligned.
-    pub read: (u64, u64),
+    read: (u64, u64),
     /// Object bytes whose stripe units are checked (whole units, or up to the object's end).
-    pub checked: (u64, u64),
+    checked: (u64, u64),
 }

@@ -1,15 +1,15 @@
 //! The GPU data API: put and get from CUDA device memory, on the store's GPU path (chosen on the
 //! first GPU op by `crate::gpu::select`).
 
-use super::op::{GpuOp, Op, OpKind, OpObject, OpSpec, Target};
+use super::api::{GetSpec, Memory, PutSpec};
+use super::op::GpuOp;
 use super::ticket::Ticket;
 use super::Store;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::gpu::runtime::StoreGpu;
-use crate::layout::codec::round_up;
+use crate::gpu::GpuTicket;
 use crate::queue::Priority;
 use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, Mutex};
 
 /// GPU memory: put and get from CUDA device pointers, on the store's GPU path.
 impl Store {
@@ -42,7 +42,7 @@ impl Store {
         data: B,
         meta: &[u8],
         priority: Priority,
-    ) -> Result<crate::gpu::GpuTicket<B>> {
+    ) -> Result<GpuTicket<B>> {
         let slice =
             crate::gpu::DeviceSlice { ptr: data.device_ptr(), len: data.device_len(), device: data.device_ordinal() };
         // SAFETY: the ticket owns `data`.
@@ -52,12 +52,7 @@ impl Store {
 
     /// Starts reading the whole of object `id` into device memory `buf` (at least as long as the
     /// object; the rest is left untouched).
-    pub fn get_gpu<B: crate::gpu::DeviceIoBuf>(
-        &self,
-        id: u64,
-        buf: B,
-        priority: Priority,
-    ) -> Result<crate::gpu::GpuTicket<B>> {
+    pub fn get_gpu<B: crate::gpu::DeviceIoBuf>(&self, id: u64, buf: B, priority: Priority) -> Result<GpuTicket<B>> {
         let slice =
             crate::gpu::DeviceSlice { ptr: buf.device_ptr(), len: buf.device_len(), device: buf.device_ordinal() };
         // SAFETY: the ticket owns `buf`.
@@ -72,7 +67,7 @@ impl Store {
         offset: u64,
         buf: B,
         priority: Priority,
-    ) -> Result<crate::gpu::GpuTicket<B>> {
+    ) -> Result<GpuTicket<B>> {
         let slice =
             crate::gpu::DeviceSlice { ptr: buf.device_ptr(), len: buf.device_len(), device: buf.device_ordinal() };
         // SAFETY: the ticket owns `buf`.
@@ -90,36 +85,10 @@ impl Store {
         src: crate::gpu::DeviceSlice,
         meta: &[u8],
         priority: Priority,
-    ) -> Result<crate::gpu::GpuTicket<()>> {
-        self.check_writable()?;
-        let gpu = self.gpu_op(src)?;
-        self.check_meta(meta)?;
-        self.shared.op_started()?;
-        let object = match self.allocate(id, src.len as u64, meta) {
-            Ok(o) => o,
-            Err(e) => {
-                self.shared.op_finished();
-                return Err(e);
-            }
-        };
-        let padded = round_up(src.len as u64, self.shared.geometry.block_size);
-        let spec = OpSpec {
-            kind: OpKind::Put,
-            id,
-            priority,
-            user_start: 0,
-            user_end: src.len as u64,
-            // The caller's bytes are on the host only inside bounce chunks: checksums come
-            // from there, and objects put through cuFile keep none (docs/gpu.md).
-            take_crcs: self.shared.geometry.checksums && !gpu.use_cufile,
-            checked: (0, 0),
-        };
-        let handoff = gpu.handoff.map(|slot| (gpu.device.handoff.clone(), slot));
-        let op = Op::new(spec, OpObject::Put(Mutex::new(Some(object))), Target::Gpu { ptr: src.ptr, gpu });
-        let op = Arc::new(op);
-        let completion = op.completion.clone();
-        self.shared.enqueue(op, 0, padded);
-        Ok(crate::gpu::GpuTicket { ticket: Ticket { completion, buffer: Some(()) }, handoff })
+    ) -> Result<GpuTicket<()>> {
+        // SAFETY: forwarded contract.
+        let started = unsafe { self.start_put(PutSpec { id, meta, priority }, Memory::Gpu(src))? };
+        Ok(GpuTicket { ticket: Ticket { completion: started.completion, buffer: Some(()) }, handoff: started.handoff })
     }
 
     /// `get_gpu_range` into a raw device range; with `whole`, `dst.len` may exceed the object.
@@ -134,41 +103,10 @@ impl Store {
         dst: crate::gpu::DeviceSlice,
         whole: bool,
         priority: Priority,
-    ) -> Result<crate::gpu::GpuTicket<()>> {
-        let object = self.shared.table.read().expect("table").get(&id).cloned().ok_or(Error::NotFound { id })?;
-        let object_len = object.record.len_bytes;
-        let end = if whole && offset == 0 {
-            if (dst.len as u64) < object_len {
-                return Err(Error::BufferTooSmall { needed_bytes: object_len, given_bytes: dst.len as u64 });
-            }
-            object_len
-        } else {
-            let end = offset.saturating_add(dst.len as u64);
-            if end > object_len {
-                return Err(Error::RangeOutOfBounds { id, offset, len: dst.len as u64, object_len });
-            }
-            end
-        };
-        let gpu = self.gpu_op(dst)?;
-        self.shared.op_started()?;
-        // On the cuFile path the bytes never pass through host memory: nothing to check them
-        // in (the GPU report and docs/gpu.md say so).
-        let span = self.get_span(&object, offset, end, !gpu.use_cufile);
-        let spec = OpSpec {
-            kind: OpKind::Get,
-            id,
-            priority,
-            user_start: offset,
-            user_end: end,
-            take_crcs: span.verify,
-            checked: span.checked,
-        };
-        let handoff = gpu.handoff.map(|slot| (gpu.device.handoff.clone(), slot));
-        let op = Op::new(spec, OpObject::Get(object), Target::Gpu { ptr: dst.ptr, gpu });
-        let op = Arc::new(op);
-        let completion = op.completion.clone();
-        self.shared.enqueue(op, span.read.0, span.read.1);
-        Ok(crate::gpu::GpuTicket { ticket: Ticket { completion, buffer: Some(()) }, handoff })
+    ) -> Result<GpuTicket<()>> {
+        // SAFETY: forwarded contract.
+        let started = unsafe { self.start_get(GetSpec { id, offset, whole, priority }, Memory::Gpu(dst))? };
+        Ok(GpuTicket { ticket: Ticket { completion: started.completion, buffer: Some(()) }, handoff: started.handoff })
     }
 
     /// The GPU part of a new op on `mem`: checks the pointer, finds the device's state and path.
