@@ -1,10 +1,12 @@
 //! Which GPU path a store uses: builds its GPU state on the first GPU op, and for `auto` measures
 //! the pinned bounce path against cuFile on a free run of device 0.
 
+use super::copy::CopyDirection;
 use super::runtime::StoreGpu;
+use crate::backend::IoKind;
 use crate::error::{Error, Result};
 use crate::layout::codec::round_up;
-use crate::queue::{DeviceQueue, Priority};
+use crate::queue::{DeviceQueue, Priority, Request};
 use crate::store::place::no_space;
 use crate::store::Shared;
 use std::collections::HashMap;
@@ -151,28 +153,37 @@ fn measure_gpu_paths(shared: &Arc<Shared>, gpu: &StoreGpu, ordinal: u32, bytes: 
     result
 }
 
+/// One request of the measurement: `len` bytes at `offset` from/to `buf`; `then` gets its result.
+fn measurement_request(
+    kind: IoKind,
+    offset: u64,
+    buf: *mut u8,
+    len: u64,
+    then: impl FnOnce(std::io::Result<()>) + Send + 'static,
+) -> Request {
+    Request {
+        kind,
+        offset,
+        buf,
+        len: len as u32,
+        fixed_index: None,
+        priority: Priority::Normal,
+        on_complete: Box::new(then),
+    }
+}
+
 /// Writes `bytes` at `start` of device 0 from bounce chunks (whatever they hold), waiting.
 fn write_measurement_run(shared: &Arc<Shared>, start: u64, bytes: u64) -> Result<()> {
-    use crate::backend::IoKind;
-    use crate::queue::Request;
     let chunk = shared.pool.chunk_bytes() as u64;
     let (tx, rx) = std::sync::mpsc::channel::<Result<()>>();
     let pieces = bytes / chunk;
     for i in 0..pieces {
-        let c = shared.pool.take();
-        let (s, tx) = (shared.clone(), tx.clone());
-        let request = Request {
-            kind: IoKind::Write,
-            offset: start + i * chunk,
-            buf: c.ptr,
-            len: chunk as u32,
-            fixed_index: None,
-            priority: Priority::Normal,
-            on_complete: Box::new(move |r| {
-                s.pool.put(c);
-                let _ = tx.send(r.map_err(|e| Error::io("writing the GPU path measurement run", e)));
-            }),
-        };
+        let (c, tx) = (shared.pool.take(), tx.clone());
+        let buf = c.ptr;
+        let request = measurement_request(IoKind::Write, start + i * chunk, buf, chunk, move |r| {
+            drop(c);
+            let _ = tx.send(r.map_err(|e| Error::io("writing the GPU path measurement run", e)));
+        });
         shared.queues[0].submit(std::iter::once(request));
     }
     drop(tx);
@@ -192,65 +203,36 @@ fn measure_gpu_read(
     start: u64,
     bytes: u64,
 ) -> Result<f64> {
-    use crate::backend::IoKind;
-    use crate::queue::Request;
     let chunk = shared.pool.chunk_bytes() as u64;
-    let scratch = crate::gpu::DeviceBuffer::new(ordinal, bytes as usize)?;
+    let scratch = super::DeviceBuffer::new(ordinal, bytes as usize)?;
     let device = gpu.device(ordinal)?;
     let (tx, rx) = std::sync::mpsc::channel::<Result<()>>();
     let pieces = bytes / chunk;
     let begin = std::time::Instant::now();
     for i in 0..pieces {
-        let tx = tx.clone();
-        let dst = scratch.ptr() + i * chunk;
-        let request = if via_cufile {
-            Request {
-                kind: IoKind::Read,
-                offset: start + i * chunk,
-                buf: dst as usize as *mut u8,
-                len: chunk as u32,
-                fixed_index: None,
-                priority: Priority::Normal,
-                on_complete: Box::new(move |r| {
-                    let _ = tx.send(r.map_err(|e| Error::io("cuFile read while measuring", e)));
-                }),
-            }
-        } else {
-            let c = shared.pool.take();
-            let (s, d, ptr) = (shared.clone(), device.clone(), c.ptr as usize);
-            Request {
-                kind: IoKind::Read,
-                offset: start + i * chunk,
-                buf: c.ptr,
-                len: chunk as u32,
-                fixed_index: None,
-                priority: Priority::Normal,
-                on_complete: Box::new(move |r| {
-                    if let Err(e) = r {
-                        s.pool.put(c);
-                        let _ = tx.send(Err(Error::io("read while measuring", e)));
-                        return;
-                    }
-                    let s2 = s.clone();
-                    // SAFETY: the chunk is pinned and held until the continuation; dst is ours.
-                    unsafe {
-                        d.copy.copy(
-                            crate::gpu::copy::CopyDirection::HostToDevice,
-                            ptr as *mut u8,
-                            dst,
-                            chunk as usize,
-                            Box::new(move |r| {
-                                s2.pool.put(c);
-                                let _ = tx.send(r);
-                            }),
-                        )
-                    };
-                }),
-            }
-        };
+        let (offset, dst, tx) = (start + i * chunk, scratch.ptr() + i * chunk, tx.clone());
         if via_cufile {
+            let request = measurement_request(IoKind::Read, offset, dst as usize as *mut u8, chunk, move |r| {
+                let _ = tx.send(r.map_err(|e| Error::io("cuFile read while measuring", e)));
+            });
             gpu.cufile_queues[0].submit(std::iter::once(request));
         } else {
+            let (c, device) = (shared.pool.take(), device.clone());
+            let buf = c.ptr;
+            let request = measurement_request(IoKind::Read, offset, buf, chunk, move |r| match r {
+                Err(e) => drop(tx.send(Err(Error::io("read while measuring", e)))),
+                // SAFETY: the chunk is pinned and moves into the continuation; dst is ours.
+                Ok(()) => unsafe {
+                    let host = c.ptr;
+                    device.copy.copy(
+                        CopyDirection::HostToDevice,
+                        host,
+                        dst,
+                        chunk as usize,
+                        Box::new(move |r| drop((c, tx.send(r)))),
+                    )
+                },
+            });
             shared.queues[0].submit(std::iter::once(request));
         }
     }

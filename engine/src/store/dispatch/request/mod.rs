@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 /// A piece of an op on its way to and from the device: counted in the op's `remaining` from
 /// [`PieceIo::new`] until [`PieceIo::finish`], holding its budget and its bounce chunk (if any)
-/// until then.
+/// until then (a chunk goes back to the pool when dropped).
 pub(super) struct PieceIo {
     shared: Arc<Shared>,
     op: Arc<Op>,
@@ -99,9 +99,7 @@ impl PieceIo {
     fn finish(self, result: io::Result<()>) {
         let kind = self.kind();
         let PieceIo { shared, op, piece, chunk } = self;
-        if let Some(chunk) = chunk {
-            shared.pool.put(chunk);
-        }
+        drop(chunk);
         shared.release_budget(piece.len);
         if let Err(source) = result {
             op.set_error(Error::DeviceIo {
