@@ -70,7 +70,9 @@ pub(crate) fn init_gpu(shared: &Arc<Shared>, ordinal: u32) -> Result<StoreGpu> {
             .enumerate()
             .map(|(i, d)| {
                 let b = crate::backend::cufile::CufileBackend::new(d, options.cufile_threads_per_device, ordinal)?;
-                DeviceQueue::start(i as u16, Box::new(b), shared.config.queue_depth)
+                // The same fault, power-cut and device-model wrappers as the device's host queue.
+                let b = shared.wrappers[i].wrap(Box::new(b));
+                DeviceQueue::start(i as u16, b, shared.config.queue_depth)
                     .map_err(|e| Error::io("starting a cuFile queue thread", e))
             })
             .collect::<Result<Vec<_>>>()

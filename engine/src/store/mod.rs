@@ -23,6 +23,7 @@ pub use fsck::FsckReport;
 pub use info::{DeviceInfo, StoreInfo};
 pub use open::StoreInfoAtFormat;
 
+use crate::backend::stack::DeviceWrappers;
 use crate::backend::{BackendChoice, BackendKind};
 use crate::buffer::BouncePool;
 use crate::config::OpenConfig;
@@ -51,6 +52,8 @@ pub(crate) struct Shared {
     pub gpu: std::sync::OnceLock<Result<StoreGpu>>,
     /// Before `devices`: the queues' workers stop before the device files close.
     pub queues: Vec<DeviceQueue>,
+    /// Per device: what every backend of it is wrapped in (its host queue's, its cuFile queue's).
+    pub wrappers: Vec<DeviceWrappers>,
     pub devices: Vec<Device>,
     pub pool: BouncePool,
     pub table: RwLock<HashMap<u64, Arc<Object>>>,

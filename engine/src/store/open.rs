@@ -7,8 +7,7 @@ use super::dispatch::DispatchState;
 use super::object::{Allocators, Geometry};
 use super::{commit, dispatch, identity, Shared, Store};
 use crate::backend;
-use crate::backend::fault::FaultyBackend;
-use crate::backend::powercut::PowerCutBackend;
+use crate::backend::stack::DeviceWrappers;
 use crate::buffer::{AlignedBuf, BouncePool};
 use crate::config::{FormatConfig, OpenConfig, MAX_DEVICES, MIB};
 use crate::device::{self, Access, Device};
@@ -217,22 +216,16 @@ impl Store {
         let chunk_bytes = geometry.stripe_unit.min(config.max_io_bytes);
         let chunk_count = (config.bounce_pool_bytes / chunk_bytes).clamp(2, u16::MAX as u64) as usize;
         let pool = BouncePool::new(chunk_bytes as usize, chunk_count, block as usize)?;
+        let mut wrappers = Vec::with_capacity(devices.len());
         let mut queues = Vec::with_capacity(devices.len());
         for (i, d) in devices.iter().enumerate() {
-            let mut b = backend::build(choice.kind, d, config.queue_depth, &config.uring, &pool)?;
-            if let Some(injector) = &config.fault_injector {
-                b = Box::new(FaultyBackend::new(b, i as u16, injector.clone()));
-            }
-            if let Some(dir) = config.power_cut_log_dir.as_ref().filter(|_| access == Access::Writer) {
-                b = Box::new(PowerCutBackend::new(b, i as u16, &d.file, dir, block as usize)?);
-            }
-            if let Some(model) = config.emulate {
-                b = Box::new(crate::backend::throttle::ThrottledBackend::new(b, model));
-            }
+            let w = DeviceWrappers::new(i as u16, d, &config, access == Access::Writer, block)?;
+            let b = w.wrap(backend::build(choice.kind, d, config.queue_depth, &config.uring, &pool)?);
             queues.push(
                 DeviceQueue::start(i as u16, b, config.queue_depth)
                     .map_err(|e| Error::io("starting a device queue thread", e))?,
             );
+            wrappers.push(w);
         }
 
         let budget = Budget::new(config.max_inflight_bytes, chunk_bytes);
@@ -243,6 +236,7 @@ impl Store {
             superblocks,
             gpu: std::sync::OnceLock::new(),
             queues,
+            wrappers,
             devices,
             pool,
             table: RwLock::new(table),
