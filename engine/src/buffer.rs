@@ -31,6 +31,7 @@ const HUGE_PAGE_BYTES: usize = 2 << 20;
 
 // SAFETY: AlignedBuf owns its allocation exclusively, like a Vec<u8>.
 unsafe impl Send for AlignedBuf {}
+// SAFETY: shared references give only reads of the bytes, like &[u8].
 unsafe impl Sync for AlignedBuf {}
 
 impl AlignedBuf {

@@ -49,8 +49,8 @@ impl Store {
     /// Starts writing `data` as object `id` (replacing any object of that id once durable).
     /// The ticket hands `data` back when the put is acknowledged: durable and visible to gets.
     pub fn put<B: IoBuf>(&self, id: u64, data: B, meta: &[u8], priority: Priority) -> Result<Ticket<B>> {
-        // SAFETY: the ticket owns `data`, so the memory outlives the op.
         let memory = Memory::Host { ptr: data.io_ptr() as usize, len: data.io_len() };
+        // SAFETY: the ticket owns `data`, so the memory outlives the op.
         let started = unsafe { self.start_put(PutSpec { id, meta, priority }, memory)? };
         Ok(Ticket { completion: started.completion, buffer: Some(data) })
     }
@@ -76,16 +76,16 @@ impl Store {
     /// Starts reading the whole of object `id` into `buf`, which may be longer than the object
     /// (the rest is left untouched) but not shorter.
     pub fn get<B: IoBufMut>(&self, id: u64, mut buf: B, priority: Priority) -> Result<Ticket<B>> {
-        // SAFETY: the ticket owns `buf`.
         let memory = Memory::Host { ptr: buf.io_mut_ptr() as usize, len: buf.io_len() };
+        // SAFETY: the ticket owns `buf`.
         let started = unsafe { self.start_get(GetSpec { id, offset: 0, whole: true, priority }, memory)? };
         Ok(Ticket { completion: started.completion, buffer: Some(buf) })
     }
 
     /// Starts reading `buf.len()` bytes of object `id` from byte `offset` into `buf`.
     pub fn get_range<B: IoBufMut>(&self, id: u64, offset: u64, mut buf: B, priority: Priority) -> Result<Ticket<B>> {
-        // SAFETY: the ticket owns `buf`.
         let memory = Memory::Host { ptr: buf.io_mut_ptr() as usize, len: buf.io_len() };
+        // SAFETY: the ticket owns `buf`.
         let started = unsafe { self.start_get(GetSpec { id, offset, whole: false, priority }, memory)? };
         Ok(Ticket { completion: started.completion, buffer: Some(buf) })
     }
@@ -105,8 +105,8 @@ impl Store {
         whole: bool,
         priority: Priority,
     ) -> Result<Ticket<()>> {
-        // SAFETY: forwarded contract.
         let memory = Memory::Host { ptr: ptr as usize, len };
+        // SAFETY: forwarded contract.
         let started = unsafe { self.start_get(GetSpec { id, offset, whole, priority }, memory)? };
         Ok(Ticket { completion: started.completion, buffer: Some(()) })
     }
