@@ -240,6 +240,10 @@ impl BouncePool {
         Some(self.inner.chunk(&mut free, index))
     }
 
+    pub fn chunk_count(&self) -> usize {
+        self.inner.chunk_count
+    }
+
     pub fn free_chunks(&self) -> usize {
         self.inner.free.lock().expect("pool lock").indexes.len()
     }
