@@ -45,6 +45,9 @@ pub(in crate::store::dispatch) fn start_put(shared: &Arc<Shared>, op: &Arc<Op>, 
 }
 
 /// The chunk holds the piece: its checksum is taken and the disk write goes to the device's queue.
+/// NOTE: the write goes straight to the device queue (`DeviceQueue::submit`, the dispatcher's
+/// own way in), not back through the dispatcher: the dispatcher may be waiting for a bounce chunk
+/// that only this write's completion gives back.
 fn after_put_copy(io: PieceIo, copied: Result<()>) {
     if let Err(e) = copied {
         return io.fail(e);
