@@ -19,17 +19,19 @@ struct Batch<'a> {
     shared: &'a Shared,
     /// Per store device: its host-memory queue.
     host: Vec<Vec<Request>>,
-    /// Per store device: its cuFile queue (GPU ops on the cuFile path only).
+    /// Per store device: its cuFile queue (GPU ops on the cuFile path only; else empty).
     cufile: Vec<Vec<Request>>,
 }
 
 impl Batch<'_> {
-    fn new(shared: &Shared) -> Batch<'_> {
+    /// An empty batch; with `cufile`, room for requests to the cuFile queues too.
+    fn new(shared: &Shared, cufile: bool) -> Batch<'_> {
         let count = shared.geometry.device_count as usize;
+        let cufile_count = if cufile { count } else { 0 };
         Batch {
             shared,
             host: (0..count).map(|_| Vec::new()).collect(),
-            cufile: (0..count).map(|_| Vec::new()).collect(),
+            cufile: (0..cufile_count).map(|_| Vec::new()).collect(),
         }
     }
 
@@ -57,7 +59,7 @@ pub(super) fn dispatch_slice(shared: &Arc<Shared>, pending: &mut PendingOp, may_
     let g = &shared.geometry;
     let slice_end = pending.end.min(pending.cursor + DISPATCH_SLICE_BYTES);
     let pieces = slice_pieces(shared, &op, pending.cursor, slice_end);
-    let mut batch = Batch::new(shared);
+    let mut batch = Batch::new(shared, op.gpu.as_ref().is_some_and(|g| g.use_cufile));
     for piece in pieces {
         if !shared.try_acquire_budget(piece.len, op.priority) {
             // Submit what was built before waiting: it holds budget and bounce chunks.
