@@ -28,6 +28,7 @@ use teraio_engine::{parse_size, FormatConfig, GpuOptions, GpuPath, OpenConfig, P
 type Failure = Box<dyn std::error::Error>;
 
 fn cpu_seconds() -> f64 {
+    // SAFETY: rusage is plain old data, for which all zeros is a valid value.
     let mut u: libc::rusage = unsafe { std::mem::zeroed() };
     // SAFETY: valid out-pointer.
     unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
@@ -84,6 +85,7 @@ struct PinnedHost {
 }
 // SAFETY: plain memory shared by worker threads on disjoint ranges.
 unsafe impl Send for PinnedHost {}
+// SAFETY: as for Send: threads touch disjoint ranges.
 unsafe impl Sync for PinnedHost {}
 
 impl PinnedHost {

@@ -5,7 +5,7 @@
 use crate::error::{Error, Result};
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::ptr::NonNull;
-use std::sync::{Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 
 /// A zeroed, aligned heap buffer. Buffers of 2 MiB and more are their own anonymous mappings,
 /// 2 MiB aligned and advised to use transparent huge pages: an O_DIRECT request into 4 KiB pages
@@ -31,6 +31,7 @@ const HUGE_PAGE_BYTES: usize = 2 << 20;
 
 // SAFETY: AlignedBuf owns its allocation exclusively, like a Vec<u8>.
 unsafe impl Send for AlignedBuf {}
+// SAFETY: shared references give only reads of the bytes, like &[u8].
 unsafe impl Sync for AlignedBuf {}
 
 impl AlignedBuf {
@@ -126,23 +127,71 @@ impl AsMut<[u8]> for AlignedBuf {
 }
 
 /// A fixed set of equal, aligned chunks carved from one slab allocated at start-up. Taking a chunk
-/// blocks while all are in use, which bounds the bounce memory.
+/// blocks while all are in use, which bounds the bounce memory. A chunk goes back to the pool when
+/// it is dropped, wherever that happens (a request's completion, a copy's continuation, an error
+/// path), so none can leak or be given back twice.
 pub struct BouncePool {
+    inner: Arc<PoolInner>,
+}
+
+struct PoolInner {
     slab: AlignedBuf,
     chunk_bytes: usize,
-    free: Mutex<Vec<u16>>,
+    chunk_count: usize,
+    /// Free chunk indexes, and per chunk whether it is taken (to assert no chunk is handed out
+    /// twice or comes back twice).
+    free: Mutex<FreeList>,
     available: Condvar,
 }
 
-/// A chunk taken from the pool; give it back with [`BouncePool::put`].
+struct FreeList {
+    indexes: Vec<u16>,
+    taken: Vec<bool>,
+}
+
+/// A chunk taken from the pool, exclusively its holder's; dropping it gives it back.
 #[derive(Debug)]
 pub struct BounceChunk {
     pub index: u16,
     pub ptr: *mut u8,
+    pool: Arc<PoolInner>,
 }
 
-// SAFETY: a chunk is exclusively owned by whoever took it until it is put back.
+impl std::fmt::Debug for PoolInner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "BouncePool({} chunks of {} bytes)", self.chunk_count, self.chunk_bytes)
+    }
+}
+
+// SAFETY: a chunk's bytes are exclusively its holder's until it is dropped, and the pool's state is
+// behind its mutex.
 unsafe impl Send for BounceChunk {}
+
+impl Drop for BounceChunk {
+    fn drop(&mut self) {
+        let mut free = self.pool.free.lock().expect("pool lock");
+        let taken = &mut free.taken[self.index as usize];
+        assert!(*taken, "bounce chunk {} given back twice", self.index);
+        *taken = false;
+        free.indexes.push(self.index);
+        assert!(free.indexes.len() <= self.pool.chunk_count);
+        drop(free);
+        self.pool.available.notify_one();
+    }
+}
+
+impl PoolInner {
+    /// Hands out chunk `index`, just popped from the free list.
+    fn chunk(self: &Arc<Self>, free: &mut FreeList, index: u16) -> BounceChunk {
+        let taken = &mut free.taken[index as usize];
+        assert!(!*taken, "bounce chunk {index} handed out twice");
+        *taken = true;
+        assert!((index as usize) < self.chunk_count);
+        // SAFETY: index < chunk_count, so the chunk lies inside the slab.
+        let ptr = unsafe { (self.slab.as_ptr() as *mut u8).add(index as usize * self.chunk_bytes) };
+        BounceChunk { index, ptr, pool: self.clone() }
+    }
+}
 
 impl BouncePool {
     pub fn new(chunk_bytes: usize, chunk_count: usize, align: usize) -> Result<Self> {
@@ -152,54 +201,51 @@ impl BouncePool {
             )));
         }
         let slab = AlignedBuf::new(chunk_bytes * chunk_count, align)?;
+        let free = FreeList { indexes: (0..chunk_count as u16).rev().collect(), taken: vec![false; chunk_count] };
         Ok(BouncePool {
-            slab,
-            chunk_bytes,
-            free: Mutex::new((0..chunk_count as u16).rev().collect()),
-            available: Condvar::new(),
+            inner: Arc::new(PoolInner {
+                slab,
+                chunk_bytes,
+                chunk_count,
+                free: Mutex::new(free),
+                available: Condvar::new(),
+            }),
         })
     }
 
     pub fn chunk_bytes(&self) -> usize {
-        self.chunk_bytes
+        self.inner.chunk_bytes
     }
 
     /// The whole slab, for registration with io_uring.
     pub fn slab(&self) -> (*mut u8, usize) {
-        (self.slab.as_ptr() as *mut u8, self.slab.len())
+        (self.inner.slab.as_ptr() as *mut u8, self.inner.slab.len())
     }
 
     /// Takes a chunk, waiting while none is free. The chunk's bytes are whatever the last user left.
     pub fn take(&self) -> BounceChunk {
-        let mut free = self.free.lock().expect("pool lock");
+        let mut free = self.inner.free.lock().expect("pool lock");
         loop {
-            if let Some(index) = free.pop() {
-                // SAFETY: index < chunk_count, so the chunk lies inside the slab.
-                let ptr = unsafe { (self.slab.as_ptr() as *mut u8).add(index as usize * self.chunk_bytes) };
-                return BounceChunk { index, ptr };
+            if let Some(index) = free.indexes.pop() {
+                return self.inner.chunk(&mut free, index);
             }
-            free = self.available.wait(free).expect("pool lock");
+            free = self.inner.available.wait(free).expect("pool lock");
         }
     }
 
     /// Takes a chunk if one is free now.
     pub fn try_take(&self) -> Option<BounceChunk> {
-        let index = self.free.lock().expect("pool lock").pop()?;
-        // SAFETY: index < chunk_count, so the chunk lies inside the slab.
-        let ptr = unsafe { (self.slab.as_ptr() as *mut u8).add(index as usize * self.chunk_bytes) };
-        Some(BounceChunk { index, ptr })
+        let mut free = self.inner.free.lock().expect("pool lock");
+        let index = free.indexes.pop()?;
+        Some(self.inner.chunk(&mut free, index))
     }
 
-    pub fn put(&self, chunk: BounceChunk) {
-        let mut free = self.free.lock().expect("pool lock");
-        debug_assert!(!free.contains(&chunk.index));
-        free.push(chunk.index);
-        drop(free);
-        self.available.notify_one();
+    pub fn chunk_count(&self) -> usize {
+        self.inner.chunk_count
     }
 
     pub fn free_chunks(&self) -> usize {
-        self.free.lock().expect("pool lock").len()
+        self.inner.free.lock().expect("pool lock").indexes.len()
     }
 }
 
@@ -236,8 +282,9 @@ mod tests {
         std::thread::sleep(std::time::Duration::from_millis(50));
         assert!(!waiter.is_finished());
         let freed = a.index;
-        pool.put(a);
-        assert_eq!(waiter.join().unwrap(), freed);
-        pool.put(b);
+        drop(a);
+        assert_eq!(waiter.join().unwrap(), freed, "a dropped chunk goes back to the pool");
+        drop(b);
+        assert_eq!(pool.free_chunks(), 2);
     }
 }

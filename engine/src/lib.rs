@@ -6,6 +6,7 @@
 //! in-flight budget -> [`queue`] (one worker per device, urgent lane first) -> [`backend`]
 //! (io_uring or psync, or a fault-injecting wrapper). The on-disk format is in `docs/format.md`.
 //! GPU memory (put/get from CUDA device pointers, the pinned bounce and cuFile paths) is in [`gpu`].
+//! docs/internals.md describes the threads, an op's life and the lock order.
 
 pub mod backend;
 pub mod buffer;

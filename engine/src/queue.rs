@@ -153,6 +153,8 @@ struct Worker {
 impl Worker {
     fn new(backend: Box<dyn Backend>, depth: usize, shared: Arc<Shared>) -> Self {
         let reserve = if depth > 1 { (depth / 8).max(1) } else { 0 };
+        // Normal requests always get a slot; with a depth above 1 urgent ones keep some.
+        assert!(depth - reserve >= 1 && (depth == 1 || reserve >= 1));
         Worker {
             backend,
             depth,
@@ -167,6 +169,8 @@ impl Worker {
         let f = &self.in_flight[slot];
         let r = &f.request;
         let done = f.done_bytes;
+        assert!(r.kind == IoKind::Flush || done < r.len, "a slot goes to the device with bytes left");
+        assert!(self.in_flight.len() <= self.depth, "no more slots in flight than the depth");
         let request = BackendRequest {
             token: slot as u64,
             kind: r.kind,
@@ -196,6 +200,10 @@ impl Worker {
                         None
                     };
                     let Some(request) = next else { break };
+                    assert!(
+                        request.priority == Priority::Urgent || self.in_flight.len() < self.normal_depth,
+                        "normal requests leave the reserved slots to urgent ones"
+                    );
                     let slot =
                         self.in_flight.insert(InFlight { request, done_bytes: 0, retries: 0, started: Instant::now() });
                     self.push(slot);
@@ -257,6 +265,7 @@ impl Worker {
             )))
         } else {
             f.done_bytes += c.result as u32;
+            assert!(f.done_bytes <= f.request.len, "the device moved more bytes than asked");
             if f.done_bytes < f.request.len {
                 f.retries += 1;
                 None

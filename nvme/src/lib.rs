@@ -3,7 +3,7 @@
 //! - [`passthru`]: NVMe commands through io_uring passthrough (`IORING_OP_URING_CMD`) on the
 //!   namespace's generic character device /dev/ngXnY; big SQEs/CQEs, registered buffers,
 //!   optional polled completions. Stores on whole namespaces use it through
-//!   `BackendKind::External("nvme-passthru")` after [`register`].
+//!   `BackendKind::External(teraio_nvme::PASSTHRU)`.
 //! - [`vfio`]: a userspace NVMe driver over VFIO: BAR0 mapped, admin queue, identify, one I/O
 //!   queue pair per engine worker, PRP lists, polled completions; no kernel on the data path.
 //!
@@ -17,22 +17,27 @@ pub mod vfio;
 pub use error::{NvmeError, Result};
 pub use passthru::{identify, Namespace, PassthruBackend, PassthruOptions};
 
-use teraio_engine::backend::{self, Backend};
+use teraio_engine::backend::{Backend, BackendFactory};
 use teraio_engine::buffer::BouncePool;
 use teraio_engine::device::Device;
 
-/// Name of the passthrough backend for `BackendKind::External` and `--backend`.
-pub const PASSTHRU: &str = "nvme-passthru";
+/// The passthrough backend, for `BackendKind::External`: on /dev/nvmeXnY paths. The store's
+/// layout goes on the whole namespace: superblocks and metadata are read at open through the
+/// block device, every data-path request through /dev/ngXnY.
+pub const PASSTHRU: BackendFactory =
+    BackendFactory { name: "nvme-passthru", build: |d, depth, pool| passthru_factory(d, depth, pool, false) };
 /// The same with polled completions (needs nvme.poll_queues > 0).
-pub const PASSTHRU_IOPOLL: &str = "nvme-passthru-iopoll";
-/// The userspace driver, for stores on `/sys/bus/pci/devices/<PCI address>` paths.
-pub const VFIO: &str = "nvme-vfio";
+pub const PASSTHRU_IOPOLL: BackendFactory =
+    BackendFactory { name: "nvme-passthru-iopoll", build: |d, depth, pool| passthru_factory(d, depth, pool, true) };
+/// The userspace driver, for stores on `/sys/bus/pci/devices/<PCI address>` paths (after
+/// [`register`]).
+pub const VFIO: BackendFactory = BackendFactory { name: "nvme-vfio", build: vfio_factory };
 
 fn vfio_factory(device: &Device, depth: usize, pool: &BouncePool) -> teraio_engine::Result<Box<dyn Backend>> {
     let namespace =
         device.external.as_ref().and_then(|e| e.as_any().downcast_ref::<vfio::namespace::VfioNamespace>()).ok_or_else(
             || teraio_engine::Error::BackendUnavailable {
-                backend: VFIO,
+                backend: VFIO.name,
                 reason: format!(
                     "{} is not a VFIO namespace (give it as /sys/bus/pci/devices/<PCI address>)",
                     device.path.display()
@@ -53,7 +58,7 @@ fn passthru_factory(
 ) -> teraio_engine::Result<Box<dyn Backend>> {
     if !device.is_block_device {
         return Err(teraio_engine::Error::BackendUnavailable {
-            backend: PASSTHRU,
+            backend: PASSTHRU.name,
             reason: format!("{} is not an NVMe namespace block device (/dev/nvmeXnY)", device.path.display()),
         });
     }
@@ -62,17 +67,9 @@ fn passthru_factory(
     Ok(Box::new(b))
 }
 
-/// Registers the passthrough backends with the engine so `Store::open` can use them:
-/// `OpenConfig { backend: BackendKind::External(teraio_nvme::PASSTHRU), .. }` on /dev/nvmeXnY
-/// paths. The store's layout goes on the whole namespace: superblocks and metadata are read at
-/// open through the block device, every data-path request through /dev/ngXnY.
-///
-/// It also makes `/sys/bus/pci/devices/<PCI address>` paths of controllers bound to vfio-pci open
-/// as userspace-driven namespaces, for stores with
-/// `BackendKind::External(teraio_nvme::VFIO)`.
+/// Makes `/sys/bus/pci/devices/<PCI address>` paths of controllers bound to vfio-pci open as
+/// userspace-driven namespaces, for stores with `BackendKind::External(teraio_nvme::VFIO)`. The
+/// passthrough backends need nothing registered.
 pub fn register() {
-    backend::register_external(PASSTHRU, |d, depth, pool| passthru_factory(d, depth, pool, false));
-    backend::register_external(PASSTHRU_IOPOLL, |d, depth, pool| passthru_factory(d, depth, pool, true));
-    backend::register_external(VFIO, vfio_factory);
     teraio_engine::device::register_external_device(vfio::namespace::open_device);
 }

@@ -240,7 +240,7 @@ fn whole_namespace_stores_stripe_and_survive_reopen_on_passthrough() {
     let Some(namespaces) = namespaces() else { return };
     assert!(namespaces.len() >= 2, "striping needs at least 2 namespaces");
     teraio_nvme::register();
-    let kinds: &[&'static str] = if teraio_nvme::passthru::check_iopoll_kernel().is_ok() {
+    let kinds: &[teraio_engine::backend::BackendFactory] = if teraio_nvme::passthru::check_iopoll_kernel().is_ok() {
         &[teraio_nvme::PASSTHRU, teraio_nvme::PASSTHRU_IOPOLL]
     } else {
         &[teraio_nvme::PASSTHRU]

@@ -8,6 +8,7 @@ pub mod cufile;
 pub mod fault;
 pub mod powercut;
 pub mod psync;
+pub(crate) mod stack;
 pub mod throttle;
 pub mod uring;
 
@@ -90,27 +91,39 @@ pub enum BackendKind {
     Auto,
     IoUring,
     Psync,
-    /// A backend from another crate, registered with [`register_external`] (teraio-nvme's NVMe
-    /// passthrough).
-    External(&'static str),
+    /// A backend from another crate, built by its factory (teraio-nvme's NVMe passthrough and
+    /// userspace driver: `teraio_nvme::PASSTHRU`, ...).
+    External(BackendFactory),
 }
 
-/// Builds one device's backend for an [`BackendKind::External`] kind: (device, depth, bounce pool).
-pub type ExternalFactory = fn(&Device, usize, &BouncePool) -> Result<Box<dyn Backend>>;
+/// Builds one device's backend of another crate: (device, depth, bounce pool).
+pub type BuildBackend = fn(&Device, usize, &BouncePool) -> Result<Box<dyn Backend>>;
 
-static EXTERNAL: std::sync::Mutex<Vec<(&'static str, ExternalFactory)>> = std::sync::Mutex::new(Vec::new());
-
-/// Makes `BackendKind::External(name)` (and the name in `FromStr`) usable; registering again replaces.
-pub fn register_external(name: &'static str, factory: ExternalFactory) {
-    let mut list = EXTERNAL.lock().expect("external backends");
-    list.retain(|(n, _)| *n != name);
-    list.push((name, factory));
+/// A backend of another crate, as an open config names it: its name (for reports and errors) and
+/// how to build it for one device.
+#[derive(Clone, Copy)]
+pub struct BackendFactory {
+    pub name: &'static str,
+    pub build: BuildBackend,
 }
 
-fn external(name: &str) -> Option<(&'static str, ExternalFactory)> {
-    EXTERNAL.lock().expect("external backends").iter().find(|(n, _)| *n == name).copied()
+impl std::fmt::Debug for BackendFactory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "BackendFactory({:?})", self.name)
+    }
 }
 
+/// Factories are told apart by name (comparing function pointers is not reliable).
+impl PartialEq for BackendFactory {
+    fn eq(&self, other: &Self) -> bool {
+        self.name == other.name
+    }
+}
+
+impl Eq for BackendFactory {}
+
+/// The backend names users give (`backend="auto"` in Python, `--backend` in the CLI); external
+/// backends are not named by strings but passed as [`BackendKind::External`] factories.
 impl std::str::FromStr for BackendKind {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
@@ -118,7 +131,6 @@ impl std::str::FromStr for BackendKind {
             "auto" => Ok(BackendKind::Auto),
             "io_uring" | "uring" | "io-uring" => Ok(BackendKind::IoUring),
             "psync" => Ok(BackendKind::Psync),
-            other if external(other).is_some() => Ok(BackendKind::External(external(other).unwrap().0)),
             other => Err(Error::InvalidConfig(format!("unknown backend {other:?}; use auto, io_uring or psync"))),
         }
     }
@@ -145,10 +157,9 @@ pub struct BackendChoice {
 pub fn choose(requested: BackendKind, uring: &UringOptions) -> Result<BackendChoice> {
     match requested {
         BackendKind::Psync => Ok(BackendChoice { kind: BackendKind::Psync, reason: "psync requested".into() }),
-        BackendKind::External(name) => match external(name) {
-            Some(_) => Ok(BackendChoice { kind: requested, reason: format!("{name} requested") }),
-            None => Err(Error::BackendUnavailable { backend: name, reason: "not registered".into() }),
-        },
+        BackendKind::External(factory) => {
+            Ok(BackendChoice { kind: requested, reason: format!("{} requested", factory.name) })
+        }
         BackendKind::IoUring => match uring::probe(uring) {
             Ok(()) => Ok(BackendChoice { kind: BackendKind::IoUring, reason: "io_uring requested".into() }),
             Err(e) => Err(Error::BackendUnavailable { backend: "io_uring", reason: e.to_string() }),
@@ -179,10 +190,7 @@ pub fn build(
     match kind {
         BackendKind::IoUring => Ok(Box::new(uring::UringBackend::new(device, depth, uring_options, pool)?)),
         BackendKind::Psync => Ok(Box::new(psync::PsyncBackend::new(device, depth)?)),
-        BackendKind::External(name) => match external(name) {
-            Some((_, factory)) => factory(device, depth, pool),
-            None => Err(Error::BackendUnavailable { backend: name, reason: "not registered".into() }),
-        },
+        BackendKind::External(factory) => (factory.build)(device, depth, pool),
         BackendKind::Auto => unreachable!("resolve Auto with choose() first"),
     }
 }

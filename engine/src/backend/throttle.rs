@@ -7,6 +7,7 @@
 use super::{Backend, BackendCompletion, BackendRequest, IoKind, Waker};
 use std::collections::HashMap;
 use std::io;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// The modelled device.
@@ -51,19 +52,23 @@ impl DeviceModel {
     }
 }
 
+/// When a modelled device finishes the transfers accepted so far: one per device, shared by every
+/// backend stack of it (its host queue and its cuFile queue), since they share its bandwidth.
+pub type BusyUntil = Arc<Mutex<Instant>>;
+
 pub struct ThrottledBackend {
     inner: Box<dyn Backend>,
     model: DeviceModel,
-    /// When the modelled device finishes the transfers accepted so far.
-    busy_until: Instant,
+    busy_until: BusyUntil,
     deadlines: HashMap<u64, Instant>,
     /// Completions the inner backend finished but the model has not yet.
     held: Vec<(Instant, BackendCompletion)>,
 }
 
 impl ThrottledBackend {
-    pub fn new(inner: Box<dyn Backend>, model: DeviceModel) -> Self {
-        ThrottledBackend { inner, model, busy_until: Instant::now(), deadlines: HashMap::new(), held: Vec::new() }
+    /// Wraps `inner` as a device of `model` whose transfers `busy_until` orders.
+    pub fn new(inner: Box<dyn Backend>, model: DeviceModel, busy_until: &BusyUntil) -> Self {
+        ThrottledBackend { inner, model, busy_until: busy_until.clone(), deadlines: HashMap::new(), held: Vec::new() }
     }
 
     fn release_due(&mut self, now: Instant, out: &mut Vec<BackendCompletion>) {
@@ -85,9 +90,11 @@ impl Backend for ThrottledBackend {
 
     unsafe fn push(&mut self, request: BackendRequest) {
         let now = Instant::now();
-        let start = self.busy_until.max(now);
-        let end = start + self.model.transfer_time(request.kind, request.len);
-        self.busy_until = end;
+        let end = {
+            let mut busy_until = self.busy_until.lock().expect("device model");
+            *busy_until = (*busy_until).max(now) + self.model.transfer_time(request.kind, request.len);
+            *busy_until
+        };
         self.deadlines.insert(request.token, end + self.model.latency);
         // SAFETY: forwarded under the caller's contract.
         unsafe { self.inner.push(request) }
@@ -142,7 +149,7 @@ mod tests {
         // 200 MB/s: 32 MiB take ~168 ms whatever the file underneath can do.
         let model =
             DeviceModel { read_bytes_per_s: 200e6, write_bytes_per_s: 200e6, latency: Duration::from_micros(50) };
-        let mut b = ThrottledBackend::new(inner, model);
+        let mut b = ThrottledBackend::new(inner, model, &Arc::new(Mutex::new(Instant::now())));
         let mut buf = vec![0u8; 1 << 20];
         let started = Instant::now();
         let mut done = 0;

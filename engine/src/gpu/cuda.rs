@@ -87,6 +87,7 @@ pub struct Context {
 
 // SAFETY: a CUcontext handle may be made current on any thread.
 unsafe impl Send for Context {}
+// SAFETY: as for Send; shared use goes through the same thread-safe handle.
 unsafe impl Sync for Context {}
 
 thread_local! {
@@ -227,14 +228,15 @@ pub struct Stream {
 
 // SAFETY: stream handles are thread-safe in the driver API.
 unsafe impl Send for Stream {}
+// SAFETY: as for Send; shared use goes through the same thread-safe handle.
 unsafe impl Sync for Stream {}
 
 impl Stream {
     pub fn new(ctx: &Context) -> Result<Stream> {
         ctx.make_current()?;
         let mut raw = std::ptr::null_mut();
-        // SAFETY: valid out-pointer.
         check(
+            // SAFETY: valid out-pointer.
             unsafe { sys::cuStreamCreate(&mut raw, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) },
             "cuStreamCreate",
         )?;
@@ -256,6 +258,7 @@ pub struct Event {
 
 // SAFETY: event handles are thread-safe in the driver API.
 unsafe impl Send for Event {}
+// SAFETY: as for Send; shared use goes through the same thread-safe handle.
 unsafe impl Sync for Event {}
 
 impl Event {
@@ -300,6 +303,7 @@ pub struct PinnedRegistration {
 
 // SAFETY: only the address is kept.
 unsafe impl Send for PinnedRegistration {}
+// SAFETY: as for Send; shared use goes through the same thread-safe handle.
 unsafe impl Sync for PinnedRegistration {}
 
 impl PinnedRegistration {
@@ -318,8 +322,8 @@ impl PinnedRegistration {
         debug_assert!(host as usize >= self.ptr as usize && (host as usize) < self.ptr as usize + self.len);
         ctx.make_current()?;
         let mut d: DevicePtr = 0;
-        // SAFETY: `host` lies in registered, mapped memory.
         check(
+            // SAFETY: `host` lies in registered, mapped memory.
             unsafe { sys::cuMemHostGetDevicePointer_v2(&mut d, host as *mut c_void, 0) },
             "cuMemHostGetDevicePointer",
         )?;

@@ -196,6 +196,7 @@ pub struct FileHandle {
 
 // SAFETY: cuFile handles may be used from any thread ("all APIs are thread-safe").
 unsafe impl Send for FileHandle {}
+// SAFETY: as for Send; shared use goes through the same thread-safe handle.
 unsafe impl Sync for FileHandle {}
 
 impl CuFile {

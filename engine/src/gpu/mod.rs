@@ -19,6 +19,7 @@ pub mod handoff;
 pub mod memory;
 pub mod probe;
 pub(crate) mod runtime;
+pub(crate) mod select;
 
 pub use cuda::DevicePtr;
 pub use memory::{DeviceBuffer, DeviceIoBuf, DeviceSlice};

@@ -125,6 +125,7 @@ const FS_XFS: i64 = 0x5846_5342;
 
 fn fs_type(path: &Path) -> Option<i64> {
     let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).ok()?;
+    // SAFETY: statfs is plain old data, for which all zeros is a valid value.
     let mut s: libc::statfs = unsafe { std::mem::zeroed() };
     // SAFETY: valid path and out-pointer.
     (unsafe { libc::statfs(c.as_ptr(), &mut s) } == 0).then_some(s.f_type as i64)

@@ -3,8 +3,8 @@
 //! and only then are the changes applied to the in-memory table and the callers told. When the
 //! journal ring is full, the table is checkpointed first. Recovery reverses this on open.
 
-use super::dispatch::{Op, OpObject};
 use super::object::{Allocators, Geometry, Object};
+use super::op::{Op, OpObject};
 use super::Shared;
 use crate::backend::IoKind;
 use crate::buffer::AlignedBuf;

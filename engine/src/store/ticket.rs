@@ -32,6 +32,8 @@ unsafe impl IoBuf for Vec<u8> {
         self.len()
     }
 }
+
+// SAFETY: as its IoBuf impl; the bytes are writable through `&mut self`.
 unsafe impl IoBufMut for Vec<u8> {
     fn io_mut_ptr(&mut self) -> *mut u8 {
         self.as_mut_ptr()
@@ -46,6 +48,8 @@ unsafe impl IoBuf for Box<[u8]> {
         self.len()
     }
 }
+
+// SAFETY: as its IoBuf impl; the bytes are writable through `&mut self`.
 unsafe impl IoBufMut for Box<[u8]> {
     fn io_mut_ptr(&mut self) -> *mut u8 {
         self.as_mut_ptr()
@@ -60,6 +64,8 @@ unsafe impl IoBuf for crate::buffer::AlignedBuf {
         self.len()
     }
 }
+
+// SAFETY: as its IoBuf impl; the bytes are writable through `&mut self`.
 unsafe impl IoBufMut for crate::buffer::AlignedBuf {
     fn io_mut_ptr(&mut self) -> *mut u8 {
         self.as_mut_ptr()

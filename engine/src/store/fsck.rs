@@ -1,0 +1,173 @@
+//! Checking a store (`fsck`) and repairing what can be fixed without loss: damaged superblock
+//! copies and a damaged newest checkpoint.
+
+use super::object::Object;
+use super::ticket::Ticket;
+use super::{commit, identity, verify, Store};
+use crate::buffer::AlignedBuf;
+use crate::config::OpenConfig;
+use crate::device::{Access, Device};
+use crate::error::{Error, Result};
+use crate::layout::codec::round_up;
+use crate::queue::Priority;
+use std::path::Path;
+use std::sync::Arc;
+
+/// What `fsck` found.
+#[derive(Debug, Clone, Default)]
+pub struct FsckReport {
+    pub objects_checked: u64,
+    pub bytes_checked: u64,
+    pub units_checked: u64,
+    /// One line per problem (still there after any repair); empty when the store is sound.
+    pub problems: Vec<String>,
+    /// Harmless findings, one line each: the remains of interrupted writes that recovery ignores.
+    pub notes: Vec<String>,
+    /// What `fsck_paths` with `repair` fixed, one line each.
+    pub repairs: Vec<String>,
+}
+
+/// The problems of a check that `fsck_paths` with `repair` can fix.
+#[derive(Debug, Default)]
+struct Fixable {
+    /// Damaged or disagreeing superblock copies (a writer's open rewrites both copies).
+    superblock_copies: Vec<String>,
+    /// A damaged newest checkpoint, recovered from without loss (a new checkpoint replaces it).
+    checkpoint: bool,
+}
+
+impl Fixable {
+    fn is_empty(&self) -> bool {
+        self.superblock_copies.is_empty() && !self.checkpoint
+    }
+
+    /// Fixes these problems as a writer (none may hold the store); returns one line per repair.
+    /// A writer's open rewrites both superblock copies of every device from the good one
+    /// (`identity::write_epoch_at_open`); a checkpoint replaces a damaged newest one.
+    fn repair(&self, paths: &[impl AsRef<Path>], config: OpenConfig) -> Result<Vec<String>> {
+        let mut repairs: Vec<String> = self.superblock_copies.iter().map(|p| format!("rewrote {p}")).collect();
+        let store = Store::open(paths, config)?;
+        if self.checkpoint {
+            store.checkpoint()?;
+            repairs.push("wrote a new checkpoint in place of the damaged newest one".into());
+        }
+        store.close()?;
+        Ok(repairs)
+    }
+}
+
+impl FsckReport {
+    pub fn is_clean(&self) -> bool {
+        self.problems.is_empty()
+    }
+}
+
+impl Store {
+    /// Checks the store and writes nothing: both superblock copies of every device (each bad
+    /// copy reported on its own), what recovery found in the checkpoints and the journal at open
+    /// (a damaged newest checkpoint; the remains of interrupted writes as notes), that no two
+    /// objects share a block (already enforced at open), and every stripe unit's checksum,
+    /// reading all data. A writer's open has already rewritten damaged superblock copies; for
+    /// the store as it lies on disk, use [`Store::fsck_paths`].
+    pub fn fsck(&self) -> Result<FsckReport> {
+        self.check().map(|(report, _)| report)
+    }
+
+    /// `fsck`, and which of its problems a writer's open and a checkpoint would fix.
+    fn check(&self) -> Result<(FsckReport, Fixable)> {
+        let mut report = FsckReport::default();
+        for (d, sb) in self.shared.devices.iter().zip(&self.shared.superblocks) {
+            let copies = identity::read_copies(d);
+            if copies.chosen().is_some_and(|c| !c.same_identity(sb)) {
+                report.problems.push(format!(
+                    "{}: device {}: the superblock on disk differs from the one read at open",
+                    d.path.display(),
+                    sb.device_index
+                ));
+            }
+        }
+        let fixable = Fixable {
+            superblock_copies: identity::copy_problems(&self.shared.devices),
+            checkpoint: self.shared.recovery.checkpoint_damaged,
+        };
+        report.problems.extend(fixable.superblock_copies.iter().cloned());
+        report.problems.extend(self.shared.recovery.problems.iter().cloned());
+        report.notes.extend(self.shared.recovery.notes.iter().cloned());
+        let objects: Vec<Arc<Object>> = self.shared.table.read().expect("table").values().cloned().collect();
+        let g = &self.shared.geometry;
+        for o in objects {
+            let r = &o.record;
+            report.objects_checked += 1;
+            if let Err(e) = g.validate(r) {
+                report.problems.push(e.to_string());
+                continue;
+            }
+            let padded = round_up(r.len_bytes, g.block_size);
+            let mut buf = AlignedBuf::new(padded as usize, g.block_size as usize)?;
+            // SAFETY: we wait before `buf` goes away.
+            let got =
+                unsafe { self.get_raw_ticket(r.id, 0, buf.as_mut_ptr(), padded as usize, true, Priority::Normal) }
+                    .and_then(Ticket::wait);
+            if let Err(e) = got {
+                if !matches!(e, Error::NotFound { .. }) {
+                    report.problems.push(format!("object {}: {e}", r.id));
+                }
+                continue;
+            }
+            report.bytes_checked += r.len_bytes;
+            for (unit, crc) in r.unit_crcs.iter().enumerate() {
+                let start = unit as u64 * g.stripe_unit;
+                let end = (start + g.stripe_unit).min(r.len_bytes);
+                report.units_checked += 1;
+                if crc32c::crc32c(&buf[start as usize..end as usize]) != *crc {
+                    let (device, device_offset) = verify::unit_location(g, r, unit as u64);
+                    report.problems.push(
+                        Error::ChecksumMismatch { id: r.id, unit: unit as u64, device, device_offset }.to_string(),
+                    );
+                }
+            }
+        }
+        Ok((report, fixable))
+    }
+
+    /// Checks the store on `paths` as it lies on disk, beside a writer if one holds it: opens it
+    /// read-only and runs [`Store::fsck`]. A store too damaged to open is one problem (the open
+    /// error, which names what and where), after each damaged superblock copy.
+    ///
+    /// With `repair`, and when no writer holds the store, then fixes what can be fixed without
+    /// losing anything, lists it in `repairs`, and checks again (`problems` is what is left): a
+    /// damaged superblock copy is rewritten from the good one, a damaged newest checkpoint is
+    /// replaced by a new one. Damaged object data, journal batches and devices cannot be rebuilt
+    /// (teraio keeps no second copy): they stay problems.
+    pub fn fsck_paths(paths: &[impl AsRef<Path>], config: OpenConfig, repair: bool) -> Result<FsckReport> {
+        let found = match Store::open_read_only(paths, config.clone()) {
+            Ok(store) => {
+                let found = store.check();
+                store.close()?;
+                found?
+            }
+            Err(e @ (Error::CorruptMetadata { .. } | Error::CorruptSuperblock { .. })) => {
+                let mut report = FsckReport::default();
+                let mut devices = Vec::new();
+                for p in paths {
+                    let lock_wait = std::time::Duration::from_millis(config.lock_wait_ms);
+                    devices.push(Device::open_locked(p.as_ref(), config.direct_io, Access::Reader, lock_wait)?);
+                }
+                report.problems.extend(identity::copy_problems(&devices));
+                report
+                    .problems
+                    .push(format!("the store cannot be opened: {}", e.to_string().replace(commit::FSCK_HINT, "")));
+                return Ok(report);
+            }
+            Err(e) => return Err(e),
+        };
+        let (report, fixable) = found;
+        if !repair || fixable.is_empty() {
+            return Ok(report);
+        }
+        let repairs = fixable.repair(paths, config.clone())?;
+        let mut after = Store::open_read_only(paths, config)?.check()?.0;
+        after.repairs = repairs;
+        Ok(after)
+    }
+}

@@ -1,0 +1,123 @@
+//! The GPU data API: put and get from CUDA device memory, on the store's GPU path (chosen on the
+//! first GPU op by `crate::gpu::select`).
+
+use super::api::{GetSpec, Memory, PutSpec};
+use super::op::GpuOp;
+use super::ticket::Ticket;
+use super::Store;
+use crate::error::Result;
+use crate::gpu::runtime::StoreGpu;
+use crate::gpu::GpuTicket;
+use crate::queue::Priority;
+use std::sync::atomic::AtomicBool;
+
+/// GPU memory: put and get from CUDA device pointers, on the store's GPU path.
+impl Store {
+    /// Sets up GPU I/O for CUDA device `ordinal` now (else the first GPU op does it): pins the
+    /// bounce slab, chooses the path per `OpenConfig::gpu` (measuring both where `auto` may pick
+    /// either) and returns what was chosen and why. Later calls return the first outcome.
+    pub fn gpu_setup(&self, ordinal: u32) -> Result<crate::gpu::GpuPathReport> {
+        self.gpu_state(ordinal).map(|g| g.report.clone())
+    }
+
+    /// The GPU path report, if GPU I/O has been set up.
+    pub fn gpu_report(&self) -> Option<crate::gpu::GpuPathReport> {
+        self.shared.gpu.get().and_then(|r| r.as_ref().ok()).map(|g| g.report.clone())
+    }
+
+    pub(super) fn gpu_state(&self, ordinal: u32) -> Result<&StoreGpu> {
+        self.shared
+            .gpu
+            .get_or_init(|| crate::gpu::select::init_gpu(&self.shared, ordinal))
+            .as_ref()
+            .map_err(Clone::clone)
+    }
+
+    /// Starts writing device memory `data` as object `id`; the ticket hands `data` back when the
+    /// put is durable. The caller's writes to `data` must be complete (e.g. its stream
+    /// synchronized) before this call.
+    pub fn put_gpu<B: crate::gpu::DeviceIoBuf>(
+        &self,
+        id: u64,
+        data: B,
+        meta: &[u8],
+        priority: Priority,
+    ) -> Result<GpuTicket<B>> {
+        let slice =
+            crate::gpu::DeviceSlice { ptr: data.device_ptr(), len: data.device_len(), device: data.device_ordinal() };
+        // SAFETY: the ticket owns `data`.
+        let t = unsafe { self.put_gpu_raw(id, slice, meta, priority)? };
+        Ok(t.holding(data))
+    }
+
+    /// Starts reading the whole of object `id` into device memory `buf` (at least as long as the
+    /// object; the rest is left untouched).
+    pub fn get_gpu<B: crate::gpu::DeviceIoBuf>(&self, id: u64, buf: B, priority: Priority) -> Result<GpuTicket<B>> {
+        let slice =
+            crate::gpu::DeviceSlice { ptr: buf.device_ptr(), len: buf.device_len(), device: buf.device_ordinal() };
+        // SAFETY: the ticket owns `buf`.
+        let t = unsafe { self.get_gpu_raw(id, 0, slice, true, priority)? };
+        Ok(t.holding(buf))
+    }
+
+    /// Starts reading `buf.device_len()` bytes of object `id` from byte `offset` into device memory.
+    pub fn get_gpu_range<B: crate::gpu::DeviceIoBuf>(
+        &self,
+        id: u64,
+        offset: u64,
+        buf: B,
+        priority: Priority,
+    ) -> Result<GpuTicket<B>> {
+        let slice =
+            crate::gpu::DeviceSlice { ptr: buf.device_ptr(), len: buf.device_len(), device: buf.device_ordinal() };
+        // SAFETY: the ticket owns `buf`.
+        let t = unsafe { self.get_gpu_raw(id, offset, slice, false, priority)? };
+        Ok(t.holding(buf))
+    }
+
+    /// `put_gpu` from a raw device range (for the C ABI, Python and framework tensors).
+    ///
+    /// # Safety
+    /// `src` must be device memory of `src.device`, unchanged and allocated until the ticket is done.
+    pub unsafe fn put_gpu_raw(
+        &self,
+        id: u64,
+        src: crate::gpu::DeviceSlice,
+        meta: &[u8],
+        priority: Priority,
+    ) -> Result<GpuTicket<()>> {
+        // SAFETY: forwarded contract.
+        let started = unsafe { self.start_put(PutSpec { id, meta, priority }, Memory::Gpu(src))? };
+        Ok(GpuTicket { ticket: Ticket { completion: started.completion, buffer: Some(()) }, handoff: started.handoff })
+    }
+
+    /// `get_gpu_range` into a raw device range; with `whole`, `dst.len` may exceed the object.
+    ///
+    /// # Safety
+    /// `dst` must be device memory of `dst.device`, allocated and not otherwise accessed until the
+    /// ticket is done.
+    pub unsafe fn get_gpu_raw(
+        &self,
+        id: u64,
+        offset: u64,
+        dst: crate::gpu::DeviceSlice,
+        whole: bool,
+        priority: Priority,
+    ) -> Result<GpuTicket<()>> {
+        // SAFETY: forwarded contract.
+        let started = unsafe { self.start_get(GetSpec { id, offset, whole, priority }, Memory::Gpu(dst))? };
+        Ok(GpuTicket { ticket: Ticket { completion: started.completion, buffer: Some(()) }, handoff: started.handoff })
+    }
+
+    /// The GPU part of a new op on `mem`: checks the pointer, finds the device's state and path.
+    pub(super) fn gpu_op(&self, mem: crate::gpu::DeviceSlice) -> Result<GpuOp> {
+        let state = self.gpu_state(mem.device)?;
+        if mem.len > 0 {
+            crate::gpu::cuda::check_device_pointer(mem.ptr, mem.len, mem.device)?;
+        }
+        let device = state.device(mem.device)?;
+        let use_cufile = state.uses_cufile(mem.device);
+        let handoff = device.handoff.claim();
+        Ok(GpuOp { device, use_cufile, handoff, handoff_signalled: AtomicBool::new(false) })
+    }
+}
