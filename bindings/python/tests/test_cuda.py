@@ -139,3 +139,25 @@ def test_chunked_copy_on_stream_copies_every_byte() -> None:
     event = copy_on_stream(stream, torch.device(DEVICE), target, source, chunk_bytes=1 << 20)
     event.synchronize()
     assert torch.equal(target.cpu(), source)
+
+
+@pytest.mark.parametrize("host_memory", [1 << 30, 0], ids=["host", "ssd"])
+def test_whole_model_offload_is_exact_on_cuda(store: teraio.Store, host_memory: int) -> None:
+    # Parameters, gradients and optimizer state stream through pinned host buffers or the
+    # engine's GPU path; losses, parameters and state equal training without offload.
+    data = batches(STEPS, rows=ROWS, device=DEVICE)
+    reference_model, reference_optimizer = make(device=DEVICE)
+    reference = train(reference_model, reference_optimizer, data)
+    model, optimizer = make(device=DEVICE)
+    options = {"gpu_memory": 64 << 20, "host_memory": host_memory, "whole_model": "on"}
+    with teraio.offload(model, optimizer, store=store, **options) as run:
+        assert type(run).__name__ == "ModelOffload"
+        losses = train(model, optimizer, data)
+    assert losses == reference
+    for p, q in zip(reference_model.parameters(), model.parameters()):
+        assert q.is_cuda and torch.equal(p, q)
+        for key, value in reference_optimizer.state[p].items():
+            assert torch.equal(value, optimizer.state[q][key]), key
+    report = run.report()
+    tier = "ssd" if host_memory == 0 else "host"
+    assert sum(report.bytes_per_iteration["in"][tier].values()) > 0
