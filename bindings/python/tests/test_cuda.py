@@ -161,3 +161,18 @@ def test_whole_model_offload_is_exact_on_cuda(store: teraio.Store, host_memory: 
     report = run.report()
     tier = "ssd" if host_memory == 0 else "host"
     assert sum(report.bytes_per_iteration["in"][tier].values()) > 0
+
+
+def test_whole_model_state_too_big_for_the_budget_is_left_in_cpu_memory(store: teraio.Store) -> None:
+    data = batches(2, rows=ROWS, device=DEVICE)
+    reference_model, reference_optimizer = make(device=DEVICE)
+    reference = train(reference_model, reference_optimizer, data)
+    model, optimizer = make(device=DEVICE)
+    with pytest.warns(UserWarning, match="left in CPU memory"):
+        with teraio.offload(model, optimizer, store=store, gpu_memory=1 << 20, host_memory=1 << 30) as run:
+            losses = train(model, optimizer, data)
+    assert losses == reference and run.report().returned_to == "cpu"
+    for p, q in zip(reference_model.parameters(), model.parameters()):
+        assert not q.is_cuda and torch.equal(p.cpu(), q)
+        for key, value in reference_optimizer.state[p].items():
+            assert torch.equal(value.cpu(), optimizer.state[q][key].cpu()), key

@@ -382,34 +382,41 @@ class ModelOffload:
         self._drain_writes()
         if self.cuda:
             torch.cuda.current_stream(self.device).synchronize()
-        if not self._fits_back():
-            self.returned_to = "cpu"
-            warnings.warn(
-                "teraio.offload (whole-model): the model's parameters, gradients and optimizer state "
-                f"do not fit gpu_memory={format_bytes(self.gpu_memory_bytes)}; they are left in CPU "
-                "memory (model.to(device) once there is room)",
-                stacklevel=3,
-            )
-            for slot in self.slots:
-                self._move_to_cpu(slot)
-            return
+        try:
+            if self._fits_back():
+                for slot in self.slots:
+                    self._back_to_gpu(slot)
+                if self.cuda:
+                    torch.cuda.current_stream(self.device).synchronize()
+                return
+        except torch.cuda.OutOfMemoryError:
+            pass  # the device holds more than this run's state: the rest goes to CPU memory
+        self.returned_to = "cpu"
+        warnings.warn(
+            "teraio.offload (whole-model): the model's parameters, gradients and optimizer state "
+            f"do not fit gpu_memory={format_bytes(self.gpu_memory_bytes)} (or the device); what was "
+            "not back on it is left in CPU memory (model.to(device) once there is room)",
+            stacklevel=3,
+        )
         for slot in self.slots:
-            self._acquire(slot)
-            self._join(slot)
-            for name, value in _state_tensors(self.optimizer, slot.param, resident=False):
-                self._read(slot, (cp.STATE, name), value).join()
-            if slot.grad_held:
-                slot.param.grad = self._read_gradient(slot)
-                slot.grad_held = False
-        if self.cuda:
-            torch.cuda.current_stream(self.device).synchronize()
+            self._move_to_cpu(slot)
+
+    def _back_to_gpu(self, slot: _Slot) -> None:
+        self._acquire(slot)
+        self._join(slot)
+        for name, value in _state_tensors(self.optimizer, slot.param, resident=False):
+            self._read(slot, (cp.STATE, name), value).join()
+        if slot.grad_held:
+            slot.param.grad = self._read_gradient(slot)
+            slot.grad_held = False
 
     def _fits_back(self) -> bool:
+        """Whether the model's whole state fits the budget (other memory on the device is the
+        caller's: an out-of-memory error while bringing it back sends the rest to CPU memory)."""
         if not self.cuda:
-            return True
-        away = sum(slot.nbytes * (1 - slot.resident + slot.grad_held) for slot in self.slots)
-        away += sum(self._state_nbytes[key] for key in self._state_nbytes)
-        return away + int(torch.cuda.memory_allocated(self.device)) <= self.gpu_memory_bytes
+            return True  # CPU "device": it is CPU memory either way
+        params = sum(slot.nbytes * (1 + slot.grad_held) for slot in self.slots)
+        return params + sum(self._state_nbytes.values()) <= self.gpu_memory_bytes
 
     def _move_to_cpu(self, slot: _Slot) -> None:
         def fetched(kind: Any, like: torch.Tensor) -> torch.Tensor:
@@ -430,6 +437,8 @@ class ModelOffload:
         if slot.grad_held:
             param.grad = fetched(cp.GRADIENT, param)
             slot.grad_held = False
+        elif param.grad is not None:
+            param.grad = param.grad.cpu()
 
     # -- tiers ---------------------------------------------------------------------------------
 
