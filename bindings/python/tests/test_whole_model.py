@@ -258,3 +258,17 @@ def test_copy_of_model_is_untouched() -> None:
     with teraio.offload(model, optimizer, gpu_memory=1 << 20, host_memory=1 << 30):
         train(model, optimizer, batches(1, rows=ROWS))
     assert all(p.untyped_storage().nbytes() > 0 for p in twin.parameters())
+
+
+def test_gradient_clipping_is_refused_not_silently_skipped(store: teraio.Store) -> None:
+    model, optimizer = make()
+    x = batches(1, rows=ROWS)[0]
+    with teraio.offload(model, optimizer, store=store, gpu_memory=4096, host_memory=1 << 30):
+        model(x).backward()
+        with pytest.raises(NotImplementedError, match="clip nothing"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        other = torch.nn.Linear(2, 2)
+        other(torch.ones(1, 2)).sum().backward()
+        assert torch.nn.utils.clip_grad_norm_(other.parameters(), 1.0) > 0  # other models: torch's
+        optimizer.step()
+    assert torch.nn.utils.clip_grad_norm_.__module__ == "torch.nn.utils.clip_grad"

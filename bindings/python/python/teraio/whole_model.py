@@ -278,6 +278,7 @@ class ModelOffload:
         self._saved_hooks: Any = None
         self._original_step: Optional[Callable[..., Any]] = None
         self._original_zero_grad: Optional[Callable[..., Any]] = None
+        self._clipping: Optional[Callable[..., Any]] = None  # torch's clip_grad_norm_ while refused
         self._counts = _Counts()
         self._iterations: list[_Counts] = []
         self._step_started = 0.0
@@ -343,8 +344,28 @@ class ModelOffload:
         self._original_zero_grad = self.optimizer.zero_grad
         self.optimizer.step = self._streamed_step  # type: ignore[method-assign]
         self.optimizer.zero_grad = self._zero_grad  # type: ignore[method-assign]
+        self._refuse_clipping()
         self._begin_iteration()
         return self
+
+    def _refuse_clipping(self) -> None:
+        """`clip_grad_norm_` on this model's parameters would see no gradients (they leave the
+        GPU during backward) and clip nothing: refused while the block runs."""
+        original = torch.nn.utils.clip_grad_norm_
+        ours = set(self._slot_of)
+
+        def clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> Any:
+            listed = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            if any(id(p) in ours for p in listed):
+                raise NotImplementedError(
+                    "teraio.offload (whole-model): gradients leave the GPU as backward produces "
+                    "them, so clip_grad_norm_ would clip nothing; gradient clipping is not "
+                    "supported in whole-model mode yet"
+                )
+            return original(listed, *args, **kwargs)
+
+        self._clipping = original
+        torch.nn.utils.clip_grad_norm_ = clip_grad_norm_  # type: ignore[assignment]
 
     def __exit__(self, *exc: object) -> None:
         if self._saved_hooks is not None:
@@ -356,6 +377,9 @@ class ModelOffload:
         self.checkpointer.apply(set())
         for unit in self.units:
             unit.module.__dict__.pop("forward", None)
+        if self._clipping is not None:
+            torch.nn.utils.clip_grad_norm_ = self._clipping  # type: ignore[assignment]
+            self._clipping = None
         if self._original_step is not None:
             self.optimizer.__dict__.pop("step", None)
             self.optimizer.__dict__.pop("zero_grad", None)
