@@ -91,7 +91,6 @@ MODES = ["reference", "teraio", "teraio_ssd", "zero_infinity", "zero_offload"]
 DEEPSPEED_MODES = ("zero_infinity", "zero_offload")
 TERAIO_MODES = ("teraio", "teraio_ssd")
 #: Files of teraio's store, in one folder of the work dir (one disk on the GPU machine).
-STORE_FILES = ("f0", "f1")
 #: Disk space a teraio store must leave free (its files are reserved in full when created).
 DISK_KEPT_FREE = 8 * GIB
 #: A row stops taking steps this long before its time limit (the report, removing ~25 GB of swap).
@@ -249,22 +248,25 @@ def make_teraio(
 
     store_dir = os.path.join(args.work_dir, args.mode)
     os.makedirs(store_dir, exist_ok=True)
-    file_size = int(args.store_gib * GIB / len(STORE_FILES))
+    names = [f"f{i}" for i in range(args.store_devices)]
+    file_size = int(args.store_gib * GIB / len(names))
     free = shutil.disk_usage(store_dir).free
-    if free - file_size * len(STORE_FILES) < DISK_KEPT_FREE:
+    if free - file_size * len(names) < DISK_KEPT_FREE:
         # The store's files are reserved in full at create: a full disk took a machine down.
         raise RuntimeError(
             f"a {args.store_gib:g} GiB store would leave less than {DISK_KEPT_FREE / GIB:g} GiB of the "
             f"{free / GIB:.1f} GiB free under {store_dir}: lower --store-gib"
         )
+    # An emulated array (files in tmpfs, each device paced like an SSD) has no O_DIRECT.
+    emulated = {"emulate": args.emulate, "direct_io": False} if args.emulate else {}
     store = teraio.Store.create(
-        [os.path.join(store_dir, name) for name in STORE_FILES], file_size_bytes=file_size
+        [os.path.join(store_dir, name) for name in names], file_size_bytes=file_size, **emulated
     )
     kwargs: dict[str, Any] = {"store": store, "gpu_memory": cap}
     if args.mode == "teraio_ssd":
         # --tiny: a quarter of the model state, so that the SSD store must hold the rest.
         kwargs["host_memory"] = args.ssd_host_memory or bench_regime.model_state_bytes(model) // 4
-    described = {"store_files": len(STORE_FILES), "store_bytes": file_size * len(STORE_FILES)}
+    described = {"store_files": len(names), "store_bytes": file_size * len(names), "emulate": args.emulate}
     described.update({k: v for k, v in kwargs.items() if k != "store"})
     return teraio.offload(model, optimizer, **kwargs), described
 
@@ -471,7 +473,18 @@ def run_main(args: argparse.Namespace) -> int:
 
 def run_command(args: argparse.Namespace, mode: str) -> list[str]:
     command = [sys.executable, os.path.abspath(__file__), "run", "--mode", mode, "--work-dir", args.work_dir]
-    for flag in ("family", "steps", "warmup", "batch", "seq", "seed", "store_gib", "ssd_host_memory"):
+    flags = (
+        "family",
+        "steps",
+        "warmup",
+        "batch",
+        "seq",
+        "seed",
+        "store_gib",
+        "ssd_host_memory",
+        "store_devices",
+    )
+    for flag in flags + ("emulate",):
         value = getattr(args, flag)
         if value is not None:
             command += ["--" + flag.replace("_", "-"), str(value)]
@@ -703,9 +716,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         "--work-dir", required=True, help="teraio's stores and DeepSpeed's swap folders, one per row"
     )
     common.add_argument(
-        "--store-gib", type=float, default=None, help="teraio's store, two files (default 40; --tiny: 0.25)"
+        "--store-gib",
+        type=float,
+        default=None,
+        help="teraio's store, over --store-devices files (default 40; --tiny: 0.25)",
     )
     common.add_argument("--ssd-host-memory", default=None, help='teraio_ssd\'s host_memory (default "8GiB")')
+    common.add_argument("--store-devices", type=int, default=2, help="teraio's store: files (devices)")
+    common.add_argument(
+        "--emulate",
+        default=None,
+        help='each store device paced like an SSD, e.g. "6.5GB/s@20us" (work dir in tmpfs)',
+    )
     common.add_argument("--zero-offload-stage", type=int, choices=[2, 3], default=2)
     common.add_argument("--tiny", action="store_true", help="CPU, 2 small layers (tests of this script)")
 

@@ -239,8 +239,22 @@ capacity)
   (cd "$OUT" && tar czf logs.tgz capacity && rm -rf capacity)
   ;;
 
+array)
+  # Whole-model offload (bench_capacity.py's teraio_ssd row) with host memory bounded to 16 GiB and
+  # the store on an emulated SSD array: DEVICES files in tmpfs, each paced at 6.5 GB/s and 20 us.
+  for n in ${DEVICES:-1 2 4 8}; do
+    rm -rf /dev/shm/teraio-array
+    timeout 170 python3 $B/bench_capacity.py run --mode teraio_ssd --steps "${STEPS:-8}" --warmup "${WARMUP:-2}" \
+      --ssd-host-memory 16GiB --store-devices "$n" --store-gib 16 --emulate 6.5GB/s@20us \
+      --work-dir /dev/shm/teraio-array --time-budget-s 150 > "$OUT/array-$n.log" 2>&1
+    grep '^RESULT' "$OUT/array-$n.log" | sed "s/^RESULT /RESULT {\"devices\": $n, \"row\": /; s/\$/}/" >> "$OUT/results.jsonl"
+    grep -v '^RESULT' "$OUT/array-$n.log" | tail -12
+    rm -rf /dev/shm/teraio-array
+  done
+  ;;
+
 *)
-  echo "unknown mode $what: tests, probe, regime, flagship, baselines, compare, diagnose, emulated or capacity" >&2
+  echo "unknown mode $what: tests, probe, regime, flagship, baselines, compare, diagnose, emulated, capacity or array" >&2
   exit 2
   ;;
 esac
