@@ -645,8 +645,12 @@ class ModelOffload:
         pending = self._fetch_window(windows[0]) if windows else []
         for position, window in enumerate(windows):
             following = self._fetch_window(windows[position + 1]) if position + 1 < len(windows) else []
+            # Store transfers start only once polled (after their compute point has passed):
+            # poll between the waits, or the next window's reads would start at their join.
+            self._poll_tiers()
             for transfer in pending:
                 transfer.join()
+                self._poll_tiers()
             stepped = []
             for i in window:
                 slot = self.slots[i]
@@ -661,6 +665,7 @@ class ModelOffload:
             result = self._original_step()
             for slot in stepped:
                 self._write_back(slot)
+            self._poll_tiers()
             pending = following
         for slot in self.slots:
             slot.saved = False
@@ -750,9 +755,12 @@ class ModelOffload:
             value.untyped_storage().resize_(0)
         self._state_writes = still
 
-    def _poll(self) -> None:
+    def _poll_tiers(self) -> None:
         for tier in self.ssd.values():
             tier.poll()
+
+    def _poll(self) -> None:
+        self._poll_tiers()
         if self._state_writes:
             self._finish_state_writes(self.plan.window_bytes)
         for slot in self.slots:
