@@ -3,7 +3,7 @@
 The profiler times each op with CUDA events around it and a Python callback per op. When the host
 is the bottleneck (short bf16 kernels), the GPU waits for the next launch inside those events,
 so every op looks longer by about the same host latency, and the sum of op times overstates the
-iteration (an H100 bf16 run: 551 ms profiled against 296 ms real). Long, GPU-bound ops are timed
+iteration (in bf16 runs, by up to nearly twice). Long, GPU-bound ops are timed
 right: their start event waits for the work queued before them.
 
 So the model is: true time = profiled time - a per-op overhead `c`, never below `FLOOR_SHARE` of

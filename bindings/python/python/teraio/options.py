@@ -47,16 +47,16 @@ class OffloadOptions:
             e.g. transformer layers): None (the default: "off", and "all" in whole-model mode),
             "off", "auto" (plans with 0, 1/4, 1/2, 3/4 and all blocks checkpointed and keeps the
             fastest prediction; in whole-model mode: "all"), or "all". "auto" is
-            opt-in: on the H100 (Qwen2-1.5B shape, bf16, 65% cap) its plan with 21 of 28 blocks
-            checkpointed met 210 plan mismatches and ran out of memory in its first planned step.
+            opt-in: a plan with part of the blocks checkpointed has met plan mismatches and run
+            out of memory on the GPU (benches/results/2026-11-24-h100/qwen2-65-defaults-oom.log).
         tier_preference: "auto", "host" or "ssd".
         offload_optimizer_state / offload_parameters: what else the plan may move.
         prefetch_slack: earlier prefetches where memory has room (multiple of transfer time).
         op_time_scale: multiplies the (calibrated) op times before planning.
         calibrate: scale the profiled op times to an unprofiled iteration (default False:
             opt-in, because the calibration iteration times blocks that may wait on offload
-            I/O; on the H100 an SSD-bound one scaled Qwen2's op times by 31x and planned for a
-            22 s iteration that ran in 14 s). Without it the report's ideal is labelled as an
+            I/O and counts the wait as compute: benches/results/2026-11-24-h100/
+            qwen2-65-checkpoint-off.log). Without it the report's ideal is labelled as an
             estimate from raw profiled op times. None: on CUDA only.
         if_no_fit: "raise" (default: a clear error before the planned iterations when no plan
             fits the budget) or "run" (train anyway, waiting for transfers as needed).
