@@ -1,7 +1,6 @@
 #!/bin/bash
 # The GPU machine's PyTorch checks and benchmarks, one mode per call (docs/benchmarks.md):
 #   run-gpu.sh tests          # the Python tests on CUDA, the docs' examples included (~3 min)
-#   run-gpu.sh probe          # setup check: a few short steps of each benchmark script (~2 min)
 #   run-gpu.sh regime         # the users' regime table (bench_regime.py), one family per call:
 #                             #   qwen2 in bf16 autocast with SDPA, ideal twice, then teraio (default
 #                             #   arguments), HF checkpointing, selective checkpointing, save_on_cpu,
@@ -15,10 +14,12 @@
 #                             #   checkpointing; batch 8 with teraio (~6 min)
 #   run-gpu.sh baselines [CAP]  # the flagship's other offloaders at CAP GiB: save_on_cpu, torchtune,
 #                             #   DeepSpeed (ZeRO-Infinity on NVMe, else ZeRO-3 with CPU offload)
-#   run-gpu.sh compare        # flagship teraio variants at the cap: VARIANTS=';--reserve-gib 2'
-#                             #   (';'-separated bench_llama.py options; CAP=22.53 skips the ideal run)
-#   run-gpu.sh diagnose       # a torch.profiler timeline of a planned flagship step, and variants
-#   run-gpu.sh emulated [CAP] # the flagship on an emulated 4 x 2.5 GB/s SSD array in tmpfs
+#   run-gpu.sh diagnose       # where planned flagship steps lose time: a torch.profiler timeline of a
+#                             #   planned step and copy/allocator variants; VARIANTS=';--reserve-gib 2'
+#                             #   (';'-separated bench_llama.py options) runs those variants instead
+#   run-gpu.sh sweep          # emulated SSD arrays (tmpfs, each device paced like an SSD): whole-model
+#                             #   offload of the capacity model with 16 GiB of host memory over
+#                             #   DEVICES="1 2 4 8" x 6.5 GB/s; WHAT=flagship: the flagship on 4 x 2.5 GB/s
 #   run-gpu.sh capacity       # bench_capacity.py's table: Qwen2-1.5B shape under a 12 GiB cap, 10 steps.
 #                             #   MODES picks the rows (default zero_offload,zero_infinity, ~9 min: the
 #                             #   teraio rows run in calls of their own; any of reference, teraio,
@@ -40,7 +41,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/teraio-gpu-out}
 mkdir -p "$OUT"
-what=${1:-probe}
+what=${1:-tests}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
   .whl-py/teraio-*.whl .whl-py/torchtune-*.whl || exit 1
 export PYTHONPATH=/tmp/site
@@ -105,22 +106,6 @@ tests)
   timeout 400 python3 -m pytest -q -p no:cacheprovider bindings/python/tests 2>&1 | tee "$OUT/pytest.log" | tail -40
   ;;
 
-probe)
-  timeout 90 python3 $B/bench_llama.py --mode ideal --steps 3 --warmup 1 --batch 1 --seq 512 > "$OUT/p-1.log" 2>&1
-  timeout 150 python3 $B/bench_llama.py --mode teraio --user-defaults --steps 5 --warmup 3 --batch 1 --seq 512 \
-    --cap-gib 16.5 > "$OUT/p-2.log" 2>&1
-  timeout 90 python3 $B/bench_llama.py --mode torchtune --steps 2 --warmup 1 --batch 1 --seq 512 --cap-gib 16.5 \
-    > "$OUT/p-3.log" 2>&1
-  timeout 240 python3 $B/bench_regime.py table --families qwen2 --fractions 0.65 --ideal-runs 1 --steps 4 \
-    --warmup 2 --batch 1 --seq 512 --store-dir /root/teraio-regime --deadline-s 220 --out-dir "$OUT/probe" \
-    > "$OUT/p-4.log" 2>&1
-  grep -h '^\[' "$OUT/p-4.log"
-  cat "$OUT"/p-*.log | grep '^RESULT' > "$OUT/results.jsonl"
-  cat "$OUT/probe/results.jsonl" >> "$OUT/results.jsonl"
-  (cd "$OUT" && tar czf logs.tgz p-*.log probe && rm -rf p-*.log probe)
-  summary
-  ;;
-
 regime)
   # The table first (no row starts after its deadline; a killed row's teardown takes ~15 s more),
   # then the fp32 flagship's rows in what is left of the call's 9 minutes.
@@ -171,25 +156,6 @@ baselines)
   summary
   ;;
 
-compare)
-  if [ -z "${CAP:-}" ]; then
-    flagship ideal 90 --mode ideal --steps 15
-    CAP=$(half_peak "$OUT/f-ideal.log")
-  fi
-  echo "== cap: $CAP GiB"
-  n=0
-  IFS=';' read -ra variants <<< "${VARIANTS:-;--user-defaults}"
-  for variant in "${variants[@]}"; do
-    n=$((n + 1))
-    [ $SECONDS -gt 500 ] && { echo "== variant $n skipped: out of time"; continue; }
-    # shellcheck disable=SC2086  # a variant is several options
-    flagship "v$n" $((590 - SECONDS)) --mode teraio --steps "${STEPS:-20}" --cap-gib "$CAP" $variant
-    echo "   variant $n: ${variant:-default flags}"
-  done
-  cat "$OUT"/f-*.log | grep '^RESULT' > "$OUT/results.jsonl"
-  summary
-  ;;
-
 diagnose)
   # Where the planned iterations lose time: one teraio run with a torch.profiler timeline of a
   # planned step (kineto-b4.json.gz; benches/torch/gpu_gaps.py reads it), then runs that vary
@@ -197,8 +163,10 @@ diagnose)
   . benches/gpu/cufile-compat.sh > /dev/null
   CAP=${CAP:-22.53}
   n=0
-  for variant in "--kineto-step 12 --out-dir $OUT" "--max-inflight-gib 4" \
-    "--allocator-settings garbage_collection_threshold:0.9" "--max-inflight-gib 1"; do
+  variants=("--kineto-step 12 --out-dir $OUT" "--max-inflight-gib 4" \
+    "--allocator-settings garbage_collection_threshold:0.9" "--max-inflight-gib 1")
+  [ -n "${VARIANTS:-}" ] && IFS=';' read -ra variants <<< "$VARIANTS"
+  for variant in "${variants[@]}"; do
     n=$((n + 1))
     [ $SECONDS -gt 480 ] && { echo "== variant $n skipped: out of time"; continue; }
     # shellcheck disable=SC2086
@@ -208,17 +176,6 @@ diagnose)
   cat "$OUT"/f-*.log | grep '^RESULT' > "$OUT/results.jsonl"
   summary
   (cd "$OUT" && tar czf logs.tgz f-*.log && rm -f f-*.log trace-b4.json plan-b4.json)
-  ;;
-
-emulated)
-  # The store in tmpfs (pages allocated up front, 64 GiB of the 125 GiB of RAM); objects are
-  # rewritten each iteration, and a rewrite needs room for the new copy before the old one is freed.
-  df -h /dev/shm | tail -1
-  flagship emulated 400 --mode teraio --steps 8 --warmup 3 --cap-gib "${2:-22.53}" --host-gib 4 \
-    --store-dir /dev/shm/teraio-emu --store-devices 4 --store-gib 64 --emulate 2.5GB/s@20us --out-dir "$OUT"
-  rm -rf /dev/shm/teraio-emu
-  grep '^RESULT' "$OUT/f-emulated.log" > "$OUT/results.jsonl"
-  summary
   ;;
 
 capacity)
@@ -239,22 +196,34 @@ capacity)
   (cd "$OUT" && tar czf logs.tgz capacity && rm -rf capacity)
   ;;
 
-array)
-  # Whole-model offload (bench_capacity.py's teraio_ssd row) with host memory bounded to 16 GiB and
-  # the store on an emulated SSD array: DEVICES files in tmpfs, each paced at 6.5 GB/s and 20 us.
-  for n in ${DEVICES:-1 2 4 8}; do
-    rm -rf /dev/shm/teraio-array
-    timeout 170 python3 $B/bench_capacity.py run --mode teraio_ssd --steps "${STEPS:-8}" --warmup "${WARMUP:-2}" \
-      --ssd-host-memory 16GiB --store-devices "$n" --store-gib 16 --emulate 6.5GB/s@20us \
-      --work-dir /dev/shm/teraio-array --time-budget-s 150 > "$OUT/array-$n.log" 2>&1
-    grep '^RESULT' "$OUT/array-$n.log" | sed "s/^RESULT /RESULT {\"devices\": $n, \"row\": /; s/\$/}/" >> "$OUT/results.jsonl"
-    grep -v '^RESULT' "$OUT/array-$n.log" | tail -12
-    rm -rf /dev/shm/teraio-array
-  done
+sweep)
+  # Emulated SSD arrays in tmpfs (no O_DIRECT; each device paced like an SSD).
+  df -h /dev/shm | tail -1
+  if [ "${WHAT:-capacity}" = flagship ]; then
+    # The store's pages are allocated up front (64 GiB of the 125 GiB of RAM); objects are rewritten
+    # each iteration, and a rewrite needs room for the new copy before the old one is freed.
+    flagship emulated 400 --mode teraio --steps 8 --warmup 3 --cap-gib "${CAP:-22.53}" --host-gib 4 \
+      --store-dir /dev/shm/teraio-emu --store-devices 4 --store-gib 64 --emulate 2.5GB/s@20us --out-dir "$OUT"
+    rm -rf /dev/shm/teraio-emu
+    grep '^RESULT' "$OUT/f-emulated.log" | cut -c8- > "$OUT/results.jsonl"
+    summary
+  else
+    # bench_capacity.py's teraio_ssd row with host memory bounded to 16 GiB, the store on DEVICES
+    # devices at 6.5 GB/s and 20 us.
+    for n in ${DEVICES:-1 2 4 8}; do
+      rm -rf /dev/shm/teraio-array
+      timeout 170 python3 $B/bench_capacity.py run --mode teraio_ssd --steps "${STEPS:-8}" --warmup "${WARMUP:-2}" \
+        --ssd-host-memory 16GiB --store-devices "$n" --store-gib 16 --emulate 6.5GB/s@20us \
+        --work-dir /dev/shm/teraio-array --time-budget-s 150 > "$OUT/array-$n.log" 2>&1
+      grep '^RESULT' "$OUT/array-$n.log" | cut -c8- | sed "s/^{/{\"devices\": $n, /" >> "$OUT/results.jsonl"
+      grep -v '^RESULT' "$OUT/array-$n.log" | tail -12
+      rm -rf /dev/shm/teraio-array
+    done
+  fi
   ;;
 
 *)
-  echo "unknown mode $what: tests, probe, regime, flagship, baselines, compare, diagnose, emulated, capacity or array" >&2
+  echo "unknown mode $what: tests, regime, flagship, baselines, capacity, sweep or diagnose" >&2
   exit 2
   ;;
 esac
