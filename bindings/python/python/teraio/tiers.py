@@ -202,62 +202,51 @@ class SsdTier:
         """Writes `source` (flat bytes) as the key's object once the compute work queued so far
         is done. Do not release or change `source` until the transfer is done."""
         object_id = self.object_id(key)
-        previous = self._written.get(key)
-        if previous is not None:
-            previous.wait()  # one version of an object in flight at a time
-        address, nbytes = source.data_ptr(), source.numel()
-        if self.cuda:
-            index = _index(self.device)
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-
-            def start() -> Any:
-                return self.native.put_device(object_id, address, nbytes, index, source)
-
-        else:
-            event = None
-
-            def start() -> Any:
-                return self.native.put_address(object_id, address, nbytes, source)
-
-        gated = _Gated(start, event, source)
+        self._wait_written(key)  # one version of an object in flight at a time
+        gated = self._gated(object_id, source, self.native.put_device, self.native.put_address)
         self._written[key] = gated
-        self._in_flight.append(gated)
-        gated.poll()
-        return Transfer(nbytes, gated.poll, gated.wait)
+        return Transfer(source.numel(), gated.poll, gated.wait)
 
     def read(self, key: Any, target: torch.Tensor) -> Transfer:
         """Reads the key's object into `target` (flat bytes) once the compute stream has passed
         this point (the allocator may have handed out memory that queued work still uses)."""
+        self._wait_written(key)  # the read needs the object as last written
+        gated = self._gated(self.ids[key], target, self.native.get_device, self.native.get_address)
+        return Transfer(target.numel(), gated.poll, gated.wait)
+
+    def _wait_written(self, key: Any) -> None:
         previous = self._written.get(key)
         if previous is not None:
-            previous.wait()  # the read needs the object as last written
-        object_id = self.ids[key]
-        address, nbytes = target.data_ptr(), target.numel()
+            previous.wait()
+
+    def _gated(
+        self, object_id: int, memory: torch.Tensor, on_device: Callable[..., Any], on_host: Callable[..., Any]
+    ) -> _Gated:
+        """An engine transfer of `memory` (flat bytes) that starts once the compute stream has
+        passed this point: the GPU path for CUDA memory, the host path otherwise."""
+        address, nbytes = memory.data_ptr(), memory.numel()
         if self.cuda:
             index = _index(self.device)
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
 
             def start() -> Any:
-                return self.native.get_device(object_id, address, nbytes, index, target)
+                return on_device(object_id, address, nbytes, index, memory)
 
         else:
             event = None
 
             def start() -> Any:
-                return self.native.get_address(object_id, address, nbytes, target)
+                return on_host(object_id, address, nbytes, memory)
 
-        gated = _Gated(start, event, target)
+        gated = _Gated(start, event, memory)
         self._in_flight.append(gated)
         gated.poll()
-        return Transfer(nbytes, gated.poll, gated.wait)
+        return gated
 
     def read_to_host(self, key: Any, target: torch.Tensor) -> None:
         """Reads the key's object into `target` (flat bytes in CPU memory) and waits."""
-        previous = self._written.get(key)
-        if previous is not None:
-            previous.wait()
+        self._wait_written(key)
         self.native.get_address(self.ids[key], target.data_ptr(), target.numel(), target).wait()
 
     def poll(self) -> None:
