@@ -117,10 +117,13 @@ def checkpoint_trace(
     records: list[BlockRecord],
     chosen: list[str],
     durations_us: list[float],
+    held: frozenset[int] = frozenset(),
 ) -> CheckpointedTrace:
     """The trace and events the planner should see with the `chosen` blocks checkpointed (see the
     module docstring). A chosen block that cannot be applied (not usable, or backward never
-    unpacks one of its saves) is left out of the result's `blocks`."""
+    unpacks one of its saves) is left out of the result's `blocks`. `held`: tensors something
+    outside the iteration holds (the caller's batch): saved by checkpoint, yet moving them frees
+    nothing, so they stay temporaries."""
     by_name = {r.name: r for r in records}
     candidates = [by_name[n] for n in chosen if n in by_name and by_name[n].usable]
     inside: dict[int, str] = {}
@@ -218,7 +221,7 @@ def checkpoint_trace(
             entry = by_id.get(tensor_id) if tensor_id is not None else None
             if entry is None:
                 continue
-            if entry["kind"] == "temporary":
+            if entry["kind"] == "temporary" and tensor_id not in held:
                 entry["kind"] = "activation"  # saved by checkpoint through the hooks
             uses = {u["op"]: u["access"] for u in entry["uses"]}
             uses.setdefault(at, "read")

@@ -466,7 +466,7 @@ class offload:
                         if found is None and arg.untyped_storage().nbytes() > 0:
                             # An input made before the iteration (the batch): tracked from here.
                             found = profiler._new_record(
-                                arg, "temporary", len(profiler.ops), f"{record.name}.input"
+                                arg, "temporary", len(profiler.ops), f"{record.name}.input", made_before=True
                             )
                         record.inputs.append(found.id if found is not None else None)
 
@@ -696,9 +696,12 @@ class offload:
         records = list(self.block_records.values())
         best: Optional[tuple[tuple[float, ...], _Planned, list[SaveEvent], list[str], dict[str, Any]]] = None
         tried = []
+        held = frozenset(r.id for r in profiler.records if r.held_past_end)
         for count in bk.candidate_counts(len(usable), self.options.checkpoint):
             if count:
-                checkpointed = bk.checkpoint_trace(trace, profiler.events, records, usable[:count], durations)
+                checkpointed = bk.checkpoint_trace(
+                    trace, profiler.events, records, usable[:count], durations, held
+                )
                 base, events, names = checkpointed.trace, checkpointed.events, checkpointed.blocks
             else:
                 base, events, names, checkpointed = trace, profiler.events, [], None
