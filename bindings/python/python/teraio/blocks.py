@@ -12,8 +12,11 @@ each tensor saved only inside a checkpointed block lives to its last forward use
 from the block's first backward op (as a temporary: checkpoint holds it, not the hooks); that op
 is charged the block's forward time (calibrated op times); the block's inputs are saved at its
 start and read there. The save/unpack events the runtime will see are rewritten the same way
-(the block's internal saves disappear, its inputs are saved at its start and unpacked where
-backward reaches it), so that pack `i` of the plan is pack `i` at run time.
+(every save the block's forward makes disappears, with its unpacks: checkpoint's own hooks take
+them, weights and the block's input included; the inputs are saved at its start and unpacked where
+backward first unpacks one of those saves), so that event `i` of the plan is event `i` at run time.
+An unpack is matched to its save by the save's index (the profiler's events name it), not by
+tensor: a storage saved inside a block and outside it too is two saves.
 """
 
 from __future__ import annotations
@@ -147,36 +150,54 @@ def checkpoint_trace(
             t for t in saved if t in activations and t not in packed_outside and t not in record.inputs
         }
     owner = {t: name for name, ids in internal.items() for t in ids}
-    # Where backward reaches each block: its first unpack of an internal save.
+    pack_event = {e.pack_index: i for i, e in enumerate(events) if e.kind == "pack"}
+
+    def saved_in(index: int, event: SaveEvent) -> Optional[str]:
+        """The candidate block whose forward made the save an event packs or unpacks. Every save
+        there goes to checkpoint's own hooks, the block input's and a weight's too, so none of
+        their unpacks reaches the runtime (unpacks that do not name their save: by tensor)."""
+        if event.kind == "pack":
+            return inside.get(index)
+        if event.pack_index >= 0:
+            return inside.get(pack_event.get(event.pack_index, -1))
+        return owner.get(event.tensor_id) if event.tensor_id is not None else None
+
+    # Where backward reaches each block: its first unpack of a save made inside (checkpoint
+    # recomputes the block there, unpacking its inputs first).
     first_unpack: dict[str, int] = {}
     for index, event in enumerate(events):
-        if event.kind == "unpack" and event.tensor_id in owner:
-            first_unpack.setdefault(owner[event.tensor_id], index)
+        if event.kind == "unpack":
+            name = saved_in(index, event)
+            if name is not None and internal.get(name):
+                first_unpack.setdefault(name, index)
     applied = [r for r in candidates if r.name in first_unpack]
     applied_names = {r.name for r in applied}
     starts = {r.event_start: r for r in applied}
     reached = {first_unpack[r.name]: r for r in applied}
     new_events: list[SaveEvent] = []
+    input_packs: dict[str, list[int]] = {}
+    renumbered: dict[int, int] = {}  # profiled pack index -> the planned one
     pack_count = 0
     for index, event in enumerate(events):
         record = starts.get(index)
         if record is not None:
+            input_packs[record.name] = list(range(pack_count, pack_count + len(record.inputs)))
             for tensor_id in record.inputs:
                 new_events.append(SaveEvent("pack", record.op_start, tensor_id, pack_count))
                 pack_count += 1
         record = reached.get(index)
         if record is not None:
-            for tensor_id in record.inputs:
-                new_events.append(SaveEvent("unpack", event.next_op, tensor_id, -1))
-        if inside.get(index) in applied_names:
-            continue
-        if event.kind == "unpack" and owner.get(event.tensor_id) in applied_names:
+            for tensor_id, pack_index in zip(record.inputs, input_packs.get(record.name, [])):
+                new_events.append(SaveEvent("unpack", event.next_op, tensor_id, pack_index))
+        if saved_in(index, event) in applied_names:
             continue
         if event.kind == "pack":
+            renumbered[event.pack_index] = pack_count
             new_events.append(SaveEvent("pack", event.next_op, event.tensor_id, pack_count))
             pack_count += 1
         else:
-            new_events.append(event)
+            pack_index = renumbered.get(event.pack_index, -1)
+            new_events.append(SaveEvent("unpack", event.next_op, event.tensor_id, pack_index))
     trace = copy.deepcopy(trace)
     ops = trace["ops"]
     by_id = {t["id"]: t for t in trace["tensors"]}

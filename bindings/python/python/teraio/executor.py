@@ -45,6 +45,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .profiler import KeptSave
 from .recompute import Recipe, Source
 from .store import Store
 
@@ -92,7 +93,11 @@ class TransferStats:
     inflight_waits: int = 0
     inflight_wait_s: float = 0.0
     kept: int = 0
+    #: Saves that did not line up with the plan (by index and size: that tensor stays), and
+    #: iterations whose save/unpack events did not add up to the plan's (its prefetch points,
+    #: which are event indices, then fall elsewhere).
     plan_mismatches: int = 0
+    event_misalignments: int = 0
     host_cap_demotions: int = 0
     #: Host time spent inside the pack and unpack hooks (the waits above included).
     hook_s: float = 0.0
@@ -272,6 +277,7 @@ class ActivationExecutor:
         self.on_backward: Optional[Callable[[], None]] = None
         self._unpacked = False
         self.decisions: Optional[list[PackDecision]] = None
+        self.planned_events: Optional[int] = None
         self.prefetch_at_event: dict[int, list[int]] = {}
         # Event -> the pack indices listed there ahead of their planned event.
         self._pulled: dict[int, set[int]] = {}
@@ -303,15 +309,17 @@ class ActivationExecutor:
 
     # -- plan ----------------------------------------------------------------------------------
 
-    def set_plan(self, decisions: list[PackDecision]) -> None:
+    def set_plan(self, decisions: list[PackDecision], event_count: Optional[int] = None) -> None:
         """Installs per-pack decisions. Host-tier entries beyond `host_memory_bytes` (counted in
-        pack order) go to the SSD tier if there is a store, else stay on the GPU.
+        pack order) go to the SSD tier if there is a store, else stay on the GPU. `event_count`:
+        the save/unpack events the plan expects per iteration (checked at each iteration's end).
 
         Host buffers come from PyTorch's caching pinned allocator: the planned iterations reuse
         the blocks the warm-up iterations pinned (pinning memory is slow: about 1 GB/s), and a
         block is reused only after the copies that use it are done (the allocator records events).
         """
         self.decisions = decisions
+        self.planned_events = event_count
         self.prefetch_at_event = {}
         self._capture_ids = {
             source.tensor_id
@@ -394,7 +402,12 @@ class ActivationExecutor:
         return sum(1 for ref in set(self._slots_by_pack.values()) if ref() is not None)
 
     def end_iteration(self) -> None:
-        """Finishes the SSD writes still pending (their pinned buffers return to the pool)."""
+        """Finishes the SSD writes still pending (their pinned buffers return to the pool) and
+        counts an iteration whose events did not add up to the plan's."""
+        if self.decisions is not None and self._event_index:
+            packs_off = self._pack_index != len(self.decisions)
+            if packs_off or (self.planned_events is not None and self._event_index != self.planned_events):
+                self.stats.event_misalignments += 1
         self._pump(wait=True)
         self._dedup.clear()
 
@@ -417,7 +430,10 @@ class ActivationExecutor:
         started = time.perf_counter()
         try:
             with self._quiet():
-                return self._pack(tensor, pack_index, event_index, tensor_id)
+                handle = self._pack(tensor, pack_index, event_index, tensor_id)
+            if self.profiler is not None and isinstance(handle, torch.Tensor):
+                return KeptSave(handle, pack_index, tensor_id)
+            return handle
         finally:
             self.stats.hook_s += time.perf_counter() - started
 
@@ -481,7 +497,12 @@ class ActivationExecutor:
             self._sources.clear()
             if self.on_backward is not None:
                 self.on_backward()
-        if self.profiler is not None:
+        if isinstance(packed, KeptSave):
+            # Profiling (see `pack`): the unpack names the save it reads.
+            if self.profiler is not None:
+                self.profiler.note_unpack(packed.tensor_id, packed.pack_index)
+            packed = packed.tensor
+        elif self.profiler is not None:
             tensor_id = None
             if isinstance(packed, torch.Tensor):
                 record = self.profiler._lookup(packed)

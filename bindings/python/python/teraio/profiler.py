@@ -87,12 +87,26 @@ class TensorRecord:
 @dataclass
 class SaveEvent:
     """A `saved_tensors_hooks` event: `kind` is "pack" (forward saved a tensor) or "unpack"
-    (backward needs it), `next_op` the index of the next op to run, `tensor_id` the record."""
+    (backward needs it), `next_op` the index of the next op to run, `tensor_id` the record,
+    `pack_index` the save (for an unpack: the save it reads; -1 where unknown)."""
 
     kind: str
     next_op: int
     tensor_id: Optional[int]
     pack_index: int
+
+
+class KeptSave:
+    """What a profiling pack hook gives autograd for a tensor it keeps as it is: the tensor and
+    its save's index, so that the unpack event names the save it reads (a storage saved twice,
+    inside and outside a block, is two saves; `teraio.blocks` drops the unpacks of the inside one)."""
+
+    __slots__ = ("tensor", "pack_index", "tensor_id")
+
+    def __init__(self, tensor: torch.Tensor, pack_index: int, tensor_id: Optional[int]) -> None:
+        self.tensor = tensor
+        self.pack_index = pack_index
+        self.tensor_id = tensor_id
 
 
 class _Recorder(TorchDispatchMode):
@@ -236,13 +250,12 @@ class Profiler:
     # -- hooks -------------------------------------------------------------------------------
 
     def _pack_hook(self, tensor: torch.Tensor) -> Any:
-        self.note_pack(tensor)
-        return tensor
+        pack_index = self._pack_count
+        return KeptSave(tensor, pack_index, self.note_pack(tensor))
 
-    def _unpack_hook(self, tensor: torch.Tensor) -> torch.Tensor:
-        record = self._live.get(storage_key(tensor))
-        self.note_unpack(record.id if record is not None else None, -1)
-        return tensor
+    def _unpack_hook(self, saved: KeptSave) -> torch.Tensor:
+        self.note_unpack(saved.tensor_id, saved.pack_index)
+        return saved.tensor
 
     def note_pack(self, tensor: torch.Tensor) -> Optional[int]:
         """Records that autograd saved `tensor`; returns its tensor id (None: not tracked)."""

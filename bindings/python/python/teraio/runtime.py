@@ -748,7 +748,7 @@ class offload:
         self.executor.host_memory_bytes = max(0, self.host_memory_bytes - held)
         self._install_sources(profiler, recipes)
         decisions = decisions_from_plan(planned_trace, events, result["plan"], recipes, need)
-        self.executor.set_plan(decisions)
+        self.executor.set_plan(decisions, event_count=len(events))
 
     def _hardware(self) -> dict[str, Any]:
         """The machine the planner and the simulator assume, but for the host link."""
@@ -941,6 +941,7 @@ class offload:
         )
         stalls = {k: stats[k] - (self._stats_at_plan or {}).get(k, 0) for k in stall_keys}
         stalls["plan_mismatches"] = stats["plan_mismatches"]
+        stalls["event_misalignments"] = stats["event_misalignments"]
         for key in ("emergency_offloads", "emergency_offloaded_bytes", "prefetches_deferred", "memory_waits"):
             stalls[key] = stats[key] - (self._stats_at_plan or {}).get(key, 0)
         if self.device.type == "cuda" and self._planned_from_step is not None:
