@@ -69,6 +69,11 @@ PULL_BEHIND_MIN_BYTES = 256 << 20
 PULL_HEADROOM_BYTES = 2 << 30
 
 
+#: The CUDA allocator's statistics as nested dicts, straight from C++ (None: this build has no
+#: such function; `torch.cuda.memory_allocated` is used instead).
+_cuda_memory_stats = getattr(torch._C, "_cuda_memoryStats", None)
+
+
 def _pinned_size(nbytes: int) -> int:
     """What a pinned buffer of `nbytes` takes: PyTorch's caching host allocator rounds each
     block up to a power of two."""
@@ -203,16 +208,17 @@ def _join_copy(device: torch.device, event: Any) -> None:
 def copy_on_stream(
     stream: Any,
     device: torch.device,
-    target: torch.Tensor,
-    source: torch.Tensor,
+    target: Any,
+    source: Any,
     after: Any = None,
     chunk_bytes: int = 0,
 ) -> Any:
-    """Copies `source` into `target` on a side stream once the compute work queued so far (and
-    the copy event `after`, if given: the other direction's copy of the same bytes) is done;
-    returns the copy's CUDA event. The caller decides how the memory outlives the copy
-    (`record_stream`, or compute waiting on the event). `chunk_bytes` > 0 (flat byte tensors
-    only): one copy per chunk, so copies queued on other streams can run between them."""
+    """Copies `source` into `target` (tensors, or untyped storages of one size) on a side stream
+    once the compute work queued so far (and the copy event `after`, if given: the other
+    direction's copy of the same bytes) is done; returns the copy's CUDA event. The caller
+    decides how the memory outlives the copy (`record_stream`, or compute waiting on the event).
+    `chunk_bytes` > 0 (flat byte tensors only): one copy per chunk, so copies queued on other
+    streams can run between them."""
     stream.wait_stream(torch.cuda.current_stream(device))
     if after is not None:
         stream.wait_event(after)
@@ -301,7 +307,12 @@ class ActivationExecutor:
         # Per prefetch stream: (copy event, need event) of the copy issued on it last.
         self._h2d_last: list[Optional[tuple[Any, int]]] = [None] * copy_streams
         self.stats.prefetches_per_stream = [0] * copy_streams
+        # `_allocated`'s reading and the event it was taken at.
+        self._allocated_event = -1
+        self._allocated_bytes = 0
+        self._device_index = 0
         if self.cuda:
+            self._device_index = device.index if device.index is not None else torch.cuda.current_device()
             self.d2h_stream = torch.cuda.Stream(device)
             # Prefetch streams; the first is shared with the optimizer-state and parameter movers.
             self.h2d_streams = [torch.cuda.Stream(device) for _ in range(copy_streams)]
@@ -386,6 +397,7 @@ class ActivationExecutor:
 
     def begin_iteration(self) -> None:
         self._unpacked = False
+        self._allocated_event = -1
         self._deferred = []
         self._pack_index = 0
         self._event_index = 0
@@ -423,36 +435,62 @@ class ActivationExecutor:
 
     def pack(self, tensor: torch.Tensor) -> Any:
         pack_index = self._pack_index
-        self._pack_index += 1
+        self._pack_index = pack_index + 1
         event_index = self._event_index
-        self._event_index += 1
-        tensor_id = self.profiler.note_pack(tensor) if self.profiler is not None else None
+        self._event_index = event_index + 1
+        if self.profiler is not None:
+            return self._pack_profiled(tensor, pack_index, event_index)
         started = time.perf_counter()
-        try:
-            with self._quiet():
-                handle = self._pack(tensor, pack_index, event_index, tensor_id)
-            if self.profiler is not None and isinstance(handle, torch.Tensor):
-                return KeptSave(handle, pack_index, tensor_id)
-            return handle
-        finally:
-            self.stats.hook_s += time.perf_counter() - started
+        self._on_hook_event(event_index)
+        handle = self._pack_storage(tensor, pack_index, None)
+        if self._capture_ids:
+            self._capture_saved(pack_index, handle)
+        self.stats.hook_s += time.perf_counter() - started
+        return handle
 
-    def _pack(self, tensor: torch.Tensor, pack_index: int, event_index: int, tensor_id: Optional[int]) -> Any:
-        self._pump(wait=False)
-        self._issue_prefetches(event_index)
+    def _pack_profiled(self, tensor: torch.Tensor, pack_index: int, event_index: int) -> Any:
+        """`pack` while a profiler records: the event is noted, the executor's own copies are
+        kept out of the trace, and a kept tensor's unpack names its save (`KeptSave`)."""
+        assert self.profiler is not None
+        tensor_id = self.profiler.note_pack(tensor)
+        started = time.perf_counter()
+        with self.profiler.paused():
+            self._on_hook_event(event_index)
+            handle = self._pack_storage(tensor, pack_index, tensor_id)
+            if self._capture_ids:
+                self._capture_saved(pack_index, handle)
+        self.stats.hook_s += time.perf_counter() - started
+        if isinstance(handle, torch.Tensor):
+            return KeptSave(handle, pack_index, tensor_id)
+        return handle
+
+    def _on_hook_event(self, event_index: int) -> None:
+        """What every save/unpack event does first: moves SSD work along, issues the prefetches
+        planned for it (and those put off), and runs the optimizer-state / parameter clock.
+        Each step is skipped at once where it has nothing to do (most events)."""
+        if self._pending_puts or self._pending_gets:
+            self._pump(wait=False)
+        if self._deferred or event_index in self.prefetch_at_event:
+            self._issue_prefetches(event_index)
         if self.on_event is not None:
             self.on_event(event_index)
-        handle = self._pack_storage(tensor, pack_index, tensor_id)
-        if self._capture_ids and self.decisions is not None and pack_index < len(self.decisions):
-            planned_id = self.decisions[pack_index].tensor_id
+
+    def _capture_saved(self, pack_index: int, handle: Any) -> None:
+        """Keeps the handle of a save that recipes read (until backward starts)."""
+        decisions = self.decisions
+        if decisions is not None and pack_index < len(decisions):
+            planned_id = decisions[pack_index].tensor_id
             if planned_id in self._capture_ids:
                 self._sources.setdefault(Source("saved", planned_id), handle)
-        return handle
 
     def _pack_storage(self, tensor: torch.Tensor, pack_index: int, tensor_id: Optional[int]) -> Any:
         storage = tensor.untyped_storage()
         nbytes = storage.nbytes()
-        if tensor.device != self.device or nbytes < self.min_bytes or isinstance(tensor, torch.nn.Parameter):
+        # Cheapest test first: most saves in many models are small. `isinstance(_, Parameter)`
+        # runs Python code (Parameter's metaclass), so plain tensors skip it.
+        if nbytes < self.min_bytes or tensor.device != self.device:
+            return tensor
+        if type(tensor) is not torch.Tensor and isinstance(tensor, torch.nn.Parameter):
             return tensor
         key = storage.data_ptr()
         if key in self.skip_storages:
@@ -490,46 +528,45 @@ class ActivationExecutor:
 
     def unpack(self, packed: Any) -> torch.Tensor:
         event_index = self._event_index
-        self._event_index += 1
+        self._event_index = event_index + 1
         if not self._unpacked:
             self._unpacked = True
             # Forward is over: every recipe holds its own sources now.
             self._sources.clear()
             if self.on_backward is not None:
                 self.on_backward()
-        if isinstance(packed, KeptSave):
-            # Profiling (see `pack`): the unpack names the save it reads.
-            if self.profiler is not None:
-                self.profiler.note_unpack(packed.tensor_id, packed.pack_index)
+        if self.profiler is not None or type(packed) is KeptSave:
+            return self._unpack_profiled(packed, event_index)
+        started = time.perf_counter()
+        self._on_hook_event(event_index)
+        tensor = packed if type(packed) is not _Packed else self._restored_view(packed)
+        self.stats.hook_s += time.perf_counter() - started
+        return tensor
+
+    def _unpack_profiled(self, packed: Any, event_index: int) -> torch.Tensor:
+        """`unpack` while a profiler records (see `_pack_profiled`)."""
+        profiler = self.profiler
+        if type(packed) is KeptSave:
+            if profiler is not None:
+                profiler.note_unpack(packed.tensor_id, packed.pack_index)
             packed = packed.tensor
-        elif self.profiler is not None:
+        elif profiler is not None:
             tensor_id = None
             if isinstance(packed, torch.Tensor):
-                record = self.profiler._lookup(packed)
+                record = profiler._lookup(packed)
                 tensor_id = record.id if record is not None else None
             else:
                 tensor_id = packed.tensor_id
-            self.profiler.note_unpack(tensor_id, getattr(packed, "pack_index", -1))
+            profiler.note_unpack(tensor_id, getattr(packed, "pack_index", -1))
         started = time.perf_counter()
-        try:
-            with self._quiet():
-                return self._unpack(packed, event_index)
-        finally:
-            self.stats.hook_s += time.perf_counter() - started
+        with profiler.paused() if profiler is not None else contextlib.nullcontext():
+            self._on_hook_event(event_index)
+            tensor = packed if type(packed) is not _Packed else self._restored_view(packed)
+        self.stats.hook_s += time.perf_counter() - started
+        return tensor
 
-    def _quiet(self) -> Any:
-        """Keeps the executor's own copies out of a running profiler's trace."""
-        if self.profiler is None:
-            return contextlib.nullcontext()
-        return self.profiler.paused()
-
-    def _unpack(self, packed: Any, event_index: int) -> torch.Tensor:
-        self._pump(wait=False)
-        self._issue_prefetches(event_index)
-        if self.on_event is not None:
-            self.on_event(event_index)
-        if isinstance(packed, torch.Tensor):
-            return packed
+    def _restored_view(self, packed: _Packed) -> torch.Tensor:
+        """The saved tensor again: a view of its storage, fetched or recomputed if need be."""
         slot = packed.slot
         gpu = self._restore(slot)
         view = torch.empty(0, dtype=packed.dtype, device=self.device)
@@ -591,17 +628,21 @@ class ActivationExecutor:
     # -- policy --------------------------------------------------------------------------------
 
     def _decide(self, pack_index: int, nbytes: int) -> Optional[str]:
-        if self.decisions is not None:
-            if pack_index >= len(self.decisions) or self.decisions[pack_index].size_bytes != nbytes:
-                self.stats.plan_mismatches += 1
-                return self._if_short(nbytes)
-            decision = self.decisions[pack_index]
-            if decision.tier is None:
-                return self._if_short(nbytes)
-            return decision.tier
-        # No plan yet (warm-up and profiled iterations): every saved tensor goes, to host memory
-        # up to the cap, then to the SSD; so these iterations need no more GPU memory than a plan.
-        return self._fallback_tier(nbytes)
+        decisions = self.decisions
+        if decisions is None:
+            # No plan yet (warm-up and profiled iterations): every saved tensor goes, to host
+            # memory up to the cap, then to the SSD; so these iterations need no more GPU memory
+            # than a plan.
+            return self._fallback_tier(nbytes)
+        if pack_index < len(decisions):
+            decision = decisions[pack_index]
+            if decision.size_bytes == nbytes:
+                if decision.tier is not None:
+                    return decision.tier
+                # Kept by the plan: only the memory fallback may move it (with a margin).
+                return self._if_short(nbytes) if self.margin_bytes else None
+        self.stats.plan_mismatches += 1
+        return self._if_short(nbytes)
 
     def _fallback_tier(self, nbytes: int) -> Optional[str]:
         if self._host_in_use + _pinned_size(nbytes) <= self.host_memory_bytes:
@@ -610,12 +651,25 @@ class ActivationExecutor:
             return SSD
         return None
 
+    def _allocated(self) -> int:
+        """GPU bytes the caching allocator has handed out, read once per event: the memory
+        checks of one event share a reading, plus the prefetch buffers allocated since
+        (`_device_buffer`). `torch.cuda.memory_allocated` flattens every allocator statistic
+        into a new dict in Python, far slower than reading the nested statistics from C++."""
+        if self._allocated_event != self._event_index:
+            self._allocated_event = self._event_index
+            if _cuda_memory_stats is not None:
+                stats = _cuda_memory_stats(self._device_index)
+                self._allocated_bytes = int(stats["allocated_bytes"]["all"]["current"])
+            else:
+                self._allocated_bytes = int(torch.cuda.memory_allocated(self.device))
+        return self._allocated_bytes
+
     def _short_of_memory(self, nbytes: int) -> bool:
         """Whether `nbytes` more would leave less than `margin_bytes` of the budget (CUDA)."""
         if not self.cuda or not self.gpu_memory_bytes or not self.margin_bytes:
             return False
-        in_use = torch.cuda.memory_allocated(self.device)
-        return in_use + nbytes > self.gpu_memory_bytes - self.margin_bytes
+        return self._allocated() + nbytes > self.gpu_memory_bytes - self.margin_bytes
 
     def _if_short(self, nbytes: int) -> Optional[str]:
         """A tensor the plan keeps is offloaded anyway when memory runs short (the plan's memory
@@ -634,7 +688,8 @@ class ActivationExecutor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
 
     def _offload(self, slot: _Slot, tensor: torch.Tensor) -> None:
-        source = _flat_bytes(tensor)
+        # Storage to storage: no flat byte tensor to build (`set_` is the costliest call here).
+        source = tensor.untyped_storage()
         slot.host = self._host_buffer(slot.nbytes)
         if slot.tier == HOST:
             self._host_in_use += _pinned_size(slot.nbytes)
@@ -642,12 +697,12 @@ class ActivationExecutor:
         self.stats.offloaded_bytes[slot.tier] += slot.nbytes
         if self.cuda:
             self._throttle(slot.nbytes)
-            slot.d2h_event = copy_on_stream(self.d2h_stream, self.device, slot.host, source)
-            source.record_stream(self.d2h_stream)
+            slot.d2h_event = copy_on_stream(self.d2h_stream, self.device, slot.host.untyped_storage(), source)
+            tensor.record_stream(self.d2h_stream)  # marks the storage's block, as a view of it would
             self._inflight.append((slot.d2h_event, slot.nbytes))
             self._inflight_bytes += slot.nbytes
         else:
-            slot.host.copy_(source)
+            slot.host.untyped_storage().copy_(source)
         if slot.tier == SSD:
             self._pending_puts.append(slot)
             self._pump(wait=False)
@@ -743,8 +798,7 @@ class ActivationExecutor:
         """Whether GPU memory has room now for a prefetch issued before its planned event."""
         if not self.cuda or not self.gpu_memory_bytes:
             return True
-        in_use = torch.cuda.memory_allocated(self.device)
-        return in_use + nbytes + PULL_HEADROOM_BYTES <= self.gpu_memory_bytes
+        return self._allocated() + nbytes + PULL_HEADROOM_BYTES <= self.gpu_memory_bytes
 
     def _prefetch(self, slot: _Slot) -> None:
         self.stats.prefetched_bytes[slot.tier] += slot.nbytes
@@ -780,6 +834,8 @@ class ActivationExecutor:
         """GPU memory for a prefetch; when the allocator is out of it, waits for the
         device-to-host copies in flight (their sources' blocks come back once they land) and
         tries once more."""
+        if self._allocated_event == self._event_index:
+            self._allocated_bytes += nbytes  # this event's reading (`_allocated`) stays an upper bound
         try:
             return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         except torch.cuda.OutOfMemoryError:

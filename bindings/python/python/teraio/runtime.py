@@ -744,6 +744,9 @@ class offload:
             )
         self.state.set_plan(state_moves_from_plan(planned_trace, self._state_ids, events, result["plan"]))
         self.params.set_plan(parameter_moves_from_plan(planned_trace, profiler, events, result["plan"]))
+        # The event clock goes straight to the executors with a plan (none: no call per event).
+        clocks = [mover.on_event for mover in (self.state, self.params) if mover.slots]
+        self.executor.on_event = clocks[0] if len(clocks) == 1 else (self._on_event if clocks else None)
         held = self.state.planned_bytes(HOST) + self.params.planned_bytes(HOST)
         self.executor.host_memory_bytes = max(0, self.host_memory_bytes - held)
         self._install_sources(profiler, recipes)
