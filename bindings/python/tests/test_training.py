@@ -173,6 +173,61 @@ def test_checkpointed_blocks_keep_the_plans_event_numbering(
     assert report.stalls["prefetches_on_demand"] == 0
 
 
+@pytest.mark.parametrize("faster", ["all_blocks", "chosen"])
+def test_plan_measured_against_checkpointing_every_block(
+    faster: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A fast link: the plan offloads and checkpoints no block; checkpointing every block fits
+    # too. One planned iteration of each is timed (fake times here: which one the machine runs
+    # faster is the point) and the faster one keeps running, exact either way.
+    monkeypatch.setattr(teraio_blocks, "candidate_counts", lambda usable, mode: [0, usable])
+    data = batches(STEPS, rows=2048)
+    model, optimizer = make()
+    reference = train(model, optimizer, data)
+    model, optimizer = make()
+    peak, activations = _peak_and_activations(model, optimizer, _tiny_step(model, optimizer), data)
+    model, optimizer = make()
+    run = teraio.offload(
+        model,
+        optimizer,
+        gpu_memory=peak - activations // 2,
+        host_memory=1 << 30,
+        host_link_bandwidth="1000GB/s",
+        recompute="off",
+        checkpoint="auto",
+        reserve=0,
+        min_bytes=64 << 10,
+    )
+    blocks_per_step: list[int] = []
+    timed_faster = 1 if faster == "all_blocks" else 2  # the trial's second timed step: chosen
+
+    def iteration_ms(step: int) -> float:
+        return 1.0 if step == run._trial_steps[timed_faster] else 2.0
+
+    monkeypatch.setattr(run, "_iteration_ms", iteration_ms)
+    with run:
+        losses = []
+        for x in data:
+            losses.append(train(model, optimizer, [x])[0])
+            # The next step's plan is in place once a step ends: its blocks, and whether the
+            # first block runs under checkpoint.
+            blocks_per_step.append((len(run.checkpoint_blocks), "forward" in model.layers[0].__dict__))
+    report = run.report()
+    assert losses == reference
+    measured = report.checkpoint_summary["measured"]
+    assert measured["kept"] == faster and measured["steps"] == [3, 4]
+    # Steps 2 and 4 ran the chosen plan (no block), step 3 every block, step 5 the faster.
+    last = (4, True) if faster == "all_blocks" else (0, False)
+    assert blocks_per_step[1:5] == [(0, False), (4, True), (0, False), last]
+    assert [t["blocks"] for t in report.checkpoint_summary["tried"] if t["chosen"]] == [
+        4 if faster == "all_blocks" else 0
+    ]
+    assert len(report.checkpointed_blocks) == (4 if faster == "all_blocks" else 0)
+    assert report.stalls["plan_mismatches"] == 0
+    assert report.stalls["event_misalignments"] == 0
+    assert report.stalls["prefetches_on_demand"] == 0
+
+
 class PlainTransformer(torch.nn.Module):
     """A plain PyTorch model (no Hugging Face): embedding, encoder layers, a head."""
 

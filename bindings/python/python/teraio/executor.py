@@ -284,6 +284,7 @@ class ActivationExecutor:
         self._unpacked = False
         self.decisions: Optional[list[PackDecision]] = None
         self.planned_events: Optional[int] = None
+        self._events_checked = False
         self.prefetch_at_event: dict[int, list[int]] = {}
         # Event -> the pack indices listed there ahead of their planned event.
         self._pulled: dict[int, set[int]] = {}
@@ -397,6 +398,7 @@ class ActivationExecutor:
 
     def begin_iteration(self) -> None:
         self._unpacked = False
+        self._events_checked = False
         self._allocated_event = -1
         self._deferred = []
         self._pack_index = 0
@@ -416,7 +418,8 @@ class ActivationExecutor:
     def end_iteration(self) -> None:
         """Finishes the SSD writes still pending (their pinned buffers return to the pool) and
         counts an iteration whose events did not add up to the plan's."""
-        if self.decisions is not None and self._event_index:
+        if self.decisions is not None and self._event_index and not self._events_checked:
+            self._events_checked = True
             packs_off = self._pack_index != len(self.decisions)
             if packs_off or (self.planned_events is not None and self._event_index != self.planned_events):
                 self.stats.event_misalignments += 1
