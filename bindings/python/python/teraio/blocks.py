@@ -22,6 +22,7 @@ tensor: a storage saved inside a block and outside it too is two saves.
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -84,6 +85,55 @@ def _checkpointed(original: Callable[..., Any]) -> Callable[..., Any]:
     return forward
 
 
+@dataclass(frozen=True)
+class CheckpointSaves:
+    """What `torch.utils.checkpoint(use_reentrant=False)` itself saves through the caller's
+    saved-tensor hooks for one block, on this torch: the block's tensor inputs (`saves_inputs`)
+    and other saves before and after them (torch 2.11 saves an empty dummy tensor ahead of the
+    inputs; 2.15 does not), and the unpacks of those where backward recomputes the block."""
+
+    saves_inputs: bool = True
+    packs_before: int = 0
+    packs_after: int = 0
+    unpacks_before: int = 0
+    unpacks_after: int = 0
+
+
+@functools.cache
+def checkpoint_saves() -> CheckpointSaves:
+    """Measured once, by checkpointing a function of one small CPU tensor under counting hooks
+    (a plan whose events assumed another torch's pattern would number every later save wrong:
+    on the H100, torch 2.11's dummy shifted them by one per checkpointed block)."""
+    packs: list[bool] = []
+    unpacks: list[bool] = []
+    with torch.enable_grad(), torch.autocast("cpu", enabled=False):
+        leaf = torch.ones(2, requires_grad=True)
+        block_input = leaf * 2
+        key = block_input.untyped_storage().data_ptr()
+
+        def pack(tensor: torch.Tensor) -> tuple[bool, torch.Tensor]:
+            is_input = tensor.untyped_storage().data_ptr() == key and tensor.untyped_storage().nbytes() > 0
+            packs.append(is_input)
+            return is_input, tensor
+
+        def unpack(saved: tuple[bool, torch.Tensor]) -> torch.Tensor:
+            unpacks.append(saved[0])
+            return saved[1]
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            out = checkpoint(torch.sin, block_input, use_reentrant=False)
+        out.sum().backward()
+
+    def around(flags: list[bool]) -> tuple[int, int]:
+        if True not in flags:
+            return len(flags), 0
+        return flags.index(True), flags[::-1].index(True)
+
+    packs_before, packs_after = around(packs)
+    unpacks_before, unpacks_after = around(unpacks)
+    return CheckpointSaves(True in packs, packs_before, packs_after, unpacks_before, unpacks_after)
+
+
 @dataclass
 class BlockRecord:
     """One block's forward pass in the profiled iteration: its ops `[op_start, op_end)`, its
@@ -121,12 +171,15 @@ def checkpoint_trace(
     chosen: list[str],
     durations_us: list[float],
     held: frozenset[int] = frozenset(),
+    saves: Optional[CheckpointSaves] = None,
 ) -> CheckpointedTrace:
     """The trace and events the planner should see with the `chosen` blocks checkpointed (see the
     module docstring). A chosen block that cannot be applied (not usable, or backward never
     unpacks one of its saves) is left out of the result's `blocks`. `held`: tensors something
     outside the iteration holds (the caller's batch): saved by checkpoint, yet moving them frees
-    nothing, so they stay temporaries."""
+    nothing, so they stay temporaries. `saves`: what checkpoint itself saves through the
+    runtime's hooks (default: measured on this torch, `checkpoint_saves`)."""
+    saves = saves if saves is not None else checkpoint_saves()
     by_name = {r.name: r for r in records}
     candidates = [by_name[n] for n in chosen if n in by_name and by_name[n].usable]
     inside: dict[int, str] = {}
@@ -181,13 +234,19 @@ def checkpoint_trace(
     for index, event in enumerate(events):
         record = starts.get(index)
         if record is not None:
-            input_packs[record.name] = list(range(pack_count, pack_count + len(record.inputs)))
-            for tensor_id in record.inputs:
+            inputs = record.inputs if saves.saves_inputs else []
+            block_saves = [None] * saves.packs_before + list(inputs) + [None] * saves.packs_after
+            input_packs[record.name] = [pack_count + saves.packs_before + i for i in range(len(inputs))]
+            for tensor_id in block_saves:
                 new_events.append(SaveEvent("pack", record.op_start, tensor_id, pack_count))
                 pack_count += 1
         record = reached.get(index)
         if record is not None:
-            for tensor_id, pack_index in zip(record.inputs, input_packs.get(record.name, [])):
+            inputs = record.inputs if saves.saves_inputs else []
+            unpacks = [(None, -1)] * saves.unpacks_before
+            unpacks += list(zip(inputs, input_packs.get(record.name, [])))
+            unpacks += [(None, -1)] * saves.unpacks_after
+            for tensor_id, pack_index in unpacks:
                 new_events.append(SaveEvent("unpack", event.next_op, tensor_id, pack_index))
         if saved_in(index, event) in applied_names:
             continue
