@@ -76,9 +76,16 @@ def test_kinds_sizes_and_uses() -> None:
     assert by_kind["optimizer_state"] == 3 * len(params)
     # Activations: per block, the block input (saved by `up`), up's output (saved by gelu) and
     # gelu's output (saved by `down`): sizes ROWS*DIM*4, ROWS*HIDDEN*4, ROWS*HIDDEN*4; and the
-    # model output, saved by `square` in the loss.
+    # model output, saved by `square` in the loss. But the first block's input is the batch: the
+    # caller holds it before and after the iteration, so it is a persistent temporary (moving it
+    # would free nothing), and so is the loss, which the caller holds to the last op.
     acts = [t for t in tensors if t["kind"] == "activation"]
-    expected = Counter([ROWS * DIM * 4] * (LAYERS + 1) + [ROWS * HIDDEN * 4] * (2 * LAYERS))
+    expected = Counter([ROWS * DIM * 4] * LAYERS + [ROWS * HIDDEN * 4] * (2 * LAYERS))
+    held = [t for t in tensors if t["kind"] == "temporary" and t["alloc_op"] is None]
+    assert [(t["size_bytes"], t["free_op"]) for t in held] == [(ROWS * DIM * 4, None)]
+    assert ops[held[0]["uses"][0]["op"]].get("layer") == 0
+    (loss,) = [t for t in tensors if t["name"] == "mean.default.out0"]
+    assert loss["kind"] == "temporary" and loss["free_op"] == len(ops) - 1
     assert Counter(t["size_bytes"] for t in acts) == expected
     for t in acts:
         fwd = [u for u in t["uses"] if ops[u["op"]]["phase"] == "forward"]

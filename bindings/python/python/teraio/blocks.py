@@ -12,13 +12,17 @@ each tensor saved only inside a checkpointed block lives to its last forward use
 from the block's first backward op (as a temporary: checkpoint holds it, not the hooks); that op
 is charged the block's forward time (calibrated op times); the block's inputs are saved at its
 start and read there. The save/unpack events the runtime will see are rewritten the same way
-(the block's internal saves disappear, its inputs are saved at its start and unpacked where
-backward reaches it), so that pack `i` of the plan is pack `i` at run time.
+(every save the block's forward makes disappears, with its unpacks: checkpoint's own hooks take
+them, weights and the block's input included; the inputs are saved at its start and unpacked where
+backward first unpacks one of those saves), so that event `i` of the plan is event `i` at run time.
+An unpack is matched to its save by the save's index (the profiler's events name it), not by
+tensor: a storage saved inside a block and outside it too is two saves.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -81,6 +85,55 @@ def _checkpointed(original: Callable[..., Any]) -> Callable[..., Any]:
     return forward
 
 
+@dataclass(frozen=True)
+class CheckpointSaves:
+    """What `torch.utils.checkpoint(use_reentrant=False)` itself saves through the caller's
+    saved-tensor hooks for one block, on this torch: the block's tensor inputs (`saves_inputs`)
+    and other saves before and after them (torch 2.11 saves an empty dummy tensor ahead of the
+    inputs; 2.15 does not), and the unpacks of those where backward recomputes the block."""
+
+    saves_inputs: bool = True
+    packs_before: int = 0
+    packs_after: int = 0
+    unpacks_before: int = 0
+    unpacks_after: int = 0
+
+
+@functools.cache
+def checkpoint_saves() -> CheckpointSaves:
+    """Measured once, by checkpointing a function of one small CPU tensor under counting hooks
+    (a plan whose events assumed another torch's pattern would number every later save wrong:
+    on the H100, torch 2.11's dummy shifted them by one per checkpointed block)."""
+    packs: list[bool] = []
+    unpacks: list[bool] = []
+    with torch.enable_grad(), torch.autocast("cpu", enabled=False):
+        leaf = torch.ones(2, requires_grad=True)
+        block_input = leaf * 2
+        key = block_input.untyped_storage().data_ptr()
+
+        def pack(tensor: torch.Tensor) -> tuple[bool, torch.Tensor]:
+            is_input = tensor.untyped_storage().data_ptr() == key and tensor.untyped_storage().nbytes() > 0
+            packs.append(is_input)
+            return is_input, tensor
+
+        def unpack(saved: tuple[bool, torch.Tensor]) -> torch.Tensor:
+            unpacks.append(saved[0])
+            return saved[1]
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            out = checkpoint(torch.sin, block_input, use_reentrant=False)
+        out.sum().backward()
+
+    def around(flags: list[bool]) -> tuple[int, int]:
+        if True not in flags:
+            return len(flags), 0
+        return flags.index(True), flags[::-1].index(True)
+
+    packs_before, packs_after = around(packs)
+    unpacks_before, unpacks_after = around(unpacks)
+    return CheckpointSaves(True in packs, packs_before, packs_after, unpacks_before, unpacks_after)
+
+
 @dataclass
 class BlockRecord:
     """One block's forward pass in the profiled iteration: its ops `[op_start, op_end)`, its
@@ -117,10 +170,16 @@ def checkpoint_trace(
     records: list[BlockRecord],
     chosen: list[str],
     durations_us: list[float],
+    held: frozenset[int] = frozenset(),
+    saves: Optional[CheckpointSaves] = None,
 ) -> CheckpointedTrace:
     """The trace and events the planner should see with the `chosen` blocks checkpointed (see the
     module docstring). A chosen block that cannot be applied (not usable, or backward never
-    unpacks one of its saves) is left out of the result's `blocks`."""
+    unpacks one of its saves) is left out of the result's `blocks`. `held`: tensors something
+    outside the iteration holds (the caller's batch): saved by checkpoint, yet moving them frees
+    nothing, so they stay temporaries. `saves`: what checkpoint itself saves through the
+    runtime's hooks (default: measured on this torch, `checkpoint_saves`)."""
+    saves = saves if saves is not None else checkpoint_saves()
     by_name = {r.name: r for r in records}
     candidates = [by_name[n] for n in chosen if n in by_name and by_name[n].usable]
     inside: dict[int, str] = {}
@@ -144,36 +203,60 @@ def checkpoint_trace(
             t for t in saved if t in activations and t not in packed_outside and t not in record.inputs
         }
     owner = {t: name for name, ids in internal.items() for t in ids}
-    # Where backward reaches each block: its first unpack of an internal save.
+    pack_event = {e.pack_index: i for i, e in enumerate(events) if e.kind == "pack"}
+
+    def saved_in(index: int, event: SaveEvent) -> Optional[str]:
+        """The candidate block whose forward made the save an event packs or unpacks. Every save
+        there goes to checkpoint's own hooks, the block input's and a weight's too, so none of
+        their unpacks reaches the runtime (unpacks that do not name their save: by tensor)."""
+        if event.kind == "pack":
+            return inside.get(index)
+        if event.pack_index >= 0:
+            return inside.get(pack_event.get(event.pack_index, -1))
+        return owner.get(event.tensor_id) if event.tensor_id is not None else None
+
+    # Where backward reaches each block: its first unpack of a save made inside (checkpoint
+    # recomputes the block there, unpacking its inputs first).
     first_unpack: dict[str, int] = {}
     for index, event in enumerate(events):
-        if event.kind == "unpack" and event.tensor_id in owner:
-            first_unpack.setdefault(owner[event.tensor_id], index)
+        if event.kind == "unpack":
+            name = saved_in(index, event)
+            if name is not None and internal.get(name):
+                first_unpack.setdefault(name, index)
     applied = [r for r in candidates if r.name in first_unpack]
     applied_names = {r.name for r in applied}
     starts = {r.event_start: r for r in applied}
     reached = {first_unpack[r.name]: r for r in applied}
     new_events: list[SaveEvent] = []
+    input_packs: dict[str, list[int]] = {}
+    renumbered: dict[int, int] = {}  # profiled pack index -> the planned one
     pack_count = 0
     for index, event in enumerate(events):
         record = starts.get(index)
         if record is not None:
-            for tensor_id in record.inputs:
+            inputs = record.inputs if saves.saves_inputs else []
+            block_saves = [None] * saves.packs_before + list(inputs) + [None] * saves.packs_after
+            input_packs[record.name] = [pack_count + saves.packs_before + i for i in range(len(inputs))]
+            for tensor_id in block_saves:
                 new_events.append(SaveEvent("pack", record.op_start, tensor_id, pack_count))
                 pack_count += 1
         record = reached.get(index)
         if record is not None:
-            for tensor_id in record.inputs:
-                new_events.append(SaveEvent("unpack", event.next_op, tensor_id, -1))
-        if inside.get(index) in applied_names:
-            continue
-        if event.kind == "unpack" and owner.get(event.tensor_id) in applied_names:
+            inputs = record.inputs if saves.saves_inputs else []
+            unpacks = [(None, -1)] * saves.unpacks_before
+            unpacks += list(zip(inputs, input_packs.get(record.name, [])))
+            unpacks += [(None, -1)] * saves.unpacks_after
+            for tensor_id, pack_index in unpacks:
+                new_events.append(SaveEvent("unpack", event.next_op, tensor_id, pack_index))
+        if saved_in(index, event) in applied_names:
             continue
         if event.kind == "pack":
+            renumbered[event.pack_index] = pack_count
             new_events.append(SaveEvent("pack", event.next_op, event.tensor_id, pack_count))
             pack_count += 1
         else:
-            new_events.append(event)
+            pack_index = renumbered.get(event.pack_index, -1)
+            new_events.append(SaveEvent("unpack", event.next_op, event.tensor_id, pack_index))
     trace = copy.deepcopy(trace)
     ops = trace["ops"]
     by_id = {t["id"]: t for t in trace["tensors"]}
@@ -218,7 +301,7 @@ def checkpoint_trace(
             entry = by_id.get(tensor_id) if tensor_id is not None else None
             if entry is None:
                 continue
-            if entry["kind"] == "temporary":
+            if entry["kind"] == "temporary" and tensor_id not in held:
                 entry["kind"] = "activation"  # saved by checkpoint through the hooks
             uses = {u["op"]: u["access"] for u in entry["uses"]}
             uses.setdefault(at, "read")

@@ -45,6 +45,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .profiler import KeptSave
 from .recompute import Recipe, Source
 from .store import Store
 
@@ -66,6 +67,11 @@ PULL_BEHIND_MIN_BYTES = 256 << 20
 #: GPU memory left free besides a prefetch issued before its planned event (the allocator's
 #: fragmentation and copies in flight: H100 runs peak 1.4 GiB above the plan).
 PULL_HEADROOM_BYTES = 2 << 30
+
+
+#: The CUDA allocator's statistics as nested dicts, straight from C++ (None: this build has no
+#: such function; `torch.cuda.memory_allocated` is used instead).
+_cuda_memory_stats = getattr(torch._C, "_cuda_memoryStats", None)
 
 
 def _pinned_size(nbytes: int) -> int:
@@ -92,7 +98,11 @@ class TransferStats:
     inflight_waits: int = 0
     inflight_wait_s: float = 0.0
     kept: int = 0
+    #: Saves that did not line up with the plan (by index and size: that tensor stays), and
+    #: iterations whose save/unpack events did not add up to the plan's (its prefetch points,
+    #: which are event indices, then fall elsewhere).
     plan_mismatches: int = 0
+    event_misalignments: int = 0
     host_cap_demotions: int = 0
     #: Host time spent inside the pack and unpack hooks (the waits above included).
     hook_s: float = 0.0
@@ -198,16 +208,17 @@ def _join_copy(device: torch.device, event: Any) -> None:
 def copy_on_stream(
     stream: Any,
     device: torch.device,
-    target: torch.Tensor,
-    source: torch.Tensor,
+    target: Any,
+    source: Any,
     after: Any = None,
     chunk_bytes: int = 0,
 ) -> Any:
-    """Copies `source` into `target` on a side stream once the compute work queued so far (and
-    the copy event `after`, if given: the other direction's copy of the same bytes) is done;
-    returns the copy's CUDA event. The caller decides how the memory outlives the copy
-    (`record_stream`, or compute waiting on the event). `chunk_bytes` > 0 (flat byte tensors
-    only): one copy per chunk, so copies queued on other streams can run between them."""
+    """Copies `source` into `target` (tensors, or untyped storages of one size) on a side stream
+    once the compute work queued so far (and the copy event `after`, if given: the other
+    direction's copy of the same bytes) is done; returns the copy's CUDA event. The caller
+    decides how the memory outlives the copy (`record_stream`, or compute waiting on the event).
+    `chunk_bytes` > 0 (flat byte tensors only): one copy per chunk, so copies queued on other
+    streams can run between them."""
     stream.wait_stream(torch.cuda.current_stream(device))
     if after is not None:
         stream.wait_event(after)
@@ -272,6 +283,8 @@ class ActivationExecutor:
         self.on_backward: Optional[Callable[[], None]] = None
         self._unpacked = False
         self.decisions: Optional[list[PackDecision]] = None
+        self.planned_events: Optional[int] = None
+        self._events_checked = False
         self.prefetch_at_event: dict[int, list[int]] = {}
         # Event -> the pack indices listed there ahead of their planned event.
         self._pulled: dict[int, set[int]] = {}
@@ -295,7 +308,12 @@ class ActivationExecutor:
         # Per prefetch stream: (copy event, need event) of the copy issued on it last.
         self._h2d_last: list[Optional[tuple[Any, int]]] = [None] * copy_streams
         self.stats.prefetches_per_stream = [0] * copy_streams
+        # `_allocated`'s reading and the event it was taken at.
+        self._allocated_event = -1
+        self._allocated_bytes = 0
+        self._device_index = 0
         if self.cuda:
+            self._device_index = device.index if device.index is not None else torch.cuda.current_device()
             self.d2h_stream = torch.cuda.Stream(device)
             # Prefetch streams; the first is shared with the optimizer-state and parameter movers.
             self.h2d_streams = [torch.cuda.Stream(device) for _ in range(copy_streams)]
@@ -303,15 +321,17 @@ class ActivationExecutor:
 
     # -- plan ----------------------------------------------------------------------------------
 
-    def set_plan(self, decisions: list[PackDecision]) -> None:
+    def set_plan(self, decisions: list[PackDecision], event_count: Optional[int] = None) -> None:
         """Installs per-pack decisions. Host-tier entries beyond `host_memory_bytes` (counted in
-        pack order) go to the SSD tier if there is a store, else stay on the GPU.
+        pack order) go to the SSD tier if there is a store, else stay on the GPU. `event_count`:
+        the save/unpack events the plan expects per iteration (checked at each iteration's end).
 
         Host buffers come from PyTorch's caching pinned allocator: the planned iterations reuse
         the blocks the warm-up iterations pinned (pinning memory is slow: about 1 GB/s), and a
         block is reused only after the copies that use it are done (the allocator records events).
         """
         self.decisions = decisions
+        self.planned_events = event_count
         self.prefetch_at_event = {}
         self._capture_ids = {
             source.tensor_id
@@ -378,6 +398,8 @@ class ActivationExecutor:
 
     def begin_iteration(self) -> None:
         self._unpacked = False
+        self._events_checked = False
+        self._allocated_event = -1
         self._deferred = []
         self._pack_index = 0
         self._event_index = 0
@@ -394,7 +416,13 @@ class ActivationExecutor:
         return sum(1 for ref in set(self._slots_by_pack.values()) if ref() is not None)
 
     def end_iteration(self) -> None:
-        """Finishes the SSD writes still pending (their pinned buffers return to the pool)."""
+        """Finishes the SSD writes still pending (their pinned buffers return to the pool) and
+        counts an iteration whose events did not add up to the plan's."""
+        if self.decisions is not None and self._event_index and not self._events_checked:
+            self._events_checked = True
+            packs_off = self._pack_index != len(self.decisions)
+            if packs_off or (self.planned_events is not None and self._event_index != self.planned_events):
+                self.stats.event_misalignments += 1
         self._pump(wait=True)
         self._dedup.clear()
 
@@ -410,33 +438,62 @@ class ActivationExecutor:
 
     def pack(self, tensor: torch.Tensor) -> Any:
         pack_index = self._pack_index
-        self._pack_index += 1
+        self._pack_index = pack_index + 1
         event_index = self._event_index
-        self._event_index += 1
-        tensor_id = self.profiler.note_pack(tensor) if self.profiler is not None else None
+        self._event_index = event_index + 1
+        if self.profiler is not None:
+            return self._pack_profiled(tensor, pack_index, event_index)
         started = time.perf_counter()
-        try:
-            with self._quiet():
-                return self._pack(tensor, pack_index, event_index, tensor_id)
-        finally:
-            self.stats.hook_s += time.perf_counter() - started
+        self._on_hook_event(event_index)
+        handle = self._pack_storage(tensor, pack_index, None)
+        if self._capture_ids:
+            self._capture_saved(pack_index, handle)
+        self.stats.hook_s += time.perf_counter() - started
+        return handle
 
-    def _pack(self, tensor: torch.Tensor, pack_index: int, event_index: int, tensor_id: Optional[int]) -> Any:
-        self._pump(wait=False)
-        self._issue_prefetches(event_index)
+    def _pack_profiled(self, tensor: torch.Tensor, pack_index: int, event_index: int) -> Any:
+        """`pack` while a profiler records: the event is noted, the executor's own copies are
+        kept out of the trace, and a kept tensor's unpack names its save (`KeptSave`)."""
+        assert self.profiler is not None
+        tensor_id = self.profiler.note_pack(tensor)
+        started = time.perf_counter()
+        with self.profiler.paused():
+            self._on_hook_event(event_index)
+            handle = self._pack_storage(tensor, pack_index, tensor_id)
+            if self._capture_ids:
+                self._capture_saved(pack_index, handle)
+        self.stats.hook_s += time.perf_counter() - started
+        if isinstance(handle, torch.Tensor):
+            return KeptSave(handle, pack_index, tensor_id)
+        return handle
+
+    def _on_hook_event(self, event_index: int) -> None:
+        """What every save/unpack event does first: moves SSD work along, issues the prefetches
+        planned for it (and those put off), and runs the optimizer-state / parameter clock.
+        Each step is skipped at once where it has nothing to do (most events)."""
+        if self._pending_puts or self._pending_gets:
+            self._pump(wait=False)
+        if self._deferred or event_index in self.prefetch_at_event:
+            self._issue_prefetches(event_index)
         if self.on_event is not None:
             self.on_event(event_index)
-        handle = self._pack_storage(tensor, pack_index, tensor_id)
-        if self._capture_ids and self.decisions is not None and pack_index < len(self.decisions):
-            planned_id = self.decisions[pack_index].tensor_id
+
+    def _capture_saved(self, pack_index: int, handle: Any) -> None:
+        """Keeps the handle of a save that recipes read (until backward starts)."""
+        decisions = self.decisions
+        if decisions is not None and pack_index < len(decisions):
+            planned_id = decisions[pack_index].tensor_id
             if planned_id in self._capture_ids:
                 self._sources.setdefault(Source("saved", planned_id), handle)
-        return handle
 
     def _pack_storage(self, tensor: torch.Tensor, pack_index: int, tensor_id: Optional[int]) -> Any:
         storage = tensor.untyped_storage()
         nbytes = storage.nbytes()
-        if tensor.device != self.device or nbytes < self.min_bytes or isinstance(tensor, torch.nn.Parameter):
+        # Cheapest test first: most saves in many models are small. `isinstance(_, Parameter)`
+        # runs Python code (Parameter's metaclass), so plain tensors skip it.
+        if nbytes < self.min_bytes or tensor.device != self.device:
+            return tensor
+        if type(tensor) is not torch.Tensor and isinstance(tensor, torch.nn.Parameter):
             return tensor
         key = storage.data_ptr()
         if key in self.skip_storages:
@@ -474,41 +531,45 @@ class ActivationExecutor:
 
     def unpack(self, packed: Any) -> torch.Tensor:
         event_index = self._event_index
-        self._event_index += 1
+        self._event_index = event_index + 1
         if not self._unpacked:
             self._unpacked = True
             # Forward is over: every recipe holds its own sources now.
             self._sources.clear()
             if self.on_backward is not None:
                 self.on_backward()
-        if self.profiler is not None:
+        if self.profiler is not None or type(packed) is KeptSave:
+            return self._unpack_profiled(packed, event_index)
+        started = time.perf_counter()
+        self._on_hook_event(event_index)
+        tensor = packed if type(packed) is not _Packed else self._restored_view(packed)
+        self.stats.hook_s += time.perf_counter() - started
+        return tensor
+
+    def _unpack_profiled(self, packed: Any, event_index: int) -> torch.Tensor:
+        """`unpack` while a profiler records (see `_pack_profiled`)."""
+        profiler = self.profiler
+        if type(packed) is KeptSave:
+            if profiler is not None:
+                profiler.note_unpack(packed.tensor_id, packed.pack_index)
+            packed = packed.tensor
+        elif profiler is not None:
             tensor_id = None
             if isinstance(packed, torch.Tensor):
-                record = self.profiler._lookup(packed)
+                record = profiler._lookup(packed)
                 tensor_id = record.id if record is not None else None
             else:
                 tensor_id = packed.tensor_id
-            self.profiler.note_unpack(tensor_id, getattr(packed, "pack_index", -1))
+            profiler.note_unpack(tensor_id, getattr(packed, "pack_index", -1))
         started = time.perf_counter()
-        try:
-            with self._quiet():
-                return self._unpack(packed, event_index)
-        finally:
-            self.stats.hook_s += time.perf_counter() - started
+        with profiler.paused() if profiler is not None else contextlib.nullcontext():
+            self._on_hook_event(event_index)
+            tensor = packed if type(packed) is not _Packed else self._restored_view(packed)
+        self.stats.hook_s += time.perf_counter() - started
+        return tensor
 
-    def _quiet(self) -> Any:
-        """Keeps the executor's own copies out of a running profiler's trace."""
-        if self.profiler is None:
-            return contextlib.nullcontext()
-        return self.profiler.paused()
-
-    def _unpack(self, packed: Any, event_index: int) -> torch.Tensor:
-        self._pump(wait=False)
-        self._issue_prefetches(event_index)
-        if self.on_event is not None:
-            self.on_event(event_index)
-        if isinstance(packed, torch.Tensor):
-            return packed
+    def _restored_view(self, packed: _Packed) -> torch.Tensor:
+        """The saved tensor again: a view of its storage, fetched or recomputed if need be."""
         slot = packed.slot
         gpu = self._restore(slot)
         view = torch.empty(0, dtype=packed.dtype, device=self.device)
@@ -570,17 +631,21 @@ class ActivationExecutor:
     # -- policy --------------------------------------------------------------------------------
 
     def _decide(self, pack_index: int, nbytes: int) -> Optional[str]:
-        if self.decisions is not None:
-            if pack_index >= len(self.decisions) or self.decisions[pack_index].size_bytes != nbytes:
-                self.stats.plan_mismatches += 1
-                return self._if_short(nbytes)
-            decision = self.decisions[pack_index]
-            if decision.tier is None:
-                return self._if_short(nbytes)
-            return decision.tier
-        # No plan yet (warm-up and profiled iterations): every saved tensor goes, to host memory
-        # up to the cap, then to the SSD; so these iterations need no more GPU memory than a plan.
-        return self._fallback_tier(nbytes)
+        decisions = self.decisions
+        if decisions is None:
+            # No plan yet (warm-up and profiled iterations): every saved tensor goes, to host
+            # memory up to the cap, then to the SSD; so these iterations need no more GPU memory
+            # than a plan.
+            return self._fallback_tier(nbytes)
+        if pack_index < len(decisions):
+            decision = decisions[pack_index]
+            if decision.size_bytes == nbytes:
+                if decision.tier is not None:
+                    return decision.tier
+                # Kept by the plan: only the memory fallback may move it (with a margin).
+                return self._if_short(nbytes) if self.margin_bytes else None
+        self.stats.plan_mismatches += 1
+        return self._if_short(nbytes)
 
     def _fallback_tier(self, nbytes: int) -> Optional[str]:
         if self._host_in_use + _pinned_size(nbytes) <= self.host_memory_bytes:
@@ -589,12 +654,25 @@ class ActivationExecutor:
             return SSD
         return None
 
+    def _allocated(self) -> int:
+        """GPU bytes the caching allocator has handed out, read once per event: the memory
+        checks of one event share a reading, plus the prefetch buffers allocated since
+        (`_device_buffer`). `torch.cuda.memory_allocated` flattens every allocator statistic
+        into a new dict in Python, far slower than reading the nested statistics from C++."""
+        if self._allocated_event != self._event_index:
+            self._allocated_event = self._event_index
+            if _cuda_memory_stats is not None:
+                stats = _cuda_memory_stats(self._device_index)
+                self._allocated_bytes = int(stats["allocated_bytes"]["all"]["current"])
+            else:
+                self._allocated_bytes = int(torch.cuda.memory_allocated(self.device))
+        return self._allocated_bytes
+
     def _short_of_memory(self, nbytes: int) -> bool:
         """Whether `nbytes` more would leave less than `margin_bytes` of the budget (CUDA)."""
         if not self.cuda or not self.gpu_memory_bytes or not self.margin_bytes:
             return False
-        in_use = torch.cuda.memory_allocated(self.device)
-        return in_use + nbytes > self.gpu_memory_bytes - self.margin_bytes
+        return self._allocated() + nbytes > self.gpu_memory_bytes - self.margin_bytes
 
     def _if_short(self, nbytes: int) -> Optional[str]:
         """A tensor the plan keeps is offloaded anyway when memory runs short (the plan's memory
@@ -613,7 +691,8 @@ class ActivationExecutor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
 
     def _offload(self, slot: _Slot, tensor: torch.Tensor) -> None:
-        source = _flat_bytes(tensor)
+        # Storage to storage: no flat byte tensor to build (`set_` is the costliest call here).
+        source = tensor.untyped_storage()
         slot.host = self._host_buffer(slot.nbytes)
         if slot.tier == HOST:
             self._host_in_use += _pinned_size(slot.nbytes)
@@ -621,12 +700,12 @@ class ActivationExecutor:
         self.stats.offloaded_bytes[slot.tier] += slot.nbytes
         if self.cuda:
             self._throttle(slot.nbytes)
-            slot.d2h_event = copy_on_stream(self.d2h_stream, self.device, slot.host, source)
-            source.record_stream(self.d2h_stream)
+            slot.d2h_event = copy_on_stream(self.d2h_stream, self.device, slot.host.untyped_storage(), source)
+            tensor.record_stream(self.d2h_stream)  # marks the storage's block, as a view of it would
             self._inflight.append((slot.d2h_event, slot.nbytes))
             self._inflight_bytes += slot.nbytes
         else:
-            slot.host.copy_(source)
+            slot.host.untyped_storage().copy_(source)
         if slot.tier == SSD:
             self._pending_puts.append(slot)
             self._pump(wait=False)
@@ -722,8 +801,7 @@ class ActivationExecutor:
         """Whether GPU memory has room now for a prefetch issued before its planned event."""
         if not self.cuda or not self.gpu_memory_bytes:
             return True
-        in_use = torch.cuda.memory_allocated(self.device)
-        return in_use + nbytes + PULL_HEADROOM_BYTES <= self.gpu_memory_bytes
+        return self._allocated() + nbytes + PULL_HEADROOM_BYTES <= self.gpu_memory_bytes
 
     def _prefetch(self, slot: _Slot) -> None:
         self.stats.prefetched_bytes[slot.tier] += slot.nbytes
@@ -759,6 +837,8 @@ class ActivationExecutor:
         """GPU memory for a prefetch; when the allocator is out of it, waits for the
         device-to-host copies in flight (their sources' blocks come back once they land) and
         tries once more."""
+        if self._allocated_event == self._event_index:
+            self._allocated_bytes += nbytes  # this event's reading (`_allocated`) stays an upper bound
         try:
             return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         except torch.cuda.OutOfMemoryError:

@@ -8,7 +8,9 @@ optimizer step is `gradient`, tensors in `optimizer.state` are `optimizer_state`
 backward (seen through `saved_tensors_hooks`) are `activation`, the rest `temporary`.
 
 Allocation and free points: a storage is allocated at the op that first outputs it (or before the
-iteration for parameters and optimizer state) and freed after its last use. An address the
+iteration for parameters and optimizer state) and freed after its last use, or later where it was
+seen alive longer; one still alive when recording stops is held by the caller (its batch, its
+loss) and stays a temporary, from before the iteration if no recorded op made it. An address the
 allocator hands out again is a new tensor (the old storage's weak reference has expired).
 
 The cost (a Python callback and two CUDA events per op) is paid only while a profiler is active.
@@ -62,8 +64,20 @@ class TensorRecord:
     producer: Optional[Producer] = None
     #: A forward op wrote it in place after it was made.
     mutated: bool = False
-    #: The op after which its storage was seen freed (None: not seen die while recording).
+    #: The op after which its storage was seen freed (None: still alive when recording stopped).
     died_op: Optional[int] = None
+    #: No recorded op made it: it existed before recording (the caller's batch).
+    made_before: bool = False
+    #: The storage first recorded, once a restored copy has taken `weak` over (`alias`): its
+    #: death, not the copy's, is the tensor's (the copy dies in backward, the caller's batch never).
+    first_weak: Any = None
+
+    @property
+    def held_past_end(self) -> bool:
+        """A storage made during the iteration or first seen there (not a weight, gradient or
+        optimizer state) that outlived the recording: something outside the iteration holds it
+        (the caller's batch or loss, a model output the caller keeps)."""
+        return self.kind in ("temporary", "activation") and self.died_op is None
 
     def use(self, op: int, access: str) -> None:
         if self.uses.get(op) != "write":
@@ -73,12 +87,26 @@ class TensorRecord:
 @dataclass
 class SaveEvent:
     """A `saved_tensors_hooks` event: `kind` is "pack" (forward saved a tensor) or "unpack"
-    (backward needs it), `next_op` the index of the next op to run, `tensor_id` the record."""
+    (backward needs it), `next_op` the index of the next op to run, `tensor_id` the record,
+    `pack_index` the save (for an unpack: the save it reads; -1 where unknown)."""
 
     kind: str
     next_op: int
     tensor_id: Optional[int]
     pack_index: int
+
+
+class KeptSave:
+    """What a profiling pack hook gives autograd for a tensor it keeps as it is: the tensor and
+    its save's index, so that the unpack event names the save it reads (a storage saved twice,
+    inside and outside a block, is two saves; `teraio.blocks` drops the unpacks of the inside one)."""
+
+    __slots__ = ("tensor", "pack_index", "tensor_id")
+
+    def __init__(self, tensor: torch.Tensor, pack_index: int, tensor_id: Optional[int]) -> None:
+        self.tensor = tensor
+        self.pack_index = pack_index
+        self.tensor_id = tensor_id
 
 
 class _Recorder(TorchDispatchMode):
@@ -208,6 +236,8 @@ class Profiler:
         if self.cuda:
             torch.cuda.synchronize(self.device)
         self.wall_time_s = time.perf_counter() - self._started_at
+        # Storages freed after the last op (by the step's end) were not held past it.
+        self._note_deaths(len(self.ops))
         self._classify_at_end()
 
     def __enter__(self) -> Profiler:
@@ -220,13 +250,12 @@ class Profiler:
     # -- hooks -------------------------------------------------------------------------------
 
     def _pack_hook(self, tensor: torch.Tensor) -> Any:
-        self.note_pack(tensor)
-        return tensor
+        pack_index = self._pack_count
+        return KeptSave(tensor, pack_index, self.note_pack(tensor))
 
-    def _unpack_hook(self, tensor: torch.Tensor) -> torch.Tensor:
-        record = self._live.get(storage_key(tensor))
-        self.note_unpack(record.id if record is not None else None, -1)
-        return tensor
+    def _unpack_hook(self, saved: KeptSave) -> torch.Tensor:
+        self.note_unpack(saved.tensor_id, saved.pack_index)
+        return saved.tensor
 
     def note_pack(self, tensor: torch.Tensor) -> Optional[int]:
         """Records that autograd saved `tensor`; returns its tensor id (None: not tracked)."""
@@ -237,7 +266,9 @@ class Profiler:
             return None
         record = self._lookup(tensor)
         if record is None:
-            record = self._new_record(tensor, "temporary", alloc_op=len(self.ops), name="saved")
+            record = self._new_record(
+                tensor, "temporary", alloc_op=len(self.ops), name="saved", made_before=True
+            )
         if record.kind not in ("weight", "optimizer_state", "gradient"):
             record.saved_for_backward = True
         self.events.append(SaveEvent("pack", len(self.ops), record.id, pack_index))
@@ -246,6 +277,8 @@ class Profiler:
     def alias(self, tensor: torch.Tensor, tensor_id: int) -> None:
         """Makes `tensor`'s storage (a restored copy) count as tensor `tensor_id` from now on."""
         record = self.records[tensor_id]
+        if record.first_weak is None:
+            record.first_weak = record.weak
         record.weak = StorageWeakRef(tensor.untyped_storage())
         self._live[storage_key(tensor)] = record
 
@@ -328,8 +361,10 @@ class Profiler:
         )
 
     def _new_record(
-        self, tensor: torch.Tensor, kind: str, alloc_op: Optional[int], name: str
+        self, tensor: torch.Tensor, kind: str, alloc_op: Optional[int], name: str, made_before: bool = False
     ) -> TensorRecord:
+        """A record of `tensor`'s storage; `made_before`: no recorded op made it (it is first seen
+        as an input, so it existed before recording)."""
         storage = tensor.untyped_storage()
         record = TensorRecord(
             id=len(self.records),
@@ -338,6 +373,7 @@ class Profiler:
             kind=kind,
             alloc_op=alloc_op,
             weak=StorageWeakRef(storage),
+            made_before=made_before,
         )
         self.records.append(record)
         self._live[storage_key(tensor)] = record
@@ -374,7 +410,9 @@ class Profiler:
             input_keys.add(key)
             record = self._lookup(tensor)
             if record is None:
-                record = self._new_record(tensor, "temporary", alloc_op=op, name=f"{op_name}.in")
+                record = self._new_record(
+                    tensor, "temporary", alloc_op=op, name=f"{op_name}.in", made_before=True
+                )
             record.use(op, "read")
         mutable = getattr(getattr(func, "_schema", None), "is_mutable", False)
         for index, tensor in enumerate(outputs):
@@ -407,7 +445,7 @@ class Profiler:
             return
         alive = []
         for record in self._watch:
-            if record.weak.expired():
+            if (record.first_weak or record.weak).expired():
                 record.died_op = op
             else:
                 alive.append(record)
@@ -443,7 +481,9 @@ class Profiler:
                             record.kind = "optimizer_state"
                             record.alloc_op = None
         for record in self.records:
-            if record.saved_for_backward and record.kind == "temporary":
+            # One held past the end stays a temporary: offloading or recomputing it would free
+            # nothing (whoever holds it keeps its memory).
+            if record.saved_for_backward and record.kind == "temporary" and not record.held_past_end:
                 record.kind = "activation"
 
     # -- output ------------------------------------------------------------------------------
@@ -498,12 +538,14 @@ class Profiler:
                 continue
             uses = sorted(record.uses.items())
             persistent = record.kind in ("weight", "optimizer_state") or record.alloc_op is None
+            # Held past the end: from before the iteration, if it made it not, to after its end.
+            persistent = persistent or (record.held_past_end and record.made_before)
             if persistent:
                 alloc_op: Optional[int] = None
                 free_op: Optional[int] = None
             else:
                 alloc_op = min(record.alloc_op if record.alloc_op is not None else uses[0][0], uses[0][0])
-                free_op = uses[-1][0]
+                free_op = len(self.ops) - 1 if record.held_past_end else uses[-1][0]
                 free_op, uses = self._held_lifetime(record, free_op, uses)
             tensors.append(
                 {

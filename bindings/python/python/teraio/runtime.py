@@ -54,6 +54,8 @@ SLOW_LINK_FACTOR = 0.85
 
 #: A plan, the trace it was made for, its recipes (by tensor id) and their need events.
 _Planned = tuple[dict[str, Any], dict[str, Any], dict[int, rc.Recipe], Optional[dict[int, int]]]
+#: A candidate plan: planned, its events, its checkpointed blocks, its recompute summary.
+_Candidate = tuple[_Planned, list[SaveEvent], list[str], dict[str, Any]]
 
 
 @dataclass
@@ -341,6 +343,10 @@ class offload:
         self._stats_at_plan: Optional[dict[str, Any]] = None
         self._state_stats_at_plan: Optional[dict[str, Any]] = None
         self._param_stats_at_plan: Optional[dict[str, Any]] = None
+        # The chosen plan and the one that checkpoints every block while they are timed
+        # (`_timed_choice`), and the steps timed so far.
+        self._trial: list[_Candidate] = []
+        self._trial_steps: list[int] = []
 
     def _resolve_machine(self, options: OffloadOptions) -> None:
         """Host memory, bandwidths and the reserve: given, or measured / bounded ("auto")."""
@@ -489,7 +495,7 @@ class offload:
                         if found is None and arg.untyped_storage().nbytes() > 0:
                             # An input made before the iteration (the batch): tracked from here.
                             found = profiler._new_record(
-                                arg, "temporary", len(profiler.ops), f"{record.name}.input"
+                                arg, "temporary", len(profiler.ops), f"{record.name}.input", made_before=True
                             )
                         record.inputs.append(found.id if found is not None else None)
 
@@ -591,6 +597,10 @@ class offload:
             self.plan_result is None and self.step == self.plan_after_step and self.profiler is not None
         )
         if not planning:
+            if self._trial:
+                # The iteration that ran is checked against its own plan before another one goes in.
+                self.executor.end_iteration()
+                self._timed_choice()
             self.state.after_step()
             self._fallback_state_out()
         self.executor.end_iteration()
@@ -718,10 +728,14 @@ class offload:
         usable = self._usable_blocks()
         records = list(self.block_records.values())
         best: Optional[tuple[tuple[float, ...], _Planned, list[SaveEvent], list[str], dict[str, Any]]] = None
+        all_blocks: Optional[_Candidate] = None
         tried = []
+        held = frozenset(r.id for r in profiler.records if r.held_past_end)
         for count in bk.candidate_counts(len(usable), self.options.checkpoint):
             if count:
-                checkpointed = bk.checkpoint_trace(trace, profiler.events, records, usable[:count], durations)
+                checkpointed = bk.checkpoint_trace(
+                    trace, profiler.events, records, usable[:count], durations, held
+                )
                 base, events, names = checkpointed.trace, checkpointed.events, checkpointed.blocks
             else:
                 base, events, names, checkpointed = trace, profiler.events, [], None
@@ -736,20 +750,22 @@ class offload:
                     "recompute_chosen": bool(planned[2]),
                 }
             )
+            candidate = (planned, events, names, self.recompute_summary)
             if best is None or rank < best[0]:
-                best = (rank, planned, events, names, self.recompute_summary)
+                best = (rank, *candidate)
+            if names and len(names) == len(usable) and planned[0]["plan"]["fits"]:
+                all_blocks = candidate
         assert best is not None
-        _, (result, planned_trace, recipes, need), events, names, self.recompute_summary = best
+        chosen: _Candidate = best[1:]
+        result = chosen[0][0]
         for entry in tried:
-            entry["chosen"] = entry["blocks"] == len(names)
+            entry["chosen"] = entry["blocks"] == len(chosen[2])
         self.checkpoint_summary = {"blocks": len(self.blocks), "usable": len(usable), "tried": tried}
-        self.checkpoint_blocks = names
-        self._events = events
         if self.store is None:
-            for migration in result["plan"]["migrations"]:
-                if migration["tier"] == SSD:
-                    migration["tier"] = HOST
-        self.plan_result = result
+            for candidate in (chosen, all_blocks):
+                for migration in candidate[0][0]["plan"]["migrations"] if candidate else ():
+                    if migration["tier"] == SSD:
+                        migration["tier"] = HOST
         if self.plan_path:
             with open(self.plan_path, "w") as f:
                 json.dump(result, f)
@@ -762,13 +778,73 @@ class offload:
                 f"planner: {prediction.get('outcome')}); raise gpu_memory or host_memory, add a store, "
                 "or pass if_no_fit='run' to train anyway"
             )
+        self._install(chosen)
+        # Where checkpointing every block fits and is not the chosen plan, one planned iteration
+        # of each is timed before the choice is final (`_timed_choice`).
+        self._trial = [chosen, all_blocks] if all_blocks is not None and all_blocks is not chosen else []
+        self._trial_steps = []
+
+    def _install(self, candidate: _Candidate) -> None:
+        """Makes `candidate` the plan of the next iterations: the optimizer state and parameters
+        an earlier plan moved come back first (between steps all of them are on the GPU)."""
+        (result, planned_trace, recipes, need), events, names, self.recompute_summary = candidate
+        profiler = self.profiler
+        assert profiler is not None
+        self.plan_result = result
+        self.checkpoint_blocks = names
+        self._events = events
+        for mover in (self.state, self.params):
+            mover.close()
         self.state.set_plan(state_moves_from_plan(planned_trace, self._state_ids, events, result["plan"]))
         self.params.set_plan(parameter_moves_from_plan(planned_trace, profiler, events, result["plan"]))
+        # The event clock goes straight to the executors with a plan (none: no call per event).
+        clocks = [mover.on_event for mover in (self.state, self.params) if mover.slots]
+        self.executor.on_event = clocks[0] if len(clocks) == 1 else (self._on_event if clocks else None)
         held = self.state.planned_bytes(HOST) + self.params.planned_bytes(HOST)
         self.executor.host_memory_bytes = max(0, self.host_memory_bytes - held)
+        for hook in self._arg_hooks:
+            hook.remove()
+        self._arg_hooks.clear()
+        self.executor.weight_sources.clear()
         self._install_sources(profiler, recipes)
         decisions = decisions_from_plan(planned_trace, events, result["plan"], recipes, need)
-        self.executor.set_plan(decisions)
+        self.executor.set_plan(decisions, event_count=len(events))
+
+    def _timed_choice(self) -> None:
+        """At a step's end, while the plan's choice is on trial: the first planned iteration runs
+        the chosen plan (the first one pays for warming up the pools), the next the plan that
+        checkpoints every block, the next the chosen one again; then the faster of the last two
+        (forward, backward and step, as measured) keeps running. So where checkpointing fits, a
+        plan measured slower than it is not kept, at the cost of one iteration of each."""
+        if not self._trial:
+            return
+        self._trial_steps.append(self.step)
+        if len(self._trial_steps) < 3:
+            self._install(self._trial[len(self._trial_steps) % 2])
+            return
+        chosen, all_blocks = self._trial
+        chosen_ms, all_blocks_ms = (
+            self._iteration_ms(self._trial_steps[2]),
+            self._iteration_ms(self._trial_steps[1]),
+        )
+        kept = chosen if chosen_ms <= all_blocks_ms else all_blocks
+        if kept is all_blocks:
+            self._install(all_blocks)
+            for entry in self.checkpoint_summary["tried"]:
+                entry["chosen"] = entry["blocks"] == len(all_blocks[2])
+        self.checkpoint_summary["measured"] = {
+            "chosen_ms": chosen_ms,
+            "all_blocks_ms": all_blocks_ms,
+            "kept": "chosen" if kept is chosen else "all_blocks",
+            "steps": list(self._trial_steps[1:]),
+        }
+        self._trial = []
+
+    def _iteration_ms(self, step: int) -> float:
+        """Forward, backward and step time of iteration `step` (compute stream; waits for it)."""
+        self._collect_phases(wait=True)
+        times = self._phase_times[step]
+        return sum(times.get(name, 0.0) for name in ("forward", "backward", "step"))
 
     def _hardware(self) -> dict[str, Any]:
         """The machine the planner and the simulator assume, but for the host link."""
@@ -961,6 +1037,7 @@ class offload:
         )
         stalls = {k: stats[k] - (self._stats_at_plan or {}).get(k, 0) for k in stall_keys}
         stalls["plan_mismatches"] = stats["plan_mismatches"]
+        stalls["event_misalignments"] = stats["event_misalignments"]
         for key in ("emergency_offloads", "emergency_offloaded_bytes", "prefetches_deferred", "memory_waits"):
             stalls[key] = stats[key] - (self._stats_at_plan or {}).get(key, 0)
         if self.device.type == "cuda" and self._planned_from_step is not None:

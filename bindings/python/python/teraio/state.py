@@ -118,6 +118,8 @@ class StateExecutor:
         self.prefetch_at_event: dict[int, list[int]] = {}
         self.release_at_event: dict[int, list[int]] = {}
         self.wait_at_event: dict[int, list[int]] = {}
+        # Events with anything in the three tables (most events have nothing: one test each).
+        self._action_events: set[int] = set()
         self._between_steps: list[int] = []
         self._pending: list[_StateSlot] = []  # SSD tier: staged writes and reads in flight
         if self.cuda:
@@ -141,6 +143,7 @@ class StateExecutor:
             ):
                 if event is not None:
                     table.setdefault(event, []).append(index)
+        self._action_events = {*self.prefetch_at_event, *self.release_at_event, *self.wait_at_event}
 
     def planned_bytes(self, tier: str) -> int:
         return sum(slot.nbytes for slot in self.slots if slot.tier == tier)
@@ -209,6 +212,8 @@ class StateExecutor:
         within the iteration), restores, and makes compute wait for restores it needs next."""
         if self._pending:
             self.poll()
+        if event_index not in self._action_events:
+            return
         released = self.release_at_event.get(event_index)
         if released:
             self._move_out(released)
