@@ -150,6 +150,14 @@ class WholeModelReport:
                 if any(kinds.values()):
                     moved = ", ".join(f"{k} {gib(v)}" for k, v in kinds.items() if v)
                     lines.append(f"  {direction} per iteration, {tier}: {moved}")
+        if self.peak_gpu_bytes is not None and self.peak_gpu_bytes > self.gpu_memory_bytes:
+            lines.append(
+                f"  WARNING: peak GPU memory {gib(self.peak_gpu_bytes)} is above gpu_memory: this mode "
+                "moves parameters, gradients and optimizer state; activations are only reduced by "
+                "checkpointing the blocks (none found, or checkpoint='off')"
+                if self.checkpointed_blocks == 0
+                else f"  WARNING: peak GPU memory {gib(self.peak_gpu_bytes)} is above gpu_memory"
+            )
         if self.wait_ms_per_iteration:
             waits = ", ".join(f"{k} {v:.1f} ms" for k, v in self.wait_ms_per_iteration.items())
             lines.append(f"  host waits per iteration: {waits}; on-demand fetches {self.on_demand_fetches}")
