@@ -4,8 +4,8 @@ A storage lives as long as anything holds it, not to its last use: autocast's ca
 weight copies holds them to the end of the autocast region (the loss included), a model output
 holds its logits. The model here holds one tensor per block in a list until the loss is made,
 the way the cache does; offloading or checkpointing such a tensor frees nothing before then. A
-plan that counted it free from its last use (H100, Qwen2-1.5B at a 65% cap: every block
-checkpointed, out of memory in the loss's fp32 upcast) predicts a peak below the real one. So
+plan that counted it free from its last use (with every block checkpointed, such a plan ran
+out of memory in the loss's fp32 upcast) predicts a peak below the real one. So
 does a plan that offloads the caller's batch: the caller still holds it.
 """
 

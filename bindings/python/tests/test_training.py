@@ -230,8 +230,8 @@ def test_plan_measured_against_checkpointing_every_block(
 
 def test_plan_events_follow_what_checkpoint_itself_saves() -> None:
     # torch 2.11's checkpoint saves an empty dummy ahead of a block's inputs and unpacks it with
-    # them where backward recomputes the block (on the H100 the plan, which assumed the inputs
-    # alone, numbered every later save one off per block: 212 mismatches); 2.15 saves the inputs
+    # them where backward recomputes the block (a plan that assumed the inputs alone numbered
+    # every later save one off per block); 2.15 saves the inputs
     # alone. The rewrite follows the pattern measured on this torch, here given as 2.11's.
     data = batches(3, rows=512)
     model, optimizer = make()

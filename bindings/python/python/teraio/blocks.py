@@ -103,7 +103,7 @@ class CheckpointSaves:
 def checkpoint_saves() -> CheckpointSaves:
     """Measured once, by checkpointing a function of one small CPU tensor under counting hooks
     (a plan whose events assumed another torch's pattern would number every later save wrong:
-    on the H100, torch 2.11's dummy shifted them by one per checkpointed block)."""
+    torch 2.11 saves a dummy ahead of each block's inputs, 2.15 does not)."""
     packs: list[bool] = []
     unpacks: list[bool] = []
     with torch.enable_grad(), torch.autocast("cpu", enabled=False):

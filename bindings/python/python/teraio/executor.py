@@ -15,7 +15,7 @@ copies one at a time in the order they become ready, across streams too, so a sm
 needed soon waits behind a large one needed later (the planner's simulator lets the urgent one go
 first). What closes that gap is `_pull_urgent_forward`: the urgent prefetch is issued just before
 the large one. Prefetches also spread over two streams (a new one behind a copy needed no later
-than itself, `_prefetch_stream`) in `PREFETCH_CHUNK_BYTES` pieces; on the H100 that alone
+than itself, `_prefetch_stream`) in `PREFETCH_CHUNK_BYTES` pieces; that alone
 measured no gain (the pieces of a copy already ready still ran first).
 A prefetch the plan did not issue in time is issued on demand; that and any wait for an SSD
 read are counted as stalls, and the result is still exact.
@@ -65,7 +65,7 @@ SSD_STAGING_BYTES = 4 << 30
 #: Prefetches at least this large (about 5 ms at 55 GB/s) let later, more urgent ones go first.
 PULL_BEHIND_MIN_BYTES = 256 << 20
 #: GPU memory left free besides a prefetch issued before its planned event (the allocator's
-#: fragmentation and copies in flight: H100 runs peak 1.4 GiB above the plan).
+#: fragmentation and copies in flight, which measured peaks show above the plan).
 PULL_HEADROOM_BYTES = 2 << 30
 
 

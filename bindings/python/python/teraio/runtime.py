@@ -954,9 +954,9 @@ class offload:
         `SLOW_LINK_FACTOR` of the planned bandwidth; then the planned prediction.
 
         Why the slow link: several plans often predict a stall-free iteration at the planned
-        bandwidth, yet on the machine the one that leans on the link most runs slowest (H100:
-        15.6, 17.2 and 18.5 GiB per iteration over the link took 1151, 1196 and 1298 ms, all
-        predicted within 1% of each other). Recomputation time is measured op time, the link's
+        bandwidth, yet on the machine the one that leans on the link most runs slowest (plans
+        predicted within 1% of each other have run up to 13% apart, in the order of their link
+        bytes). Recomputation time is measured op time, the link's
         share under training is not; the plan that still holds up on a slower link is kept.
         """
         predicted = _predicted_ms(result)
