@@ -272,3 +272,11 @@ def test_gradient_clipping_is_refused_not_silently_skipped(store: teraio.Store) 
         assert torch.nn.utils.clip_grad_norm_(other.parameters(), 1.0) > 0  # other models: torch's
         optimizer.step()
     assert torch.nn.utils.clip_grad_norm_.__module__ == "torch.nn.utils.clip_grad"
+
+
+def test_optimizer_parameters_outside_the_model_are_refused() -> None:
+    model, _ = make()
+    extra = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([*model.parameters(), extra])
+    with pytest.raises(ValueError, match="does not own"):
+        teraio.offload(model, optimizer, gpu_memory=4096, host_memory=1 << 30)

@@ -231,6 +231,7 @@ class ModelOffload:
         self.cuda = self.device.type == "cuda"
         named = _named_unique_parameters(model)
         _refuse_shared_storage(named)
+        _refuse_foreign_parameters(named, optimizer)
         trained = {id(p) for p in _trained(optimizer)}
         state_per_param = self._state_bytes_per_param([p for _, p in named], trained)
         sizes = [
@@ -313,7 +314,7 @@ class ModelOffload:
         return {id(p): int(share * _nbytes(p)) for p in params if id(p) in trained}
 
     def _find_units(self) -> list[_Unit]:
-        """Blocks, then every other module owning parameters directly, in registration order."""
+        """The blocks and every other module owning parameters directly, in registration order."""
         blocks = bk.find_blocks(self.model)
         block_ids = {id(block) for _, block in blocks}
         units: list[_Unit] = []
@@ -911,6 +912,22 @@ def _refuse_shared_storage(named: list[tuple[str, torch.nn.Parameter]]) -> None:
                 "storage; give each its own tensor"
             )
         owners[pointer] = name
+
+
+def _refuse_foreign_parameters(
+    named: list[tuple[str, torch.nn.Parameter]], optimizer: torch.optim.Optimizer
+) -> None:
+    """The streamed step calls the optimizer once per window: a parameter the model does not own
+    would keep its gradient through every call and be stepped once per window."""
+    owned = {id(p) for _, p in named}
+    foreign = [p for p in _trained(optimizer) if id(p) not in owned]
+    if foreign:
+        shape = tuple(foreign[0].shape)
+        raise ValueError(
+            f"teraio.offload (whole-model): the optimizer holds {len(foreign)} parameter(s) the model "
+            f"does not own (the first of shape {shape}); register them on the model (e.g. as an "
+            "nn.Parameter attribute) or leave them out of this optimizer"
+        )
 
 
 def _trained(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
