@@ -176,3 +176,29 @@ def test_whole_model_state_too_big_for_the_budget_is_left_in_cpu_memory(store: t
         assert not q.is_cuda and torch.equal(p.cpu(), q)
         for key, value in reference_optimizer.state[p].items():
             assert torch.equal(value.cpu(), optimizer.state[q][key].cpu()), key
+
+
+def test_whole_model_gradient_clipping_is_exact_on_cuda(store: teraio.Store) -> None:
+    data = batches(3, rows=ROWS, device=DEVICE)
+
+    def clipped(model: Any, optimizer: Any) -> tuple[list[float], list[Any]]:
+        losses, norms = [], []
+        for x in data:
+            loss = model(x)
+            loss.backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses, norms
+
+    reference_model, reference_optimizer = make(device=DEVICE)
+    reference, reference_norms = clipped(reference_model, reference_optimizer)
+    model, optimizer = make(device=DEVICE)
+    options = {"gpu_memory": 64 << 20, "host_memory": 1 << 30, "whole_model": "on"}
+    with teraio.offload(model, optimizer, store=store, **options):
+        losses, norms = clipped(model, optimizer)
+    assert losses == reference
+    assert all(torch.equal(a, b) for a, b in zip(reference_norms, norms))
+    for p, q in zip(reference_model.parameters(), model.parameters()):
+        assert torch.equal(p, q)

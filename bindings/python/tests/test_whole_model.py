@@ -260,17 +260,36 @@ def test_copy_of_model_is_untouched() -> None:
     assert all(p.untyped_storage().nbytes() > 0 for p in twin.parameters())
 
 
-def test_gradient_clipping_is_refused_not_silently_skipped(store: teraio.Store) -> None:
+@pytest.mark.parametrize("max_norm", [0.05, 1e6], ids=["clips", "does-not-clip"])
+def test_gradient_clipping_is_exact(store: teraio.Store, max_norm: float) -> None:
+    # clip_grad_norm_ after backward, as Hugging Face's Trainer calls it: the gradients have left
+    # the device, their norms were taken as they left, and the step scales each one as it returns.
+    data = batches(STEPS, rows=ROWS)
+
+    def clipped(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[list[float], list[Any]]:
+        losses, norms = [], []
+        for x in data:
+            loss = model(x)
+            loss.backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        return losses, norms
+
+    ref_model, ref_opt = make()
+    ref_losses, ref_norms = clipped(ref_model, ref_opt)
     model, optimizer = make()
-    x = batches(1, rows=ROWS)[0]
-    with teraio.offload(model, optimizer, store=store, gpu_memory=4096, host_memory=1 << 30):
-        model(x).backward()
-        with pytest.raises(NotImplementedError, match="clip nothing"):
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with teraio.offload(model, optimizer, store=store, gpu_memory=4096, host_memory=100_000):
+        losses, norms = clipped(model, optimizer)
+        with pytest.raises(NotImplementedError, match="norm_type=2.0"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=1.0)
         other = torch.nn.Linear(2, 2)
         other(torch.ones(1, 2)).sum().backward()
         assert torch.nn.utils.clip_grad_norm_(other.parameters(), 1.0) > 0  # other models: torch's
-        optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(ref_norms, norms))
+    assert all((n > max_norm) == (max_norm < 1) for n in ref_norms)  # clipped in the first case only
+    _assert_same((ref_model, ref_opt, ref_losses), (model, optimizer, losses))
     assert torch.nn.utils.clip_grad_norm_.__module__ == "torch.nn.utils.clip_grad"
 
 

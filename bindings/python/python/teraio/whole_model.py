@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
+from torch.utils._foreach_utils import _has_foreach_support
 
 from . import blocks as bk
 from . import capacity as cp
@@ -62,6 +63,10 @@ WHOLE_MODEL_SHARE = 0.75
 
 #: Default step window: this share of the GPU budget (parameter + gradient + state bytes).
 WINDOW_SHARE = 0.125
+
+#: The gradient norm `clip_grad_norm_` supports in this mode (torch's default): each gradient's
+#: norm is taken as it leaves the GPU, before any call says which norm it wants.
+GRAD_NORM_TYPE = 2.0
 
 #: GPU gradients waiting for an SSD write, at most (the tier's writes run behind backward).
 MAX_GRADIENT_WRITES_BYTES = 1 << 30
@@ -287,7 +292,11 @@ class ModelOffload:
         self._saved_hooks: Any = None
         self._original_step: Optional[Callable[..., Any]] = None
         self._original_zero_grad: Optional[Callable[..., Any]] = None
-        self._clipping: Optional[Callable[..., Any]] = None  # torch's clip_grad_norm_ while refused
+        self._clipping: Optional[Callable[..., Any]] = None  # torch's clip_grad_norm_ meanwhile
+        # Each held gradient's norm (taken as it left the GPU) and the clip coefficient of this
+        # iteration, if `clip_grad_norm_` was called (`_take_over_clipping`).
+        self._grad_norms: dict[int, torch.Tensor] = {}
+        self._clip_coef: Optional[torch.Tensor] = None
         self._counts = _Counts()
         self._iterations: list[_Counts] = []
         self._step_started = 0.0
@@ -353,28 +362,65 @@ class ModelOffload:
         self._original_zero_grad = self.optimizer.zero_grad
         self.optimizer.step = self._streamed_step  # type: ignore[method-assign]
         self.optimizer.zero_grad = self._zero_grad  # type: ignore[method-assign]
-        self._refuse_clipping()
+        self._take_over_clipping()
         self._begin_iteration()
         return self
 
-    def _refuse_clipping(self) -> None:
-        """`clip_grad_norm_` on this model's parameters would see no gradients (they leave the
-        GPU during backward) and clip nothing: refused while the block runs."""
+    def _take_over_clipping(self) -> None:
+        """`torch.nn.utils.clip_grad_norm_` on this model's parameters, while the block runs: the
+        gradients have left the GPU when backward returns, so the total norm is made from each
+        gradient's norm taken as it left (the same ops as torch's), and the clip coefficient is
+        applied to each gradient as the step brings it back. Other parameters: torch's own."""
         original = torch.nn.utils.clip_grad_norm_
-        ours = set(self._slot_of)
 
-        def clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> Any:
+        def clip_grad_norm_(
+            parameters: Any,
+            max_norm: float,
+            norm_type: float = 2.0,
+            error_if_nonfinite: bool = False,
+            foreach: Optional[bool] = None,
+        ) -> torch.Tensor:
             listed = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-            if any(id(p) in ours for p in listed):
-                raise NotImplementedError(
-                    "teraio.offload (whole-model): gradients leave the GPU as backward produces "
-                    "them, so clip_grad_norm_ would clip nothing; gradient clipping is not "
-                    "supported in whole-model mode yet"
-                )
-            return original(listed, *args, **kwargs)
+            ours = [id(p) in self._slot_of for p in listed]
+            if not any(ours):
+                return original(listed, max_norm, norm_type, error_if_nonfinite, foreach)
+            return self._clip_grad_norm(listed, all(ours), max_norm, norm_type, error_if_nonfinite, foreach)
 
         self._clipping = original
         torch.nn.utils.clip_grad_norm_ = clip_grad_norm_  # type: ignore[assignment]
+
+    def _clip_grad_norm(
+        self,
+        listed: list[torch.Tensor],
+        only_ours: bool,
+        max_norm: float,
+        norm_type: float,
+        error_if_nonfinite: bool,
+        foreach: Optional[bool],
+    ) -> torch.Tensor:
+        slots = [self._slot_of[id(p)] for p in listed] if only_ours else []
+        held = [slot for slot in slots if slot.grad_held]
+        dtypes = {slot.param.dtype for slot in held}
+        if not only_ours or float(norm_type) != GRAD_NORM_TYPE or foreach is not None or len(dtypes) > 1:
+            raise NotImplementedError(
+                "teraio.offload (whole-model): clip_grad_norm_ is supported on the model's own "
+                f"parameters of one dtype with norm_type={GRAD_NORM_TYPE} and foreach=None (the "
+                "gradients leave the GPU during backward; their norms are taken as they leave)"
+            )
+        if not held:
+            return torch.tensor(0.0)
+        norms = [self._grad_norms[slot.index] for slot in held]
+        first_device = norms[0].device
+        total = torch.linalg.vector_norm(torch.stack([n.to(first_device) for n in norms]), GRAD_NORM_TYPE)
+        if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
+            raise RuntimeError(
+                f"The total norm of order {GRAD_NORM_TYPE} for gradients from `parameters` is "
+                "non-finite, so it cannot be clipped. To disable this error and scale the gradients "
+                "by the non-finite norm anyway, set `error_if_nonfinite=False`"
+            )
+        clip_coef = float(max_norm) / (total + 1e-6)
+        self._clip_coef = torch.clamp(clip_coef, max=1.0)
+        return total
 
     def __exit__(self, *exc: object) -> None:
         if self._saved_hooks is not None:
@@ -614,6 +660,7 @@ class ModelOffload:
             # Accumulation over micro-batches: held + new, the sum autograd would have made.
             grad = grad + self._read_gradient(slot)
         grad = grad.contiguous()
+        self._grad_norms[slot.index] = _per_tensor(grad, torch._foreach_norm, GRAD_NORM_TYPE)
         transfer = self._write(slot, cp.GRADIENT, flat_bytes(grad))
         slot.grad_held = True
         slot.param.grad = None
@@ -634,6 +681,7 @@ class ModelOffload:
     def _zero_grad(self, set_to_none: bool = True) -> None:
         assert self._original_zero_grad is not None
         self._original_zero_grad(set_to_none=set_to_none)
+        self._clip_coef = None
         for slot in self.slots:
             if slot.grad_held:
                 slot.grad_held = False
@@ -667,6 +715,8 @@ class ModelOffload:
                 if slot.incoming_grad is not None:
                     grad, transfer = slot.incoming_grad
                     transfer.join()
+                    if self._clip_coef is not None:
+                        _per_tensor(grad, torch._foreach_mul_, self._clip_coef.to(grad.device))
                     slot.param.grad = grad
                     slot.incoming_grad = None
                     slot.grad_held = False
@@ -679,6 +729,7 @@ class ModelOffload:
         for slot in self.slots:
             slot.saved = False
             self._release(slot)
+        self._clip_coef = None
         self._position = 0
         self._prefetch_ahead()  # the next forward pass's first units
         elapsed = time.perf_counter() - started
@@ -869,6 +920,18 @@ class _Counts:
         for (direction, tier, kind), nbytes in sorted(self.bytes.items()):
             out.setdefault(direction, {}).setdefault(tier, {})[kind] = nbytes
         return out
+
+
+def _per_tensor(tensor: torch.Tensor, foreach_op: Callable[..., Any], argument: Any) -> Any:
+    """`foreach_op([tensor], argument)` where torch's clip_grad_norm_ would use the foreach
+    kernel for this device, else the per-tensor op it falls back to (the same bits as torch's
+    clipping of a whole list: both are per tensor)."""
+    if _has_foreach_support([tensor], tensor.device):
+        result = foreach_op([tensor], argument)
+        return result[0] if result is not None else None
+    if foreach_op is torch._foreach_norm:
+        return torch.linalg.vector_norm(tensor, argument)
+    return tensor.mul_(argument)
 
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:
