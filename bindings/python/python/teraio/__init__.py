@@ -67,7 +67,11 @@ def __getattr__(name: str) -> Any:
         from .profiler import Profiler
 
         return Profiler
-    if name in ("offload", "Report", "NoPlanFitsError"):
+    if name == "Report":
+        from .report import Report
+
+        return Report
+    if name in ("offload", "NoPlanFitsError"):
         from . import runtime as module
 
         return getattr(module, name)

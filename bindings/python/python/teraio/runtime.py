@@ -22,7 +22,6 @@ import contextlib
 import json
 import statistics
 import time
-from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import torch
@@ -32,12 +31,14 @@ from . import blocks as bk
 from . import calibration as cal
 from . import machine
 from . import recompute as rc
-from .executor import HOST, RECOMPUTE, SSD, ActivationExecutor, PackDecision, _pinned_size
+from .executor import HOST, SSD, ActivationExecutor, _pinned_size
 from .options import OffloadOptions
 from .planning import _bandwidth, parse_size, plan, simulate
 from .profiler import Profiler, SaveEvent
+from .report import Report
 from .state import Move, StateExecutor, pin_outside_forward_gap, pin_within_iteration
 from .store import Store
+from .translate import decisions_from_plan, parameter_moves_from_plan, state_moves_from_plan
 
 #: The report flags a measured iteration this far (as a share) from the prediction.
 PREDICTION_TOLERANCE = 0.10
@@ -56,131 +57,6 @@ SLOW_LINK_FACTOR = 0.85
 _Planned = tuple[dict[str, Any], dict[str, Any], dict[int, rc.Recipe], Optional[dict[int, int]]]
 #: A candidate plan: planned, its events, its checkpointed blocks, its recompute summary.
 _Candidate = tuple[_Planned, list[SaveEvent], list[str], dict[str, Any]]
-
-
-@dataclass
-class Report:
-    """What an offload run did: predicted vs measured iteration time, stalls, traffic, peak."""
-
-    steps: int
-    planned_steps: int
-    ideal_iteration_ms: Optional[float]
-    predicted_iteration_ms: Optional[float]
-    predicted_percent_of_ideal: Optional[float]
-    measured_iteration_ms: Optional[float]
-    step_times_ms: list[float]
-    peak_gpu_bytes: Optional[int]
-    predicted_peak_bytes: Optional[int]
-    unplanned_peak_bytes: Optional[int]
-    gpu_memory_bytes: int
-    bytes_per_iteration: dict[str, dict[str, int]]
-    stalls: dict[str, Any]
-    plan_summary: dict[str, Any] = field(default_factory=dict)
-    #: Optimizer state moved between steps, per iteration: {"offloaded"|"prefetched": {tier: bytes}}.
-    state_bytes_per_iteration: dict[str, dict[str, int]] = field(default_factory=dict)
-    #: Parameters moved between the passes, per iteration (same shape).
-    parameter_bytes_per_iteration: dict[str, dict[str, int]] = field(default_factory=dict)
-    #: Median of the planned iterations, ms: {"forward"|"backward"|"step": {"measured", "profiled"}},
-    #: and "between" (from one step's end to the next forward pass; the profile has no ops there).
-    phases_ms: dict[str, dict[str, float]] = field(default_factory=dict)
-    #: Host time inside teraio per planned iteration, ms: the saved-tensor hooks (and of that,
-    #: waits for device-to-host copies in flight and for SSD reads/writes), before and after the
-    #: step. Host time the GPU did not wait for costs nothing; a blocked host that lets the GPU
-    #: run dry does.
-    host_ms_per_iteration: dict[str, float] = field(default_factory=dict)
-    #: Saved activations dropped at the save and recomputed in backward, per planned iteration.
-    recomputed_bytes_per_iteration: int = 0
-    #: How `ideal_iteration_ms` was made: an estimate from calibrated op times (see
-    #: teraio.calibration) unless a measured ideal was given; and the raw profiled sum.
-    ideal_source: str = ""
-    profiled_ops_ms: Optional[float] = None
-    #: (measured - predicted) / predicted, percent; `prediction_warning` says when it is past
-    #: `PREDICTION_TOLERANCE`.
-    prediction_error_percent: Optional[float] = None
-    prediction_warning: str = ""
-    #: Blocks run under activation checkpointing in the planned iterations, and the candidates.
-    checkpointed_blocks: list[str] = field(default_factory=list)
-    checkpoint_summary: dict[str, Any] = field(default_factory=dict)
-    #: What the runtime assumed about the machine and where each figure came from.
-    machine: dict[str, Any] = field(default_factory=dict)
-    #: Time in teraio's hooks per planned iteration as a percent of the ideal iteration.
-    host_percent_of_ideal: Optional[float] = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items()}
-
-    def __str__(self) -> str:
-        def ms(value: Optional[float]) -> str:
-            return "-" if value is None else f"{value:.1f} ms"
-
-        def gib(value: Optional[int]) -> str:
-            if value is None:
-                return "-"
-            return f"{value / 2**30:.2f} GiB" if value >= 2**30 else f"{value / 2**20:.1f} MiB"
-
-        lines = [
-            f"teraio offload: {self.steps} steps, {self.planned_steps} with the plan",
-            f"  iteration: measured {ms(self.measured_iteration_ms)} (median of planned steps), "
-            f"predicted {ms(self.predicted_iteration_ms)}, "
-            f"ideal {ms(self.ideal_iteration_ms)} (estimate: {self.ideal_source or 'profiled op times'}; "
-            f"raw profiled ops {ms(self.profiled_ops_ms)})",
-            f"  peak GPU memory: measured {gib(self.peak_gpu_bytes)}, "
-            f"planned {gib(self.predicted_peak_bytes)}, "
-            f"without offload {gib(self.unplanned_peak_bytes)}, budget {gib(self.gpu_memory_bytes)}",
-        ]
-        for direction, tiers in self.bytes_per_iteration.items():
-            lines.append(
-                f"  {direction} per iteration: host {gib(tiers.get(HOST, 0))}, ssd {gib(tiers.get(SSD, 0))}"
-                " (activations)"
-            )
-        if self.recomputed_bytes_per_iteration:
-            lines.append(
-                f"  recomputed per iteration: {gib(self.recomputed_bytes_per_iteration)} "
-                f"({self.plan_summary.get('recomputed_tensors', 0)} saved tensors, not moved)"
-            )
-        for label, moved in (
-            ("optimizer state", self.state_bytes_per_iteration),
-            ("parameters", self.parameter_bytes_per_iteration),
-        ):
-            for direction, tiers in moved.items():
-                if label == "parameters" and not any(tiers.values()):
-                    continue
-                host, ssd = gib(tiers.get(HOST, 0)), gib(tiers.get(SSD, 0))
-                lines.append(f"  {direction} per iteration: host {host}, ssd {ssd} ({label})")
-        if self.phases_ms:
-            lines.append(
-                "  phases: "
-                + ", ".join(
-                    f"{name} {v['measured']:.1f} ms (profiled ops {v['profiled']:.1f} ms)"
-                    for name, v in self.phases_ms.items()
-                )
-            )
-        if self.host_ms_per_iteration:
-            lines.append(
-                "  host time in teraio per iteration: "
-                + ", ".join(f"{name} {v:.1f} ms" for name, v in self.host_ms_per_iteration.items())
-            )
-        unplanned_steps = self.step_times_ms[: self.steps - self.planned_steps]
-        if unplanned_steps:
-            planning = self.plan_summary.get("planning_s")
-            lines.append(
-                "  steps before the plan: "
-                + ", ".join(f"{v:.0f} ms" for v in unplanned_steps)
-                + (f"; planning took {planning:.1f} s" if planning is not None else "")
-            )
-        if self.prediction_warning:
-            lines.append(f"  WARNING: {self.prediction_warning}")
-        if self.checkpointed_blocks or self.checkpoint_summary:
-            lines.append(
-                f"  activation checkpointing: {len(self.checkpointed_blocks)} of "
-                f"{self.checkpoint_summary.get('blocks', 0)} blocks"
-            )
-        if self.host_percent_of_ideal is not None:
-            lines.append(f"  host time in hooks: {self.host_percent_of_ideal:.1f}% of the ideal iteration")
-        if self.plan_summary.get("fits") is False:
-            lines.append(f"  plan: does not fit the budget ({self.plan_summary.get('outcome')})")
-        lines.append("  stalls: " + ", ".join(f"{k} {v}" for k, v in self.stalls.items()))
-        return "\n".join(lines)
 
 
 class offload:
@@ -1223,67 +1099,6 @@ def _slow_link_ms(rank: tuple[float, ...]) -> Optional[float]:
     return rank[1] if rank[0] == 0.0 and rank[1] != float("inf") else None
 
 
-def decisions_from_plan(
-    trace: dict[str, Any],
-    events: list[SaveEvent],
-    plan_doc: dict[str, Any],
-    recipes: Optional[dict[int, rc.Recipe]] = None,
-    need: Optional[dict[int, int]] = None,
-) -> list[PackDecision]:
-    """Maps a plan's activation migrations onto the profiled save/unpack events.
-
-    The runtime sees the iteration through `saved_tensors_hooks` events, which come in the same
-    order every iteration: pack `i` of the profiled iteration is pack `i` of each later one. A
-    tensor's offload starts at its first pack; its prefetch is issued at the last event whose next
-    op is at or before the planned prefetch op (and never after the event where backward first
-    needs it: its first unpack, or `need`'s earlier event where a recipe reads it). A tensor in
-    `recipes` is recomputed instead.
-    """
-    recipes = recipes or {}
-    sizes = {t["id"]: t["size_bytes"] for t in trace["tensors"]}
-    kinds = {t["id"]: t["kind"] for t in trace["tensors"]}
-    best: dict[int, dict[str, Any]] = {}
-    for migration in plan_doc["migrations"]:
-        tensor_id = migration["tensor_id"]
-        if kinds.get(tensor_id) != "activation":
-            continue
-        span = migration["next_use_op"] - migration["offload_op"]
-        current = best.get(tensor_id)
-        if current is None or span > current["next_use_op"] - current["offload_op"]:
-            best[tensor_id] = migration
-    first_pack_event, first_unpack_event = rc.first_events(events)
-    pack_events = [e for e in events if e.kind == "pack"]
-    decisions: list[PackDecision] = []
-    seen: set[int] = set()
-    for event in pack_events:
-        tensor_id = event.tensor_id
-        size = sizes.get(tensor_id, -1) if tensor_id is not None else -1
-        migration = best.get(tensor_id) if tensor_id is not None else None
-        if tensor_id is not None and tensor_id in recipes and tensor_id not in seen:
-            seen.add(tensor_id)
-            decisions.append(PackDecision(tensor_id, size, RECOMPUTE, recipe=recipes[tensor_id]))
-            continue
-        if tensor_id is None or migration is None or tensor_id in seen:
-            decisions.append(PackDecision(tensor_id, size, None))
-            continue
-        seen.add(tensor_id)
-        pack_at = first_pack_event[tensor_id]
-        limit = (need or {}).get(tensor_id, first_unpack_event.get(tensor_id, len(events) - 1))
-        trigger = pack_at + 1
-        for index in range(pack_at + 1, limit + 1):
-            if events[index].next_op <= migration["prefetch_op"]:
-                trigger = index
-            else:
-                break
-        prefetch_event = min(trigger, limit)
-        decisions.append(
-            PackDecision(
-                tensor_id, size, migration["tier"], prefetch_event, need_event=limit, pack_event=pack_at
-            )
-        )
-    return decisions
-
-
 def _per_iteration(
     stats: dict[str, Any], base: Optional[dict[str, Any]], count: int
 ) -> dict[str, dict[str, int]]:
@@ -1293,69 +1108,3 @@ def _per_iteration(
         before = (base or {}).get(key, {})
         out[direction] = {t: (stats[key][t] - before.get(t, 0)) // count for t in (HOST, SSD)}
     return out
-
-
-def _last_event_at_or_before(events: list[SaveEvent], op: int) -> Optional[int]:
-    """The last event whose next op is at or before `op` (None: every event comes later)."""
-    found: Optional[int] = None
-    for index, event in enumerate(events):
-        if event.next_op > op:
-            break
-        found = index
-    return found
-
-
-def state_moves_from_plan(
-    trace: dict[str, Any],
-    state_ids: list[tuple[torch.Tensor, int]],
-    events: list[SaveEvent],
-    plan_doc: dict[str, Any],
-) -> list[Move]:
-    """The optimizer-state tensors (`state_ids`: each with its trace id) the plan moves between
-    steps, with their tier and the event at which to restore them: the last event whose next op
-    is at or before the planned prefetch op (None: the prefetch is in the step itself, so it is
-    issued at the step)."""
-    kinds = {t["id"]: t["kind"] for t in trace["tensors"]}
-    wrapping = {
-        m["tensor_id"]: m
-        for m in plan_doc["migrations"]
-        if m["wraps"] and kinds.get(m["tensor_id"]) == "optimizer_state"
-    }
-    moves: list[Move] = []
-    for value, tensor_id in state_ids:
-        migration = wrapping.get(tensor_id)
-        if migration is None:
-            continue
-        event = _last_event_at_or_before(events, migration["prefetch_op"])
-        moves.append(Move(value, migration["tier"], event))
-    return moves
-
-
-def parameter_moves_from_plan(
-    trace: dict[str, Any], profiler: Profiler, events: list[SaveEvent], plan_doc: dict[str, Any]
-) -> list[Move]:
-    """The parameters the plan moves out between their last forward use and their first backward
-    use: released at the first event after the planned offload op, restored at the last event
-    at or before the planned prefetch op, and waited for at the last event before the use. A
-    migration that the events cannot bracket that way is left out (the parameter stays)."""
-    kinds = {t["id"]: t["kind"] for t in trace["tensors"]}
-    planned = {
-        m["tensor_id"]: m
-        for m in plan_doc["migrations"]
-        if not m["wraps"] and kinds.get(m["tensor_id"]) == "weight"
-    }
-    if not planned or profiler.model is None:
-        return []
-    moves: list[Move] = []
-    for param in profiler.model.parameters():
-        record = profiler._lookup(param)
-        if record is None or record.id not in planned:
-            continue
-        migration = planned.pop(record.id)
-        release = next((i for i, e in enumerate(events) if e.next_op >= migration["offload_op"]), None)
-        restore = _last_event_at_or_before(events, migration["prefetch_op"])
-        wait = _last_event_at_or_before(events, migration["next_use_op"])
-        if release is None or restore is None or wait is None or not release < restore <= wait:
-            continue
-        moves.append(Move(param, migration["tier"], restore, release_event=release, wait_event=wait))
-    return moves

@@ -1,0 +1,136 @@
+"""What an activation-offload run did (`teraio.offload(...).report()`): the `Report` type.
+
+The whole-model mode's report is `whole_model.WholeModelReport`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .executor import HOST, SSD
+
+
+@dataclass
+class Report:
+    """What an offload run did: predicted vs measured iteration time, stalls, traffic, peak."""
+
+    steps: int
+    planned_steps: int
+    ideal_iteration_ms: Optional[float]
+    predicted_iteration_ms: Optional[float]
+    predicted_percent_of_ideal: Optional[float]
+    measured_iteration_ms: Optional[float]
+    step_times_ms: list[float]
+    peak_gpu_bytes: Optional[int]
+    predicted_peak_bytes: Optional[int]
+    unplanned_peak_bytes: Optional[int]
+    gpu_memory_bytes: int
+    bytes_per_iteration: dict[str, dict[str, int]]
+    stalls: dict[str, Any]
+    plan_summary: dict[str, Any] = field(default_factory=dict)
+    #: Optimizer state moved between steps, per iteration: {"offloaded"|"prefetched": {tier: bytes}}.
+    state_bytes_per_iteration: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: Parameters moved between the passes, per iteration (same shape).
+    parameter_bytes_per_iteration: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: Median of the planned iterations, ms: {"forward"|"backward"|"step": {"measured", "profiled"}},
+    #: and "between" (from one step's end to the next forward pass; the profile has no ops there).
+    phases_ms: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: Host time inside teraio per planned iteration, ms: the saved-tensor hooks (and of that,
+    #: waits for device-to-host copies in flight and for SSD reads/writes), before and after the
+    #: step. Host time the GPU did not wait for costs nothing; a blocked host that lets the GPU
+    #: run dry does.
+    host_ms_per_iteration: dict[str, float] = field(default_factory=dict)
+    #: Saved activations dropped at the save and recomputed in backward, per planned iteration.
+    recomputed_bytes_per_iteration: int = 0
+    #: How `ideal_iteration_ms` was made: an estimate from calibrated op times (see
+    #: teraio.calibration) unless a measured ideal was given; and the raw profiled sum.
+    ideal_source: str = ""
+    profiled_ops_ms: Optional[float] = None
+    #: (measured - predicted) / predicted, percent; `prediction_warning` says when it is past
+    #: `PREDICTION_TOLERANCE`.
+    prediction_error_percent: Optional[float] = None
+    prediction_warning: str = ""
+    #: Blocks run under activation checkpointing in the planned iterations, and the candidates.
+    checkpointed_blocks: list[str] = field(default_factory=list)
+    checkpoint_summary: dict[str, Any] = field(default_factory=dict)
+    #: What the runtime assumed about the machine and where each figure came from.
+    machine: dict[str, Any] = field(default_factory=dict)
+    #: Time in teraio's hooks per planned iteration as a percent of the ideal iteration.
+    host_percent_of_ideal: Optional[float] = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items()}
+
+    def __str__(self) -> str:
+        def ms(value: Optional[float]) -> str:
+            return "-" if value is None else f"{value:.1f} ms"
+
+        def gib(value: Optional[int]) -> str:
+            if value is None:
+                return "-"
+            return f"{value / 2**30:.2f} GiB" if value >= 2**30 else f"{value / 2**20:.1f} MiB"
+
+        lines = [
+            f"teraio offload: {self.steps} steps, {self.planned_steps} with the plan",
+            f"  iteration: measured {ms(self.measured_iteration_ms)} (median of planned steps), "
+            f"predicted {ms(self.predicted_iteration_ms)}, "
+            f"ideal {ms(self.ideal_iteration_ms)} (estimate: {self.ideal_source or 'profiled op times'}; "
+            f"raw profiled ops {ms(self.profiled_ops_ms)})",
+            f"  peak GPU memory: measured {gib(self.peak_gpu_bytes)}, "
+            f"planned {gib(self.predicted_peak_bytes)}, "
+            f"without offload {gib(self.unplanned_peak_bytes)}, budget {gib(self.gpu_memory_bytes)}",
+        ]
+        for direction, tiers in self.bytes_per_iteration.items():
+            lines.append(
+                f"  {direction} per iteration: host {gib(tiers.get(HOST, 0))}, ssd {gib(tiers.get(SSD, 0))}"
+                " (activations)"
+            )
+        if self.recomputed_bytes_per_iteration:
+            lines.append(
+                f"  recomputed per iteration: {gib(self.recomputed_bytes_per_iteration)} "
+                f"({self.plan_summary.get('recomputed_tensors', 0)} saved tensors, not moved)"
+            )
+        for label, moved in (
+            ("optimizer state", self.state_bytes_per_iteration),
+            ("parameters", self.parameter_bytes_per_iteration),
+        ):
+            for direction, tiers in moved.items():
+                if label == "parameters" and not any(tiers.values()):
+                    continue
+                host, ssd = gib(tiers.get(HOST, 0)), gib(tiers.get(SSD, 0))
+                lines.append(f"  {direction} per iteration: host {host}, ssd {ssd} ({label})")
+        if self.phases_ms:
+            lines.append(
+                "  phases: "
+                + ", ".join(
+                    f"{name} {v['measured']:.1f} ms (profiled ops {v['profiled']:.1f} ms)"
+                    for name, v in self.phases_ms.items()
+                )
+            )
+        if self.host_ms_per_iteration:
+            lines.append(
+                "  host time in teraio per iteration: "
+                + ", ".join(f"{name} {v:.1f} ms" for name, v in self.host_ms_per_iteration.items())
+            )
+        unplanned_steps = self.step_times_ms[: self.steps - self.planned_steps]
+        if unplanned_steps:
+            planning = self.plan_summary.get("planning_s")
+            lines.append(
+                "  steps before the plan: "
+                + ", ".join(f"{v:.0f} ms" for v in unplanned_steps)
+                + (f"; planning took {planning:.1f} s" if planning is not None else "")
+            )
+        if self.prediction_warning:
+            lines.append(f"  WARNING: {self.prediction_warning}")
+        if self.checkpointed_blocks or self.checkpoint_summary:
+            lines.append(
+                f"  activation checkpointing: {len(self.checkpointed_blocks)} of "
+                f"{self.checkpoint_summary.get('blocks', 0)} blocks"
+            )
+        if self.host_percent_of_ideal is not None:
+            lines.append(f"  host time in hooks: {self.host_percent_of_ideal:.1f}% of the ideal iteration")
+        if self.plan_summary.get("fits") is False:
+            lines.append(f"  plan: does not fit the budget ({self.plan_summary.get('outcome')})")
+        lines.append("  stalls: " + ", ".join(f"{k} {v}" for k, v in self.stalls.items()))
+        return "\n".join(lines)
