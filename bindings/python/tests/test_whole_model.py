@@ -260,37 +260,76 @@ def test_copy_of_model_is_untouched() -> None:
     assert all(p.untyped_storage().nbytes() > 0 for p in twin.parameters())
 
 
-@pytest.mark.parametrize("max_norm", [0.05, 1e6], ids=["clips", "does-not-clip"])
-def test_gradient_clipping_is_exact(store: teraio.Store, max_norm: float) -> None:
-    # clip_grad_norm_ after backward, as Hugging Face's Trainer calls it: the gradients have left
-    # the device, their norms were taken as they left, and the step scales each one as it returns.
+def _clipping_run(offloaded: bool, store: Optional[teraio.Store], step: Any) -> tuple[Any, list[Any], Any]:
+    """Trains `make()`'s model with `step(model, other, x) -> [norms]` between backward and the
+    optimizer step (`other`: a small model outside the offload, with its own gradients)."""
+    model, optimizer = make()
+    other = torch.nn.Linear(64, 1)
+    torch.nn.init.constant_(other.weight, 0.01)
     data = batches(STEPS, rows=ROWS)
+    norms: list[Any] = []
+    losses: list[float] = []
 
-    def clipped(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[list[float], list[Any]]:
-        losses, norms = [], []
+    def train_all() -> None:
         for x in data:
             loss = model(x)
             loss.backward()
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+            other(x).square().mean().backward()
+            norms.extend(step(model, other, x))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             losses.append(loss.item())
-        return losses, norms
 
-    ref_model, ref_opt = make()
-    ref_losses, ref_norms = clipped(ref_model, ref_opt)
-    model, optimizer = make()
-    with teraio.offload(model, optimizer, store=store, gpu_memory=4096, host_memory=100_000):
-        losses, norms = clipped(model, optimizer)
-        with pytest.raises(NotImplementedError, match="norm_type=2.0"):
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=1.0)
-        other = torch.nn.Linear(2, 2)
-        other(torch.ones(1, 2)).sum().backward()
-        assert torch.nn.utils.clip_grad_norm_(other.parameters(), 1.0) > 0  # other models: torch's
-    assert all(torch.equal(a, b) for a, b in zip(ref_norms, norms))
-    assert all((n > max_norm) == (max_norm < 1) for n in ref_norms)  # clipped in the first case only
-    _assert_same((ref_model, ref_opt, ref_losses), (model, optimizer, losses))
-    assert torch.nn.utils.clip_grad_norm_.__module__ == "torch.nn.utils.clip_grad"
+    if offloaded:
+        with teraio.offload(model, optimizer, store=store, gpu_memory=4096, host_memory=100_000):
+            train_all()
+    else:
+        train_all()
+    return (model, optimizer, losses), norms, other
+
+
+def _assert_same_clipping(store: teraio.Store, step: Any) -> list[Any]:
+    reference, ref_norms, ref_other = _clipping_run(False, None, step)
+    result, norms, other = _clipping_run(True, store, step)
+    assert len(norms) == len(ref_norms) and all(torch.equal(a, b) for a, b in zip(ref_norms, norms))
+    assert torch.equal(ref_other.weight.grad, other.weight.grad)
+    _assert_same(reference, result)
+    assert torch.nn.utils.clip_grad_norm_.__module__ == "torch.nn.utils.clip_grad"  # restored
+    return ref_norms
+
+
+@pytest.mark.parametrize(
+    ("max_norm", "norm_type"),
+    [(0.05, 2.0), (1e6, 2.0), (0.05, 1.0), (0.001, float("inf"))],
+    ids=["clips", "does-not-clip", "l1", "max"],
+)
+def test_gradient_clipping_is_exact(store: teraio.Store, max_norm: float, norm_type: float) -> None:
+    # clip_grad_norm_ after backward, as Hugging Face's Trainer calls it: the gradients have left
+    # the device; the step scales each one as it brings it back.
+    def clip(model: Any, other: Any, x: Any) -> list[Any]:
+        return [torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type=norm_type)]
+
+    norms = _assert_same_clipping(store, clip)
+    assert all((n > max_norm) == (max_norm < 1) for n in norms)  # clipped unless max_norm is huge
+
+
+def test_clipping_part_of_the_model_and_another_models_parameters_is_exact(store: teraio.Store) -> None:
+    # A list mixing held gradients with gradients still on their parameters (another model),
+    # then a second clip over the whole model, which sees what the first one scaled.
+    def clip(model: Any, other: Any, x: Any) -> list[Any]:
+        first = torch.nn.utils.clip_grad_norm_([*model.layers[0].parameters(), *other.parameters()], 0.01)
+        return [first, torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)]
+
+    _assert_same_clipping(store, clip)
+
+
+def test_backward_after_a_clip_adds_to_the_clipped_gradients(store: teraio.Store) -> None:
+    def clip_then_accumulate(model: Any, other: Any, x: Any) -> list[Any]:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        model(x * 0.5).backward()
+        return [norm]
+
+    _assert_same_clipping(store, clip_then_accumulate)
 
 
 def test_optimizer_parameters_outside_the_model_are_refused() -> None:

@@ -46,7 +46,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
-from torch.utils._foreach_utils import _has_foreach_support
+from torch.utils._foreach_utils import (
+    _device_has_foreach_support,
+    _group_tensors_by_device_and_dtype,
+    _has_foreach_support,
+)
 
 from . import blocks as bk
 from . import capacity as cp
@@ -64,8 +68,8 @@ WHOLE_MODEL_SHARE = 0.75
 #: Default step window: this share of the GPU budget (parameter + gradient + state bytes).
 WINDOW_SHARE = 0.125
 
-#: The gradient norm `clip_grad_norm_` supports in this mode (torch's default): each gradient's
-#: norm is taken as it leaves the GPU, before any call says which norm it wants.
+#: The gradient norm taken as each gradient leaves the GPU (torch's default for clip_grad_norm_);
+#: a call asking for another norm type reads the gradients back.
 GRAD_NORM_TYPE = 2.0
 
 #: GPU gradients waiting for an SSD write, at most (the tier's writes run behind backward).
@@ -296,7 +300,8 @@ class ModelOffload:
         # Each held gradient's norm (taken as it left the GPU) and the clip coefficient of this
         # iteration, if `clip_grad_norm_` was called (`_take_over_clipping`).
         self._grad_norms: dict[int, torch.Tensor] = {}
-        self._clip_coef: Optional[torch.Tensor] = None
+        # (coefficient, foreach, the held gradients it scales)
+        self._clip: Optional[tuple[torch.Tensor, Optional[bool], set[int]]] = None
         self._counts = _Counts()
         self._iterations: list[_Counts] = []
         self._step_started = 0.0
@@ -367,10 +372,11 @@ class ModelOffload:
         return self
 
     def _take_over_clipping(self) -> None:
-        """`torch.nn.utils.clip_grad_norm_` on this model's parameters, while the block runs: the
-        gradients have left the GPU when backward returns, so the total norm is made from each
-        gradient's norm taken as it left (the same ops as torch's), and the clip coefficient is
-        applied to each gradient as the step brings it back. Other parameters: torch's own."""
+        """`torch.nn.utils.clip_grad_norm_` while the block runs, for lists holding this model's
+        parameters: their gradients have left the GPU when backward returns, so each one's norm
+        is the one taken as it left (norm type 2, torch's default) or is read back for the call,
+        the total and the coefficient are torch's arithmetic, and the step scales each gradient
+        as it brings it back. Lists of other parameters only: torch's own."""
         original = torch.nn.utils.clip_grad_norm_
 
         def clip_grad_norm_(
@@ -381,10 +387,9 @@ class ModelOffload:
             foreach: Optional[bool] = None,
         ) -> torch.Tensor:
             listed = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-            ours = [id(p) in self._slot_of for p in listed]
-            if not any(ours):
+            if not any(id(p) in self._slot_of for p in listed):
                 return original(listed, max_norm, norm_type, error_if_nonfinite, foreach)
-            return self._clip_grad_norm(listed, all(ours), max_norm, norm_type, error_if_nonfinite, foreach)
+            return self._clip_grad_norm(listed, max_norm, norm_type, error_if_nonfinite, foreach)
 
         self._clipping = original
         torch.nn.utils.clip_grad_norm_ = clip_grad_norm_  # type: ignore[assignment]
@@ -392,35 +397,72 @@ class ModelOffload:
     def _clip_grad_norm(
         self,
         listed: list[torch.Tensor],
-        only_ours: bool,
         max_norm: float,
         norm_type: float,
         error_if_nonfinite: bool,
         foreach: Optional[bool],
     ) -> torch.Tensor:
-        slots = [self._slot_of[id(p)] for p in listed] if only_ours else []
-        held = [slot for slot in slots if slot.grad_held]
-        dtypes = {slot.param.dtype for slot in held}
-        if not only_ours or float(norm_type) != GRAD_NORM_TYPE or foreach is not None or len(dtypes) > 1:
-            raise NotImplementedError(
-                "teraio.offload (whole-model): clip_grad_norm_ is supported on the model's own "
-                f"parameters of one dtype with norm_type={GRAD_NORM_TYPE} and foreach=None (the "
-                "gradients leave the GPU during backward; their norms are taken as they leave)"
-            )
-        if not held:
+        """torch's `clip_grad_norm_` (torch/nn/utils/clip_grad.py) over held gradients."""
+        norm_type = float(norm_type)
+        self._apply_pending_clip()  # a second call sees the gradients the first one scaled
+        grads: list[torch.Tensor] = []  # each gradient's dtype and device (held ones: empty)
+        norms: list[torch.Tensor] = []
+        foreign: list[torch.Tensor] = []
+        held: set[int] = set()
+        for param in listed:
+            slot = self._slot_of.get(id(param))
+            if slot is not None and slot.grad_held:
+                held.add(slot.index)
+                grads.append(torch.empty(0, dtype=param.dtype, device=param.device))
+                reuse = norm_type == GRAD_NORM_TYPE and foreach is None
+                norms.append(
+                    self._grad_norms[slot.index]
+                    if reuse
+                    else _norm(self._read_gradient(slot), norm_type, foreach)
+                )
+            elif param.grad is not None:
+                grads.append(param.grad)
+                norms.append(_norm(param.grad, norm_type, foreach))
+                foreign.append(param.grad)
+        if not grads:
             return torch.tensor(0.0)
-        norms = [self._grad_norms[slot.index] for slot in held]
-        first_device = norms[0].device
-        total = torch.linalg.vector_norm(torch.stack([n.to(first_device) for n in norms]), GRAD_NORM_TYPE)
+        # torch groups the gradients by device and dtype and stacks the norms group by group.
+        groups = _group_tensors_by_device_and_dtype([grads], with_indices=True)
+        ordered = [norms[i] for _, (_, indices) in groups.items() for i in indices]
+        first_device = grads[0].device
+        total = torch.linalg.vector_norm(torch.stack([n.to(first_device) for n in ordered]), norm_type)
         if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
             raise RuntimeError(
-                f"The total norm of order {GRAD_NORM_TYPE} for gradients from `parameters` is "
-                "non-finite, so it cannot be clipped. To disable this error and scale the gradients "
-                "by the non-finite norm anyway, set `error_if_nonfinite=False`"
+                f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, "
+                "so it cannot be clipped. To disable this error and scale the gradients by the "
+                "non-finite norm anyway, set `error_if_nonfinite=False`"
             )
-        clip_coef = float(max_norm) / (total + 1e-6)
-        self._clip_coef = torch.clamp(clip_coef, max=1.0)
+        clip_coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        for grad in foreign:
+            _scale(grad, clip_coef.to(grad.device), foreach)
+        self._clip = (clip_coef, foreach, held)
         return total
+
+    def _apply_pending_clip(self) -> None:
+        """Scales every held gradient in its tier by the pending clip coefficient (before another
+        clip, or before a later backward adds to it), as torch would have in place."""
+        if self._clip is None:
+            return
+        for slot in self.slots:
+            if slot.grad_held and slot.index in self._clip[2]:
+                grad = self._scaled(slot, self._read_gradient(slot))
+                self._tier(slot, cp.GRADIENT).discard((cp.GRADIENT, slot.index))
+                slot.grad_held = False
+                slot.param.grad = grad
+                self._move_gradient_out(slot)
+        self._clip = None
+
+    def _scaled(self, slot: _Slot, grad: torch.Tensor) -> torch.Tensor:
+        """`grad` scaled by the pending clip coefficient if the clip covered the parameter."""
+        if self._clip is not None and slot.index in self._clip[2]:
+            coef, foreach, _ = self._clip
+            _scale(grad, coef.to(grad.device), foreach)
+        return grad
 
     def __exit__(self, *exc: object) -> None:
         if self._saved_hooks is not None:
@@ -656,11 +698,16 @@ class ModelOffload:
     def _move_gradient_out(self, slot: _Slot) -> None:
         grad = slot.param.grad
         assert grad is not None
+        if slot.grad_held and self._clip is not None:
+            # This backward adds to gradients a clip has scaled: scale the held ones first.
+            slot.param.grad = None
+            self._apply_pending_clip()
+            slot.param.grad = grad
         if slot.grad_held:
             # Accumulation over micro-batches: held + new, the sum autograd would have made.
             grad = grad + self._read_gradient(slot)
         grad = grad.contiguous()
-        self._grad_norms[slot.index] = _per_tensor(grad, torch._foreach_norm, GRAD_NORM_TYPE)
+        self._grad_norms[slot.index] = _norm(grad, GRAD_NORM_TYPE, None)
         transfer = self._write(slot, cp.GRADIENT, flat_bytes(grad))
         slot.grad_held = True
         slot.param.grad = None
@@ -681,7 +728,7 @@ class ModelOffload:
     def _zero_grad(self, set_to_none: bool = True) -> None:
         assert self._original_zero_grad is not None
         self._original_zero_grad(set_to_none=set_to_none)
-        self._clip_coef = None
+        self._clip = None
         for slot in self.slots:
             if slot.grad_held:
                 slot.grad_held = False
@@ -715,9 +762,7 @@ class ModelOffload:
                 if slot.incoming_grad is not None:
                     grad, transfer = slot.incoming_grad
                     transfer.join()
-                    if self._clip_coef is not None:
-                        _per_tensor(grad, torch._foreach_mul_, self._clip_coef.to(grad.device))
-                    slot.param.grad = grad
+                    slot.param.grad = self._scaled(slot, grad)
                     slot.incoming_grad = None
                     slot.grad_held = False
                     stepped.append(slot)
@@ -729,7 +774,7 @@ class ModelOffload:
         for slot in self.slots:
             slot.saved = False
             self._release(slot)
-        self._clip_coef = None
+        self._clip = None
         self._position = 0
         self._prefetch_ahead()  # the next forward pass's first units
         elapsed = time.perf_counter() - started
@@ -922,16 +967,30 @@ class _Counts:
         return out
 
 
-def _per_tensor(tensor: torch.Tensor, foreach_op: Callable[..., Any], argument: Any) -> Any:
-    """`foreach_op([tensor], argument)` where torch's clip_grad_norm_ would use the foreach
-    kernel for this device, else the per-tensor op it falls back to (the same bits as torch's
-    clipping of a whole list: both are per tensor)."""
-    if _has_foreach_support([tensor], tensor.device):
-        result = foreach_op([tensor], argument)
-        return result[0] if result is not None else None
-    if foreach_op is torch._foreach_norm:
-        return torch.linalg.vector_norm(tensor, argument)
-    return tensor.mul_(argument)
+def _uses_foreach(tensor: torch.Tensor, foreach: Optional[bool]) -> bool:
+    """torch's clip_grad_norm_ choice between the foreach kernels and per-tensor ops (the same
+    bits either way: both work tensor by tensor)."""
+    device = tensor.device
+    if (foreach is None and _has_foreach_support([tensor], device)) or (
+        foreach and _device_has_foreach_support(device)
+    ):
+        return True
+    if foreach:
+        raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
+    return False
+
+
+def _norm(tensor: torch.Tensor, norm_type: float, foreach: Optional[bool]) -> torch.Tensor:
+    if _uses_foreach(tensor, foreach):
+        return torch._foreach_norm([tensor], norm_type)[0]
+    return torch.linalg.vector_norm(tensor, norm_type)
+
+
+def _scale(tensor: torch.Tensor, coef: torch.Tensor, foreach: Optional[bool]) -> None:
+    if _uses_foreach(tensor, foreach):
+        torch._foreach_mul_([tensor], coef)
+    else:
+        tensor.mul_(coef)
 
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:
