@@ -37,6 +37,24 @@ def _tiny_step(model: Any, optimizer: Any) -> Callable[[Any], float]:
     return step
 
 
+def _offload_below_peak(data: list[Any], share: int, **options: Any) -> tuple[Any, Any, Any]:
+    """A fresh tiny model and optimizer, and `teraio.offload` on them (not entered) with
+    gpu_memory the unplanned peak less 1/`share` of the activations, as profiled on another fresh
+    copy, no reserve and saved tensors from 64 KiB."""
+    model, optimizer = make()
+    peak, activations = _peak_and_activations(model, optimizer, _tiny_step(model, optimizer), data)
+    model, optimizer = make()
+    run = teraio.offload(
+        model,
+        optimizer,
+        gpu_memory=peak - activations // share,
+        reserve=0,
+        min_bytes=64 << 10,
+        **options,
+    )
+    return model, optimizer, run
+
+
 def test_checkpointing_wins_where_nothing_can_be_moved() -> None:
     # No host memory and no store: only recomputation can make it fit. Per-tensor recipes off,
     # so whole-block checkpointing must carry it; results stay bitwise equal.
@@ -44,20 +62,10 @@ def test_checkpointing_wins_where_nothing_can_be_moved() -> None:
     model, optimizer = make()
     reference = train(model, optimizer, data)
     ref_state = {k: v.clone() for k, v in model.state_dict().items()}
-    model, optimizer = make()
-    peak, activations = _peak_and_activations(model, optimizer, _tiny_step(model, optimizer), data)
-    model, optimizer = make()
-    with teraio.offload(
-        model,
-        optimizer,
-        gpu_memory=peak - activations // 2,
-        host_memory=0,
-        host_link_bandwidth="10GB/s",
-        recompute="off",
-        checkpoint="auto",
-        reserve=0,
-        min_bytes=64 << 10,
-    ) as run:
+    model, optimizer, run = _offload_below_peak(
+        data, 2, host_memory=0, host_link_bandwidth="10GB/s", recompute="off", checkpoint="auto"
+    )
+    with run:
         losses = train(model, optimizer, data)
     report = run.report()
     assert losses == reference
@@ -79,19 +87,10 @@ def test_offload_wins_on_a_fast_link() -> None:
     # Host memory and a fast link: moving saved tensors costs nothing, recomputing a block costs
     # its forward time, so no block is checkpointed.
     data = batches(STEPS, rows=2048)
-    model, optimizer = make()
-    peak, activations = _peak_and_activations(model, optimizer, _tiny_step(model, optimizer), data)
-    model, optimizer = make()
-    with teraio.offload(
-        model,
-        optimizer,
-        gpu_memory=peak - activations // 2,
-        host_memory=1 << 30,
-        host_link_bandwidth="1000GB/s",
-        recompute="off",
-        reserve=0,
-        min_bytes=64 << 10,
-    ) as run:
+    model, optimizer, run = _offload_below_peak(
+        data, 2, host_memory=1 << 30, host_link_bandwidth="1000GB/s", recompute="off"
+    )
+    with run:
         train(model, optimizer, data)
     report = run.report()
     assert report.plan_summary["fits"] is True
@@ -104,19 +103,10 @@ def test_never_predicted_slower_than_checkpointing_every_block() -> None:
     # not) is planned; the chosen one's prediction is the lowest, so at most that of
     # checkpointing every block.
     data = batches(STEPS, rows=2048)
-    model, optimizer = make()
-    peak, activations = _peak_and_activations(model, optimizer, _tiny_step(model, optimizer), data)
-    model, optimizer = make()
-    with teraio.offload(
-        model,
-        optimizer,
-        gpu_memory=peak - activations // 3,
-        host_memory=1 << 30,
-        host_link_bandwidth="50MB/s",
-        checkpoint="auto",
-        reserve=0,
-        min_bytes=64 << 10,
-    ) as run:
+    model, optimizer, run = _offload_below_peak(
+        data, 3, host_memory=1 << 30, host_link_bandwidth="50MB/s", checkpoint="auto"
+    )
+    with run:
         train(model, optimizer, data)
     report = run.report()
     tried = report.checkpoint_summary["tried"]
@@ -139,19 +129,8 @@ def test_checkpointed_blocks_keep_the_plans_event_numbering(
     data = batches(STEPS, rows=2048)
     model, optimizer = make()
     reference = train(model, optimizer, data)
-    model, optimizer = make()
-    peak, activations = _peak_and_activations(model, optimizer, _tiny_step(model, optimizer), data)
-    model, optimizer = make()
-    run = teraio.offload(
-        model,
-        optimizer,
-        gpu_memory=peak - activations // 2,
-        host_memory=1 << 30,
-        host_link_bandwidth="1GB/s",
-        recompute="on",
-        checkpoint="auto",
-        reserve=0,
-        min_bytes=64 << 10,
+    model, optimizer, run = _offload_below_peak(
+        data, 2, host_memory=1 << 30, host_link_bandwidth="1GB/s", recompute="on", checkpoint="auto"
     )
     seen: list[str] = []
     pack, unpack = run.executor.pack, run.executor.unpack
@@ -184,19 +163,8 @@ def test_plan_measured_against_checkpointing_every_block(
     data = batches(STEPS, rows=2048)
     model, optimizer = make()
     reference = train(model, optimizer, data)
-    model, optimizer = make()
-    peak, activations = _peak_and_activations(model, optimizer, _tiny_step(model, optimizer), data)
-    model, optimizer = make()
-    run = teraio.offload(
-        model,
-        optimizer,
-        gpu_memory=peak - activations // 2,
-        host_memory=1 << 30,
-        host_link_bandwidth="1000GB/s",
-        recompute="off",
-        checkpoint="auto",
-        reserve=0,
-        min_bytes=64 << 10,
+    model, optimizer, run = _offload_below_peak(
+        data, 2, host_memory=1 << 30, host_link_bandwidth="1000GB/s", recompute="off", checkpoint="auto"
     )
     blocks_per_step: list[int] = []
     timed_faster = 1 if faster == "all_blocks" else 2  # the trial's second timed step: chosen
