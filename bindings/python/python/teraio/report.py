@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .executor import HOST, SSD
+from .planning import format_bytes
 
 
 @dataclass
@@ -69,7 +70,7 @@ class Report:
         def gib(value: Optional[int]) -> str:
             if value is None:
                 return "-"
-            return f"{value / 2**30:.2f} GiB" if value >= 2**30 else f"{value / 2**20:.1f} MiB"
+            return format_bytes(value)
 
         lines = [
             f"teraio offload: {self.steps} steps, {self.planned_steps} with the plan",

@@ -33,7 +33,7 @@ from . import machine
 from . import recompute as rc
 from .executor import HOST, SSD, ActivationExecutor, _pinned_size
 from .options import OffloadOptions
-from .planning import _bandwidth, parse_size, plan, simulate
+from .planning import _bandwidth, format_bytes, parse_size, plan, simulate
 from .profiler import Profiler, SaveEvent
 from .report import Report
 from .state import Move, StateExecutor, pin_outside_forward_gap, pin_within_iteration
@@ -310,8 +310,8 @@ class offload:
         grads = sum(p.untyped_storage().nbytes() for p in self.model.parameters() if p.requires_grad)
         if params + grads > self.gpu_memory_bytes:
             raise NoPlanFitsError(
-                f"teraio.offload: gpu_memory={_size(self.gpu_memory_bytes)} cannot hold the "
-                f"parameters ({_size(params)}) and their gradients ({_size(grads)}), "
+                f"teraio.offload: gpu_memory={format_bytes(self.gpu_memory_bytes)} cannot hold the "
+                f"parameters ({format_bytes(params)}) and their gradients ({format_bytes(grads)}), "
                 "which stay on the GPU; raise gpu_memory, or pass if_no_fit='run' to train anyway"
             )
 
@@ -648,9 +648,9 @@ class offload:
         if not result["plan"]["fits"] and self.options.if_no_fit == "raise":
             prediction = result.get("prediction", {})
             raise NoPlanFitsError(
-                f"teraio.offload: no plan fits gpu_memory={_size(self.gpu_memory_bytes)} "
-                f"(reserve {_size(self.reserve_bytes)}; the iteration needs "
-                f"{_size(prediction.get('unplanned_peak_bytes', 0))} without offload; "
+                f"teraio.offload: no plan fits gpu_memory={format_bytes(self.gpu_memory_bytes)} "
+                f"(reserve {format_bytes(self.reserve_bytes)}; the iteration needs "
+                f"{format_bytes(prediction.get('unplanned_peak_bytes', 0))} without offload; "
                 f"planner: {prediction.get('outcome')}); raise gpu_memory or host_memory, add a store, "
                 "or pass if_no_fit='run' to train anyway"
             )
@@ -1061,10 +1061,6 @@ def _refuse_compiled(model: torch.nn.Module) -> None:
             "uncompiled module (for `compiled = torch.compile(model)`, pass `model`), or call "
             "torch.compile on parts that teraio does not need to see"
         )
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def _elapsed_ms(first: Any, second: Any) -> float:
