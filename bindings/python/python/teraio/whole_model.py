@@ -276,6 +276,9 @@ class ModelOffload:
             }
         self.slots = [_Slot(i, name, p, self.plan.tiers[i]) for i, (name, p) in enumerate(named)]
         self._slot_of = {id(slot.param): slot for slot in self.slots}
+        # Parameters whose release waits for an SSD write (`_release`, `_poll`).
+        self._releasing: list[_Slot] = []
+        self.pull_forward_bytes = parse_size(options.pull_forward_bytes)
         # Resident parameters by storage address: what the pack hook recognises.
         self._slot_at = {slot.param.untyped_storage().data_ptr(): slot for slot in self.slots}
         self.units = self._find_units()
@@ -586,9 +589,8 @@ class ModelOffload:
             transfer.join()
         self._gradient_writes.clear()
         self._finish_state_writes(0)
-        for slot in self.slots:
-            if slot.release_pending:
-                self._release(slot, wait=True)
+        for slot in self._pending_releases():
+            self._release(slot, wait=True)
 
     # -- parameters ----------------------------------------------------------------------------
 
@@ -613,7 +615,9 @@ class ModelOffload:
             return
         if slot.write is not None:
             if not wait and not slot.write.done():
-                slot.release_pending = True
+                if not slot.release_pending:
+                    slot.release_pending = True
+                    self._releasing.append(slot)
                 return
             slot.write.join()
             slot.write = None
@@ -643,7 +647,7 @@ class ModelOffload:
     def _horizon(self) -> list[_Slot]:
         """The parameters of the next units in the recorded order, `pull_forward_bytes` of them
         (counting those already resident, which need no read; at least one parameter unless 0)."""
-        budget = parse_size(self.options.pull_forward_bytes)
+        budget = self.pull_forward_bytes
         if self._recorded is None or budget == 0:
             return []
         ahead = 0
@@ -868,9 +872,14 @@ class ModelOffload:
         self._poll_tiers()
         if self._state_writes:
             self._finish_state_writes(self.plan.window_bytes)
-        for slot in self.slots:
-            if slot.release_pending and slot.write is not None and slot.write.done():
+        for slot in self._pending_releases():
+            if slot.write is not None and slot.write.done():
                 self._release(slot)
+
+    def _pending_releases(self) -> list[_Slot]:
+        """The parameters whose release waits for their SSD write (drops the others)."""
+        self._releasing = [slot for slot in self._releasing if slot.release_pending]
+        return list(self._releasing)
 
     # -- iterations and the report ---------------------------------------------------------------
 
