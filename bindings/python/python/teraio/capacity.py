@@ -57,7 +57,6 @@ class CapacityPlan:
     host_bytes: dict[str, int] = field(default_factory=dict)
     ssd_bytes: dict[str, int] = field(default_factory=dict)
     window_bytes: int = 0
-    window_totals: list[int] = field(default_factory=list)
 
     @property
     def ssd_total(self) -> int:
@@ -66,15 +65,6 @@ class CapacityPlan:
     @property
     def host_total(self) -> int:
         return sum(self.host_bytes.values())
-
-    def summary(self) -> dict[str, object]:
-        return {
-            "host_bytes": dict(self.host_bytes),
-            "ssd_bytes": dict(self.ssd_bytes),
-            "windows": len(self.windows),
-            "window_bytes": self.window_bytes,
-            "largest_window_bytes": max(self.window_totals, default=0),
-        }
 
 
 class CapacityError(ValueError):
@@ -144,7 +134,7 @@ def place(
         else:
             windows.append([index])
             totals.append(size.total)
-    plan = CapacityPlan(tiers, windows, host, ssd, window_bytes, totals)
+    plan = CapacityPlan(tiers, windows, host, ssd, window_bytes)
     assert overflow <= 0 or not any(host.values()), "host memory over its cap"
     assert sorted(i for w in windows for i in w) == list(range(len(sizes)))
     return plan
