@@ -88,7 +88,9 @@ def test_cuda_offload_bitwise_equal(tier: str, parameters: bool, store: teraio.S
         options = {"host_memory": 0, "store": store}
     options["offload_parameters"] = parameters
     torch.cuda.synchronize()
-    with teraio.offload(model, optimizer, gpu_memory=budget, reserve=0, min_bytes=64 << 10, **options) as run:
+    with teraio.offload(
+        model, optimizer, gpu_memory=budget, reserve=0, min_bytes=64 << 10, **options, granularity="tensor"
+    ) as run:
         losses = train(model, optimizer, batches(STEPS, rows=ROWS, device=DEVICE))
     report = run.report()
     assert losses == ref_losses
@@ -118,6 +120,7 @@ def test_cuda_prefetch_streams(copy_streams: int) -> None:
         reserve=0,
         min_bytes=64 << 10,
         copy_streams=copy_streams,
+        granularity="tensor",
     ) as run:
         losses = train(model, optimizer, batches(STEPS, rows=ROWS, device=DEVICE))
     assert losses == ref_losses
@@ -150,7 +153,7 @@ def test_whole_model_offload_is_exact_on_cuda(store: teraio.Store, host_memory: 
     reference = train(reference_model, reference_optimizer, data)
     model, optimizer = make(device=DEVICE)
     options = {"gpu_memory": 64 << 20, "host_memory": host_memory, "whole_model": "on"}
-    with teraio.offload(model, optimizer, store=store, **options) as run:
+    with teraio.offload(model, optimizer, store=store, **options, granularity="tensor") as run:
         assert type(run).__name__ == "ModelOffload"
         losses = train(model, optimizer, data)
     assert losses == reference
@@ -169,7 +172,9 @@ def test_whole_model_state_too_big_for_the_budget_is_left_in_cpu_memory(store: t
     reference = train(reference_model, reference_optimizer, data)
     model, optimizer = make(device=DEVICE)
     with pytest.warns(UserWarning, match="left in CPU memory"):
-        with teraio.offload(model, optimizer, store=store, gpu_memory=1 << 20, host_memory=1 << 30) as run:
+        with teraio.offload(
+            model, optimizer, store=store, gpu_memory=1 << 20, host_memory=1 << 30, granularity="tensor"
+        ) as run:
             losses = train(model, optimizer, data)
     assert losses == reference and run.report().returned_to == "cpu"
     for p, q in zip(reference_model.parameters(), model.parameters()):
@@ -196,9 +201,45 @@ def test_whole_model_gradient_clipping_is_exact_on_cuda(store: teraio.Store) -> 
     reference, reference_norms = clipped(reference_model, reference_optimizer)
     model, optimizer = make(device=DEVICE)
     options = {"gpu_memory": 64 << 20, "host_memory": 1 << 30, "whole_model": "on"}
-    with teraio.offload(model, optimizer, store=store, **options):
+    with teraio.offload(model, optimizer, store=store, **options, granularity="tensor"):
         losses, norms = clipped(model, optimizer)
     assert losses == reference
     assert all(torch.equal(a, b) for a, b in zip(reference_norms, norms))
     for p, q in zip(reference_model.parameters(), model.parameters()):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("action", ["keep", "host", "recompute", None])
+def test_block_plan_is_exact_on_cuda(monkeypatch: Any, action: Any) -> None:
+    """Each block action on CUDA (forced, so that each runs: copies on their streams, prefetches
+    from the gradient hooks, checkpointing), and the plan chosen for a tight budget (None)."""
+    from teraio import blockwise as bw
+
+    data = batches(7, rows=8192, device=DEVICE)
+    model, optimizer = make(device=DEVICE, layers=6, hidden=1024)
+    reference = train(model, optimizer, data)
+    ref_state = {k: v.clone() for k, v in model.state_dict().items()}
+    if action is not None:
+
+        def forced(measured: Any, link: Any, *args: Any) -> Any:
+            plan = bw.Plan([action] * len(measured.blocks))
+            plan.predicted_ms, plan.predicted_peak_bytes = bw.predict(measured, plan, link)
+            return plan, []
+
+        monkeypatch.setattr(bw, "choose", forced)
+        monkeypatch.setattr(bw.Measurement, "checkpoint_all_ms", property(lambda self: float("inf")))
+    model, optimizer = make(device=DEVICE, layers=6, hidden=1024)
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    budget = "8GiB" if action is not None else 4 * weights + (96 << 20)
+    run = teraio.offload(model, optimizer, gpu_memory=budget, min_bytes=0, whole_model="off")
+    assert isinstance(run, bw.BlockOffload)
+    with run:
+        losses = train(model, optimizer, data)
+    assert losses == reference
+    for key, value in ref_state.items():
+        assert torch.equal(model.state_dict()[key], value), key
+    report = run.report()
+    if action is not None:
+        assert set(report.actions.values()) == {action}
+    if action == "host":
+        assert report.bytes_per_iteration["host"] > 0

@@ -65,7 +65,7 @@ def _train_ddp(
     losses: list[float] = []
     handle = None
     if options is not None:
-        handle = teraio.offload(ddp, optimizer, **options)
+        handle = teraio.offload(ddp, optimizer, **options, granularity="tensor")
         handle.__enter__()
     try:
         for x in data:

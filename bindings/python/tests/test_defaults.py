@@ -58,6 +58,7 @@ def test_offload_calibrates_against_an_unprofiled_iteration(monkeypatch: pytest.
         host_memory=1 << 30,
         calibrate=True,
         reserve=0,
+        granularity="tensor",
         min_bytes=1 << 10,
     ) as run:
         train(model, optimizer, batches(5, rows=2048))
@@ -95,7 +96,13 @@ def test_bandwidths_measured_once_and_cached_with_the_store(
     monkeypatch.setattr(machine, "measure_link", fake_link)
     monkeypatch.setattr(machine, "measure_store", fake_store)
     model, optimizer = make()
-    runs = [teraio.offload(model, optimizer, store=store, gpu_memory=1 << 30) for _ in range(2)]
+    runs = [
+        teraio.offload(model, optimizer, store=store, gpu_memory=1 << 30, granularity="tensor")
+        for _ in range(2)
+    ]
+    # The block plan reads the same cache.
+    block = teraio.offload(model, optimizer, store=store, gpu_memory=1 << 30)
+    assert block.link.d2h == pytest.approx(machine.PLAN_SHARE * runs[0].machine["link_d2h_bytes_per_s"])
     assert calls == {"link": 1, "store": 1}
     for run in runs:
         assert run.host_link_bandwidth == pytest.approx(machine.PLAN_SHARE * 20e9)
@@ -114,6 +121,7 @@ def test_bandwidths_measured_once_and_cached_with_the_store(
         ssd_bandwidth="1GB/s",
         ssd_write_bandwidth="1GB/s",
         host_link_bandwidth="5GB/s",
+        granularity="tensor",
     )
     assert run.host_link_bandwidth == "5GB/s" and run.ssd_shared is False
     assert calls == {"link": 1, "store": 1}

@@ -139,6 +139,7 @@ def test_planned_peak_covers_tensors_held_past_their_last_use(
         offload_optimizer_state=False,
         recompute="off",
         checkpoint=checkpoint,
+        granularity="tensor",
     ) as run:
         for x in data[2:6]:
             step(x)

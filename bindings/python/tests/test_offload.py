@@ -37,7 +37,9 @@ def _unplanned_peak_and_activations() -> tuple[int, int]:
 
 def _offloaded_run(**options: Any) -> tuple[list[float], dict[str, Any], teraio.Report, Any]:
     model, optimizer = make()
-    with teraio.offload(model, optimizer, min_bytes=64 << 10, reserve=0, **options) as run:
+    with teraio.offload(
+        model, optimizer, min_bytes=64 << 10, reserve=0, **options, granularity="tensor"
+    ) as run:
         losses = train(model, optimizer, batches(STEPS, rows=ROWS))
     return losses, model.state_dict(), run.report(), run
 
@@ -110,7 +112,9 @@ def test_tiny_budget_still_exact_with_on_demand_fetches(store: teraio.Store) -> 
 def test_budget_below_parameters_is_refused_before_training() -> None:
     model, optimizer = make()
     with pytest.raises(teraio.NoPlanFitsError, match="cannot hold the parameters"):
-        with teraio.offload(model, optimizer, gpu_memory=1 << 10, host_memory=1 << 20, whole_model="off"):
+        with teraio.offload(
+            model, optimizer, gpu_memory=1 << 10, host_memory=1 << 20, whole_model="off", granularity="tensor"
+        ):
             pytest.fail("the block must not start")
 
 
@@ -122,7 +126,13 @@ def test_no_plan_fits_is_a_clear_error_before_the_planned_steps() -> None:
     steps = 0
     with pytest.raises(teraio.NoPlanFitsError, match="no plan fits"):
         with teraio.offload(
-            model, optimizer, gpu_memory=params * 2 + (64 << 10), host_memory=0, reserve=0, whole_model="off"
+            model,
+            optimizer,
+            gpu_memory=params * 2 + (64 << 10),
+            host_memory=0,
+            reserve=0,
+            whole_model="off",
+            granularity="tensor",
         ):
             for x in data:
                 model(x).backward()
@@ -145,6 +155,7 @@ def test_restored_copies_are_released_after_backward() -> None:
         reserve=0,
         min_bytes=64 << 10,
         host_memory=1 << 30,
+        granularity="tensor",
     ) as run:
         for x in data:
             loss = model(x)

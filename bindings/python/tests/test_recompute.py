@@ -117,7 +117,9 @@ def _offloaded(
     options.setdefault("checkpoint", "off")
     # Some budgets here are below what any plan fits: those tests check exactness, not the fit.
     options.setdefault("if_no_fit", "run")
-    with teraio.offload(model, optimizer, min_bytes=64 << 10, reserve=0, **options) as run:
+    with teraio.offload(
+        model, optimizer, min_bytes=64 << 10, reserve=0, **options, granularity="tensor"
+    ) as run:
         losses = train(model, optimizer, data)
     return losses, model.state_dict(), run.report()
 
@@ -286,7 +288,7 @@ def test_auto_keeps_the_plan_without_recompute_when_moving_is_cheaper() -> None:
 def test_bad_recompute_value() -> None:
     model, optimizer = make()
     with pytest.raises(ValueError, match="recompute must be"):
-        teraio.offload(model, optimizer, gpu_memory=1 << 20, recompute="always")
+        teraio.offload(model, optimizer, gpu_memory=1 << 20, recompute="always", granularity="tensor")
 
 
 def test_auto_recomputes_when_the_link_is_slow() -> None:

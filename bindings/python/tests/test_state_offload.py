@@ -48,7 +48,9 @@ def _budget() -> int:
 
 def _run(**options: Any) -> tuple[list[float], Any, torch.optim.Optimizer, teraio.Report, Any]:
     model, optimizer = make(**SHAPE)
-    with teraio.offload(model, optimizer, min_bytes=64 << 10, reserve=0, **options) as run:
+    with teraio.offload(
+        model, optimizer, min_bytes=64 << 10, reserve=0, **options, granularity="tensor"
+    ) as run:
         losses = train(model, optimizer, _data())
     return losses, model, optimizer, run.report(), run
 

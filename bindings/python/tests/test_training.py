@@ -51,6 +51,7 @@ def _offload_below_peak(data: list[Any], share: int, **options: Any) -> tuple[An
         reserve=0,
         min_bytes=64 << 10,
         **options,
+        granularity="tensor",
     )
     return model, optimizer, run
 
@@ -203,7 +204,9 @@ def test_plan_events_follow_what_checkpoint_itself_saves() -> None:
     # alone. The rewrite follows the pattern measured on this torch, here given as 2.11's.
     data = batches(3, rows=512)
     model, optimizer = make()
-    with teraio.offload(model, optimizer, gpu_memory=1 << 40, checkpoint="all", reserve=0) as run:
+    with teraio.offload(
+        model, optimizer, gpu_memory=1 << 40, checkpoint="all", reserve=0, granularity="tensor"
+    ) as run:
         train(model, optimizer, data)
     assert teraio_blocks.checkpoint_saves().saves_inputs
     records = list(run.block_records.values())
@@ -287,6 +290,7 @@ def _bitwise_against_reference(
         min_bytes=16 << 10,
         if_no_fit="run",
         **options,
+        granularity="tensor",
     ) as run:
         losses = run_steps(model, optimizer)
     assert losses == reference

@@ -35,6 +35,12 @@ class OffloadOptions:
             iteration's reserved-minus-allocated peak, `machine.reserve_from_allocator`).
 
     Plan:
+        granularity: "auto" (default: "block" for a model with repeated blocks, a `ModuleList` of
+            one class such as transformer layers; else "tensor"), "block" or "tensor". "block":
+            per block keep, host memory or recompute, planned from times and sizes measured in
+            two iterations with every block checkpointed (`teraio.blockwise`); never kept where it
+            measures slower than checkpointing every block. "tensor": per saved tensor, planned
+            from a profiled iteration by the lifetime planner (the options below marked "tensor").
         recompute: per-tensor recomputation of cheap saved activations: "auto", "on", "off".
         whole_model: "auto" (default: on when the parameters, gradients and optimizer state
             exceed `whole_model.WHOLE_MODEL_SHARE` of `gpu_memory`), "on" or "off". In whole-model
@@ -76,6 +82,7 @@ class OffloadOptions:
     host_link_bandwidth: Bandwidth = "auto"
     ssd_shared: Optional[bool] = None
     reserve: Optional[Size] = "auto"
+    granularity: str = "auto"
     recompute: str = "auto"
     checkpoint: Optional[str] = None
     whole_model: str = "auto"
@@ -98,6 +105,7 @@ class OffloadOptions:
 
     def __post_init__(self) -> None:
         choices = {
+            "granularity": ("auto", "block", "tensor"),
             "recompute": ("auto", "on", "off"),
             "checkpoint": (None, "auto", "off", "all"),
             "whole_model": ("auto", "on", "off"),

@@ -99,7 +99,21 @@ class offload:
             options.whole_model == "auto" and wm.needs_whole_model(model, optimizer, budget)
         )
         if not whole:
-            return super().__new__(cls)
+            from . import blockwise
+            from .blocks import find_blocks
+
+            if options.granularity == "tensor" or (options.granularity == "auto" and not find_blocks(model)):
+                return super().__new__(cls)
+            host_memory, machine_notes = _host_memory(options)
+            return blockwise.BlockOffload(
+                model,
+                optimizer,
+                options,
+                store=store,
+                gpu_memory_bytes=budget,
+                host_memory_bytes=host_memory,
+                machine_notes=machine_notes,
+            )
         host_memory, machine_notes = _host_memory(options)
         return wm.ModelOffload(
             model,

@@ -62,8 +62,10 @@ from .store import Store
 from .tiers import GPU, HOST, SSD, HostTier, SsdTier, Transfer, flat_bytes
 
 #: Whole-model mode starts when parameters + gradients + optimizer state exceed this share of the
-#: GPU budget: the rest is the least that activations and the allocator need.
-WHOLE_MODEL_SHARE = 0.75
+#: GPU budget: a step with all of them resident peaks higher still (AdamW's foreach update holds
+#: temporaries about the parameters' size: 1.25x for fp32 AdamW), and the allocator's reserve
+#: (10% at least) must fit beside it.
+WHOLE_MODEL_SHARE = 0.7
 
 #: Default step window: this share of the GPU budget (parameter + gradient + state bytes).
 WINDOW_SHARE = 0.125

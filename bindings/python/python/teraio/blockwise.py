@@ -1,0 +1,1129 @@
+"""Block-granular activation offload: per repeated block (transformer layer) keep, host or recompute.
+
+`teraio.offload` runs this plan (granularity "block", the default for models with repeated blocks,
+`teraio.blocks.find_blocks`). It exists for the regime where kernels are short (bf16 autocast,
+flash attention): there, per-tensor hooks and per-op profiling cost as much as the kernels they
+manage, and the tool users compare with is activation checkpointing. So the plan has the grain
+of checkpointing, and its inputs are measured without per-op instrumentation:
+
+- iteration 0 (sizes): every block runs under `torch.utils.checkpoint`; when backward recomputes
+  a block, the storages its recomputation leaves alive (what autograd saved; the block's inputs,
+  its output and the parameters left out) are counted: the bytes the block would keep.
+- iteration 1 (times): every block checkpointed again, timed with CUDA events: each block's
+  forward, its recomputation and its backward (from the gradient hook on its output to the next
+  one), the head and the step. This iteration is activation checkpointing of every block, so its
+  time is the checkpointing baseline, measured.
+- the plan (`choose`): per block one of KEEP, HOST (its saved tensors are copied to pinned host
+  memory as they are saved and prefetched back ahead of its backward, at most `window` bytes in
+  flight each way) or RECOMPUTE (checkpointed); and which optimizer-state tensors leave the GPU
+  between steps (host memory, then the store). Every layout "the first h blocks to the host, the
+  next c recomputed, the rest kept" is predicted by `predict` (a replay of the two copy queues over
+  the measured times) and bounded in memory from the measured peak; the fastest that fits wins.
+- planned iterations: the first two are checked against the checkpointing baseline; a plan
+  measured slower than checkpointing every block (where that fits) is replaced by it, and a peak
+  that comes within half the reserve of the budget checkpoints one more kept block. Both are
+  counted in the report.
+
+Before the plan, optimizer state leaves the GPU between steps (as in the tensor plan), so that the
+two measuring iterations need no more memory than checkpointing with the state away.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+from . import ids, machine
+from .blocks import find_blocks
+from .executor import HOST, SSD, _flat_bytes, _pinned_size, copy_on_stream
+from .options import OffloadOptions
+from .planning import _bandwidth as planning_bandwidth
+from .planning import format_bytes, parse_size
+from .state import Move, StateExecutor
+from .store import Store
+
+KEEP = "keep"
+RECOMPUTE = "recompute"
+#: `HOST` (imported) is the third action.
+
+#: Measured - predicted, as a share of predicted, past which the report warns.
+PREDICTION_TOLERANCE = 0.10
+#: Saved bytes each copy direction may have in flight, in blocks' worth (the largest block).
+WINDOW_BLOCKS = 2
+
+
+# -- what the measuring iterations found -----------------------------------------------------------
+
+
+@dataclass
+class BlockCost:
+    """One block as measured (times in ms)."""
+
+    name: str
+    saved_bytes: int = 0
+    forward_ms: float = 0.0
+    recompute_ms: float = 0.0
+    #: Its backward without its recomputation.
+    backward_ms: float = 0.0
+
+
+@dataclass
+class Measurement:
+    """The iteration with every block checkpointed, as measured (times in ms, bytes)."""
+
+    blocks: list[BlockCost]
+    #: Forward before the first block, and from the last block's end to backward's start.
+    pre_forward_ms: float = 0.0
+    post_forward_ms: float = 0.0
+    #: Backward before the last block's gradient hook, and after the first block's.
+    head_backward_ms: float = 0.0
+    tail_backward_ms: float = 0.0
+    step_ms: float = 0.0
+    #: Peak allocated bytes in forward + backward (optimizer state away) and in the step.
+    peak_bytes: int = 0
+    step_peak_bytes: int = 0
+    #: Optimizer-state bytes that may leave the GPU between steps.
+    state_bytes: int = 0
+
+    @property
+    def checkpoint_all_ms(self) -> float:
+        """The measured iteration: every block recomputed, the state resident at the step."""
+        blocks = sum(b.forward_ms + b.recompute_ms + b.backward_ms for b in self.blocks)
+        edges = self.pre_forward_ms + self.post_forward_ms + self.head_backward_ms + self.tail_backward_ms
+        return blocks + edges + self.step_ms
+
+
+@dataclass(frozen=True)
+class Link:
+    """Bytes per second each way between the GPU and host memory, and of the store."""
+
+    d2h: float
+    h2d: float
+    ssd_read: float = 1.0
+    ssd_write: float = 1.0
+
+
+@dataclass
+class Plan:
+    """What each block does and how much optimizer state leaves the GPU; with its prediction."""
+
+    actions: list[str]
+    state_host_bytes: int = 0
+    state_ssd_bytes: int = 0
+    #: Backward position (0: the last block's gradient hook) where the state's restore starts;
+    #: None: at the step.
+    state_restore_at: Optional[int] = None
+    predicted_ms: float = 0.0
+    predicted_peak_bytes: int = 0
+
+    @property
+    def state_out_bytes(self) -> int:
+        return self.state_host_bytes + self.state_ssd_bytes
+
+    def count(self, action: str) -> int:
+        return sum(1 for a in self.actions if a == action)
+
+
+def window_bytes(measured: Measurement) -> int:
+    return WINDOW_BLOCKS * max((b.saved_bytes for b in measured.blocks), default=0)
+
+
+def predict(measured: Measurement, plan: Plan, link: Link) -> tuple[float, int]:
+    """The plan's iteration time (ms) and its peak bound (bytes).
+
+    Time: the measured iteration with every block checkpointed, less the recomputation of the
+    blocks that are not, plus what waiting for copies costs: forward waits while more than the
+    window is in flight to the host, backward waits for a block whose prefetch (issued when the
+    window has room, in the order backward needs them) has not arrived, the step waits for the
+    state's restore. The state's copy to the host goes first on the device-to-host queue.
+    Peak: the measured peak plus the kept blocks' bytes, the window (with any host block) and the
+    state left on the GPU; the step's measured peak (all state back) is a floor.
+    """
+    blocks = measured.blocks
+    window = window_bytes(measured)
+    ms_per_byte_d2h, ms_per_byte_h2d = 1e3 / link.d2h, 1e3 / link.h2d
+    ssd_ms_per_byte = 1e3 / max(1.0, min(link.ssd_read, link.ssd_write))
+    # Forward.
+    t = measured.pre_forward_ms
+    link_free = plan.state_host_bytes * ms_per_byte_d2h + plan.state_ssd_bytes * ssd_ms_per_byte
+    in_flight: deque[tuple[float, int]] = deque()
+    flight_bytes = 0
+    written: dict[int, float] = {}
+    for index, (block, action) in enumerate(zip(blocks, plan.actions)):
+        t += block.forward_ms
+        if action != HOST:
+            continue
+        start = max(t, link_free)
+        link_free = start + block.saved_bytes * ms_per_byte_d2h
+        written[index] = link_free
+        in_flight.append((link_free, block.saved_bytes))
+        flight_bytes += block.saved_bytes
+        while in_flight and in_flight[0][0] <= t:
+            flight_bytes -= in_flight.popleft()[1]
+        while flight_bytes > window:
+            done, nbytes = in_flight.popleft()
+            t = max(t, done)
+            flight_bytes -= nbytes
+    # State whose copy out is still queued when forward ends is still on the GPU at the peak.
+    state_late = max(0.0, plan.state_host_bytes * ms_per_byte_d2h + plan.state_ssd_bytes * ssd_ms_per_byte - t)
+    state_late_bytes = int(state_late / max(ms_per_byte_d2h, ssd_ms_per_byte if plan.state_ssd_bytes else 0.0))
+    t += measured.post_forward_ms + measured.head_backward_ms
+    # Backward: block n-1 first.
+    host_order = [i for i in reversed(range(len(blocks))) if plan.actions[i] == HOST]
+    ready: dict[int, float] = {}
+    h2d_free = 0.0
+    pending = 0  # prefetched bytes not yet used
+    next_host = 0
+    state_ready = 0.0
+
+    def restore_state(now: float) -> float:
+        start = max(now, h2d_free)
+        return start + plan.state_host_bytes * ms_per_byte_h2d + plan.state_ssd_bytes * ssd_ms_per_byte
+
+    for position, index in enumerate(reversed(range(len(blocks)))):
+        while next_host < len(host_order) and (pending == 0 or pending + blocks[host_order[next_host]].saved_bytes <= window):
+            b = host_order[next_host]
+            start = max(t, h2d_free, written[b])
+            h2d_free = start + blocks[b].saved_bytes * ms_per_byte_h2d
+            ready[b] = h2d_free
+            pending += blocks[b].saved_bytes
+            next_host += 1
+        if plan.state_out_bytes and plan.state_restore_at == position:
+            state_ready = restore_state(t)
+            h2d_free = state_ready
+        block = blocks[index]
+        if plan.actions[index] == HOST:
+            t = max(t, ready[index])
+            pending -= block.saved_bytes
+        t += block.backward_ms + (block.recompute_ms if plan.actions[index] == RECOMPUTE else 0.0)
+    t += measured.tail_backward_ms
+    if plan.state_out_bytes and plan.state_restore_at is None:
+        state_ready = restore_state(t)
+    t = max(t, state_ready) + measured.step_ms
+    return t, peak_bound(measured, plan) + min(state_late_bytes, plan.state_out_bytes)
+
+
+def peak_bound(measured: Measurement, plan: Plan) -> int:
+    kept = sum(b.saved_bytes for b, a in zip(measured.blocks, plan.actions) if a == KEEP)
+    hosted = window_bytes(measured) if HOST in plan.actions else 0
+    state_left = measured.state_bytes - plan.state_out_bytes
+    return max(measured.peak_bytes + kept + hosted + state_left, measured.step_peak_bytes)
+
+
+def _restore_position(measured: Measurement, plan: Plan, limit: int) -> Optional[int]:
+    """The earliest backward position where the freed kept blocks make room for the state."""
+    if not plan.state_out_bytes:
+        return None
+    peak = peak_bound(measured, plan)
+    freed = 0
+    for position, index in enumerate(reversed(range(len(measured.blocks)))):
+        if peak - freed + plan.state_out_bytes <= limit:
+            return position
+        if plan.actions[index] == KEEP:
+            freed += measured.blocks[index].saved_bytes
+    return None
+
+
+def choose(
+    measured: Measurement,
+    link: Link,
+    limit_bytes: int,
+    state_sizes: list[int],
+    host_bytes: int,
+    has_store: bool,
+) -> tuple[Optional[Plan], list[dict[str, Any]]]:
+    """The fastest layout that fits `limit_bytes` (None if none does), and a summary per block
+    count tried. `state_sizes`: the movable optimizer-state tensors' bytes (largest first);
+    `host_bytes`: pinned host memory for activations and state together."""
+    n = len(measured.blocks)
+    best: Optional[Plan] = None
+    tried = []
+    for hosted in range(n + 1):
+        host_activations = sum(_pinned_size(b.saved_bytes) for b in measured.blocks[:hosted])
+        if host_activations > host_bytes:
+            break
+        for recomputed in range(n - hosted + 1):
+            actions = [HOST] * hosted + [RECOMPUTE] * recomputed + [KEEP] * (n - hosted - recomputed)
+            plan = Plan(actions)
+            need = peak_bound(measured, plan) - limit_bytes
+            if need > 0:
+                host_left = host_bytes - host_activations
+                moved = 0
+                for size in state_sizes:
+                    if moved >= need:
+                        break
+                    if _pinned_size(size) <= host_left:
+                        plan.state_host_bytes += size
+                        host_left -= _pinned_size(size)
+                    elif has_store:
+                        plan.state_ssd_bytes += size
+                    else:
+                        continue
+                    moved += size
+                if moved < need:
+                    continue
+            plan.state_restore_at = _restore_position(measured, plan, limit_bytes)
+            plan.predicted_ms, plan.predicted_peak_bytes = predict(measured, plan, link)
+            if plan.predicted_peak_bytes > limit_bytes:
+                continue
+            if best is None or plan.predicted_ms < best.predicted_ms - 1e-9:
+                best = plan
+        tried.append({"host_blocks": hosted, "best_ms": best.predicted_ms if best else None})
+    return best, tried
+
+
+# -- measuring -------------------------------------------------------------------------------------
+
+
+class _LiveOutputs(TorchDispatchMode):
+    """Records (weakly) every tensor the ops inside it make."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: list[Any] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for value in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(value, torch.Tensor):
+                self.refs.append(weakref.ref(value))
+        return out
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in a block's inputs or output (tuples, lists, dicts, model outputs)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+def _now(device: torch.device) -> Any:
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(device))
+        return event
+    return time.perf_counter()
+
+
+def _ms(first: Any, second: Any) -> float:
+    if isinstance(first, float):
+        return (second - first) * 1e3
+    return float(first.elapsed_time(second))
+
+
+# -- host offload of a block's saved tensors -------------------------------------------------------
+
+
+class _Saved:
+    """What autograd holds for a saved tensor of a HOST block: its storage's slot and the view."""
+
+    __slots__ = ("slot", "dtype", "size", "stride", "offset")
+
+    def __init__(self, slot: _HostSlot, tensor: torch.Tensor) -> None:
+        self.slot = slot
+        self.dtype = tensor.dtype
+        self.size = tensor.size()
+        self.stride = tensor.stride()
+        self.offset = tensor.storage_offset()
+
+
+class _HostSlot:
+    __slots__ = ("nbytes", "host", "d2h", "gpu", "h2d", "joined")
+
+    def __init__(self, nbytes: int, host: torch.Tensor) -> None:
+        self.nbytes = nbytes
+        self.host = host
+        self.d2h: Any = None
+        self.gpu: Optional[torch.Tensor] = None
+        self.h2d: Any = None
+        self.joined = False
+
+
+@dataclass
+class BlockStats:
+    """What the block runtime moved and waited for, cumulative."""
+
+    host_offloaded_bytes: int = 0
+    host_prefetched_bytes: int = 0
+    recomputed_bytes: int = 0
+    prefetches_planned: int = 0
+    prefetches_on_demand: int = 0
+    window_waits: int = 0
+    window_wait_s: float = 0.0
+    hook_s: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class _HostMover:
+    """Copies the saved tensors of HOST blocks to pinned buffers and back (see the module doc).
+
+    Buffers are kept per (block, save order) from one iteration to the next and capped at
+    `capacity_bytes`; a copy into a buffer waits on the GPU for the previous read of it."""
+
+    def __init__(self, device: torch.device, capacity_bytes: int, window: int, stats: BlockStats) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.capacity_bytes = capacity_bytes
+        self.window = window
+        self.stats = stats
+        self.used_bytes = 0
+        self.peak_bytes = 0
+        self.buffers: dict[tuple[int, int], torch.Tensor] = {}
+        self.last_read: dict[tuple[int, int], Any] = {}
+        self.slots: dict[int, list[tuple[tuple[int, int], _HostSlot]]] = {}
+        self._in_flight: deque[tuple[Any, int]] = deque()
+        self._flight_bytes = 0
+        self._block = -1
+        self._seen: dict[int, tuple[_HostSlot, Any]] = {}
+        self.skip: set[int] = set()
+        self.min_bytes = 1 << 20
+        if self.cuda:
+            self.d2h_stream = torch.cuda.Stream(device)
+            self.h2d_stream = torch.cuda.Stream(device)
+
+    def begin_block(self, index: int) -> None:
+        self._block = index
+        self._seen = {}
+        self.slots[index] = []
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        started = time.perf_counter()
+        storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
+        key = storage.data_ptr()
+        if nbytes < self.min_bytes or tensor.device != self.device or key in self.skip:
+            return tensor
+        seen = self._seen.get(key)
+        # The address names the storage only while it lives: once a copied storage is freed, the
+        # allocator may hand its address to a new tensor of the same block.
+        if seen is not None and not seen[1].expired():
+            slot = seen[0]
+        else:
+            slot = self._offload(tensor, nbytes)
+            self._seen[key] = (slot, StorageWeakRef(storage))
+        self.stats.hook_s += time.perf_counter() - started
+        return _Saved(slot, tensor)
+
+    def _offload(self, tensor: torch.Tensor, nbytes: int) -> _HostSlot:
+        slots = self.slots[self._block]
+        key = (self._block, len(slots))
+        host = self.buffers.get(key)
+        if host is None or host.numel() != nbytes:
+            if host is not None:
+                self.used_bytes -= host.numel()
+            if self.used_bytes + nbytes > self.capacity_bytes:
+                raise MemoryError(
+                    f"teraio.offload: host buffers for block activations would exceed their cap of "
+                    f"{format_bytes(self.capacity_bytes)} ({format_bytes(self.used_bytes)} in use, "
+                    f"{format_bytes(nbytes)} more)"
+                )
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+            self.buffers[key] = host
+            self.used_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+        slot = _HostSlot(nbytes, host)
+        source = _flat_bytes(tensor)
+        if self.cuda:
+            slot.d2h = copy_on_stream(self.d2h_stream, self.device, host, source, after=self.last_read.get(key))
+            source.record_stream(self.d2h_stream)
+            self._in_flight.append((slot.d2h, nbytes))
+            self._flight_bytes += nbytes
+            self._throttle()
+        else:
+            host.copy_(source)
+        slots.append((key, slot))
+        self.stats.host_offloaded_bytes += nbytes
+        return slot
+
+    def _throttle(self) -> None:
+        """Waits (on the host) while more than the window is in flight to the host."""
+        while self._in_flight and (self._flight_bytes > self.window or self._in_flight[0][0].query()):
+            event, nbytes = self._in_flight.popleft()
+            if self._flight_bytes > self.window and not event.query():
+                started = time.perf_counter()
+                event.synchronize()
+                self.stats.window_waits += 1
+                self.stats.window_wait_s += time.perf_counter() - started
+            self._flight_bytes -= nbytes
+
+    def prefetch(self, index: int) -> int:
+        """Issues the copies back of block `index`'s saved tensors; returns their bytes."""
+        total = 0
+        for key, slot in self.slots.get(index, ()):
+            if slot.gpu is not None:
+                continue
+            slot.gpu = torch.empty(slot.nbytes, dtype=torch.uint8, device=self.device)
+            if self.cuda:
+                slot.h2d = copy_on_stream(self.h2d_stream, self.device, slot.gpu, slot.host, after=slot.d2h)
+                slot.gpu.record_stream(self.h2d_stream)
+                self.last_read[key] = slot.h2d
+            else:
+                slot.gpu.copy_(slot.host)
+            self.stats.host_prefetched_bytes += slot.nbytes
+            total += slot.nbytes
+        return total
+
+    def unpack(self, saved: Any) -> torch.Tensor:
+        if type(saved) is not _Saved:
+            return saved
+        started = time.perf_counter()
+        slot = saved.slot
+        if slot.gpu is None:
+            self.stats.prefetches_on_demand += 1
+            block = next(b for b, slots in self.slots.items() if any(s is slot for _, s in slots))
+            self.prefetch(block)
+        assert slot.gpu is not None
+        if self.cuda and not slot.joined:
+            torch.cuda.current_stream(self.device).wait_event(slot.h2d)
+            slot.joined = True
+        view = torch.empty(0, dtype=saved.dtype, device=self.device)
+        view.set_(slot.gpu.untyped_storage(), saved.offset, saved.size, saved.stride)
+        self.stats.hook_s += time.perf_counter() - started
+        return view
+
+    def end_iteration(self) -> None:
+        self.slots = {}
+        self._seen = {}
+
+    def close(self) -> None:
+        if self.cuda:
+            self.d2h_stream.synchronize()
+            self.h2d_stream.synchronize()
+        self.buffers.clear()
+        self.last_read.clear()
+        self.slots = {}
+        self._in_flight.clear()
+        self._flight_bytes = 0
+        self.used_bytes = 0
+
+
+# -- the runtime -----------------------------------------------------------------------------------
+
+
+@dataclass
+class BlockReport:
+    """What a block-plan run did (`teraio.offload(...).report()` with granularity "block")."""
+
+    steps: int
+    planned_steps: int
+    measured_iteration_ms: Optional[float]
+    predicted_iteration_ms: Optional[float]
+    prediction_error_percent: Optional[float]
+    prediction_warning: str
+    checkpoint_all_ms: Optional[float]
+    ideal_estimate_ms: Optional[float]
+    peak_gpu_bytes: Optional[int]
+    predicted_peak_bytes: Optional[int]
+    gpu_memory_bytes: int
+    reserve_bytes: int
+    actions: dict[str, str]
+    bytes_per_iteration: dict[str, int]
+    state_bytes_per_iteration: dict[str, dict[str, int]]
+    stalls: dict[str, Any]
+    #: Host time in teraio per planned iteration, ms: {"hooks": ...} (pack/unpack, the gradient
+    #: hooks, and before and after the step).
+    host_ms_per_iteration: dict[str, float]
+    step_times_ms: list[float]
+    machine: dict[str, Any] = field(default_factory=dict)
+    choice: dict[str, Any] = field(default_factory=dict)
+    host_peak_bytes: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        def ms(value: Optional[float]) -> str:
+            return "-" if value is None else f"{value:.1f} ms"
+
+        counts = {a: sum(1 for v in self.actions.values() if v == a) for a in (KEEP, HOST, RECOMPUTE)}
+        lines = [
+            f"teraio offload (block plan): {self.steps} steps, {self.planned_steps} with the plan",
+            f"  iteration: measured {ms(self.measured_iteration_ms)} (median of planned steps), "
+            f"predicted {ms(self.predicted_iteration_ms)}, checkpointing every block {ms(self.checkpoint_all_ms)} "
+            f"(measured), ideal {ms(self.ideal_estimate_ms)} (estimate: checkpointing every block less its "
+            "measured recomputation)",
+            f"  peak GPU memory: measured {_gib(self.peak_gpu_bytes)}, bound {_gib(self.predicted_peak_bytes)}, "
+            f"budget {_gib(self.gpu_memory_bytes)} (reserve {_gib(self.reserve_bytes)})",
+            f"  blocks: {counts[KEEP]} kept, {counts[HOST]} to host memory, {counts[RECOMPUTE]} recomputed",
+            f"  per iteration: activations to host {format_bytes(self.bytes_per_iteration.get('host', 0))}, "
+            f"recomputed {format_bytes(self.bytes_per_iteration.get('recomputed', 0))}; optimizer state out "
+            + ", ".join(f"{t} {format_bytes(b)}" for t, b in self.state_bytes_per_iteration.get("offloaded", {}).items()),
+            f"  host time in teraio per iteration: {self.host_ms_per_iteration.get('hooks', 0.0):.1f} ms",
+            f"  stalls: {self.stalls}",
+            f"  choice: {self.choice}",
+            f"  machine: {self.machine}",
+        ]
+        if self.prediction_warning:
+            lines.insert(2, "  WARNING: " + self.prediction_warning)
+        return "\n".join(lines)
+
+
+def _gib(value: Optional[int]) -> str:
+    return "-" if value is None else f"{value / 2**30:.2f} GiB"
+
+
+class BlockOffload:
+    """`teraio.offload` with the block plan (see the module docstring); same use:
+
+    ```
+    with teraio.offload(model, optimizer, store=store, gpu_memory="38GiB") as run:
+        ...
+    print(run.report())
+    ```
+    """
+
+    #: Iterations before the plan: sizes, then times.
+    MEASURING_STEPS = 2
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        options: OffloadOptions,
+        *,
+        store: Optional[Store],
+        gpu_memory_bytes: int,
+        host_memory_bytes: int,
+        machine_notes: dict[str, Any],
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.options = options
+        self.store = store
+        self.device = next(iter(model.parameters())).device
+        self.cuda = self.device.type == "cuda"
+        self.gpu_memory_bytes = gpu_memory_bytes
+        self.host_memory_bytes = host_memory_bytes
+        self.machine: dict[str, Any] = dict(machine_notes)
+        self.blocks = find_blocks(model)
+        if not self.blocks:
+            raise ValueError("teraio.offload: granularity='block' needs repeated blocks (a ModuleList of one class)")
+        self.link = self._resolve_link()
+        self.reserve_auto = options.reserve in (None, "auto")
+        self.reserve_bytes = gpu_memory_bytes // 10 if self.reserve_auto else parse_size(options.reserve)  # type: ignore[arg-type]
+        n = len(self.blocks)
+        self.actions = [RECOMPUTE] * n
+        self.stats = BlockStats()
+        self.mover = _HostMover(self.device, host_memory_bytes, 0, self.stats)
+        self.mover.min_bytes = options.min_bytes
+        self.mover.skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        streams = {"d2h_stream": getattr(self.mover, "d2h_stream", None), "h2d_stream": getattr(self.mover, "h2d_stream", None)}
+        self.state = StateExecutor(self.device, store=store, object_id_base=ids.base("optimizer_state"), **streams)
+        self.measured = Measurement([BlockCost(name) for name, _ in self.blocks])
+        self.plan: Optional[Plan] = None
+        self.tried: list[dict[str, Any]] = []
+        self.choice: dict[str, Any] = {}
+        self.step = 0
+        self.planned_from: Optional[int] = None
+        self._originals: list[Callable[..., Any]] = []
+        self._hooks: list[Any] = []
+        self._marks: dict[str, Any] = {}
+        self._block_marks: dict[str, list[tuple[int, Any, Any]]] = {"forward": [], "recompute": []}
+        self._triggers: list[tuple[int, Any]] = []
+        self._sizes: dict[int, int] = {}
+        self._iterations: list[dict[str, float]] = []
+        self._pending_marks: list[dict[str, Any]] = []
+        self._peaks: list[int] = []
+        self._step_times_ms: list[float] = []
+        self._started = 0.0
+        self._prefetch_queue: list[int] = []
+        self._pending_bytes: dict[int, int] = {}
+        self._state_moves_set = False
+        self.replans = 0
+        self._stats_at_plan: dict[str, Any] = {}
+        self._state_stats_at_plan: dict[str, Any] = {}
+
+    def _resolve_link(self) -> Link:
+        want = self.options.host_link_bandwidth == "auto"
+        want_store = self.store is not None and "auto" in (self.options.ssd_bandwidth, self.options.ssd_write_bandwidth)
+        measured = machine.resolve_bandwidths(self.device, self.store, want_link=want, want_store=want_store)
+        self.machine["measured"] = measured.source
+        share = machine.PLAN_SHARE
+        if want:
+            assert measured.link_d2h is not None and measured.link_h2d is not None
+            d2h, h2d = share * measured.link_d2h, share * measured.link_h2d
+        else:
+            d2h = h2d = _bandwidth(self.options.host_link_bandwidth)
+        ssd_read = ssd_write = 1.0
+        if self.store is not None:
+            ssd_read = share * measured.ssd_read if measured.ssd_read else _bandwidth(self.options.ssd_bandwidth, 6.5e9)
+            write = self.options.ssd_write_bandwidth
+            ssd_write = share * measured.ssd_write if measured.ssd_write else _bandwidth(write or self.options.ssd_bandwidth, 6.5e9)
+        self.machine.update({"link_d2h_bytes_per_s": d2h, "link_h2d_bytes_per_s": h2d, "ssd_read_bytes_per_s": ssd_read})
+        return Link(d2h, h2d, ssd_read, ssd_write)
+
+    # -- context -------------------------------------------------------------------------------
+
+    def __enter__(self) -> BlockOffload:
+        params = sum(p.untyped_storage().nbytes() for p in self.model.parameters())
+        grads = sum(p.untyped_storage().nbytes() for p in self.model.parameters() if p.requires_grad)
+        if params + grads > self.gpu_memory_bytes and self.options.if_no_fit == "raise":
+            from .runtime import NoPlanFitsError
+
+            raise NoPlanFitsError(
+                f"teraio.offload: gpu_memory={format_bytes(self.gpu_memory_bytes)} cannot hold the parameters "
+                f"({format_bytes(params)}) and their gradients ({format_bytes(grads)}); pass whole_model='on'"
+            )
+        for index, (_, module) in enumerate(self.blocks):
+            self._originals.append(module.forward)
+            module.forward = self._wrapped(index, module.forward)  # type: ignore[method-assign]
+        self._hooks.append(self.optimizer.register_step_pre_hook(self._before_step))
+        self._hooks.append(self.optimizer.register_step_post_hook(self._after_step))
+        self._begin_iteration()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        for _, module in self.blocks:
+            if "forward" in module.__dict__:
+                del module.__dict__["forward"]
+        self._originals.clear()
+        self.mover.close()
+        self.state.close()
+
+    # -- blocks --------------------------------------------------------------------------------
+
+    def _wrapped(self, index: int, original: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return original(*args, **kwargs)
+            action = self.actions[index]
+            measuring = self.plan is None
+            body = self._measured_body(index, original, args, kwargs) if measuring else original
+            if measuring and self.step == 1:
+                start = _now(self.device)
+            if action == RECOMPUTE:
+                with set_checkpoint_early_stop(not measuring):
+                    out = checkpoint(body, *args, use_reentrant=False, **kwargs)
+            elif action == HOST:
+                self.mover.begin_block(index)
+                with torch.autograd.graph.saved_tensors_hooks(self.mover.pack, self.mover.unpack):
+                    out = body(*args, **kwargs)
+            else:
+                out = body(*args, **kwargs)
+            if measuring and self.step == 1:
+                self._block_marks["forward"].append((index, start, _now(self.device)))
+            self._hook_output(index, out)
+            return out
+
+        return forward
+
+    def _measured_body(self, index: int, original: Callable[..., Any], args: Any, kwargs: Any) -> Callable[..., Any]:
+        """The block's function in a measuring iteration: in backward's recomputation, step 0
+        counts the bytes it leaves alive and step 1 times it."""
+        step = self.step
+        inputs = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))}
+
+        def body(*a: Any, **k: Any) -> Any:
+            if torch._C._current_autograd_node() is None:
+                return original(*a, **k)
+            if step == 0:
+                live = _LiveOutputs()
+                with live:
+                    out = original(*a, **k)
+                skip = inputs | self.mover.skip | {t.untyped_storage().data_ptr() for t in _tensors(out)}
+                sizes: dict[int, int] = {}
+                for ref in live.refs:
+                    tensor = ref()
+                    if tensor is not None and tensor.device == self.device:
+                        storage = tensor.untyped_storage()
+                        if storage.data_ptr() not in skip:
+                            sizes[storage.data_ptr()] = storage.nbytes()
+                self._sizes[index] = sum(sizes.values())
+                return out
+            start = _now(self.device)
+            out = original(*a, **k)
+            self._block_marks["recompute"].append((index, start, _now(self.device)))
+            return out
+
+        return body
+
+    def _hook_output(self, index: int, out: Any) -> None:
+        """A gradient hook on the block's output: backward has reached the block."""
+        if self.plan is not None and not self._needs_triggers:
+            return
+        for tensor in _tensors(out):
+            if tensor.requires_grad:
+                tensor.register_hook(lambda grad, index=index: self._trigger(index))
+                return
+
+    @property
+    def _needs_triggers(self) -> bool:
+        plan = self.plan
+        return plan is not None and (HOST in plan.actions or plan.state_restore_at is not None)
+
+    def _trigger(self, index: int) -> None:
+        if self.plan is None:
+            if self.step == 1:
+                self._triggers.append((index, _now(self.device)))
+            return
+        started = time.perf_counter()
+        position = len(self.blocks) - 1 - index
+        self.state.on_event(position)
+        if index in self._pending_bytes:
+            self._pending_bytes.pop(index)
+        window = self.mover.window
+        while self._prefetch_queue:
+            nxt = self._prefetch_queue[0]
+            pending = sum(self._pending_bytes.values())
+            size = self.measured.blocks[nxt].saved_bytes
+            if nxt != index and pending and pending + size > window:
+                break
+            self._prefetch_queue.pop(0)
+            self._pending_bytes[nxt] = self.mover.prefetch(nxt)
+            self.stats.prefetches_planned += 1
+            if nxt == index:
+                self._pending_bytes.pop(index)
+        self.stats.hook_s += time.perf_counter() - started
+        return None
+
+    # -- iterations ----------------------------------------------------------------------------
+
+    def _begin_iteration(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._started = time.perf_counter()
+        self._marks = {"forward": _now(self.device)}
+        self._triggers = []
+        self._block_marks = {"forward": [], "recompute": []}
+        if self.plan is not None:
+            self._prefetch_queue = [i for i in reversed(range(len(self.blocks))) if self.actions[i] == HOST]
+            self._pending_bytes = {}
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.cuda and self.plan is None:
+            self._fb_peak = int(torch.cuda.max_memory_allocated(self.device))
+            self._fb_split_peak = int(torch.cuda.memory_stats(self.device).get("inactive_split_bytes.all.peak", 0))
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._marks["backward_end"] = _now(self.device)
+        started = time.perf_counter()
+        self.state.before_step()
+        self.stats.hook_s += time.perf_counter() - started
+        self._marks["step"] = _now(self.device)
+
+    def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._marks["end"] = _now(self.device)
+        started = time.perf_counter()
+        if self.plan is None and self.step == 1:
+            self._take_times()
+        if self.plan is None and self.step == 0:
+            for index, cost in enumerate(self.measured.blocks):
+                cost.saved_bytes = self._sizes.get(index, 0)
+        self._pending_marks.append(self._marks)
+        checking = self.planned_from is not None and self.step == self.planned_from + 1
+        self._collect(wait=self.plan is None or checking)
+        if self.cuda:
+            self._peaks.append(int(torch.cuda.max_memory_allocated(self.device)))
+        if self.plan is None and self.step + 1 == self.MEASURING_STEPS:
+            self._make_plan()
+        elif self.plan is not None:
+            self._check_plan()
+        if self.plan is None:
+            self._state_all_out()
+        self.state.after_step()
+        self.mover.end_iteration()
+        self.stats.hook_s += time.perf_counter() - started
+        self._step_times_ms.append((time.perf_counter() - self._started) * 1e3)
+        self.step += 1
+        self._begin_iteration()
+
+    def _collect(self, wait: bool) -> None:
+        """Phase times of finished iterations (waits for the device only if `wait`)."""
+        while self._pending_marks:
+            marks = self._pending_marks[0]
+            end = marks["end"]
+            if not isinstance(end, float):
+                if not wait and not end.query():
+                    return
+                end.synchronize()
+            self._pending_marks.pop(0)
+            self._iterations.append(
+                {
+                    "forward_backward": _ms(marks["forward"], marks["backward_end"]),
+                    "step_wait": _ms(marks["backward_end"], marks["step"]),
+                    "step": _ms(marks["step"], marks["end"]),
+                }
+            )
+
+    def _take_times(self) -> None:
+        """Step 1's events into the measurement (per block, and the edges around them)."""
+        if self.cuda:
+            self._marks["end"].synchronize()
+        measured = self.measured
+        marks = self._marks
+        forward = {i: (a, b) for i, a, b in self._block_marks["forward"]}
+        for i, a, b in self._block_marks["forward"]:
+            measured.blocks[i].forward_ms = _ms(a, b)
+        for i, a, b in self._block_marks["recompute"]:
+            measured.blocks[i].recompute_ms = _ms(a, b)
+        n = len(self.blocks)
+        if len(forward) == n and len(self._triggers) == n:
+            measured.pre_forward_ms = _ms(marks["forward"], forward[0][0])
+            last_trigger = {i: mark for i, mark in self._triggers}
+            measured.post_forward_ms = 0.0
+            measured.head_backward_ms = _ms(forward[n - 1][1], last_trigger[n - 1])
+            for i in range(n):
+                end = last_trigger[i - 1] if i > 0 else marks["backward_end"]
+                spent = _ms(last_trigger[i], end)
+                if i == 0:
+                    # The first block's backward and what follows it (the embedding) are one span:
+                    # the span's share beyond the block's own is the tail.
+                    mean = statistics.median(b.backward_ms for b in measured.blocks[1:]) if n > 1 else spent
+                    own = min(spent, mean)
+                    measured.tail_backward_ms = spent - own
+                    spent = own
+                measured.blocks[i].backward_ms = max(0.0, spent - measured.blocks[i].recompute_ms)
+        else:
+            total = _ms(marks["forward"], marks["backward_end"])
+            for cost in measured.blocks:
+                cost.backward_ms = max(0.0, total / n - cost.forward_ms - cost.recompute_ms)
+        measured.step_ms = _ms(marks["step"], marks["end"])
+        if self.cuda:
+            measured.peak_bytes = getattr(self, "_fb_peak", 0)
+            measured.step_peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
+            if self.reserve_auto:
+                # The allocator's fragmentation in this iteration: its peak of split blocks it
+                # holds but cannot hand out whole (reserved minus allocated would count the cache
+                # the warm-up's state and step left, which a planned iteration reuses).
+                slack = getattr(self, "_fb_split_peak", 0)
+                self.reserve_bytes = machine.reserve_from_allocator(self.gpu_memory_bytes, slack, 0)
+                self.machine["reserve"] = f"from the allocator: {format_bytes(slack)} of split blocks at most"
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        found: list[torch.Tensor] = []
+        seen: set[int] = set()
+        for state in self.optimizer.state.values():
+            for value in state.values():
+                if (
+                    isinstance(value, torch.Tensor)
+                    and value.device == self.device
+                    and value.untyped_storage().nbytes() >= self.options.min_bytes
+                    and value.untyped_storage().data_ptr() not in seen
+                ):
+                    seen.add(value.untyped_storage().data_ptr())
+                    found.append(value)
+        found.sort(key=lambda t: -t.untyped_storage().nbytes())
+        return found
+
+    def _state_all_out(self) -> None:
+        """Before the plan: every state tensor leaves the GPU between steps (host, then store)."""
+        if self._state_moves_set or not self.options.offload_optimizer_state:
+            return
+        tensors = self._state_tensors()
+        if not tensors:
+            return
+        self._set_state_moves(tensors, self.host_memory_bytes, len(tensors), None)
+        self._state_moves_set = True
+
+    def _set_state_moves(self, tensors: list[torch.Tensor], host_left: int, count: int, restore_at: Optional[int]) -> None:
+        moves = []
+        for tensor in tensors[:count]:
+            size = _pinned_size(tensor.untyped_storage().nbytes())
+            if size <= host_left:
+                host_left -= size
+                moves.append(Move(tensor, HOST, restore_at))
+            elif self.store is not None:
+                moves.append(Move(tensor, SSD, restore_at))
+        self.state.close()
+        self.state.set_plan(moves)
+
+    def _make_plan(self) -> None:
+        measured = self.measured
+        tensors = self._state_tensors() if self.options.offload_optimizer_state else []
+        # The state tensors are off the GPU now (moved after step 0), so their size is the
+        # executor's record of them.
+        sizes = [slot.nbytes for slot in self.state.slots] or [t.untyped_storage().nbytes() for t in tensors]
+        sizes.sort(reverse=True)
+        measured.state_bytes = sum(sizes) if self.state.slots else 0
+        if not self.cuda:
+            # No allocator to ask: parameters, gradients and the state that does not move stay;
+            # the step holds all of the state.
+            persistent = sum(2 * p.untyped_storage().nbytes() for p in self.model.parameters() if p.requires_grad)
+            all_state = sum(
+                v.untyped_storage().nbytes()
+                for state in self.optimizer.state.values()
+                for v in state.values()
+                if isinstance(v, torch.Tensor)
+            )
+            measured.peak_bytes = persistent + all_state - measured.state_bytes
+            measured.step_peak_bytes = persistent + all_state
+        self.mover.window = window_bytes(measured)
+        limit = self.gpu_memory_bytes - self.reserve_bytes
+        plan, self.tried = choose(measured, self.link, limit, sizes, self.host_memory_bytes, self.store is not None)
+        if plan is None:
+            from .runtime import NoPlanFitsError
+
+            if self.options.if_no_fit == "raise":
+                raise NoPlanFitsError(
+                    f"teraio.offload: no block plan fits gpu_memory={format_bytes(self.gpu_memory_bytes)} "
+                    f"(reserve {format_bytes(self.reserve_bytes)}): checkpointing every block with the "
+                    f"optimizer state away peaks at {format_bytes(measured.peak_bytes)} and the step at "
+                    f"{format_bytes(measured.step_peak_bytes)}; raise gpu_memory, or pass whole_model='on' "
+                    "(parameters and gradients leave the GPU too)"
+                )
+            plan = Plan([RECOMPUTE] * len(self.blocks), state_host_bytes=measured.state_bytes)
+            plan.predicted_ms, plan.predicted_peak_bytes = predict(measured, plan, self.link)
+        self._install(plan)
+        self._stats_at_plan = self.stats.as_dict()
+        self._state_stats_at_plan = self.state.stats.as_dict()
+        self.planned_from = self.step + 1
+
+    def _install(self, plan: Plan) -> None:
+        self.plan = plan
+        self.actions = list(plan.actions)
+        tensors = self._state_tensors_all()
+        host_left = self.host_memory_bytes - sum(
+            _pinned_size(b.saved_bytes) for b, a in zip(self.measured.blocks, plan.actions) if a == HOST
+        )
+        count = 0
+        moved = 0
+        for tensor in tensors:
+            if moved >= plan.state_out_bytes:
+                break
+            count += 1
+            moved += tensor.untyped_storage().nbytes() if tensor.untyped_storage().nbytes() else self._slot_bytes(tensor)
+        self._set_state_moves(tensors, host_left, count, plan.state_restore_at)
+
+    def _state_tensors_all(self) -> list[torch.Tensor]:
+        """Every movable state tensor, largest first, whether it is on the GPU now or not."""
+        known = [slot.tensor for slot in self.state.slots]
+        if known:
+            return sorted(known, key=lambda t: -self._slot_bytes(t))
+        return self._state_tensors()
+
+    def _slot_bytes(self, tensor: torch.Tensor) -> int:
+        for slot in self.state.slots:
+            if slot.tensor is tensor:
+                return slot.nbytes
+        return int(tensor.untyped_storage().nbytes())
+
+    def _check_plan(self) -> None:
+        """After a planned iteration: a peak within half the reserve of the budget checkpoints one
+        more kept block; the second planned iteration is compared with checkpointing every block."""
+        assert self.plan is not None and self.planned_from is not None
+        peak = self._peaks[-1] if self._peaks else 0
+        if self.cuda and peak > self.gpu_memory_bytes - self.reserve_bytes // 2 and KEEP in self.actions:
+            index = self.actions.index(KEEP)
+            self.actions[index] = RECOMPUTE
+            self.plan.actions = list(self.actions)
+            self.replans += 1
+        if self.step == self.planned_from + 1 and "measured_ms" not in self.choice:
+            measured_ms = sum(self._iterations[-1].values())
+            baseline = self.measured.checkpoint_all_ms
+            fits = self.measured.peak_bytes + self.measured.state_bytes <= self.gpu_memory_bytes - self.reserve_bytes
+            plan = self.plan
+            self.choice = {
+                "measured_ms": measured_ms,
+                "checkpoint_all_ms": baseline,
+                "kept": "plan",
+                "plan": {
+                    "keep": plan.count(KEEP),
+                    "host": plan.count(HOST),
+                    "recompute": plan.count(RECOMPUTE),
+                    "state_out_bytes": plan.state_out_bytes,
+                    "predicted_ms": plan.predicted_ms,
+                    "iteration_ms": dict(self._iterations[-1]),
+                },
+            }
+            if measured_ms > baseline and fits and set(self.actions) != {RECOMPUTE}:
+                fallback = Plan([RECOMPUTE] * len(self.blocks))
+                fallback.predicted_ms, fallback.predicted_peak_bytes = predict(self.measured, fallback, self.link)
+                self._install(fallback)
+                self.choice["kept"] = "checkpoint every block"
+
+    # -- report --------------------------------------------------------------------------------
+
+    def report(self) -> BlockReport:
+        self._collect(wait=True)
+        planned = self._iterations[self.planned_from :] if self.planned_from is not None else []
+        count = len(planned)
+        measured_ms = statistics.median(sum(p.values()) for p in planned) if planned else None
+        plan = self.plan
+        predicted = plan.predicted_ms if plan else None
+        error = None
+        warning = ""
+        if measured_ms is not None and predicted:
+            error = (measured_ms - predicted) / predicted * 100
+            if abs(error) > PREDICTION_TOLERANCE * 100:
+                warning = (
+                    f"measured {measured_ms:.1f} ms is {abs(error):.0f}% {'above' if error > 0 else 'below'} the "
+                    f"predicted {predicted:.1f} ms (tolerance {PREDICTION_TOLERANCE:.0%})"
+                )
+        stats = self.stats.as_dict()
+        before = self._stats_at_plan or {k: 0 for k in stats}
+
+        def per(key: str) -> int:
+            return int((stats[key] - before.get(key, 0)) / count) if count else 0
+
+        recomputed = sum(b.saved_bytes for b, a in zip(self.measured.blocks, self.actions) if a == RECOMPUTE)
+        state_now = self.state.stats.as_dict()
+        state_before = self._state_stats_at_plan or {"offloaded_bytes": {}, "prefetched_bytes": {}}
+        state_per = {
+            kind: {
+                tier: int((state_now[kind][tier] - state_before[kind].get(tier, 0)) / count) if count else 0
+                for tier in (HOST, SSD)
+            }
+            for kind in ("offloaded_bytes", "prefetched_bytes")
+        }
+        ckpt_ms = self.measured.checkpoint_all_ms if self.planned_from is not None else None
+        ideal = None
+        if ckpt_ms is not None:
+            ideal = ckpt_ms - sum(b.recompute_ms for b in self.measured.blocks)
+        stalls = {
+            "window_waits": per("window_waits"),
+            "window_wait_ms": (stats["window_wait_s"] - before.get("window_wait_s", 0)) * 1e3 / count if count else 0.0,
+            "prefetches_on_demand": per("prefetches_on_demand"),
+            "state_step_wait_ms": (state_now["step_wait_s"] - (self._state_stats_at_plan or {}).get("step_wait_s", 0))
+            * 1e3
+            / count
+            if count
+            else 0.0,
+            "memory_replans": self.replans,
+        }
+        return BlockReport(
+            steps=self.step,
+            planned_steps=count,
+            measured_iteration_ms=measured_ms,
+            predicted_iteration_ms=predicted,
+            prediction_error_percent=error,
+            prediction_warning=warning,
+            checkpoint_all_ms=ckpt_ms,
+            ideal_estimate_ms=ideal,
+            peak_gpu_bytes=max(self._peaks[self.planned_from :]) if self._peaks and self.planned_from is not None and self._peaks[self.planned_from :] else None,
+            predicted_peak_bytes=plan.predicted_peak_bytes if plan else None,
+            gpu_memory_bytes=self.gpu_memory_bytes,
+            reserve_bytes=self.reserve_bytes,
+            actions={name: action for (name, _), action in zip(self.blocks, self.actions)},
+            bytes_per_iteration={"host": per("host_offloaded_bytes"), "recomputed": recomputed},
+            state_bytes_per_iteration={"offloaded": state_per["offloaded_bytes"], "prefetched": state_per["prefetched_bytes"]},
+            stalls=stalls,
+            host_ms_per_iteration={"hooks": (stats["hook_s"] - before.get("hook_s", 0)) * 1e3 / count if count else 0.0},
+            step_times_ms=list(self._step_times_ms),
+            machine=self.machine,
+            choice=dict(self.choice, tried=len(self.tried)),
+            host_peak_bytes=self.mover.peak_bytes,
+        )
+
+
+def _bandwidth(value: Any, default: float = 1.0) -> float:
+    if value in (None, "auto"):
+        return default
+    return float(planning_bandwidth(value))

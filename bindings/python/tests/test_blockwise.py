@@ -1,0 +1,290 @@
+"""The block plan (`teraio.blockwise`): its choice on measured costs, and training with it on CPU.
+
+TERAIO_TEST_DIR=$PWD/target/py-test-stores python -m pytest -q bindings/python/tests/test_blockwise.py
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import teraio  # noqa: E402
+from teraio import blockwise as bw  # noqa: E402
+from teraio.blockwise import HOST, KEEP, RECOMPUTE, BlockCost, Link, Measurement, Plan  # noqa: E402
+from tiny import batches, make, train  # noqa: E402
+
+GB = 10**9
+
+
+def _measured(blocks: int = 8, saved: int = GB, peak: int = 10 * GB, state: int = 4 * GB) -> Measurement:
+    """Blocks of 1 ms forward, 1 ms recomputation and 2 ms backward, `saved` bytes each; forward
+    and backward peak at `peak` with every block recomputed and the state away, the step at
+    `peak` - 2 GB + `state` (the state back, the activations gone)."""
+    return Measurement(
+        [BlockCost(f"b{i}", saved, 1.0, 1.0, 2.0) for i in range(blocks)],
+        pre_forward_ms=1.0,
+        post_forward_ms=0.0,
+        head_backward_ms=2.0,
+        tail_backward_ms=1.0,
+        step_ms=3.0,
+        peak_bytes=peak,
+        step_peak_bytes=peak - 2 * GB + state,
+        state_bytes=state,
+    )
+
+
+def _choose(measured: Measurement, limit: int, link: float, host: int = 1 << 50, store: bool = False) -> Plan:
+    sizes = [measured.state_bytes // 4] * 4 if measured.state_bytes else []
+    plan, _ = bw.choose(measured, Link(link, link, link, link), limit, sizes, host, store)
+    assert plan is not None
+    return plan
+
+
+def test_everything_kept_where_it_fits() -> None:
+    measured = _measured()
+    plan = _choose(measured, limit=30 * GB, link=1e9)
+    assert plan.actions == [KEEP] * 8
+    assert plan.state_out_bytes == 0
+    assert plan.predicted_ms == pytest.approx(measured.checkpoint_all_ms - 8 * 1.0)
+
+
+def test_recompute_wins_on_a_slow_link() -> None:
+    # 4 blocks must go; 1 GB over 1 GB/s is 1000 ms of copies against 1 ms of recomputation.
+    plan = _choose(_measured(), limit=18 * GB, link=1e9)
+    assert plan.count(RECOMPUTE) == 4 and plan.count(HOST) == 0
+    assert plan.state_out_bytes == 0
+
+
+def test_host_wins_on_a_fast_link() -> None:
+    # At 10 TB/s a block's copy takes 0.1 ms, hidden behind the next block's forward (no state
+    # to move, which on such a link would be as cheap).
+    plan = _choose(_measured(state=0), limit=14 * GB, link=1e13)
+    assert plan.count(RECOMPUTE) == 0 and plan.count(HOST) >= 4
+    assert plan.actions[: plan.count(HOST)] == [HOST] * plan.count(HOST)  # the earliest blocks
+    assert plan.predicted_ms < _measured(state=0).checkpoint_all_ms - 7.5
+
+
+def test_state_leaves_the_gpu_only_where_blocks_alone_cannot_fit() -> None:
+    measured = _measured()
+    # Everything recomputed peaks at 10 + 4 (state) GB; the limit is 13: 1 GB of state must go.
+    plan = _choose(measured, limit=13 * GB, link=1e11)
+    assert plan.state_out_bytes >= GB
+    assert plan.predicted_peak_bytes <= 13 * GB
+    roomy = _choose(measured, limit=14 * GB + 1, link=1e11)
+    assert roomy.state_out_bytes == 0
+
+
+def test_state_goes_to_the_store_past_the_host_cap() -> None:
+    measured = _measured()
+    # Everything recomputed peaks at 14 GB with the state; 12 GB: 2 GB of state must go.
+    plan = _choose(measured, limit=12 * GB, link=1e12, host=bw._pinned_size(GB) + (1 << 20), store=True)
+    assert plan.state_host_bytes == GB and plan.state_ssd_bytes >= GB
+
+
+def test_no_plan_when_even_the_step_does_not_fit() -> None:
+    measured = _measured()
+    plan, _ = bw.choose(measured, Link(1e11, 1e11), 13 * GB, [GB] * 4, 1 << 50, False)
+    assert plan is not None  # the step (12 GB) is the floor...
+    assert plan.predicted_peak_bytes >= measured.step_peak_bytes
+    plan, _ = bw.choose(measured, Link(1e11, 1e11), measured.step_peak_bytes - 1, [GB] * 4, 1 << 50, False)
+    assert plan is None  # ...and below it nothing fits
+
+
+def test_forward_waits_while_the_window_is_full() -> None:
+    measured = _measured()
+    hosted = Plan([HOST] * 8)
+    fast, _ = bw.predict(measured, hosted, Link(1e13, 1e13))
+    slow, _ = bw.predict(measured, hosted, Link(1e10, 1e10))
+    # 8 GB at 10 GB/s is 800 ms of copies each way; the window lets forward run 2 blocks ahead.
+    assert slow > fast + 700
+    # Fast: only the last block's prefetch, issued when backward reaches it, is waited for.
+    assert fast == pytest.approx(measured.checkpoint_all_ms - 8.0 + 0.1)
+
+
+# -- training on the CPU "device" ------------------------------------------------------------------
+
+ROWS, LAYERS, HIDDEN = 4096, 6, 512
+#: What a tiny block keeps: up's and gelu's outputs (its input x is the previous block's output).
+BLOCK_SAVED = 2 * ROWS * HIDDEN * 4
+
+
+def _reference(steps: int) -> tuple[list[float], dict[str, Any]]:
+    model, optimizer = make(layers=LAYERS, hidden=HIDDEN)
+    losses = train(model, optimizer, batches(steps, rows=ROWS))
+    return losses, copy.deepcopy(model.state_dict())
+
+
+def _run(steps: int, **options: Any) -> tuple[list[float], dict[str, Any], Any]:
+    model, optimizer = make(layers=LAYERS, hidden=HIDDEN)
+    options = {"reserve": 0, "min_bytes": 0, "host_link_bandwidth": "1000GB/s", **options}
+    run = teraio.offload(model, optimizer, granularity="block", **options)
+    assert isinstance(run, bw.BlockOffload)
+    with run:
+        losses = train(model, optimizer, batches(steps, rows=ROWS))
+    return losses, model.state_dict(), run
+
+
+@pytest.mark.parametrize(
+    "budget, options, expect",
+    [
+        ("1GiB", {}, {KEEP: 6}),
+        ("40MiB", {}, {HOST: 6}),
+        ("40MiB", {"host_memory": "40MiB"}, {}),
+        ("9MiB", {"host_link_bandwidth": "1MB/s"}, {RECOMPUTE: 6}),
+    ],
+)
+def test_trains_bitwise_with_each_action(
+    monkeypatch: Any, budget: str, options: dict[str, Any], expect: dict[str, int]
+) -> None:
+    # The plan stays as chosen (on the CPU, copies cost time that the measuring iterations do
+    # not see; the replacement of a slower plan has a test of its own).
+    monkeypatch.setattr(bw.Measurement, "checkpoint_all_ms", property(lambda self: float("inf")))
+    steps = 6
+    reference, state = _reference(steps)
+    losses, final, run = _run(steps, gpu_memory=budget, **options)
+    assert losses == reference
+    assert all(torch.equal(final[k], v) for k, v in state.items())
+    report = run.report()
+    for action, count in expect.items():
+        assert list(report.actions.values()).count(action) == count, report.actions
+    assert report.planned_steps == steps - bw.BlockOffload.MEASURING_STEPS
+    assert [b.saved_bytes for b in run.measured.blocks] == [BLOCK_SAVED] * LAYERS
+    hosted = list(report.actions.values()).count(HOST)
+    # A host block copies its input too (1 MiB), beside what it keeps.
+    assert report.bytes_per_iteration["host"] == hosted * (BLOCK_SAVED + ROWS * 64 * 4)
+    assert (
+        report.bytes_per_iteration["recomputed"]
+        == list(report.actions.values()).count(RECOMPUTE) * BLOCK_SAVED
+    )
+    assert run.mover.peak_bytes <= run.host_memory_bytes
+
+
+@pytest.mark.parametrize("with_store", [False, True])
+def test_optimizer_state_leaves_where_that_keeps_more_blocks(
+    monkeypatch: Any, store: Any, with_store: bool
+) -> None:
+    monkeypatch.setattr(bw.Measurement, "checkpoint_all_ms", property(lambda self: float("inf")))
+    rows, steps = 512, 6
+    model, optimizer = make(layers=LAYERS, hidden=HIDDEN)
+    reference = train(model, optimizer, batches(steps, rows=rows))
+    state = copy.deepcopy(model.state_dict())
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    block = 2 * rows * HIDDEN * 4
+    # Parameters, gradients, AdamW state (2x the weights, 1.5 blocks) and one block: moving the
+    # state over a fast link keeps two more blocks, which beats recomputing them.
+    budget = 4 * weights + block + (256 << 10)
+    options: dict[str, Any] = {
+        "whole_model": "off",
+        "reserve": 0,
+        "min_bytes": 0,
+        "host_link_bandwidth": "1000GB/s",
+    }
+    if with_store:
+        options.update(
+            store=store, host_memory="1MiB", ssd_bandwidth="1000GB/s", ssd_write_bandwidth="1000GB/s"
+        )
+    model, optimizer = make(layers=LAYERS, hidden=HIDDEN)
+    run = teraio.offload(model, optimizer, gpu_memory=budget, granularity="block", **options)
+    with run:
+        losses = train(model, optimizer, batches(steps, rows=rows))
+    assert losses == reference
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+    report = run.report()
+    moved = report.state_bytes_per_iteration["offloaded"]
+    assert moved["ssd" if with_store else "host"] > 0, report
+    assert list(report.actions.values()).count(RECOMPUTE) <= LAYERS - 2
+    assert run.plan is not None and run.plan.predicted_peak_bytes <= budget
+
+
+def test_a_plan_measured_slower_than_checkpointing_every_block_is_replaced(monkeypatch: Any) -> None:
+    steps = 6
+    reference, state = _reference(steps)
+    # Checkpointing every block "measured" at 0 ms: any plan is slower, and it fits the budget.
+    monkeypatch.setattr(bw.Measurement, "checkpoint_all_ms", property(lambda self: 0.0))
+    losses, final, run = _run(steps, gpu_memory="1GiB")
+    assert losses == reference
+    assert all(torch.equal(final[k], v) for k, v in state.items())
+    report = run.report()
+    assert report.choice["kept"] == "checkpoint every block"
+    assert set(report.actions.values()) == {RECOMPUTE}
+
+
+def test_no_plan_fits_is_a_clear_error() -> None:
+    model, optimizer = make(layers=LAYERS, hidden=HIDDEN)
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    run = teraio.offload(
+        model, optimizer, gpu_memory=2 * weights + 1024, granularity="block", whole_model="off", reserve=0
+    )
+    data = batches(3, rows=ROWS)
+    with pytest.raises(teraio.NoPlanFitsError, match="no block plan fits"):
+        with run:
+            train(model, optimizer, data)
+    # The model is usable again: the blocks run as they did.
+    assert "forward" not in model.layers[0].__dict__
+
+
+def test_granularity_is_chosen_by_the_model() -> None:
+    model, optimizer = make()
+    assert isinstance(teraio.offload(model, optimizer, gpu_memory="1GiB"), bw.BlockOffload)
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    optimizer = torch.optim.AdamW(plain.parameters())
+    assert type(teraio.offload(plain, optimizer, gpu_memory="1GiB")).__name__ == "offload"
+    model, optimizer = make()
+    assert (
+        type(teraio.offload(model, optimizer, gpu_memory="1GiB", granularity="tensor")).__name__ == "offload"
+    )
+    with pytest.raises(ValueError, match="granularity must be one of"):
+        teraio.offload(model, optimizer, gpu_memory="1GiB", granularity="layer")
+
+
+def _models() -> list[Any]:
+    from test_training import PlainTransformer
+
+    return [("plain", PlainTransformer, 256)] + [(f, f, 512) for f in ("llama", "qwen2", "mistral")]
+
+
+@pytest.mark.parametrize("name, build, vocab", _models(), ids=lambda v: v if isinstance(v, str) else "")
+def test_model_families_bf16_autocast_sdpa_bitwise(name: str, build: Any, vocab: int) -> None:
+    from test_training import _hf_model
+
+    if isinstance(build, str):
+        build = _hf_model(build)
+    generator = torch.Generator().manual_seed(5)
+    data = [torch.randint(0, vocab, (2, 128), generator=generator) for _ in range(5)]
+
+    def run_steps(model: torch.nn.Module, optimizer: Any) -> list[float]:
+        losses = []
+        for tokens in data:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(tokens) if name == "plain" else model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        return losses
+
+    torch.manual_seed(0)
+    model = build()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    reference = run_steps(model, optimizer)
+    ref_state = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(0)
+    model = build()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    # Parameters, gradients and AdamW state, and little beside: blocks must move or be recomputed.
+    run = teraio.offload(
+        model, optimizer, gpu_memory=4 * params + (64 << 10), whole_model="off", reserve=0, min_bytes=0
+    )
+    assert isinstance(run, bw.BlockOffload)
+    with run:
+        losses = run_steps(model, optimizer)
+    assert losses == reference
+    for key, value in ref_state.items():
+        assert torch.equal(model.state_dict()[key], value), key
+    actions = list(run.report().actions.values())
+    assert len(actions) == 3 and actions != [KEEP] * 3
