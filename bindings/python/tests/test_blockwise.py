@@ -155,10 +155,9 @@ def test_trains_bitwise_with_each_action(
     assert [b.saved_bytes for b in run.measured.blocks] == [BLOCK_SAVED] * LAYERS
     hosted = list(report.actions.values()).count(HOST)
     # A host block copies its input too (1 MiB), beside what it keeps.
-    assert report.bytes_per_iteration["host"] == hosted * (BLOCK_SAVED + ROWS * 64 * 4)
+    assert report.bytes_per_iteration["offloaded"]["host"] == hosted * (BLOCK_SAVED + ROWS * 64 * 4)
     assert (
-        report.bytes_per_iteration["recomputed"]
-        == list(report.actions.values()).count(RECOMPUTE) * BLOCK_SAVED
+        report.recomputed_bytes_per_iteration == list(report.actions.values()).count(RECOMPUTE) * BLOCK_SAVED
     )
     assert run.mover.peak_bytes <= run.host_memory_bytes
 

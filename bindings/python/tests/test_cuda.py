@@ -242,4 +242,4 @@ def test_block_plan_is_exact_on_cuda(monkeypatch: Any, action: Any) -> None:
     if action is not None:
         assert set(report.actions.values()) == {action}
     if action == "host":
-        assert report.bytes_per_iteration["host"] > 0
+        assert report.bytes_per_iteration["offloaded"]["host"] > 0

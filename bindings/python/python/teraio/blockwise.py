@@ -175,8 +175,12 @@ def predict(measured: Measurement, plan: Plan, link: Link) -> tuple[float, int]:
             t = max(t, done)
             flight_bytes -= nbytes
     # State whose copy out is still queued when forward ends is still on the GPU at the peak.
-    state_late = max(0.0, plan.state_host_bytes * ms_per_byte_d2h + plan.state_ssd_bytes * ssd_ms_per_byte - t)
-    state_late_bytes = int(state_late / max(ms_per_byte_d2h, ssd_ms_per_byte if plan.state_ssd_bytes else 0.0))
+    state_late = max(
+        0.0, plan.state_host_bytes * ms_per_byte_d2h + plan.state_ssd_bytes * ssd_ms_per_byte - t
+    )
+    state_late_bytes = int(
+        state_late / max(ms_per_byte_d2h, ssd_ms_per_byte if plan.state_ssd_bytes else 0.0)
+    )
     t += measured.post_forward_ms + measured.head_backward_ms
     # Backward: block n-1 first.
     host_order = [i for i in reversed(range(len(blocks))) if plan.actions[i] == HOST]
@@ -191,7 +195,9 @@ def predict(measured: Measurement, plan: Plan, link: Link) -> tuple[float, int]:
         return start + plan.state_host_bytes * ms_per_byte_h2d + plan.state_ssd_bytes * ssd_ms_per_byte
 
     for position, index in enumerate(reversed(range(len(blocks)))):
-        while next_host < len(host_order) and (pending == 0 or pending + blocks[host_order[next_host]].saved_bytes <= window):
+        while next_host < len(host_order) and (
+            pending == 0 or pending + blocks[host_order[next_host]].saved_bytes <= window
+        ):
             b = host_order[next_host]
             start = max(t, h2d_free, written[b])
             h2d_free = start + blocks[b].saved_bytes * ms_per_byte_h2d
@@ -440,7 +446,9 @@ class _HostMover:
         slot = _HostSlot(nbytes, host)
         source = _flat_bytes(tensor)
         if self.cuda:
-            slot.d2h = copy_on_stream(self.d2h_stream, self.device, host, source, after=self.last_read.get(key))
+            slot.d2h = copy_on_stream(
+                self.d2h_stream, self.device, host, source, after=self.last_read.get(key)
+            )
             source.record_stream(self.d2h_stream)
             self._in_flight.append((slot.d2h, nbytes))
             self._flight_bytes += nbytes
@@ -533,7 +541,10 @@ class BlockReport:
     gpu_memory_bytes: int
     reserve_bytes: int
     actions: dict[str, str]
-    bytes_per_iteration: dict[str, int]
+    #: Saved activations per planned iteration: {"offloaded"|"prefetched": {tier: bytes}}.
+    bytes_per_iteration: dict[str, dict[str, int]]
+    #: Saved bytes of the recomputed blocks, per planned iteration.
+    recomputed_bytes_per_iteration: int
     state_bytes_per_iteration: dict[str, dict[str, int]]
     stalls: dict[str, Any]
     #: Host time in teraio per planned iteration, ms: {"hooks": ...} (pack/unpack, the gradient
@@ -555,15 +566,21 @@ class BlockReport:
         lines = [
             f"teraio offload (block plan): {self.steps} steps, {self.planned_steps} with the plan",
             f"  iteration: measured {ms(self.measured_iteration_ms)} (median of planned steps), "
-            f"predicted {ms(self.predicted_iteration_ms)}, checkpointing every block {ms(self.checkpoint_all_ms)} "
+            f"predicted {ms(self.predicted_iteration_ms)}, "
+            f"checkpointing every block {ms(self.checkpoint_all_ms)} "
             f"(measured), ideal {ms(self.ideal_estimate_ms)} (estimate: checkpointing every block less its "
             "measured recomputation)",
-            f"  peak GPU memory: measured {_gib(self.peak_gpu_bytes)}, bound {_gib(self.predicted_peak_bytes)}, "
+            f"  peak GPU memory: measured {_gib(self.peak_gpu_bytes)}, "
+            f"bound {_gib(self.predicted_peak_bytes)}, "
             f"budget {_gib(self.gpu_memory_bytes)} (reserve {_gib(self.reserve_bytes)})",
             f"  blocks: {counts[KEEP]} kept, {counts[HOST]} to host memory, {counts[RECOMPUTE]} recomputed",
-            f"  per iteration: activations to host {format_bytes(self.bytes_per_iteration.get('host', 0))}, "
-            f"recomputed {format_bytes(self.bytes_per_iteration.get('recomputed', 0))}; optimizer state out "
-            + ", ".join(f"{t} {format_bytes(b)}" for t, b in self.state_bytes_per_iteration.get("offloaded", {}).items()),
+            "  per iteration: activations to host "
+            f"{format_bytes(self.bytes_per_iteration['offloaded'][HOST])}, "
+            f"recomputed {format_bytes(self.recomputed_bytes_per_iteration)}; optimizer state out "
+            + ", ".join(
+                f"{t} {format_bytes(b)}"
+                for t, b in self.state_bytes_per_iteration.get("offloaded", {}).items()
+            ),
             f"  host time in teraio per iteration: {self.host_ms_per_iteration.get('hooks', 0.0):.1f} ms",
             f"  stalls: {self.stalls}",
             f"  choice: {self.choice}",
@@ -613,7 +630,9 @@ class BlockOffload:
         self.machine: dict[str, Any] = dict(machine_notes)
         self.blocks = find_blocks(model)
         if not self.blocks:
-            raise ValueError("teraio.offload: granularity='block' needs repeated blocks (a ModuleList of one class)")
+            raise ValueError(
+                "teraio.offload: granularity='block' needs repeated blocks (a ModuleList of one class)"
+            )
         self.link = self._resolve_link()
         self.reserve_auto = options.reserve in (None, "auto")
         self.reserve_bytes = gpu_memory_bytes // 10 if self.reserve_auto else parse_size(options.reserve)  # type: ignore[arg-type]
@@ -623,8 +642,13 @@ class BlockOffload:
         self.mover = _HostMover(self.device, host_memory_bytes, 0, self.stats)
         self.mover.min_bytes = options.min_bytes
         self.mover.skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        streams = {"d2h_stream": getattr(self.mover, "d2h_stream", None), "h2d_stream": getattr(self.mover, "h2d_stream", None)}
-        self.state = StateExecutor(self.device, store=store, object_id_base=ids.base("optimizer_state"), **streams)
+        streams = {
+            "d2h_stream": getattr(self.mover, "d2h_stream", None),
+            "h2d_stream": getattr(self.mover, "h2d_stream", None),
+        }
+        self.state = StateExecutor(
+            self.device, store=store, object_id_base=ids.base("optimizer_state"), **streams
+        )
         self.measured = Measurement([BlockCost(name) for name, _ in self.blocks])
         self.plan: Optional[Plan] = None
         self.tried: list[dict[str, Any]] = []
@@ -651,7 +675,10 @@ class BlockOffload:
 
     def _resolve_link(self) -> Link:
         want = self.options.host_link_bandwidth == "auto"
-        want_store = self.store is not None and "auto" in (self.options.ssd_bandwidth, self.options.ssd_write_bandwidth)
+        want_store = self.store is not None and "auto" in (
+            self.options.ssd_bandwidth,
+            self.options.ssd_write_bandwidth,
+        )
         measured = machine.resolve_bandwidths(self.device, self.store, want_link=want, want_store=want_store)
         self.machine["measured"] = measured.source
         share = machine.PLAN_SHARE
@@ -662,10 +689,20 @@ class BlockOffload:
             d2h = h2d = _bandwidth(self.options.host_link_bandwidth)
         ssd_read = ssd_write = 1.0
         if self.store is not None:
-            ssd_read = share * measured.ssd_read if measured.ssd_read else _bandwidth(self.options.ssd_bandwidth, 6.5e9)
+            ssd_read = (
+                share * measured.ssd_read
+                if measured.ssd_read
+                else _bandwidth(self.options.ssd_bandwidth, 6.5e9)
+            )
             write = self.options.ssd_write_bandwidth
-            ssd_write = share * measured.ssd_write if measured.ssd_write else _bandwidth(write or self.options.ssd_bandwidth, 6.5e9)
-        self.machine.update({"link_d2h_bytes_per_s": d2h, "link_h2d_bytes_per_s": h2d, "ssd_read_bytes_per_s": ssd_read})
+            ssd_write = (
+                share * measured.ssd_write
+                if measured.ssd_write
+                else _bandwidth(write or self.options.ssd_bandwidth, 6.5e9)
+            )
+        self.machine.update(
+            {"link_d2h_bytes_per_s": d2h, "link_h2d_bytes_per_s": h2d, "ssd_read_bytes_per_s": ssd_read}
+        )
         return Link(d2h, h2d, ssd_read, ssd_write)
 
     # -- context -------------------------------------------------------------------------------
@@ -677,8 +714,9 @@ class BlockOffload:
             from .runtime import NoPlanFitsError
 
             raise NoPlanFitsError(
-                f"teraio.offload: gpu_memory={format_bytes(self.gpu_memory_bytes)} cannot hold the parameters "
-                f"({format_bytes(params)}) and their gradients ({format_bytes(grads)}); pass whole_model='on'"
+                f"teraio.offload: gpu_memory={format_bytes(self.gpu_memory_bytes)} cannot hold the "
+                f"parameters ({format_bytes(params)}) and their gradients ({format_bytes(grads)}); "
+                "pass whole_model='on'"
             )
         for index, (_, module) in enumerate(self.blocks):
             self._originals.append(module.forward)
@@ -726,7 +764,9 @@ class BlockOffload:
 
         return forward
 
-    def _measured_body(self, index: int, original: Callable[..., Any], args: Any, kwargs: Any) -> Callable[..., Any]:
+    def _measured_body(
+        self, index: int, original: Callable[..., Any], args: Any, kwargs: Any
+    ) -> Callable[..., Any]:
         """The block's function in a measuring iteration: in backward's recomputation, step 0
         counts the bytes it leaves alive and step 1 times it."""
         step = self.step
@@ -811,7 +851,9 @@ class BlockOffload:
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.cuda and self.plan is None:
             self._fb_peak = int(torch.cuda.max_memory_allocated(self.device))
-            self._fb_split_peak = int(torch.cuda.memory_stats(self.device).get("inactive_split_bytes.all.peak", 0))
+            self._fb_split_peak = int(
+                torch.cuda.memory_stats(self.device).get("inactive_split_bytes.all.peak", 0)
+            )
             torch.cuda.reset_peak_memory_stats(self.device)
         self._marks["backward_end"] = _now(self.device)
         started = time.perf_counter()
@@ -933,7 +975,9 @@ class BlockOffload:
         self._set_state_moves(tensors, self.host_memory_bytes, len(tensors), None)
         self._state_moves_set = True
 
-    def _set_state_moves(self, tensors: list[torch.Tensor], host_left: int, count: int, restore_at: Optional[int]) -> None:
+    def _set_state_moves(
+        self, tensors: list[torch.Tensor], host_left: int, count: int, restore_at: Optional[int]
+    ) -> None:
         moves = []
         for tensor in tensors[:count]:
             size = _pinned_size(tensor.untyped_storage().nbytes())
@@ -956,7 +1000,9 @@ class BlockOffload:
         if not self.cuda:
             # No allocator to ask: parameters, gradients and the state that does not move stay;
             # the step holds all of the state.
-            persistent = sum(2 * p.untyped_storage().nbytes() for p in self.model.parameters() if p.requires_grad)
+            persistent = sum(
+                2 * p.untyped_storage().nbytes() for p in self.model.parameters() if p.requires_grad
+            )
             all_state = sum(
                 v.untyped_storage().nbytes()
                 for state in self.optimizer.state.values()
@@ -967,7 +1013,9 @@ class BlockOffload:
             measured.step_peak_bytes = persistent + all_state
         self.mover.window = window_bytes(measured)
         limit = self.gpu_memory_bytes - self.reserve_bytes
-        plan, self.tried = choose(measured, self.link, limit, sizes, self.host_memory_bytes, self.store is not None)
+        plan, self.tried = choose(
+            measured, self.link, limit, sizes, self.host_memory_bytes, self.store is not None
+        )
         if plan is None:
             from .runtime import NoPlanFitsError
 
@@ -999,7 +1047,11 @@ class BlockOffload:
             if moved >= plan.state_out_bytes:
                 break
             count += 1
-            moved += tensor.untyped_storage().nbytes() if tensor.untyped_storage().nbytes() else self._slot_bytes(tensor)
+            moved += (
+                tensor.untyped_storage().nbytes()
+                if tensor.untyped_storage().nbytes()
+                else self._slot_bytes(tensor)
+            )
         self._set_state_moves(tensors, host_left, count, plan.state_restore_at)
 
     def _state_tensors_all(self) -> list[torch.Tensor]:
@@ -1028,7 +1080,10 @@ class BlockOffload:
         if self.step == self.planned_from + 1 and "measured_ms" not in self.choice:
             measured_ms = sum(self._iterations[-1].values())
             baseline = self.measured.checkpoint_all_ms
-            fits = self.measured.peak_bytes + self.measured.state_bytes <= self.gpu_memory_bytes - self.reserve_bytes
+            fits = (
+                self.measured.peak_bytes + self.measured.state_bytes
+                <= self.gpu_memory_bytes - self.reserve_bytes
+            )
             plan = self.plan
             self.choice = {
                 "measured_ms": measured_ms,
@@ -1045,7 +1100,9 @@ class BlockOffload:
             }
             if measured_ms > baseline and fits and set(self.actions) != {RECOMPUTE}:
                 fallback = Plan([RECOMPUTE] * len(self.blocks))
-                fallback.predicted_ms, fallback.predicted_peak_bytes = predict(self.measured, fallback, self.link)
+                fallback.predicted_ms, fallback.predicted_peak_bytes = predict(
+                    self.measured, fallback, self.link
+                )
                 self._install(fallback)
                 self.choice["kept"] = "checkpoint every block"
 
@@ -1064,8 +1121,9 @@ class BlockOffload:
             error = (measured_ms - predicted) / predicted * 100
             if abs(error) > PREDICTION_TOLERANCE * 100:
                 warning = (
-                    f"measured {measured_ms:.1f} ms is {abs(error):.0f}% {'above' if error > 0 else 'below'} the "
-                    f"predicted {predicted:.1f} ms (tolerance {PREDICTION_TOLERANCE:.0%})"
+                    f"measured {measured_ms:.1f} ms is {abs(error):.0f}% "
+                    f"{'above' if error > 0 else 'below'} the predicted {predicted:.1f} ms "
+                    f"(tolerance {PREDICTION_TOLERANCE:.0%})"
                 )
         stats = self.stats.as_dict()
         before = self._stats_at_plan or {k: 0 for k in stats}
@@ -1089,9 +1147,13 @@ class BlockOffload:
             ideal = ckpt_ms - sum(b.recompute_ms for b in self.measured.blocks)
         stalls = {
             "window_waits": per("window_waits"),
-            "window_wait_ms": (stats["window_wait_s"] - before.get("window_wait_s", 0)) * 1e3 / count if count else 0.0,
+            "window_wait_ms": (stats["window_wait_s"] - before.get("window_wait_s", 0)) * 1e3 / count
+            if count
+            else 0.0,
             "prefetches_on_demand": per("prefetches_on_demand"),
-            "state_step_wait_ms": (state_now["step_wait_s"] - (self._state_stats_at_plan or {}).get("step_wait_s", 0))
+            "state_step_wait_ms": (
+                state_now["step_wait_s"] - (self._state_stats_at_plan or {}).get("step_wait_s", 0)
+            )
             * 1e3
             / count
             if count
@@ -1107,15 +1169,26 @@ class BlockOffload:
             prediction_warning=warning,
             checkpoint_all_ms=ckpt_ms,
             ideal_estimate_ms=ideal,
-            peak_gpu_bytes=max(self._peaks[self.planned_from :]) if self._peaks and self.planned_from is not None and self._peaks[self.planned_from :] else None,
+            peak_gpu_bytes=max(self._peaks[self.planned_from :])
+            if self._peaks and self.planned_from is not None and self._peaks[self.planned_from :]
+            else None,
             predicted_peak_bytes=plan.predicted_peak_bytes if plan else None,
             gpu_memory_bytes=self.gpu_memory_bytes,
             reserve_bytes=self.reserve_bytes,
             actions={name: action for (name, _), action in zip(self.blocks, self.actions)},
-            bytes_per_iteration={"host": per("host_offloaded_bytes"), "recomputed": recomputed},
-            state_bytes_per_iteration={"offloaded": state_per["offloaded_bytes"], "prefetched": state_per["prefetched_bytes"]},
+            bytes_per_iteration={
+                "offloaded": {HOST: per("host_offloaded_bytes"), SSD: 0},
+                "prefetched": {HOST: per("host_prefetched_bytes"), SSD: 0},
+            },
+            recomputed_bytes_per_iteration=recomputed,
+            state_bytes_per_iteration={
+                "offloaded": state_per["offloaded_bytes"],
+                "prefetched": state_per["prefetched_bytes"],
+            },
             stalls=stalls,
-            host_ms_per_iteration={"hooks": (stats["hook_s"] - before.get("hook_s", 0)) * 1e3 / count if count else 0.0},
+            host_ms_per_iteration={
+                "hooks": (stats["hook_s"] - before.get("hook_s", 0)) * 1e3 / count if count else 0.0
+            },
             step_times_ms=list(self._step_times_ms),
             machine=self.machine,
             choice=dict(self.choice, tried=len(self.tried)),
