@@ -47,6 +47,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .profiler import KeptSave
 from .recompute import Recipe, Source
+from .sharded import is_parameter_memory
 from .store import Store
 
 HOST = "host"
@@ -493,7 +494,7 @@ class ActivationExecutor:
         # runs Python code (Parameter's metaclass), so plain tensors skip it.
         if nbytes < self.min_bytes or tensor.device != self.device:
             return tensor
-        if type(tensor) is not torch.Tensor and isinstance(tensor, torch.nn.Parameter):
+        if is_parameter_memory(tensor):
             return tensor
         key = storage.data_ptr()
         if key in self.skip_storages:

@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from .recompute import Producer, TensorArg, recomputable_op
+from .sharded import UnshardedTracker, is_parameter_memory, local_tensor
 
 TRACE_FORMAT_VERSION = 1
 
@@ -43,6 +44,7 @@ _SKIP_OPS = {
 
 def storage_key(tensor: torch.Tensor) -> tuple[str, int, int]:
     """Identity of a tensor's memory: (device type, device index, base address of its storage)."""
+    tensor = local_tensor(tensor)
     storage = tensor.untyped_storage()
     device = tensor.device
     return (device.type, device.index if device.index is not None else -1, storage.data_ptr())
@@ -186,6 +188,8 @@ class Profiler:
         self._started_at = 0.0
         self._paused = 0
         self.drive_optimizer_hooks = install_hooks
+        # FSDP2's gathered-parameter buffers (None: not an FSDP2 model; see teraio.sharded).
+        self._unsharded: Optional[UnshardedTracker] = None
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -203,6 +207,7 @@ class Profiler:
         if self._mode is not None:
             raise RuntimeError("the profiler is already recording")
         self._register_persistent()
+        self._unsharded = UnshardedTracker.for_model(self.model)
         if self.model is not None:
             for name, module in self.model.named_modules():
                 self._handles.append(
@@ -261,6 +266,8 @@ class Profiler:
         """Records that autograd saved `tensor`; returns its tensor id (None: not tracked)."""
         pack_index = self._pack_count
         self._pack_count += 1
+        if self._unsharded is not None:
+            self._note_reshards(len(self.ops))
         if tensor.untyped_storage().nbytes() == 0:
             self.events.append(SaveEvent("pack", len(self.ops), None, pack_index))
             return None
@@ -269,7 +276,7 @@ class Profiler:
             record = self._new_record(
                 tensor, "temporary", alloc_op=len(self.ops), name="saved", made_before=True
             )
-        if record.kind not in ("weight", "optimizer_state", "gradient"):
+        if record.kind not in ("weight", "optimizer_state", "gradient") and not is_parameter_memory(tensor):
             record.saved_for_backward = True
         self.events.append(SaveEvent("pack", len(self.ops), record.id, pack_index))
         return record.id
@@ -357,7 +364,7 @@ class Profiler:
         return (
             isinstance(value, torch.Tensor)
             and value.device.type == self.device.type
-            and value.untyped_storage().nbytes() > 0
+            and local_tensor(value).untyped_storage().nbytes() > 0
         )
 
     def _new_record(
@@ -365,7 +372,7 @@ class Profiler:
     ) -> TensorRecord:
         """A record of `tensor`'s storage; `made_before`: no recorded op made it (it is first seen
         as an input, so it existed before recording)."""
-        storage = tensor.untyped_storage()
+        storage = local_tensor(tensor).untyped_storage()
         record = TensorRecord(
             id=len(self.records),
             name=name,
@@ -397,8 +404,11 @@ class Profiler:
 
     def _record_op(self, func: Any, args: Any, kwargs: Any, out: Any, timing: Any) -> None:
         op = len(self.ops)
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if self._unsharded is not None:
+            self._note_reshards(op)
+        # A DTensor's memory is its local shard's (the optimizer's step runs on DTensors).
+        inputs = [local_tensor(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        outputs = [local_tensor(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         input_keys = set()
         phase = self._current_phase()
         module = self._module_stack[-1] if self._module_stack and phase == "forward" else ""
@@ -450,6 +460,18 @@ class Profiler:
             else:
                 alive.append(record)
         self._watch = alive
+
+    def _note_reshards(self, op: int) -> None:
+        """FSDP2 freed gathered-parameter buffers (their storage shrunk to zero bytes) before
+        `op`: their records die there, before the allocator can hand their address out again."""
+        assert self._unsharded is not None
+        index = self.device.index if self.device.index is not None else -1
+        for pointer in self._unsharded.freed():
+            record = self._live.pop((self.device.type, index, pointer), None)
+            if record is not None and record.died_op is None:
+                record.died_op = op
+                if record in self._watch:
+                    self._watch.remove(record)
 
     def _producer(self, op: int, func: Any, args: Any, kwargs: Any) -> Optional[Producer]:
         """The op and its arguments, tensors as views of recorded storages (None: an argument

@@ -72,8 +72,10 @@ class Report:
                 return "-"
             return format_bytes(value)
 
+        rank = self.machine.get("rank")
+        where = f" (rank {rank} of {self.machine.get('world_size')})" if rank is not None else ""
         lines = [
-            f"teraio offload: {self.steps} steps, {self.planned_steps} with the plan",
+            f"teraio offload{where}: {self.steps} steps, {self.planned_steps} with the plan",
             f"  iteration: measured {ms(self.measured_iteration_ms)} (median of planned steps), "
             f"predicted {ms(self.predicted_iteration_ms)}, "
             f"ideal {ms(self.ideal_iteration_ms)} (estimate: {self.ideal_source or 'profiled op times'}; "

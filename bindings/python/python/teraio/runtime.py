@@ -29,7 +29,8 @@ from torch.utils._pytree import tree_flatten
 
 from . import blocks as bk
 from . import calibration as cal
-from . import machine
+from . import machine, sharded
+from . import optimizer_state_dict as osd
 from . import recompute as rc
 from .executor import HOST, SSD, ActivationExecutor, _pinned_size
 from .options import OffloadOptions
@@ -89,7 +90,7 @@ class offload:
     ) -> Any:
         """Whole-model mode (`teraio.whole_model.ModelOffload`) where parameters, gradients and
         optimizer state do not fit the budget (`whole_model` option), else activation offload."""
-        options = (options or OffloadOptions()).replace(**overrides)
+        options = sharded.adapt_options(model, (options or OffloadOptions()).replace(**overrides))
         _refuse_compiled(model)
         device = next(iter(model.parameters())).device
         budget = _gpu_budget(device, gpu_memory)
@@ -135,7 +136,7 @@ class offload:
         gpu_memory: Optional[Union[int, str]] = None,
         **overrides: Any,
     ) -> None:
-        options = (options or OffloadOptions()).replace(**overrides)
+        options = sharded.adapt_options(model, (options or OffloadOptions()).replace(**overrides))
         if options.checkpoint is None:
             options = options.replace(checkpoint="off")
         self.options = options
@@ -147,9 +148,11 @@ class offload:
         self.gpu_memory_bytes = _gpu_budget(self.device, gpu_memory)
         self.machine: dict[str, Any] = {}
         self._resolve_machine(options)
+        self.machine.update(sharded.rank_notes())
         if options.warmup_steps is None:
+            # DDP rebuilds its buckets in iteration 1; FSDP2 initialises itself in its first forward.
             ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
-            self.warmup_steps = 2 if ddp else 1
+            self.warmup_steps = 2 if ddp or sharded.is_sharded(model) else 1
         else:
             self.warmup_steps = options.warmup_steps
         self.calibrate = options.calibrate if options.calibrate is not None else self.device.type == "cuda"
@@ -159,7 +162,7 @@ class offload:
         self.trace_path = options.trace_path
         self.plan_path = options.plan_path
         self.sync_each_step = options.sync_each_step
-        skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        skip = {sharded.local_tensor(p).untyped_storage().data_ptr() for p in model.parameters()}
         self.executor = ActivationExecutor(
             self.device,
             store=store,
@@ -294,6 +297,7 @@ class offload:
         self._hooks.append(self.optimizer.register_step_post_hook(self._after_step))
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.executor.pack, self.executor.unpack)
         self._saved_hooks.__enter__()
+        self._hooks.extend(osd.install(self))
         self._begin_iteration()
         return self
 
@@ -320,8 +324,9 @@ class offload:
         """Parameters and their gradients stay on the GPU: a budget below them cannot work."""
         if self.options.if_no_fit != "raise":
             return
-        params = sum(p.untyped_storage().nbytes() for p in self.model.parameters())
-        grads = sum(p.untyped_storage().nbytes() for p in self.model.parameters() if p.requires_grad)
+        shards = [sharded.local_tensor(p) for p in self.model.parameters()]
+        params = sum(p.untyped_storage().nbytes() for p in shards)
+        grads = sum(p.untyped_storage().nbytes() for p in shards if p.requires_grad)
         if params + grads > self.gpu_memory_bytes:
             raise NoPlanFitsError(
                 f"teraio.offload: gpu_memory={format_bytes(self.gpu_memory_bytes)} cannot hold the "
@@ -528,7 +533,7 @@ class offload:
             host_left = self.host_memory_bytes // 2  # the other half stays for activations
             seen: set[int] = set()
             for state in self.optimizer.state.values():
-                for value in state.values():
+                for value in map(sharded.local_tensor, state.values()):
                     if (
                         not isinstance(value, torch.Tensor)
                         or value.device != self.device

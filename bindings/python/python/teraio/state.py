@@ -35,6 +35,7 @@ from typing import Any, Optional
 import torch
 
 from .executor import HOST, SSD, _flat_bytes, copy_on_stream
+from .sharded import local_tensor
 from .store import Store
 
 
@@ -47,6 +48,8 @@ class StateStats:
     prefetches_planned: int = 0
     prefetches_on_demand: int = 0
     step_wait_s: float = 0.0
+    #: Times `bring_back` found state off the device (`optimizer.state_dict()` / `load_state_dict()`).
+    brought_back: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -122,6 +125,8 @@ class StateExecutor:
         self._action_events: set[int] = set()
         self._between_steps: list[int] = []
         self._pending: list[_StateSlot] = []  # SSD tier: staged writes and reads in flight
+        # Set by `bring_back` where it restored state between steps: out again at the next event.
+        self._out_at_next_event = False
         if self.cuda:
             self.d2h_stream = d2h_stream if d2h_stream is not None else torch.cuda.Stream(device)
             self.h2d_stream = h2d_stream if h2d_stream is not None else torch.cuda.Stream(device)
@@ -135,7 +140,8 @@ class StateExecutor:
         self._between_steps = [i for i, move in enumerate(moves) if move.release_event is None]
         for index, move in enumerate(moves):
             tier = HOST if move.tier == SSD and self.store is None else move.tier
-            self.slots.append(_StateSlot(move.tensor, tier, self.object_id_base + index))
+            # A DTensor (FSDP2) moves its local shard: the DTensor wraps that same tensor.
+            self.slots.append(_StateSlot(local_tensor(move.tensor), tier, self.object_id_base + index))
             for table, event in (
                 (self.prefetch_at_event, move.restore_event),
                 (self.release_at_event, move.release_event),
@@ -212,6 +218,9 @@ class StateExecutor:
         within the iteration), restores, and makes compute wait for restores it needs next."""
         if self._pending:
             self.poll()
+        if self._out_at_next_event:
+            self._out_at_next_event = False
+            self._move_out(self._between_steps)
         if event_index not in self._action_events:
             return
         released = self.release_at_event.get(event_index)
@@ -296,6 +305,43 @@ class StateExecutor:
             target.record_stream(self.h2d_stream)
         else:
             target.copy_(host)
+
+    def bring_back(self, out_again: bool) -> None:
+        """Restores every tensor now off the device and waits for it (the optimizer's state dict
+        must read, or a load overwrite, its real bytes). `out_again`: those moved out between
+        steps leave again at the next event (the next forward pass) instead of the next step."""
+        away = [index for index, slot in enumerate(self.slots) if not slot.resident]
+        for index in away:
+            self._restore(index)
+        for slot in self.slots:  # restores issued earlier (planned prefetches) included
+            self._join(slot)
+        if not away:
+            return
+        self.stats.brought_back += 1
+        if self.cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        self._out_at_next_event = out_again and any(index in self._between_steps for index in away)
+
+    def retarget(self, replacement: dict[int, torch.Tensor]) -> None:
+        """Moves from now on the tensors `replacement` maps (by `id` of the slot's tensor) to in
+        place of the slot's: `optimizer.load_state_dict` may put new state tensors in the
+        optimizer. Call after `bring_back`; the new tensors hold the loaded bytes."""
+        for slot in self.slots:
+            new = replacement.get(id(slot.tensor))
+            if new is None or new is slot.tensor:
+                continue
+            new = local_tensor(new)
+            nbytes = int(new.untyped_storage().nbytes())
+            if nbytes != slot.nbytes or new.device != slot.tensor.device:
+                raise ValueError(
+                    f"optimizer.load_state_dict replaced a state tensor of {slot.nbytes} bytes on "
+                    f"{slot.tensor.device} with one of {nbytes} bytes on {new.device}: teraio's plan "
+                    "moves state of the shapes it profiled; load a state dict of this model and "
+                    "optimizer, or load it before teraio.offload"
+                )
+            assert slot.resident and slot.get is None and slot.put is None
+            slot.tensor = new
+            slot.issued = False
 
     def close(self) -> None:
         """Brings every state tensor back (the optimizer is usable without teraio afterwards) and

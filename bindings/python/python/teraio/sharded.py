@@ -1,0 +1,126 @@
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`) under `teraio.offload`: one store per rank.
+
+What changes for a sharded model, and where teraio meets it:
+
+- Parameters, their gradients and the optimizer state are DTensors whose rank-local shard is
+  `_local_tensor`. A DTensor's own `untyped_storage()` is a wrapper's (the global size, no data
+  pointer), so everything that moves or records memory works on `local_tensor(t)`: the state
+  executor moves the shard's storage (`resize_(0)` and back on the local tensor; the DTensor
+  the optimizer holds wraps that same tensor), the profiler records the shard.
+- In forward and backward FSDP all-gathers each block's parameters into unsharded parameters
+  (plain `nn.Parameter`s over a buffer it frees with `storage.resize_(0)` when it reshards) and
+  reduce-scatters their gradients. The tensors autograd saves for them (the weight, or a view of
+  it such as `weight.t()`) are FSDP's to free and gather again: the executor keeps them
+  (`is_parameter_memory`), and the profiler records the buffer as a temporary that dies when FSDP
+  frees it (`UnshardedTracker`), so the plan sees FSDP's all-gather memory come and go.
+- teraio issues no collective and changes no FSDP hook or order: every rank runs the same FSDP
+  collectives in the same order whatever its plan. Options that would make one rank run a
+  block's forward again (`checkpoint`) or read FSDP-owned memory at a point of teraio's
+  choosing (`recompute`, `offload_parameters`), or whole-model mode, are refused, and
+  `recompute="auto"` means "off" (`adapt_options`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .options import OffloadOptions
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The rank-local tensor of a DTensor (the one that owns memory); any other tensor as is."""
+    if type(tensor) is torch.Tensor:
+        return tensor
+    local = getattr(tensor, "_local_tensor", None)
+    return tensor if local is None else local
+
+
+def is_parameter_memory(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a parameter or a view of one (`weight.t()` saved by a linear layer):
+    its memory is the parameter's, which a saved-tensor hook must leave alone (under FSDP2 the
+    unsharded parameters are freed and gathered again by FSDP itself)."""
+    if type(tensor) is not torch.Tensor and isinstance(tensor, torch.nn.Parameter):
+        return True
+    base = tensor._base
+    return base is not None and type(base) is not torch.Tensor and isinstance(base, torch.nn.Parameter)
+
+
+def fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules `fully_shard` was applied to (empty: not an FSDP2 model)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without distributed support
+        return []
+    return [module for module in model.modules() if isinstance(module, FSDPModule)]
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    return bool(fsdp_modules(model))
+
+
+def adapt_options(model: torch.nn.Module, options: OffloadOptions) -> OffloadOptions:
+    """The options an FSDP2 model runs with (see the module docstring); others unchanged."""
+    if not is_sharded(model):
+        return options
+    refused = []
+    if options.whole_model == "on":
+        refused.append("whole_model='on'")
+    if options.checkpoint not in (None, "off"):
+        refused.append(f"checkpoint={options.checkpoint!r}")
+    if options.recompute == "on":
+        refused.append("recompute='on'")
+    if options.offload_parameters:
+        refused.append("offload_parameters=True")
+    if refused:
+        raise ValueError(
+            f"teraio.offload on an FSDP2 (fully_shard) model does not support {', '.join(refused)}: "
+            "FSDP owns the parameters (it gathers and frees them), and a per-rank choice to run a "
+            "block again could change the order of FSDP's collectives between ranks. Leave these "
+            "options at their defaults; activations and optimizer state are offloaded"
+        )
+    return options.replace(whole_model="off", checkpoint="off", recompute="off")
+
+
+def rank_notes() -> dict[str, Any]:
+    """The process's rank and world size where a process group is up (for the report)."""
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return {}
+    return {"rank": torch.distributed.get_rank(), "world_size": torch.distributed.get_world_size()}
+
+
+class UnshardedTracker:
+    """Watches the buffers FSDP2 gathers parameters into, for the profiler: FSDP frees them by
+    shrinking their storage to zero bytes, which no op and no weak reference shows."""
+
+    def __init__(self, fsdp_params: list[Any]) -> None:
+        self.fsdp_params = fsdp_params
+        # Buffer -> data pointer while it holds bytes (an address freed memory may be handed out
+        # again, so a freed buffer's record must die before that address is looked up).
+        self._held: dict[int, int] = {}
+
+    @classmethod
+    def for_model(cls, model: Optional[torch.nn.Module]) -> Optional[UnshardedTracker]:
+        if model is None:
+            return None
+        params = []
+        for module in fsdp_modules(model):
+            state = module._get_fsdp_state()  # type: ignore[operator]
+            params.extend(p for group in state._fsdp_param_groups for p in group.fsdp_params)
+        return cls(params) if params else None
+
+    def freed(self) -> list[int]:
+        """Data pointers of the buffers freed since the last call."""
+        out = []
+        for index, fsdp_param in enumerate(self.fsdp_params):
+            for slot, buffer in enumerate(getattr(fsdp_param, "all_gather_outputs", ())):
+                key = index * 8 + slot
+                storage = buffer.untyped_storage()
+                pointer = storage.data_ptr() if storage.nbytes() > 0 else None
+                before = self._held.pop(key, None)
+                if before is not None and before != pointer:
+                    out.append(before)  # freed (and perhaps gathered again elsewhere) since
+                if pointer is not None:
+                    self._held[key] = pointer
+        return out

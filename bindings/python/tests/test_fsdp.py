@@ -1,0 +1,321 @@
+"""FSDP2 (`fully_shard`) with `teraio.offload` on a CPU "device": 2 gloo ranks, one store each.
+
+Two processes (torch.multiprocessing, spawn; file rendezvous, so no port) shard tiny.py's model
+with `fully_shard` (each block, then the root) and train on their halves of every global batch:
+
+1. plain FSDP2;
+2. the same inside `teraio.offload`, with a budget below the rank's unplanned peak and little host
+   memory (activations go to host memory and the rank's store; the optimizer state, DTensors,
+   moves its local shards), saving a `torch.distributed.checkpoint` after SAVE_AT steps while
+   the state is off the device, then AFTER more steps;
+3. in a new process group, a fresh model and optimizer inside `teraio.offload` load that
+   checkpoint (DCP's `get_state_dict` / `dcp.load` / `set_state_dict`) before any step and train
+   the AFTER steps again;
+4. the same, but loading after three steps of other data, once the plan runs.
+
+Checks: (2) has the losses, final shards and optimizer state of (1) bitwise (offload restores
+the same bytes, and FSDP's collectives run with the same inputs in the same order: the recorded
+sequences of collective calls are the same with and without teraio); (3) and (4) reproduce the
+losses and final shards of (2)'s last AFTER steps bitwise; every rank's report names its rank,
+shows no plan mismatch, and its store is used and left empty. The profiled trace shows FSDP's
+gathered parameters freed at each reshard (at most two blocks' worth live at once).
+
+    TERAIO_TEST_DIR=$PWD/target/py-test-stores python -m pytest -q bindings/python/tests/test_fsdp.py -s
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+from typing import Any, Iterator
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+import teraio  # noqa: E402
+from tiny import batches, make  # noqa: E402
+
+try:
+    from torch.distributed.fsdp import fully_shard
+except ImportError:  # torch without FSDP2
+    fully_shard = None
+
+WORLD = 2
+LAYERS = 4
+ROWS = 512  # global batch; each rank trains ROWS // WORLD rows of it (activations ~ the state)
+SAVE_AT = 5
+AFTER = 3
+DEADLINE_S = 240.0
+#: The collectives FSDP2 calls (torch.distributed functions; those present are recorded).
+COLLECTIVES = (
+    "all_gather_single",
+    "reduce_scatter_single",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+)
+
+pytestmark = pytest.mark.skipif(
+    fully_shard is None or not dist.is_available() or not dist.is_gloo_available(),
+    reason="FSDP2 (torch.distributed.fsdp.fully_shard) with gloo is needed",
+)
+
+
+def _build() -> tuple[Any, Any]:
+    model, _ = make(layers=LAYERS)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    # The optimizer holds the sharded parameters (DTensors), so it is made after sharding.
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _train(model: Any, optimizer: Any, data: list[Any]) -> list[float]:
+    losses = []
+    for x in data:
+        loss = model(x)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def _shards(model: Any) -> dict[str, Any]:
+    return {name: value.to_local().clone() for name, value in model.state_dict().items()}
+
+
+def _state(optimizer: Any) -> list[Any]:
+    return [
+        value.to_local().clone() if hasattr(value, "to_local") else value.clone()
+        for state in optimizer.state.values()
+        for value in state.values()
+    ]
+
+
+@contextlib.contextmanager
+def _recording_collectives(calls: list[list[Any]]) -> Iterator[None]:
+    """Records each collective FSDP calls: its name and its tensors' shapes."""
+    saved = {}
+    for name in COLLECTIVES:
+        function = getattr(dist, name, None)
+        if function is None:
+            continue
+        saved[name] = function
+
+        def recorded(*args: Any, _name: str = name, _function: Any = function, **kwargs: Any) -> Any:
+            shapes = [list(a.shape) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            calls.append([_name, shapes])
+            return _function(*args, **kwargs)
+
+        setattr(dist, name, recorded)
+    try:
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(dist, name, function)
+
+
+def _live_gathered_bytes(trace: dict[str, Any]) -> int:
+    """Most bytes of FSDP's gathered-parameter buffers alive at once in the trace."""
+    count = len(trace["ops"])
+    live = [0] * count
+    for tensor in trace["tensors"]:
+        if tensor["name"].startswith("split_with_sizes_copy") and tensor["alloc_op"] is not None:
+            for op in range(tensor["alloc_op"], tensor["free_op"] + 1):
+                live[op] += tensor["size_bytes"]
+    return max(live)
+
+
+def _init(init_file: str) -> None:
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=int(os.environ["TERAIO_TEST_RANK"]),
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=60),
+    )
+
+
+def _rank_main(rank: int, tmp: str, store_root: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    torch.set_num_threads(1)
+    os.environ["TERAIO_TEST_RANK"] = str(rank)
+    out = pathlib.Path(tmp)
+    _init(str(out / "rendezvous-1"))
+    per = ROWS // WORLD
+    data = [x[rank * per : (rank + 1) * per] for x in batches(SAVE_AT + AFTER + 3, rows=ROWS)]
+    data, other = data[: SAVE_AT + AFTER], data[SAVE_AT + AFTER :]
+    result: dict[str, Any] = {"rank": rank}
+
+    # The rank's unplanned peak and activations, profiled on a steady FSDP2 iteration.
+    model, optimizer = _build()
+    _train(model, optimizer, data[:2])
+    profiler = teraio.Profiler(model, optimizer)
+    with profiler:
+        _train(model, optimizer, data[2:3])
+    trace = profiler.trace()
+    planned = teraio.plan(trace, gpu_memory=1 << 40, ssd_read_bandwidth=1e9)
+    peak = planned["prediction"]["unplanned_peak_bytes"]
+    activations = sum(t["size_bytes"] for t in trace["tensors"] if t["kind"] == "activation")
+    state = sum(t["size_bytes"] for t in trace["tensors"] if t["kind"] == "optimizer_state")
+    result["gathered_live_bytes"] = _live_gathered_bytes(trace)
+    result["block_bytes"] = sum(p.numel() * p.element_size() for p in model.layers[0].parameters())
+    result["ops"] = sorted({op["name"].split(":")[-1] for op in trace["ops"]})
+
+    with pytest.raises(ValueError, match="FSDP2"):
+        teraio.offload(model, optimizer, gpu_memory=peak, checkpoint="auto")
+
+    model, optimizer = _build()
+    plain_calls: list[Any] = []
+    with _recording_collectives(plain_calls):
+        plain = _train(model, optimizer, data)
+    plain_shards, plain_state = _shards(model), _state(optimizer)
+
+    path = pathlib.Path(store_root) / f"rank{rank}"
+    path.mkdir(parents=True, exist_ok=True)
+    store = teraio.Store.create([path / "dev0"], file_size_bytes=256 << 20, durable=False, force=True)
+    options = dict(
+        store=store,
+        # Below what moving activations alone can save: the plan moves optimizer state as well.
+        gpu_memory=peak - activations // 2 - state // 2,
+        host_memory=activations // 8,  # the rest of what the plan moves goes to the rank's store
+        reserve=0,
+        min_bytes=16 << 10,
+        ssd_bandwidth="2GB/s",
+    )
+    checkpoint = str(out / "checkpoint")
+    try:
+        model, optimizer = _build()
+        calls: list[Any] = []
+        with _recording_collectives(calls), teraio.offload(model, optimizer, **options) as run:
+            losses = _train(model, optimizer, data[:SAVE_AT])
+            result["state_away_at_save"] = sum(not s.resident for s in run.state.slots)
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint)
+            losses += _train(model, optimizer, data[SAVE_AT:])
+        report = run.report()
+        result["report"] = report.as_dict()
+        result["report_text"] = str(report)
+        result["brought_back"] = run.state.stats.brought_back
+        offload_shards, offload_state = _shards(model), _state(optimizer)
+        dist.destroy_process_group()
+
+        # A new process group, model and optimizer resume from the checkpoint.
+        _init(str(out / "rendezvous-2"))
+        resumed = {}
+        for name, warmup in (("before_any_step", []), ("with_the_plan", other)):
+            model, optimizer = _build()
+            with teraio.offload(model, optimizer, **options) as run:
+                _train(model, optimizer, warmup)
+                planned = run.plan_result is not None
+                model_sd, optim_sd = get_state_dict(model, optimizer)
+                dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint)
+                set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+                moved_before = sum(run.state.stats.offloaded_bytes.values())
+                after = _train(model, optimizer, data[SAVE_AT:])
+                moved_after = sum(run.state.stats.offloaded_bytes.values())
+            shards = _shards(model)
+            resumed[name] = {
+                "losses": after,
+                "planned_at_load": planned,
+                "state_moved_after_load": moved_after - moved_before,
+                "shards_equal": all(torch.equal(shards[k], v) for k, v in offload_shards.items()),
+            }
+        result["resumed"] = resumed
+        result["objects_left"] = store.info()["object_count"]
+        io = store.stats()
+        result["store_io"] = [io["write_bytes"], io["read_bytes"], io["errors"]]
+    finally:
+        store.close()
+    result.update(
+        plain=plain,
+        losses=losses,
+        plain_calls=plain_calls,
+        calls=calls,
+        shards_equal=all(torch.equal(offload_shards[k], v) for k, v in plain_shards.items()),
+        state_equal=len(plain_state) == len(offload_state)
+        and all(torch.equal(a, b) for a, b in zip(plain_state, offload_state)),
+    )
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def _spawn(*args: Any) -> None:
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(_rank_main, args=args, nprocs=WORLD, join=False, start_method="spawn")
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        while not context.join(timeout=1.0):  # raises if a rank failed
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the {WORLD} ranks did not finish in {DEADLINE_S:.0f} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.terminate()
+                process.join(5)
+
+
+def test_fsdp2_offload_bitwise_and_checkpoint_resume(store_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    _spawn(str(tmp_path), str(store_dir))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    for r, result in enumerate(ranks):
+        report = result["report"]
+        print(result["report_text"])
+        # FSDP's collectives are in the trace as ops, and its gathered parameters die at reshards.
+        assert {"_allgather_base_.default", "_reduce_scatter_base_.default"} <= set(result["ops"])
+        assert 0 < result["gathered_live_bytes"] <= 2 * result["block_bytes"], result["gathered_live_bytes"]
+
+        # (2) bitwise the plain run, with the same collectives in the same order.
+        assert result["losses"] == result["plain"], [a - b for a, b in zip(result["losses"], result["plain"])]
+        assert result["shards_equal"] and result["state_equal"]
+        assert result["calls"] and result["calls"] == result["plain_calls"]
+        assert result["calls"] == ranks[0]["calls"]
+
+        moved = report["bytes_per_iteration"]
+        assert moved["offloaded"]["ssd"] > 0, "the rank's store was not used"
+        assert moved["prefetched"] == moved["offloaded"]
+        state = report["state_bytes_per_iteration"]
+        assert state["offloaded"]["host"] + state["offloaded"]["ssd"] > 0, "no optimizer state moved"
+        assert report["stalls"]["plan_mismatches"] == 0
+        assert report["machine"]["rank"] == r and f"(rank {r} of {WORLD})" in result["report_text"]
+        write, read, errors = result["store_io"]
+        assert write > 0 and read > 0 and errors == 0 and result["objects_left"] == 0
+
+        # The checkpoint was taken while state was off the device, and saw its real bytes.
+        assert result["state_away_at_save"] > 0 and result["brought_back"] >= 1
+        for name, resumed in result["resumed"].items():
+            assert resumed["losses"] == result["losses"][SAVE_AT:], name
+            assert resumed["shards_equal"], name
+            assert resumed["state_moved_after_load"] > 0, name
+        assert not result["resumed"]["before_any_step"]["planned_at_load"]
+        assert result["resumed"]["with_the_plan"]["planned_at_load"]
+
+
+def test_fsdp_benchmark_smoke(tmp_path: pathlib.Path, store_dir: pathlib.Path) -> None:
+    """benches/torch/bench_fsdp.py end to end at a tiny size on the CPU (its GPU run needs 2 GPUs)."""
+    script = pathlib.Path(__file__).resolve().parents[3] / "benches" / "torch" / "bench_fsdp.py"
+    command = [sys.executable, str(script), "--device", "cpu", "--tiny", "--store-dir", str(store_dir)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=DEADLINE_S, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    lines = done.stdout.splitlines()
+    results = [json.loads(line[len("RESULT ") :]) for line in lines if line.startswith("RESULT ")]
+    by_config = {r["config"]: r for r in results}
+    assert set(by_config) == {"fsdp", "fsdp_cpu_offload", "fsdp_teraio"}, done.stdout[-4000:]
+    for result in results:
+        assert result["ok"], result
+        assert len(result["ranks"]) == 2 and result["ms_per_iter"] > 0
+    teraio_run = by_config["fsdp_teraio"]
+    assert teraio_run["losses_bitwise_equal"], teraio_run
+    for rank in teraio_run["ranks"]:
+        assert rank["tiers"]["ssd"]["offloaded"] > 0, rank
