@@ -73,6 +73,8 @@ def adapt_options(model: torch.nn.Module, options: OffloadOptions) -> OffloadOpt
         refused.append("recompute='on'")
     if options.offload_parameters:
         refused.append("offload_parameters=True")
+    if options.granularity == "block":
+        refused.append("granularity='block'")
     if refused:
         raise ValueError(
             f"teraio.offload on an FSDP2 (fully_shard) model does not support {', '.join(refused)}: "
@@ -80,7 +82,7 @@ def adapt_options(model: torch.nn.Module, options: OffloadOptions) -> OffloadOpt
             "block again could change the order of FSDP's collectives between ranks. Leave these "
             "options at their defaults; activations and optimizer state are offloaded"
         )
-    return options.replace(whole_model="off", checkpoint="off", recompute="off")
+    return options.replace(whole_model="off", checkpoint="off", recompute="off", granularity="tensor")
 
 
 def rank_notes() -> dict[str, Any]:
