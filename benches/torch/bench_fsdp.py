@@ -258,6 +258,8 @@ def rank_main(rank: int, args: argparse.Namespace, init_file: str) -> None:
             if args.out:
                 with open(args.out, "a") as f:
                     f.write(json.dumps(line) + "\n")
+    # Rank 0 prints while the others wait: a peer that left first makes gloo abort rank 0's exit.
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -60,6 +60,10 @@ RECOMPUTE = "recompute"
 PREDICTION_TOLERANCE = 0.10
 #: Saved bytes each copy direction may have in flight, in blocks' worth (the largest block).
 WINDOW_BLOCKS = 2
+#: The least reserve, as a share of the budget. Lower than the tensor plan's
+#: (`machine.RESERVE_MIN_SHARE`): this plan's peak is measured, not modelled per tensor, and its
+#: bound adds whole blocks to it; a peak that comes close still checkpoints one more block.
+RESERVE_MIN_SHARE = 0.03
 
 
 # -- what the measuring iterations found -----------------------------------------------------------
@@ -871,7 +875,9 @@ class BlockOffload:
                 cost.saved_bytes = self._sizes.get(index, 0)
         self._pending_marks.append(self._marks)
         checking = self.planned_from is not None and self.step == self.planned_from + 1
+        waiting = time.perf_counter()
         self._collect(wait=self.plan is None or checking)
+        started += time.perf_counter() - waiting  # a wait for the device, not teraio's work
         if self.cuda:
             self._peaks.append(int(torch.cuda.max_memory_allocated(self.device)))
         if self.plan is None and self.step + 1 == self.MEASURING_STEPS:
@@ -946,7 +952,9 @@ class BlockOffload:
                 # holds but cannot hand out whole (reserved minus allocated would count the cache
                 # the warm-up's state and step left, which a planned iteration reuses).
                 slack = getattr(self, "_fb_split_peak", 0)
-                self.reserve_bytes = machine.reserve_from_allocator(self.gpu_memory_bytes, slack, 0)
+                self.reserve_bytes = machine.reserve_from_allocator(
+                    self.gpu_memory_bytes, slack, 0, min_share=RESERVE_MIN_SHARE
+                )
                 self.machine["reserve"] = f"from the allocator: {format_bytes(slack)} of split blocks at most"
 
     def _state_tensors(self) -> list[torch.Tensor]:

@@ -73,15 +73,15 @@ def default_host_memory(available: Optional[int]) -> int:
     return int(available * HOST_MEMORY_SHARE)
 
 
-def reserve_from_allocator(gpu_memory_bytes: int, reserved_peak: int, allocated_peak: int) -> int:
+def reserve_from_allocator(
+    gpu_memory_bytes: int, reserved_peak: int, allocated_peak: int, min_share: float = RESERVE_MIN_SHARE
+) -> int:
     """The GPU memory a plan leaves free: the allocator's slack seen in the profiled iteration
     (reserved minus allocated at their peaks: blocks the caching allocator holds but cannot hand
-    out) times `RESERVE_SLACK_FACTOR` plus `RESERVE_EXTRA_BYTES`, at least `RESERVE_MIN_SHARE`
-    of the budget, and at most half of it."""
+    out) times `RESERVE_SLACK_FACTOR` plus `RESERVE_EXTRA_BYTES`, at least `min_share` of the
+    budget, and at most half of it."""
     slack = max(0, reserved_peak - allocated_peak)
-    wanted = max(
-        int(slack * RESERVE_SLACK_FACTOR) + RESERVE_EXTRA_BYTES, int(gpu_memory_bytes * RESERVE_MIN_SHARE)
-    )
+    wanted = max(int(slack * RESERVE_SLACK_FACTOR) + RESERVE_EXTRA_BYTES, int(gpu_memory_bytes * min_share))
     return min(wanted, gpu_memory_bytes // 2)
 
 

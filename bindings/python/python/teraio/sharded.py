@@ -109,7 +109,12 @@ class UnshardedTracker:
         params = []
         for module in fsdp_modules(model):
             state = module._get_fsdp_state()  # type: ignore[operator]
-            params.extend(p for group in state._fsdp_param_groups for p in group.fsdp_params)
+            # torch 2.15 keeps a list of parameter groups per state; 2.11 one group (or None).
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:
+                group = getattr(state, "_fsdp_param_group", None)
+                groups = [group] if group is not None else []
+            params.extend(p for group in groups for p in group.fsdp_params)
         return cls(params) if params else None
 
     def freed(self) -> list[int]:
