@@ -31,6 +31,7 @@ two measuring iterations need no more memory than checkpointing with the state a
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import statistics
 import time
 import weakref
@@ -58,8 +59,9 @@ RECOMPUTE = "recompute"
 
 #: Measured - predicted, as a share of predicted, past which the report warns.
 PREDICTION_TOLERANCE = 0.10
-#: Saved bytes each copy direction may have in flight, in blocks' worth (the largest block).
-WINDOW_BLOCKS = 2
+#: Saved bytes each copy direction may have in flight, in blocks' worth (the largest block): the
+#: plan picks one of these (a wider window stalls forward less and costs more GPU memory).
+WINDOW_BLOCKS = (1, 2)
 #: The least reserve, as a share of the budget. Lower than the tensor plan's
 #: (`machine.RESERVE_MIN_SHARE`): this plan's peak is measured, not modelled per tensor, and its
 #: bound adds whole blocks to it; a peak that comes close still checkpoints one more block.
@@ -129,6 +131,8 @@ class Plan:
     state_restore_at: Optional[int] = None
     predicted_ms: float = 0.0
     predicted_peak_bytes: int = 0
+    #: The copy window of HOST blocks, in blocks' worth (`WINDOW_BLOCKS`).
+    window_blocks: int = 1
 
     @property
     def state_out_bytes(self) -> int:
@@ -138,8 +142,8 @@ class Plan:
         return sum(1 for a in self.actions if a == action)
 
 
-def window_bytes(measured: Measurement) -> int:
-    return WINDOW_BLOCKS * max((b.saved_bytes for b in measured.blocks), default=0)
+def window_bytes(measured: Measurement, plan: Plan) -> int:
+    return plan.window_blocks * max((b.saved_bytes for b in measured.blocks), default=0)
 
 
 def predict(measured: Measurement, plan: Plan, link: Link) -> tuple[float, int]:
@@ -154,7 +158,7 @@ def predict(measured: Measurement, plan: Plan, link: Link) -> tuple[float, int]:
     state left on the GPU; the step's measured peak (all state back) is a floor.
     """
     blocks = measured.blocks
-    window = window_bytes(measured)
+    window = window_bytes(measured, plan)
     ms_per_byte_d2h, ms_per_byte_h2d = 1e3 / link.d2h, 1e3 / link.h2d
     ssd_ms_per_byte = 1e3 / max(1.0, min(link.ssd_read, link.ssd_write))
     # Forward.
@@ -198,23 +202,32 @@ def predict(measured: Measurement, plan: Plan, link: Link) -> tuple[float, int]:
         start = max(now, h2d_free)
         return start + plan.state_host_bytes * ms_per_byte_h2d + plan.state_ssd_bytes * ssd_ms_per_byte
 
+    def issue(now: float) -> None:
+        nonlocal h2d_free, pending, next_host
+        b = host_order[next_host]
+        start = max(now, h2d_free, written[b])
+        h2d_free = start + blocks[b].saved_bytes * ms_per_byte_h2d
+        ready[b] = h2d_free
+        pending += blocks[b].saved_bytes
+        next_host += 1
+
+    # As the runtime's gradient hook does when backward reaches a block: the block's own copy
+    # (issued now if it was not), then the next blocks' while the window has room.
     for position, index in enumerate(reversed(range(len(blocks)))):
+        block = blocks[index]
+        if plan.actions[index] == HOST:
+            if index not in ready:
+                issue(t)
+            pending -= block.saved_bytes
         while next_host < len(host_order) and (
             pending == 0 or pending + blocks[host_order[next_host]].saved_bytes <= window
         ):
-            b = host_order[next_host]
-            start = max(t, h2d_free, written[b])
-            h2d_free = start + blocks[b].saved_bytes * ms_per_byte_h2d
-            ready[b] = h2d_free
-            pending += blocks[b].saved_bytes
-            next_host += 1
+            issue(t)
         if plan.state_out_bytes and plan.state_restore_at == position:
             state_ready = restore_state(t)
             h2d_free = state_ready
-        block = blocks[index]
         if plan.actions[index] == HOST:
             t = max(t, ready[index])
-            pending -= block.saved_bytes
         t += block.backward_ms + (block.recompute_ms if plan.actions[index] == RECOMPUTE else 0.0)
     t += measured.tail_backward_ms
     if plan.state_out_bytes and plan.state_restore_at is None:
@@ -225,7 +238,9 @@ def predict(measured: Measurement, plan: Plan, link: Link) -> tuple[float, int]:
 
 def peak_bound(measured: Measurement, plan: Plan) -> int:
     kept = sum(b.saved_bytes for b, a in zip(measured.blocks, plan.actions) if a == KEEP)
-    hosted = window_bytes(measured) if HOST in plan.actions else 0
+    # The window, and the block whose copies backward is using while the next one arrives.
+    largest = max((b.saved_bytes for b in measured.blocks), default=0)
+    hosted = window_bytes(measured, plan) + largest if HOST in plan.actions else 0
     state_left = measured.state_bytes - plan.state_out_bytes
     return max(measured.peak_bytes + kept + hosted + state_left, measured.step_peak_bytes)
 
@@ -262,9 +277,9 @@ def choose(
         host_activations = sum(_pinned_size(b.saved_bytes) for b in measured.blocks[:hosted])
         if host_activations > host_bytes:
             break
-        for recomputed in range(n - hosted + 1):
+        for recomputed, window in itertools.product(range(n - hosted + 1), WINDOW_BLOCKS if hosted else (1,)):
             actions = [HOST] * hosted + [RECOMPUTE] * recomputed + [KEEP] * (n - hosted - recomputed)
-            plan = Plan(actions)
+            plan = Plan(actions, window_blocks=window)
             need = peak_bound(measured, plan) - limit_bytes
             if need > 0:
                 host_left = host_bytes - host_activations
@@ -1019,7 +1034,6 @@ class BlockOffload:
             )
             measured.peak_bytes = persistent + all_state - measured.state_bytes
             measured.step_peak_bytes = persistent + all_state
-        self.mover.window = window_bytes(measured)
         limit = self.gpu_memory_bytes - self.reserve_bytes
         plan, self.tried = choose(
             measured, self.link, limit, sizes, self.host_memory_bytes, self.store is not None
@@ -1044,6 +1058,7 @@ class BlockOffload:
 
     def _install(self, plan: Plan) -> None:
         self.plan = plan
+        self.mover.window = window_bytes(self.measured, plan)
         self.actions = list(plan.actions)
         tensors = self._state_tensors_all()
         host_left = self.host_memory_bytes - sum(
