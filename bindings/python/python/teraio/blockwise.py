@@ -10,9 +10,12 @@ of checkpointing, and its inputs are measured without per-op instrumentation:
   a block, the storages its recomputation leaves alive (what autograd saved; the block's inputs,
   its output and the parameters left out) are counted: the bytes the block would keep.
 - iteration 1 (times): every block checkpointed again, timed with CUDA events: each block's
-  forward, its recomputation and its backward (from the gradient hook on its output to the next
-  one), the head and the step. This iteration is activation checkpointing of every block, so its
-  time is the checkpointing baseline, measured.
+  forward, its whole recomputation and its backward (from the gradient hook on its output to the
+  next one), the head and the step.
+- iteration 2 (checkpointing as it runs): the same with recomputation stopping early, as
+  `torch.utils.checkpoint` does by default (once backward has every tensor it needs, the rest of
+  the block is not run again): each block's recomputation is its backward span less its backward.
+  So the iteration with every block checkpointed, the baseline, is measured as it runs.
 - the plan (`choose`): per block one of KEEP, HOST (its saved tensors are copied to pinned host
   memory as they are saved and prefetched back ahead of its backward, at most `window` bytes in
   flight each way) or RECOMPUTE (checkpointed); and which optimizer-state tensors leave the GPU
@@ -624,8 +627,9 @@ class BlockOffload:
     ```
     """
 
-    #: Iterations before the plan: sizes, then times.
-    MEASURING_STEPS = 2
+    #: Iterations before the plan: sizes; times with full recomputation (each block's own); times
+    #: as checkpointing runs (recomputation stops early, once backward has what it needs).
+    MEASURING_STEPS = 3
 
     def __init__(
         self,
@@ -764,11 +768,16 @@ class BlockOffload:
                 return original(*args, **kwargs)
             action = self.actions[index]
             measuring = self.plan is None
-            body = self._measured_body(index, original, args, kwargs) if measuring else original
-            if measuring and self.step == 1:
+            body = (
+                self._measured_body(index, original, args, kwargs)
+                if measuring and self.step < 2
+                else original
+            )
+            timing = measuring and self.step >= 1
+            if timing:
                 start = _now(self.device)
             if action == RECOMPUTE:
-                with set_checkpoint_early_stop(not measuring):
+                with set_checkpoint_early_stop(not measuring or self.step >= 2):
                     out = checkpoint(body, *args, use_reentrant=False, **kwargs)
             elif action == HOST:
                 self.mover.begin_block(index)
@@ -776,7 +785,7 @@ class BlockOffload:
                     out = body(*args, **kwargs)
             else:
                 out = body(*args, **kwargs)
-            if measuring and self.step == 1:
+            if timing:
                 self._block_marks["forward"].append((index, start, _now(self.device)))
             self._hook_output(index, out)
             return out
@@ -831,7 +840,7 @@ class BlockOffload:
 
     def _trigger(self, index: int) -> None:
         if self.plan is None:
-            if self.step == 1:
+            if self.step >= 1:
                 self._triggers.append((index, _now(self.device)))
             return
         started = time.perf_counter()
@@ -885,6 +894,8 @@ class BlockOffload:
         started = time.perf_counter()
         if self.plan is None and self.step == 1:
             self._take_times()
+        if self.plan is None and self.step == 2:
+            self._take_early_stop_times()
         if self.plan is None and self.step == 0:
             for index, cost in enumerate(self.measured.blocks):
                 cost.saved_bytes = self._sizes.get(index, 0)
@@ -925,6 +936,21 @@ class BlockOffload:
                     "step": _ms(marks["step"], marks["end"]),
                 }
             )
+
+    def _take_early_stop_times(self) -> None:
+        """Step 2's backward spans (recomputation stopping early, as in planned iterations): each
+        block's recomputation is its span less its backward as step 1 measured it."""
+        if self.cuda:
+            self._marks["end"].synchronize()
+        n = len(self.blocks)
+        if len(self._triggers) != n:
+            return
+        trigger = {i: mark for i, mark in self._triggers}
+        for i in range(1, n):
+            cost = self.measured.blocks[i]
+            cost.recompute_ms = max(0.0, _ms(trigger[i], trigger[i - 1]) - cost.backward_ms)
+        if self.cuda:
+            self.measured.peak_bytes = max(self.measured.peak_bytes, getattr(self, "_fb_peak", 0))
 
     def _take_times(self) -> None:
         """Step 1's events into the measurement (per block, and the edges around them)."""

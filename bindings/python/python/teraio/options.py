@@ -38,7 +38,7 @@ class OffloadOptions:
         granularity: "auto" (default: "block" for a model with repeated blocks, a `ModuleList` of
             one class such as transformer layers; else "tensor"), "block" or "tensor". "block":
             per block keep, host memory or recompute, planned from times and sizes measured in
-            two iterations with every block checkpointed (`teraio.blockwise`); never kept where it
+            three iterations with every block checkpointed (`teraio.blockwise`); never kept where it
             measures slower than checkpointing every block. "tensor": per saved tensor, planned
             from a profiled iteration by the lifetime planner (the options below marked "tensor").
         recompute: per-tensor recomputation of cheap saved activations: "auto", "on", "off".
