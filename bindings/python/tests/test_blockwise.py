@@ -128,13 +128,24 @@ def _run(steps: int, **options: Any) -> tuple[list[float], dict[str, Any], Any]:
     return losses, model.state_dict(), run
 
 
+def _force(monkeypatch: Any, action: str) -> None:
+    """Every block gets `action`, whatever the measured times say (they vary on a busy CPU)."""
+
+    def forced(measured: Measurement, link: Link, *args: Any) -> Any:
+        plan = Plan([action] * len(measured.blocks))
+        plan.predicted_ms, plan.predicted_peak_bytes = bw.predict(measured, plan, link)
+        return plan, []
+
+    monkeypatch.setattr(bw, "choose", forced)
+
+
 @pytest.mark.parametrize(
     "budget, options, expect",
     [
-        ("1GiB", {}, {KEEP: 6}),
-        ("40MiB", {}, {HOST: 6}),
-        ("40MiB", {"host_memory": "40MiB"}, {}),
-        ("9MiB", {"host_link_bandwidth": "1MB/s"}, {RECOMPUTE: 6}),
+        ("1GiB", {}, {KEEP: 6}),  # everything fits: kept (ties go to keeping)
+        ("40MiB", {"force": HOST}, {HOST: 6}),
+        ("40MiB", {"host_memory": "40MiB"}, {}),  # chosen under a host cap
+        ("9MiB", {"host_link_bandwidth": "1MB/s"}, {RECOMPUTE: 6}),  # only recomputation fits
     ],
 )
 def test_trains_bitwise_with_each_action(
@@ -143,6 +154,9 @@ def test_trains_bitwise_with_each_action(
     # The plan stays as chosen (on the CPU, copies cost time that the measuring iterations do
     # not see; the replacement of a slower plan has a test of its own).
     monkeypatch.setattr(bw.Measurement, "checkpoint_all_ms", property(lambda self: float("inf")))
+    options = dict(options)
+    if "force" in options:
+        _force(monkeypatch, options.pop("force"))
     steps = 6
     reference, state = _reference(steps)
     losses, final, run = _run(steps, gpu_memory=budget, **options)
@@ -248,42 +262,27 @@ def _models() -> list[Any]:
 
 @pytest.mark.parametrize("name, build, vocab", _models(), ids=lambda v: v if isinstance(v, str) else "")
 def test_model_families_bf16_autocast_sdpa_bitwise(name: str, build: Any, vocab: int) -> None:
-    from test_training import _hf_model
+    from test_training import _bitwise_against_reference, _hf_model
 
     if isinstance(build, str):
         build = _hf_model(build)
     generator = torch.Generator().manual_seed(5)
     data = [torch.randint(0, vocab, (2, 128), generator=generator) for _ in range(5)]
 
-    def run_steps(model: torch.nn.Module, optimizer: Any) -> list[float]:
-        losses = []
-        for tokens in data:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(tokens) if name == "plain" else model(input_ids=tokens, labels=tokens).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-        return losses
+    def loss_of(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(tokens) if name == "plain" else model(input_ids=tokens, labels=tokens).loss
 
-    torch.manual_seed(0)
-    model = build()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    reference = run_steps(model, optimizer)
-    ref_state = {k: v.clone() for k, v in model.state_dict().items()}
-    torch.manual_seed(0)
-    model = build()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
     # Parameters, gradients and AdamW state, and little beside: blocks must move or be recomputed.
-    run = teraio.offload(
-        model, optimizer, gpu_memory=4 * params + (64 << 10), whole_model="off", reserve=0, min_bytes=0
+    run = _bitwise_against_reference(
+        build,
+        data,
+        loss_of,
+        budget=lambda params: 4 * params + (64 << 10),
+        granularity="block",
+        whole_model="off",
+        min_bytes=0,
     )
     assert isinstance(run, bw.BlockOffload)
-    with run:
-        losses = run_steps(model, optimizer)
-    assert losses == reference
-    for key, value in ref_state.items():
-        assert torch.equal(model.state_dict()[key], value), key
     actions = list(run.report().actions.values())
     assert len(actions) == 3 and actions != [KEEP] * 3

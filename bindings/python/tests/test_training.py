@@ -257,8 +257,13 @@ def _bitwise_against_reference(
     build: Callable[[], torch.nn.Module],
     data: list[torch.Tensor],
     loss_of: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor],
+    budget: Callable[[int], int] = lambda params: params * 6,
     **options: Any,
-) -> teraio.Report:
+) -> Any:
+    """Trains `build()` on `data` without offload and under `teraio.offload` at `budget(parameter
+    bytes)` (`options` override the tensor plan's settings here); asserts losses and final state
+    are bitwise equal and returns the offload run (its `report()` and plan)."""
+
     def run_steps(model: torch.nn.Module, optimizer: Any) -> list[float]:
         losses = []
         for tokens in data:
@@ -279,32 +284,33 @@ def _bitwise_against_reference(
     model = build()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    with teraio.offload(
-        model,
-        optimizer,
-        gpu_memory=params * 6,
-        host_memory=1 << 30,
-        checkpoint="auto",
-        host_link_bandwidth="2GB/s",
-        reserve=0,
-        min_bytes=16 << 10,
-        if_no_fit="run",
-        **options,
-        granularity="tensor",
-    ) as run:
+    settings: dict[str, Any] = {
+        "host_memory": 1 << 30,
+        "checkpoint": "auto",
+        "host_link_bandwidth": "2GB/s",
+        "reserve": 0,
+        "min_bytes": 16 << 10,
+        "if_no_fit": "run",
+        "granularity": "tensor",
+    }
+    with teraio.offload(model, optimizer, gpu_memory=budget(params), **{**settings, **options}) as run:
         losses = run_steps(model, optimizer)
     assert losses == reference
     for name, value in ref_state.items():
         assert torch.equal(model.state_dict()[name], value), name
-    report = run.report()
-    assert report.planned_steps == len(data) - 2
+    return run
+
+
+def _tensor_plan_bitwise(*args: Any, **options: Any) -> teraio.Report:
+    report = _bitwise_against_reference(*args, **options).report()
+    assert report.planned_steps == STEPS - 2
     return report
 
 
 def test_plain_pytorch_transformer_bitwise() -> None:
     generator = torch.Generator().manual_seed(3)
     data = [torch.randint(0, 256, (4, 128), generator=generator) for _ in range(STEPS)]
-    report = _bitwise_against_reference(PlainTransformer, data, lambda model, tokens: model(tokens))
+    report = _tensor_plan_bitwise(PlainTransformer, data, lambda model, tokens: model(tokens))
     moved = report.bytes_per_iteration["offloaded"]["host"] + report.recomputed_bytes_per_iteration
     assert moved > 0 or report.checkpointed_blocks
 
@@ -347,6 +353,6 @@ def test_transformers_bf16_autocast_sdpa_bitwise(family: str) -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return model(input_ids=tokens, labels=tokens).loss
 
-    report = _bitwise_against_reference(build, data, loss_of)
+    report = _tensor_plan_bitwise(build, data, loss_of)
     assert report.checkpoint_summary["blocks"] == 3
     assert report.plan_summary["fits"] is True

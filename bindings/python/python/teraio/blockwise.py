@@ -640,7 +640,7 @@ class BlockOffload:
         store: Optional[Store],
         gpu_memory_bytes: int,
         host_memory_bytes: int,
-        machine_notes: dict[str, Any],
+        machine: dict[str, Any],
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -650,7 +650,7 @@ class BlockOffload:
         self.cuda = self.device.type == "cuda"
         self.gpu_memory_bytes = gpu_memory_bytes
         self.host_memory_bytes = host_memory_bytes
-        self.machine: dict[str, Any] = dict(machine_notes)
+        self.machine: dict[str, Any] = dict(machine)
         self.blocks = find_blocks(model)
         if not self.blocks:
             raise ValueError(

@@ -113,7 +113,7 @@ class offload:
                 store=store,
                 gpu_memory_bytes=budget,
                 host_memory_bytes=host_memory,
-                machine_notes=machine_notes,
+                machine=machine_notes,
             )
         host_memory, machine_notes = _host_memory(options)
         return wm.ModelOffload(
