@@ -174,6 +174,10 @@ def test_trains_bitwise_with_each_action(
         report.recomputed_bytes_per_iteration == list(report.actions.values()).count(RECOMPUTE) * BLOCK_SAVED
     )
     assert run.mover.peak_bytes <= run.host_memory_bytes
+    # Host time: one figure per planned iteration, the report's the median of them.
+    per_iteration = run._host_ms()
+    assert len(per_iteration) == report.planned_steps and min(per_iteration) >= 0
+    assert report.host_ms_per_iteration["hooks"] <= max(per_iteration)
 
 
 @pytest.mark.parametrize("with_store", [False, True])
