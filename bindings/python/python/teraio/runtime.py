@@ -89,7 +89,9 @@ class offload:
         **overrides: Any,
     ) -> Any:
         """Whole-model mode (`teraio.whole_model.ModelOffload`) where parameters, gradients and
-        optimizer state do not fit the budget (`whole_model` option), else activation offload."""
+        optimizer state do not fit the budget (`whole_model` option); else the block plan
+        (`teraio.blockwise.BlockOffload`) for a model with repeated blocks (`granularity`); else
+        this class, the tensor plan."""
         options = sharded.adapt_options(model, (options or OffloadOptions()).replace(**overrides))
         _refuse_compiled(model)
         device = next(iter(model.parameters())).device
@@ -99,24 +101,17 @@ class offload:
         whole = options.whole_model == "on" or (
             options.whole_model == "auto" and wm.needs_whole_model(model, optimizer, budget)
         )
-        if not whole:
-            from . import blockwise
-            from .blocks import find_blocks
+        from . import blockwise
+        from .blocks import find_blocks
 
-            if options.granularity == "tensor" or (options.granularity == "auto" and not find_blocks(model)):
-                return super().__new__(cls)
-            host_memory, machine_notes = _host_memory(options)
-            return blockwise.BlockOffload(
-                model,
-                optimizer,
-                options,
-                store=store,
-                gpu_memory_bytes=budget,
-                host_memory_bytes=host_memory,
-                machine=machine_notes,
-            )
+        if whole:
+            mode: Any = wm.ModelOffload
+        elif options.granularity == "tensor" or (options.granularity == "auto" and not find_blocks(model)):
+            return super().__new__(cls)
+        else:
+            mode = blockwise.BlockOffload
         host_memory, machine_notes = _host_memory(options)
-        return wm.ModelOffload(
+        return mode(
             model,
             optimizer,
             options,
