@@ -27,7 +27,6 @@ def _measured(blocks: int = 8, saved: int = GB, peak: int = 10 * GB, state: int 
     return Measurement(
         [BlockCost(f"b{i}", saved, 1.0, 1.0, 2.0) for i in range(blocks)],
         pre_forward_ms=1.0,
-        post_forward_ms=0.0,
         head_backward_ms=2.0,
         tail_backward_ms=1.0,
         step_ms=3.0,

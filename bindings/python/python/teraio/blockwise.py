@@ -45,6 +45,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from . import ids, machine
@@ -53,15 +54,16 @@ from .executor import HOST, SSD, _flat_bytes, _pinned_size, copy_on_stream
 from .options import OffloadOptions
 from .planning import _bandwidth as planning_bandwidth
 from .planning import format_bytes, parse_size
+from .report import check_prediction
 from .state import Move, StateExecutor
 from .store import Store
+from .timing import elapsed_ms as _ms
+from .timing import mark
 
 KEEP = "keep"
 RECOMPUTE = "recompute"
 #: `HOST` (imported) is the third action.
 
-#: Measured - predicted, as a share of predicted, past which the report warns.
-PREDICTION_TOLERANCE = 0.10
 #: Saved bytes each copy direction may have in flight, in blocks' worth (the largest block): the
 #: plan picks one of these (a wider window stalls forward less and costs more GPU memory).
 WINDOW_BLOCKS = (1, 2)
@@ -91,10 +93,10 @@ class Measurement:
     """The iteration with every block checkpointed, as measured (times in ms, bytes)."""
 
     blocks: list[BlockCost]
-    #: Forward before the first block, and from the last block's end to backward's start.
+    #: Forward before the first block.
     pre_forward_ms: float = 0.0
-    post_forward_ms: float = 0.0
-    #: Backward before the last block's gradient hook, and after the first block's.
+    #: From the last block's forward to its gradient hook (the head's forward and backward), and
+    #: backward after the first block's.
     head_backward_ms: float = 0.0
     tail_backward_ms: float = 0.0
     step_ms: float = 0.0
@@ -108,7 +110,7 @@ class Measurement:
     def checkpoint_all_ms(self) -> float:
         """The measured iteration: every block recomputed, the state resident at the step."""
         blocks = sum(b.forward_ms + b.recompute_ms + b.backward_ms for b in self.blocks)
-        edges = self.pre_forward_ms + self.post_forward_ms + self.head_backward_ms + self.tail_backward_ms
+        edges = self.pre_forward_ms + self.head_backward_ms + self.tail_backward_ms
         return blocks + edges + self.step_ms
 
 
@@ -166,7 +168,8 @@ def predict(measured: Measurement, plan: Plan, link: Link) -> tuple[float, int]:
     ssd_ms_per_byte = 1e3 / max(1.0, min(link.ssd_read, link.ssd_write))
     # Forward.
     t = measured.pre_forward_ms
-    link_free = plan.state_host_bytes * ms_per_byte_d2h + plan.state_ssd_bytes * ssd_ms_per_byte
+    state_out_ms = plan.state_host_bytes * ms_per_byte_d2h + plan.state_ssd_bytes * ssd_ms_per_byte
+    link_free = state_out_ms
     in_flight: deque[tuple[float, int]] = deque()
     flight_bytes = 0
     written: dict[int, float] = {}
@@ -186,13 +189,11 @@ def predict(measured: Measurement, plan: Plan, link: Link) -> tuple[float, int]:
             t = max(t, done)
             flight_bytes -= nbytes
     # State whose copy out is still queued when forward ends is still on the GPU at the peak.
-    state_late = max(
-        0.0, plan.state_host_bytes * ms_per_byte_d2h + plan.state_ssd_bytes * ssd_ms_per_byte - t
-    )
+    state_late = max(0.0, state_out_ms - t)
     state_late_bytes = int(
         state_late / max(ms_per_byte_d2h, ssd_ms_per_byte if plan.state_ssd_bytes else 0.0)
     )
-    t += measured.post_forward_ms + measured.head_backward_ms
+    t += measured.head_backward_ms
     # Backward: block n-1 first.
     host_order = [i for i in reversed(range(len(blocks))) if plan.actions[i] == HOST]
     ready: dict[int, float] = {}
@@ -330,27 +331,7 @@ class _LiveOutputs(TorchDispatchMode):
 
 def _tensors(value: Any) -> list[torch.Tensor]:
     """The tensors in a block's inputs or output (tuples, lists, dicts, model outputs)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (tuple, list)):
-        return [t for item in value for t in _tensors(item)]
-    return []
-
-
-def _now(device: torch.device) -> Any:
-    if device.type == "cuda":
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(device))
-        return event
-    return time.perf_counter()
-
-
-def _ms(first: Any, second: Any) -> float:
-    if isinstance(first, float):
-        return (second - first) * 1e3
-    return float(first.elapsed_time(second))
+    return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
 
 
 # -- host offload of a block's saved tensors -------------------------------------------------------
@@ -387,7 +368,6 @@ class BlockStats:
 
     host_offloaded_bytes: int = 0
     host_prefetched_bytes: int = 0
-    recomputed_bytes: int = 0
     prefetches_planned: int = 0
     prefetches_on_demand: int = 0
     window_waits: int = 0
@@ -404,11 +384,14 @@ class _HostMover:
     Buffers are kept per (block, save order) from one iteration to the next and capped at
     `capacity_bytes`; a copy into a buffer waits on the GPU for the previous read of it."""
 
-    def __init__(self, device: torch.device, capacity_bytes: int, window: int, stats: BlockStats) -> None:
+    def __init__(
+        self, device: torch.device, capacity_bytes: int, stats: BlockStats, min_bytes: int, skip: set[int]
+    ) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
         self.capacity_bytes = capacity_bytes
-        self.window = window
+        # Set with the plan (`window_bytes`).
+        self.window = 0
         self.stats = stats
         self.used_bytes = 0
         self.peak_bytes = 0
@@ -419,8 +402,9 @@ class _HostMover:
         self._flight_bytes = 0
         self._block = -1
         self._seen: dict[int, tuple[_HostSlot, Any]] = {}
-        self.skip: set[int] = set()
-        self.min_bytes = 1 << 20
+        # Storages never copied (the parameters), and the size below which a save stays.
+        self.skip = skip
+        self.min_bytes = min_bytes
         if self.cuda:
             self.d2h_stream = torch.cuda.Stream(device)
             self.h2d_stream = torch.cuda.Stream(device)
@@ -594,9 +578,9 @@ class BlockReport:
             f"checkpointing every block {ms(self.checkpoint_all_ms)} "
             f"(measured), ideal {ms(self.ideal_estimate_ms)} (estimate: checkpointing every block less its "
             "measured recomputation)",
-            f"  peak GPU memory: measured {_gib(self.peak_gpu_bytes)}, "
-            f"bound {_gib(self.predicted_peak_bytes)}, "
-            f"budget {_gib(self.gpu_memory_bytes)} (reserve {_gib(self.reserve_bytes)})",
+            f"  peak GPU memory: measured {_size(self.peak_gpu_bytes)}, "
+            f"bound {_size(self.predicted_peak_bytes)}, "
+            f"budget {_size(self.gpu_memory_bytes)} (reserve {_size(self.reserve_bytes)})",
             f"  blocks: {counts[KEEP]} kept, {counts[HOST]} to host memory, {counts[RECOMPUTE]} recomputed",
             "  per iteration: activations to host "
             f"{format_bytes(self.bytes_per_iteration['offloaded'][HOST])}, "
@@ -616,8 +600,8 @@ class BlockReport:
         return "\n".join(lines)
 
 
-def _gib(value: Optional[int]) -> str:
-    return "-" if value is None else f"{value / 2**30:.2f} GiB"
+def _size(value: Optional[int]) -> str:
+    return "-" if value is None else format_bytes(value)
 
 
 class BlockOffload:
@@ -665,9 +649,8 @@ class BlockOffload:
         n = len(self.blocks)
         self.actions = [RECOMPUTE] * n
         self.stats = BlockStats()
-        self.mover = _HostMover(self.device, host_memory_bytes, 0, self.stats)
-        self.mover.min_bytes = options.min_bytes
-        self.mover.skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.mover = _HostMover(self.device, host_memory_bytes, self.stats, options.min_bytes, parameters)
         streams = {
             "d2h_stream": getattr(self.mover, "d2h_stream", None),
             "h2d_stream": getattr(self.mover, "h2d_stream", None),
@@ -780,7 +763,7 @@ class BlockOffload:
             )
             timing = measuring and self.step >= 1
             if timing:
-                start = _now(self.device)
+                start = mark(self.device)
             if action == RECOMPUTE:
                 with set_checkpoint_early_stop(not measuring or self.step >= 2):
                     out = checkpoint(body, *args, use_reentrant=False, **kwargs)
@@ -791,7 +774,7 @@ class BlockOffload:
             else:
                 out = body(*args, **kwargs)
             if timing:
-                self._block_marks["forward"].append((index, start, _now(self.device)))
+                self._block_marks["forward"].append((index, start, mark(self.device)))
             self._hook_output(index, out)
             return out
 
@@ -822,9 +805,9 @@ class BlockOffload:
                             sizes[storage.data_ptr()] = storage.nbytes()
                 self._sizes[index] = sum(sizes.values())
                 return out
-            start = _now(self.device)
+            start = mark(self.device)
             out = original(*a, **k)
-            self._block_marks["recompute"].append((index, start, _now(self.device)))
+            self._block_marks["recompute"].append((index, start, mark(self.device)))
             return out
 
         return body
@@ -846,7 +829,7 @@ class BlockOffload:
     def _trigger(self, index: int) -> None:
         if self.plan is None:
             if self.step >= 1:
-                self._triggers.append((index, _now(self.device)))
+                self._triggers.append((index, mark(self.device)))
             return
         started = time.perf_counter()
         position = len(self.blocks) - 1 - index
@@ -874,7 +857,7 @@ class BlockOffload:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         self._started = time.perf_counter()
-        self._marks = {"forward": _now(self.device)}
+        self._marks = {"forward": mark(self.device)}
         self._triggers = []
         self._block_marks = {"forward": [], "recompute": []}
         if self.plan is not None:
@@ -888,14 +871,14 @@ class BlockOffload:
                 torch.cuda.memory_stats(self.device).get("inactive_split_bytes.all.peak", 0)
             )
             torch.cuda.reset_peak_memory_stats(self.device)
-        self._marks["backward_end"] = _now(self.device)
+        self._marks["backward_end"] = mark(self.device)
         started = time.perf_counter()
         self.state.before_step()
         self.stats.hook_s += time.perf_counter() - started
-        self._marks["step"] = _now(self.device)
+        self._marks["step"] = mark(self.device)
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._marks["end"] = _now(self.device)
+        self._marks["end"] = mark(self.device)
         started = time.perf_counter()
         if self.plan is None and self.step == 1:
             self._take_times()
@@ -973,7 +956,6 @@ class BlockOffload:
         if len(forward) == n and len(self._triggers) == n:
             measured.pre_forward_ms = _ms(marks["forward"], forward[0][0])
             last_trigger = {i: mark for i, mark in self._triggers}
-            measured.post_forward_ms = 0.0
             measured.head_backward_ms = _ms(forward[n - 1][1], last_trigger[n - 1])
             for i in range(n):
                 end = last_trigger[i - 1] if i > 0 else marks["backward_end"]
@@ -1178,16 +1160,7 @@ class BlockOffload:
         measured_ms = statistics.median(sum(p.values()) for p in planned) if planned else None
         plan = self.plan
         predicted = plan.predicted_ms if plan else None
-        error = None
-        warning = ""
-        if measured_ms is not None and predicted:
-            error = (measured_ms - predicted) / predicted * 100
-            if abs(error) > PREDICTION_TOLERANCE * 100:
-                warning = (
-                    f"measured {measured_ms:.1f} ms is {abs(error):.0f}% "
-                    f"{'above' if error > 0 else 'below'} the predicted {predicted:.1f} ms "
-                    f"(tolerance {PREDICTION_TOLERANCE:.0%})"
-                )
+        error, warning = check_prediction(measured_ms, predicted)
         stats = self.stats.as_dict()
         before = self._stats_at_plan or {k: 0 for k in stats}
 

@@ -1,6 +1,8 @@
-"""What an activation-offload run did (`teraio.offload(...).report()`): the `Report` type.
+"""What an activation-offload run did (`teraio.offload(...).report()`): the `Report` type, and
+the check of a measured iteration against its prediction that both plans' reports make.
 
-The whole-model mode's report is `whole_model.WholeModelReport`.
+The block plan's report is `blockwise.BlockReport`; the whole-model mode's is
+`whole_model.WholeModelReport`.
 """
 
 from __future__ import annotations
@@ -10,6 +12,26 @@ from typing import Any, Optional
 
 from .executor import HOST, SSD
 from .planning import format_bytes
+
+#: The report flags a measured iteration this far (as a share) from the prediction.
+PREDICTION_TOLERANCE = 0.10
+
+
+def check_prediction(
+    measured_ms: Optional[float], predicted_ms: Optional[float]
+) -> tuple[Optional[float], str]:
+    """(measured - predicted) / predicted in percent (None without both), and a warning where it
+    is past `PREDICTION_TOLERANCE` ("" otherwise)."""
+    if not predicted_ms or measured_ms is None:
+        return None, ""
+    error = (measured_ms - predicted_ms) / predicted_ms * 100
+    if abs(error) <= PREDICTION_TOLERANCE * 100:
+        return error, ""
+    return error, (
+        f"measured {measured_ms:.1f} ms is {abs(error):.0f}% {'above' if error > 0 else 'below'} the "
+        f"predicted {predicted_ms:.1f} ms (tolerance {PREDICTION_TOLERANCE:.0%}): the plan's model of "
+        "this machine is off"
+    )
 
 
 @dataclass

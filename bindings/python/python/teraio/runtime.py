@@ -29,20 +29,18 @@ from torch.utils._pytree import tree_flatten
 
 from . import blocks as bk
 from . import calibration as cal
-from . import machine, sharded
+from . import machine, sharded, timing
 from . import optimizer_state_dict as osd
 from . import recompute as rc
 from .executor import HOST, SSD, ActivationExecutor, _pinned_size
 from .options import OffloadOptions
 from .planning import _bandwidth, format_bytes, parse_size, plan, simulate
 from .profiler import Profiler, SaveEvent
-from .report import Report
+from .report import Report, check_prediction
 from .state import Move, StateExecutor, pin_outside_forward_gap, pin_within_iteration
 from .store import Store
+from .timing import elapsed_ms as _elapsed_ms
 from .translate import decisions_from_plan, parameter_moves_from_plan, state_moves_from_plan
-
-#: The report flags a measured iteration this far (as a share) from the prediction.
-PREDICTION_TOLERANCE = 0.10
 
 
 class NoPlanFitsError(RuntimeError):
@@ -419,11 +417,7 @@ class offload:
             self._block_hooks.append(module.register_forward_hook(leave))
 
     def _now(self) -> Any:
-        if self.device.type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
-            event.record(torch.cuda.current_stream(self.device))
-            return event
-        return time.perf_counter()
+        return timing.mark(self.device)
 
     def _on_event(self, event_index: int) -> None:
         self.state.on_event(event_index)
@@ -958,15 +952,7 @@ class offload:
         ideal_ms = sum(op["duration_us"] for op in self.trace["ops"]) / 1e3 if self.trace else None
         predicted_ms = prediction["iteration_time_us"] / 1e3 if "iteration_time_us" in prediction else None
         measured_ms = statistics.median(planned_times) if planned_times else None
-        error = warning = None
-        if predicted_ms and measured_ms is not None:
-            error = (measured_ms - predicted_ms) / predicted_ms * 100
-            if abs(error) > PREDICTION_TOLERANCE * 100:
-                warning = (
-                    f"measured {measured_ms:.1f} ms is {abs(error):.0f}% "
-                    f"{'above' if error > 0 else 'below'} the predicted {predicted_ms:.1f} ms "
-                    f"(tolerance {PREDICTION_TOLERANCE:.0%}): the plan's model of this machine is off"
-                )
+        error, warning = check_prediction(measured_ms, predicted_ms)
         hooks_ms = self._host_summary(stats, count)
         source = self.calibration.describe()
         if self.op_time_scale != 1.0:
@@ -997,7 +983,7 @@ class offload:
             ideal_source=source,
             profiled_ops_ms=getattr(self, "profiled_ops_us", 0.0) / 1e3 if self.trace else None,
             prediction_error_percent=error,
-            prediction_warning=warning or "",
+            prediction_warning=warning,
             checkpointed_blocks=list(self.checkpoint_blocks),
             checkpoint_summary=self.checkpoint_summary,
             machine=dict(self.machine),
@@ -1075,14 +1061,6 @@ def _refuse_compiled(model: torch.nn.Module) -> None:
             "uncompiled module (for `compiled = torch.compile(model)`, pass `model`), or call "
             "torch.compile on parts that teraio does not need to see"
         )
-
-
-def _elapsed_ms(first: Any, second: Any) -> float:
-    """Milliseconds between two marks (CUDA events or host times)."""
-    if isinstance(first, float):
-        return (second - first) * 1e3
-    second.synchronize()
-    return float(first.elapsed_time(second))
 
 
 def _recipe_outside(recipe: rc.Recipe, packed: set[Optional[int]], checkpointed: set[str]) -> bool:
