@@ -41,7 +41,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 import teraio  # noqa: E402
-from tiny import batches, make  # noqa: E402
+from tiny import batches, make, train  # noqa: E402
 
 try:
     from torch.distributed.fsdp import fully_shard
@@ -75,17 +75,6 @@ def _build() -> tuple[Any, Any]:
     fully_shard(model)
     # The optimizer holds the sharded parameters (DTensors), so it is made after sharding.
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-
-def _train(model: Any, optimizer: Any, data: list[Any]) -> list[float]:
-    losses = []
-    for x in data:
-        loss = model(x)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
 
 
 def _shards(model: Any) -> dict[str, Any]:
@@ -159,10 +148,10 @@ def _rank_main(rank: int, tmp: str, store_root: str) -> None:
 
     # The rank's unplanned peak and activations, profiled on a steady FSDP2 iteration.
     model, optimizer = _build()
-    _train(model, optimizer, data[:2])
+    train(model, optimizer, data[:2])
     profiler = teraio.Profiler(model, optimizer)
     with profiler:
-        _train(model, optimizer, data[2:3])
+        train(model, optimizer, data[2:3])
     trace = profiler.trace()
     planned = teraio.plan(trace, gpu_memory=1 << 40, ssd_read_bandwidth=1e9)
     peak = planned["prediction"]["unplanned_peak_bytes"]
@@ -178,7 +167,7 @@ def _rank_main(rank: int, tmp: str, store_root: str) -> None:
     model, optimizer = _build()
     plain_calls: list[Any] = []
     with _recording_collectives(plain_calls):
-        plain = _train(model, optimizer, data)
+        plain = train(model, optimizer, data)
     plain_shards, plain_state = _shards(model), _state(optimizer)
 
     path = pathlib.Path(store_root) / f"rank{rank}"
@@ -198,11 +187,11 @@ def _rank_main(rank: int, tmp: str, store_root: str) -> None:
         model, optimizer = _build()
         calls: list[Any] = []
         with _recording_collectives(calls), teraio.offload(model, optimizer, **options) as run:
-            losses = _train(model, optimizer, data[:SAVE_AT])
+            losses = train(model, optimizer, data[:SAVE_AT])
             result["state_away_at_save"] = sum(not s.resident for s in run.state.slots)
             model_sd, optim_sd = get_state_dict(model, optimizer)
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint)
-            losses += _train(model, optimizer, data[SAVE_AT:])
+            losses += train(model, optimizer, data[SAVE_AT:])
         report = run.report()
         result["report"] = report.as_dict()
         result["report_text"] = str(report)
@@ -216,13 +205,13 @@ def _rank_main(rank: int, tmp: str, store_root: str) -> None:
         for name, warmup in (("before_any_step", []), ("with_the_plan", other)):
             model, optimizer = _build()
             with teraio.offload(model, optimizer, **options) as run:
-                _train(model, optimizer, warmup)
+                train(model, optimizer, warmup)
                 planned = run.plan_result is not None
                 model_sd, optim_sd = get_state_dict(model, optimizer)
                 dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint)
                 set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
                 moved_before = sum(run.state.stats.offloaded_bytes.values())
-                after = _train(model, optimizer, data[SAVE_AT:])
+                after = train(model, optimizer, data[SAVE_AT:])
                 moved_after = sum(run.state.stats.offloaded_bytes.values())
             shards = _shards(model)
             resumed[name] = {
