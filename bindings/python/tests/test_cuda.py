@@ -220,13 +220,9 @@ def test_block_plan_is_exact_on_cuda(monkeypatch: Any, action: Any) -> None:
     reference = train(model, optimizer, data)
     ref_state = {k: v.clone() for k, v in model.state_dict().items()}
     if action is not None:
+        from test_blockwise import _force
 
-        def forced(measured: Any, link: Any, *args: Any) -> Any:
-            plan = bw.Plan([action] * len(measured.blocks))
-            plan.predicted_ms, plan.predicted_peak_bytes = bw.predict(measured, plan, link)
-            return plan, []
-
-        monkeypatch.setattr(bw, "choose", forced)
+        _force(monkeypatch, action)
         monkeypatch.setattr(bw.Measurement, "checkpoint_all_ms", property(lambda self: float("inf")))
     model, optimizer = make(device=DEVICE, layers=6, hidden=1024)
     weights = sum(p.numel() * 4 for p in model.parameters())
