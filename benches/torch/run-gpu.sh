@@ -8,12 +8,15 @@
 #                             #   are recorded as skipped); then the fp32 flagship's ideal, HF
 #                             #   checkpointing and teraio (default arguments) rows (~9 min).
 #                             #   FAMILIES=llama FLAGSHIP=0: the second family; DTYPE=bf16: bf16
-#                             #   weights; MODES=save_on_cpu,torchtune: only those after the ideal
+#                             #   weights; MODES=save_on_cpu,torchtune: only those after the ideal;
+#                             #   STEPS (8) and WARMUP (3): steps per row, and those left out of its time
 #   run-gpu.sh flagship       # the fp32 0.85B Llama at half its ideal peak: ideal, teraio with the
 #                             #   machine's measured figures and with default arguments, HF
 #                             #   checkpointing; batch 8 with teraio (~6 min)
 #   run-gpu.sh baselines [CAP]  # the flagship's other offloaders at CAP GiB: save_on_cpu, torchtune,
 #                             #   DeepSpeed (ZeRO-Infinity on NVMe, else ZeRO-3 with CPU offload)
+#   run-gpu.sh probe          # where the block plan's steps go (probe_block_plan.py): per-step times,
+#                             #   allocator counts and a profiler timeline summary per VARIANTS entry
 #   run-gpu.sh diagnose       # where planned flagship steps lose time: a torch.profiler timeline of a
 #                             #   planned step and copy/allocator variants; VARIANTS=';--reserve-gib 2'
 #                             #   (';'-separated bench_llama.py options) runs those variants instead
@@ -106,13 +109,27 @@ tests)
   timeout 400 python3 -m pytest -q -p no:cacheprovider bindings/python/tests 2>&1 | tee "$OUT/pytest.log" | tail -40
   ;;
 
+probe)
+  # probe_block_plan.py once per ';'-separated VARIANTS entry (its options after --family and
+  # --cap-bytes; default: the chosen plan and checkpointing every block, each with a timeline of
+  # step 6), on FAMILY (qwen2) at CAP_BYTES (65% of its ideal peak: 41596000000).
+  variants=("--profile-step 6 --no-guard" "--plan ckpt --profile-step 6")
+  [ -n "${VARIANTS:-}" ] && IFS=';' read -ra variants <<< "$VARIANTS"
+  for variant in "${variants[@]}"; do
+    [ $SECONDS -gt "${PROBE_DEADLINE:-500}" ] && { echo "== probe $variant skipped: out of time"; continue; }
+    # shellcheck disable=SC2086
+    timeout $((590 - SECONDS)) python3 $B/probe_block_plan.py --family "${FAMILY:-qwen2}" \
+      --cap-bytes "${CAP_BYTES:-41596000000}" --out-dir "$OUT" $variant 2>&1 | grep -v Warning
+  done
+  ;;
+
 regime)
   # The table first (no row starts after its deadline; a killed row's teardown takes ~15 s more),
   # then the fp32 flagship's rows in what is left of the call's 9 minutes.
   deadline=${DEADLINE:-$([ "${FLAGSHIP:-1}" = 1 ] && echo 350 || echo 480)}
   timeout $((deadline + 45)) python3 $B/bench_regime.py table --families "${FAMILIES:-qwen2}" \
     --dtype "${DTYPE:-autocast}" --modes "${MODES:-teraio,hf_ckpt,sac,save_on_cpu,torchtune}" \
-    --fractions 0.65,0.5 --steps "${STEPS:-8}" --warmup 3 --store-dir /root/teraio-regime \
+    --fractions 0.65,0.5 --steps "${STEPS:-8}" --warmup "${WARMUP:-3}" --store-dir /root/teraio-regime \
     --deadline-s "$deadline" --out-dir "$OUT/regime" 2>&1 | grep -E '^\[|^==' | tee "$OUT/regime-progress.log"
   cp "$OUT/regime/results.jsonl" "$OUT/results.jsonl"
   if [ "${FLAGSHIP:-1}" = 1 ]; then

@@ -216,6 +216,40 @@ def test_optimizer_state_leaves_where_that_keeps_more_blocks(
     assert run.plan is not None and run.plan.predicted_peak_bytes <= budget
 
 
+def test_state_leaves_when_the_next_forward_starts_not_at_the_step() -> None:
+    # Copies out issued at the step would run before the loop's `loss.item()` (copies in one
+    # direction run in issue order): the state stays until the first block of the next forward.
+    model, optimizer = make(layers=LAYERS, hidden=HIDDEN)
+    run = teraio.offload(model, optimizer, gpu_memory="1GiB", granularity="block", min_bytes=0)
+    data = batches(3, rows=256)
+    seen: list[tuple[int, int]] = []
+
+    def state_bytes() -> int:
+        return sum(
+            v.untyped_storage().nbytes()
+            for s in optimizer.state.values()
+            for v in s.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        )
+
+    def first_block(module: Any, args: Any) -> None:
+        seen.append((len(seen), state_bytes()))
+
+    hook = model.layers[1].register_forward_pre_hook(first_block)
+    with run:
+        for x in data:
+            model(x).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            after_step = state_bytes()
+            assert after_step > 0  # still on the device when the loop reads the loss
+    hook.remove()
+    # Before the plan every state tensor leaves between steps: by the second block of the next
+    # forward all of it has (step 0 makes the state, so from the second forward on).
+    assert [b for _, b in seen[1:]] == [0, 0], seen
+    assert run.state.stats.offloaded_bytes["host"] > 0
+
+
 def test_a_plan_measured_slower_than_checkpointing_every_block_is_replaced(monkeypatch: Any) -> None:
     steps = 6
     reference, state = _reference(steps)

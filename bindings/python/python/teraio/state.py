@@ -156,10 +156,29 @@ class StateExecutor:
 
     # -- after the step: out ---------------------------------------------------------------------
 
-    def after_step(self) -> None:
-        """Copies every state tensor moved between steps to its tier and releases its memory."""
-        self._move_out(self._between_steps)
+    def after_step(self, defer: bool = False) -> None:
+        """Copies every state tensor moved between steps to its tier and releases its memory.
+        `defer`: not now but at the next event (`on_event`) or `issue_deferred_out`, that is once
+        the next forward pass runs: copies in one direction run in the order they were issued,
+        whatever their stream, so copies issued right after the step would hold up the small copy
+        the training loop makes next (`loss.item()`) until all of them are done."""
+        if defer:
+            # Pinned memory is allocated now: allocating it takes long (about 1 s per GB), on the
+            # host, and would stall the forward pass that issues the copies.
+            for index in self._between_steps:
+                slot = self.slots[index]
+                if slot.resident and slot.tier == HOST:
+                    self._host_buffer(slot)
+            self._out_at_next_event = self._out_at_next_event or bool(self._between_steps)
+        else:
+            self._move_out(self._between_steps)
         self.poll()
+
+    def issue_deferred_out(self) -> None:
+        """Issues the copies out that `after_step(defer=True)` or `bring_back` left for now."""
+        if self._out_at_next_event:
+            self._out_at_next_event = False
+            self._move_out(self._between_steps)
 
     def _move_out(self, indices: list[int]) -> None:
         for index in indices:
@@ -169,8 +188,7 @@ class StateExecutor:
     def _offload(self, slot: _StateSlot) -> None:
         storage = slot.tensor.untyped_storage()
         source = _flat_bytes(slot.tensor)
-        if slot.host is None:
-            slot.host = torch.empty(slot.nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+        self._host_buffer(slot)
         if self.cuda:
             slot.d2h_event = copy_on_stream(self.d2h_stream, self.device, slot.host, source)
             # The allocator keeps the block until the copy has read it.
@@ -184,6 +202,11 @@ class StateExecutor:
         self.stats.offloaded_bytes[slot.tier] += slot.nbytes
         if slot.tier == SSD:
             self._pending.append(slot)
+
+    def _host_buffer(self, slot: _StateSlot) -> torch.Tensor:
+        if slot.host is None:
+            slot.host = torch.empty(slot.nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+        return slot.host
 
     def poll(self) -> None:
         """Moves SSD-tier work along without blocking: starts writes whose device-to-host copy
@@ -218,9 +241,7 @@ class StateExecutor:
         within the iteration), restores, and makes compute wait for restores it needs next."""
         if self._pending:
             self.poll()
-        if self._out_at_next_event:
-            self._out_at_next_event = False
-            self._move_out(self._between_steps)
+        self.issue_deferred_out()
         if event_index not in self._action_events:
             return
         released = self.release_at_event.get(event_index)
@@ -275,8 +296,7 @@ class StateExecutor:
                 slot.put.wait()
                 slot.put = None
                 self._pending.remove(slot)
-            if slot.host is None:
-                slot.host = torch.empty(slot.nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+            self._host_buffer(slot)
             assert self.store is not None
             slot.get = self.store._native.get_address(
                 slot.object_id, slot.host.data_ptr(), slot.nbytes, slot.host, 0, True, True

@@ -1,0 +1,224 @@
+"""Where the block plan's iterations go: one model, one cap, one plan variant, per-step figures and
+an optional torch.profiler timeline of one step.
+
+    python3 benches/torch/probe_block_plan.py --family qwen2 --cap-bytes 41600000000
+    python3 benches/torch/probe_block_plan.py --family qwen2 --cap-bytes 41600000000 \
+        --plan ckpt --no-guard --profile-step 6 --out-dir /tmp/probe
+
+`--plan`: `auto` (what `teraio.offload` chooses), `ckpt` (every block recomputed, the optimizer
+state resident), `ckpt-state` (every block recomputed, all optimizer state to host memory between
+steps, back at the step), `no-state` (the fastest plan that moves no optimizer state), `no-host`
+(the fastest that copies no activations). `--no-guard`: the plan stays even where it measures
+slower than checkpointing (and no memory replan). Per step it prints the wall time, the allocator's
+retries and device allocations, and the block runtime's phase times; with `--profile-step` the
+GPU's busy time per stream, its longest idle gaps on the compute stream with the host op that
+launched the work after each gap, and the host's costliest calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import gzip
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def forced_choose(kind: str) -> Any:
+    """A replacement for `blockwise.choose` that picks the `kind` variant (see the module doc)."""
+    from teraio import blockwise as bw
+
+    real = bw.choose
+
+    def choose(
+        measured: Any, link: Any, limit: int, state_sizes: list[int], host: int, has_store: bool
+    ) -> Any:
+        n = len(measured.blocks)
+        if kind == "ckpt":
+            plan = bw.Plan([bw.RECOMPUTE] * n)
+        elif kind == "ckpt-state":
+            plan = bw.Plan([bw.RECOMPUTE] * n, state_host_bytes=sum(state_sizes))
+        elif kind == "no-state":
+            return real(measured, link, limit, [], host, False)
+        elif kind == "no-host":
+            return real(measured, link, limit, state_sizes, 0, has_store)
+        else:
+            raise ValueError(kind)
+        plan.predicted_ms, plan.predicted_peak_bytes = bw.predict(measured, plan, link)
+        return plan, []
+
+    return choose
+
+
+def summarize_trace(path: str, top: int = 12) -> None:
+    """Busy time per GPU stream, the compute stream's longest gaps and what launched the work
+    after each, from a chrome trace written by torch.profiler."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as handle:
+        events = json.load(handle)["traceEvents"]
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not gpu:
+        print("trace: no GPU events")
+        return
+    by_stream: dict[Any, list[tuple[float, float, dict[str, Any]]]] = collections.defaultdict(list)
+    for e in gpu:
+        by_stream[e["args"].get("stream")].append((e["ts"], e["ts"] + e["dur"], e))
+    start = min(e["ts"] for e in gpu)
+    end = max(e["ts"] + e["dur"] for e in gpu)
+    print(f"trace: GPU span {(end - start) / 1e3:.1f} ms")
+    for stream, spans in sorted(by_stream.items(), key=lambda kv: -sum(b - a for a, b, _ in kv[1])):
+        kinds = collections.Counter()
+        for a, b, e in spans:
+            kinds[
+                e["cat"]
+                + (":" + e["name"].split(" ")[1] if e["cat"] == "gpu_memcpy" and " " in e["name"] else "")
+            ] += b - a
+        busy = ", ".join(f"{k} {v / 1e3:.1f} ms" for k, v in kinds.most_common(4))
+        print(f"  stream {stream}: {len(spans)} events, {busy}")
+    compute = max(by_stream, key=lambda s: sum(1 for _, _, e in by_stream[s] if e["cat"] == "kernel"))
+    spans = sorted(by_stream[compute], key=lambda x: x[0])
+    gaps = []
+    last = spans[0][1]
+    for a, b, e in spans[1:]:
+        if a - last > 200:
+            gaps.append((a - last, last, e))
+        last = max(last, b)
+    total = sum(g for g, _, _ in gaps)
+    print(f"  compute stream {compute}: {len(gaps)} gaps over 0.2 ms, {total / 1e3:.1f} ms in all")
+    runtime = {
+        e["args"].get("correlation"): e
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+    }
+    ops = sorted(
+        (e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")),
+        key=lambda e: e["ts"],
+    )
+
+    def enclosing(ts: float) -> str:
+        names = [e["name"] for e in ops if e["ts"] <= ts <= e["ts"] + e["dur"]]
+        return " > ".join(names[-4:]) if names else "?"
+
+    for gap, at, e in sorted(gaps, key=lambda g: -g[0])[:top]:
+        launch = runtime.get(e["args"].get("correlation"))
+        where = enclosing(launch["ts"]) if launch else "?"
+        print(
+            f"    gap {gap / 1e3:6.2f} ms at +{(at - start) / 1e3:7.1f} ms "
+            f"before {e['name'][:50]!r}: launched in {where[:160]}"
+        )
+    host = collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "cuda_runtime":
+            host[e["name"]] += e["dur"]
+    print("  host CUDA calls: " + ", ".join(f"{k} {v / 1e3:.1f} ms" for k, v in host.most_common(8)))
+
+
+def main() -> None:
+    import teraio
+    from teraio import blockwise as bw
+
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--family", default="qwen2")
+    parser.add_argument("--cap-bytes", type=int, required=True)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument(
+        "--plan", default="auto", choices=["auto", "ckpt", "ckpt-state", "no-state", "no-host"]
+    )
+    parser.add_argument("--no-guard", action="store_true")
+    parser.add_argument("--profile-step", type=int, default=-1)
+    parser.add_argument("--out-dir", default="")
+    args = parser.parse_args()
+    from bench_regime import build_model, make_batches
+
+    device = torch.device("cuda")
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_bytes / total), 0)
+    model = build_model(args.family, "autocast", device, tiny=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batches = make_batches(args.steps, args.batch, args.seq, model.config.vocab_size)
+    if args.plan != "auto":
+        bw.choose = forced_choose(args.plan)
+    directory = tempfile.mkdtemp(prefix="teraio-probe-", dir="/root")
+    store = teraio.Store.create(
+        [os.path.join(directory, "dev0")], file_size_bytes=16 << 30, durable=False, force=True
+    )
+    print(f"== {args.family} cap {args.cap_bytes / 2**30:.2f} GiB plan {args.plan} guard {not args.no_guard}")
+    try:
+        with teraio.offload(model, optimizer, store=store, gpu_memory=args.cap_bytes) as run:
+            if args.no_guard:
+                run._check_plan = lambda: None
+            before = torch.cuda.memory_stats()
+            for step, tokens in enumerate(batches):
+                profiling = step == args.profile_step
+                profiler = (
+                    torch.profiler.profile(
+                        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+                    )
+                    if profiling
+                    else contextlib.nullcontext()
+                )
+                tokens = tokens.to(device)
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                with profiler:
+                    with torch.autocast("cuda", dtype=torch.bfloat16):
+                        loss = model(input_ids=tokens, labels=tokens).loss
+                    loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    value = loss.item()
+                wall = (time.perf_counter() - started) * 1e3
+                stats = torch.cuda.memory_stats()
+                delta = {
+                    k: stats.get(k, 0) - before.get(k, 0)
+                    for k in (
+                        "num_alloc_retries",
+                        "num_device_alloc",
+                        "num_device_free",
+                        "num_sync_all_streams",
+                    )
+                }
+                before = stats
+                run._collect(wait=True)
+                phases = run._iterations[-1] if run._iterations else {}
+                hook = run._hook_s_at_end
+                host_ms = (hook[-1] - (hook[-2] if len(hook) > 1 else 0.0)) * 1e3 if hook else 0.0
+                print(
+                    f"step {step}: loss {value:.5f} wall {wall:.0f} ms; phases "
+                    + ", ".join(f"{k} {v:.0f}" for k, v in phases.items())
+                    + f"; host in teraio {host_ms:.0f} ms; "
+                    f"peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB, "
+                    f"reserved {torch.cuda.memory_reserved() / 2**30:.2f} GiB; allocator {delta}",
+                    flush=True,
+                )
+                if profiling:
+                    out = args.out_dir or directory
+                    os.makedirs(out, exist_ok=True)
+                    path = os.path.join(out, f"trace-{args.family}-{args.plan}-s{step}.json")
+                    profiler.export_chrome_trace(path)
+                    summarize_trace(path)
+                    with open(path, "rb") as src, gzip.open(path + ".gz", "wb") as dst:
+                        shutil.copyfileobj(src, dst)
+                    os.remove(path)
+        print(run.report())
+    finally:
+        store.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
