@@ -127,6 +127,17 @@ def _run(steps: int, **options: Any) -> tuple[list[float], dict[str, Any], Any]:
     return losses, model.state_dict(), run
 
 
+def _trial_goes_to(monkeypatch: Any, winner: str) -> None:
+    """The A/B trial's iterations "measure" so that `winner` ("plan" or "checkpoint") wins,
+    whatever the CPU's timings say."""
+
+    def best(self: bw.BlockOffload, count: int) -> float:
+        checkpointing = set(self.actions) == {RECOMPUTE}
+        return 0.0 if checkpointing == (winner == "checkpoint") else 1.0
+
+    monkeypatch.setattr(bw.BlockOffload, "_best_recent_ms", best)
+
+
 def _force(monkeypatch: Any, action: str) -> None:
     """Every block gets `action`, whatever the measured times say (they vary on a busy CPU)."""
 
@@ -150,13 +161,12 @@ def _force(monkeypatch: Any, action: str) -> None:
 def test_trains_bitwise_with_each_action(
     monkeypatch: Any, budget: str, options: dict[str, Any], expect: dict[str, int]
 ) -> None:
-    # The plan stays as chosen (on the CPU, copies cost time that the measuring iterations do
-    # not see; the replacement of a slower plan has a test of its own).
-    monkeypatch.setattr(bw.Measurement, "checkpoint_all_ms", property(lambda self: float("inf")))
+    # The plan wins its trial against checkpointing (the trial has tests of its own).
+    _trial_goes_to(monkeypatch, "plan")
     options = dict(options)
     if "force" in options:
         _force(monkeypatch, options.pop("force"))
-    steps = 6
+    steps = 8  # 3 measuring, 2 + 2 in the trial, 1 after it
     reference, state = _reference(steps)
     losses, final, run = _run(steps, gpu_memory=budget, **options)
     assert losses == reference
@@ -164,7 +174,8 @@ def test_trains_bitwise_with_each_action(
     report = run.report()
     for action, count in expect.items():
         assert list(report.actions.values()).count(action) == count, report.actions
-    assert report.planned_steps == steps - bw.BlockOffload.MEASURING_STEPS
+    trial = 2 * bw.BlockOffload.TRIAL_STEPS if "checkpoint_all_ms" in report.choice else 0
+    assert report.planned_steps == steps - bw.BlockOffload.MEASURING_STEPS - trial
     assert [b.saved_bytes for b in run.measured.blocks] == [BLOCK_SAVED] * LAYERS
     hosted = list(report.actions.values()).count(HOST)
     # A host block copies its input too (1 MiB), beside what it keeps.
@@ -183,8 +194,8 @@ def test_trains_bitwise_with_each_action(
 def test_optimizer_state_leaves_where_that_keeps_more_blocks(
     monkeypatch: Any, store: Any, with_store: bool
 ) -> None:
-    monkeypatch.setattr(bw.Measurement, "checkpoint_all_ms", property(lambda self: float("inf")))
-    rows, steps = 512, 6
+    _trial_goes_to(monkeypatch, "plan")
+    rows, steps = 512, 8
     model, optimizer = make(layers=LAYERS, hidden=HIDDEN)
     reference = train(model, optimizer, batches(steps, rows=rows))
     state = copy.deepcopy(model.state_dict())
@@ -250,17 +261,35 @@ def test_state_leaves_when_the_next_forward_starts_not_at_the_step() -> None:
     assert run.state.stats.offloaded_bytes["host"] > 0
 
 
-def test_a_plan_measured_slower_than_checkpointing_every_block_is_replaced(monkeypatch: Any) -> None:
-    steps = 6
+@pytest.mark.parametrize("winner", ["checkpoint", "plan"])
+def test_the_trial_keeps_the_faster_of_the_plan_and_checkpointing(monkeypatch: Any, winner: str) -> None:
+    # 3 measuring steps, 2 with the plan, 2 checkpointing every block, then the winner: training
+    # stays exact across both switches.
+    steps = 9
     reference, state = _reference(steps)
-    # Checkpointing every block "measured" at 0 ms: any plan is slower, and it fits the budget.
-    monkeypatch.setattr(bw.Measurement, "checkpoint_all_ms", property(lambda self: 0.0))
+    _force(monkeypatch, HOST)
+    _trial_goes_to(monkeypatch, winner)
     losses, final, run = _run(steps, gpu_memory="1GiB")
     assert losses == reference
     assert all(torch.equal(final[k], v) for k, v in state.items())
     report = run.report()
-    assert report.choice["kept"] == "checkpoint every block"
+    assert report.choice["kept"] == ("checkpoint every block" if winner == "checkpoint" else "plan")
+    assert report.checkpoint_all_source.startswith("best of 2 iterations")
+    assert report.planned_steps == 2  # the steps after the trial
+    assert set(report.actions.values()) == ({RECOMPUTE} if winner == "checkpoint" else {HOST})
+    moved = report.bytes_per_iteration["offloaded"]["host"]
+    assert (moved == 0) == (winner == "checkpoint"), report
+
+
+def test_no_trial_where_the_plan_is_checkpointing(monkeypatch: Any) -> None:
+    steps = 7
+    _force(monkeypatch, RECOMPUTE)
+    _, _, run = _run(steps, gpu_memory="1GiB")
+    report = run.report()
     assert set(report.actions.values()) == {RECOMPUTE}
+    assert "checkpoint_all_ms" not in report.choice
+    assert report.planned_steps == steps - bw.BlockOffload.MEASURING_STEPS
+    assert report.checkpoint_all_source == "the measuring iterations"
 
 
 def test_no_plan_fits_is_a_clear_error() -> None:

@@ -545,13 +545,16 @@ class BlockReport:
     prediction_error_percent: Optional[float]
     prediction_warning: str
     checkpoint_all_ms: Optional[float]
+    #: How `checkpoint_all_ms` was measured (the A/B trial, or the measuring iterations).
+    checkpoint_all_source: str
     ideal_estimate_ms: Optional[float]
     peak_gpu_bytes: Optional[int]
     predicted_peak_bytes: Optional[int]
     gpu_memory_bytes: int
     reserve_bytes: int
     actions: dict[str, str]
-    #: Saved activations per planned iteration: {"offloaded"|"prefetched": {tier: bytes}}.
+    #: Per iteration counted (`planned_steps`: those after the A/B trial where it ran, else all with
+    #: a plan). Saved activations: {"offloaded"|"prefetched": {tier: bytes}}.
     bytes_per_iteration: dict[str, dict[str, int]]
     #: Saved bytes of the recomputed blocks, per planned iteration.
     recomputed_bytes_per_iteration: int
@@ -576,12 +579,13 @@ class BlockReport:
 
         counts = {a: sum(1 for v in self.actions.values() if v == a) for a in (KEEP, HOST, RECOMPUTE)}
         lines = [
-            f"teraio offload (block plan): {self.steps} steps, {self.planned_steps} with the plan",
-            f"  iteration: measured {ms(self.measured_iteration_ms)} (median of planned steps), "
-            f"predicted {ms(self.predicted_iteration_ms)}, "
+            f"teraio offload (block plan): {self.steps} steps, {self.planned_steps} counted "
+            "(with the plan as chosen)",
+            f"  iteration: measured {ms(self.measured_iteration_ms)} (median of the steps with the "
+            f"plan as chosen), predicted {ms(self.predicted_iteration_ms)}, "
             f"checkpointing every block {ms(self.checkpoint_all_ms)} "
-            f"(measured), ideal {ms(self.ideal_estimate_ms)} (estimate: checkpointing every block less its "
-            "measured recomputation)",
+            f"(measured: {self.checkpoint_all_source}), ideal {ms(self.ideal_estimate_ms)} "
+            "(estimate: checkpointing every block less its measured recomputation)",
             f"  peak GPU memory: measured {_size(self.peak_gpu_bytes)}, "
             f"bound {_size(self.predicted_peak_bytes)}, "
             f"budget {_size(self.gpu_memory_bytes)} (reserve {_size(self.reserve_bytes)})",
@@ -621,6 +625,8 @@ class BlockOffload:
     #: Iterations before the plan: sizes; times with full recomputation (each block's own); times
     #: as checkpointing runs (recomputation stops early, once backward has what it needs).
     MEASURING_STEPS = 3
+    #: Planned iterations each side of the A/B trial runs (`_check_plan`).
+    TRIAL_STEPS = 2
 
     def __init__(
         self,
@@ -688,9 +694,17 @@ class BlockOffload:
         self._prefetch_queue: list[int] = []
         self._pending_bytes: dict[int, int] = {}
         self._state_moves_set = False
+        self._state_resident_while_measuring = False
+        # The A/B trial (`_check_plan`): the plan tried, its best measured iteration, and the
+        # step from which the final choice runs.
+        self._tried_plan: Optional[Plan] = None
+        self._plan_best_ms = 0.0
+        self._trial_from: Optional[int] = None
+        self.settled_from: Optional[int] = None
         self.replans = 0
-        self._stats_at_plan: dict[str, Any] = {}
-        self._state_stats_at_plan: dict[str, Any] = {}
+        # Counters (block runtime, state executor) when the iterations counted from a step began:
+        # {step: (stats, state stats)}, for the plan's first step and the trial's end.
+        self._stats_at: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
 
     def _resolve_link(self) -> Link:
         want = self.options.host_link_bandwidth == "auto"
@@ -900,7 +914,7 @@ class BlockOffload:
             for index, cost in enumerate(self.measured.blocks):
                 cost.saved_bytes = self._sizes.get(index, 0)
         self._pending_marks.append(self._marks)
-        checking = self.planned_from is not None and self.step == self.planned_from + 1
+        checking = self.planned_from is not None and self.settled_from is None  # the trial's times
         waiting = time.perf_counter()
         self._collect(wait=self.plan is None or checking)
         started += time.perf_counter() - waiting  # a wait for the device, not teraio's work
@@ -1018,14 +1032,22 @@ class BlockOffload:
         return found
 
     def _state_all_out(self) -> None:
-        """Before the plan: every state tensor leaves the GPU between steps (host, then store)."""
+        """Before the plan: every state tensor leaves the GPU between steps (host, then store),
+        unless step 0's forward and backward (every block checkpointed) plus all of the state fit
+        the budget: then the measuring iterations run as checkpointing runs, copying nothing, and
+        the last of them is the checkpointing baseline as measured (`_baseline_ms`)."""
         if self._state_moves_set or not self.options.offload_optimizer_state:
             return
         tensors = self._state_tensors()
         if not tensors:
             return
-        self._set_state_moves(tensors, self.host_memory_bytes, len(tensors), None)
         self._state_moves_set = True
+        state = sum(t.untyped_storage().nbytes() for t in tensors)
+        fb_peak = getattr(self, "_fb_peak", None)
+        if fb_peak is not None and fb_peak + state <= self.gpu_memory_bytes - self.reserve_bytes:
+            self._state_resident_while_measuring = True
+            return
+        self._set_state_moves(tensors, self.host_memory_bytes, len(tensors), None)
 
     def _set_state_moves(
         self, tensors: list[torch.Tensor], host_left: int, count: int, restore_at: Optional[int]
@@ -1044,11 +1066,17 @@ class BlockOffload:
     def _make_plan(self) -> None:
         measured = self.measured
         tensors = self._state_tensors() if self.options.offload_optimizer_state else []
-        # The state tensors are off the GPU now (moved after step 0), so their size is the
-        # executor's record of them.
-        sizes = [slot.nbytes for slot in self.state.slots] or [t.untyped_storage().nbytes() for t in tensors]
+        if self._state_resident_while_measuring:
+            # The state stayed on the GPU: the measured peaks hold it.
+            sizes = [t.untyped_storage().nbytes() for t in tensors]
+            measured.state_bytes = sum(sizes)
+            measured.peak_bytes -= measured.state_bytes
+        else:
+            # The state tensors are off the GPU now (moved after step 0), so their size is the
+            # executor's record of them.
+            sizes = [slot.nbytes for slot in self.state.slots]
+            measured.state_bytes = sum(sizes)
         sizes.sort(reverse=True)
-        measured.state_bytes = sum(sizes) if self.state.slots else 0
         if not self.cuda:
             # No allocator to ask: parameters, gradients and the state that does not move stay;
             # the step holds all of the state.
@@ -1081,9 +1109,8 @@ class BlockOffload:
             plan = Plan([RECOMPUTE] * len(self.blocks), state_host_bytes=measured.state_bytes)
             plan.predicted_ms, plan.predicted_peak_bytes = predict(measured, plan, self.link)
         self._install(plan)
-        self._stats_at_plan = self.stats.as_dict()
-        self._state_stats_at_plan = self.state.stats.as_dict()
         self.planned_from = self.step + 1
+        self._stats_at[self.planned_from] = (self.stats.as_dict(), self.state.stats.as_dict())
 
     def _install(self, plan: Plan) -> None:
         self.plan = plan
@@ -1121,7 +1148,11 @@ class BlockOffload:
 
     def _check_plan(self) -> None:
         """After a planned iteration: a peak within half the reserve of the budget checkpoints one
-        more kept block; the second planned iteration is compared with checkpointing every block."""
+        more kept block. Then the A/B trial: the plan's first `TRIAL_STEPS` iterations against as
+        many with every block checkpointed (where that fits with all the state on the GPU); the
+        side whose best iteration was faster stays (`choice` has both). Measured, because single
+        iterations in this regime vary by 10% and the measuring iterations run under other
+        conditions than planned ones."""
         assert self.plan is not None and self.planned_from is not None
         peak = self._peaks[-1] if self._peaks else 0
         if self.cuda and peak > self.gpu_memory_bytes - self.reserve_bytes // 2 and KEEP in self.actions:
@@ -1129,17 +1160,13 @@ class BlockOffload:
             self.actions[index] = RECOMPUTE
             self.plan.actions = list(self.actions)
             self.replans += 1
-        if self.step == self.planned_from + 1 and "measured_ms" not in self.choice:
-            measured_ms = sum(self._iterations[-1].values())
-            baseline = self.measured.checkpoint_all_ms
-            fits = (
-                self.measured.peak_bytes + self.measured.state_bytes
-                <= self.gpu_memory_bytes - self.reserve_bytes
-            )
+        if self.settled_from is not None:
+            return
+        n = self.TRIAL_STEPS
+        if self._trial_from is None and self.step == self.planned_from + n - 1:
             plan = self.plan
+            self._plan_best_ms = self._best_recent_ms(n)
             self.choice = {
-                "measured_ms": measured_ms,
-                "checkpoint_all_ms": baseline,
                 "kept": "plan",
                 "plan": {
                     "keep": plan.count(KEEP),
@@ -1147,55 +1174,85 @@ class BlockOffload:
                     "recompute": plan.count(RECOMPUTE),
                     "state_out_bytes": plan.state_out_bytes,
                     "predicted_ms": plan.predicted_ms,
-                    "iteration_ms": dict(self._iterations[-1]),
+                    "best_ms": self._plan_best_ms,
                 },
             }
-            if measured_ms > baseline and fits and set(self.actions) != {RECOMPUTE}:
-                fallback = Plan([RECOMPUTE] * len(self.blocks))
-                fallback.predicted_ms, fallback.predicted_peak_bytes = predict(
-                    self.measured, fallback, self.link
-                )
-                self._install(fallback)
+            fits = (
+                self.measured.peak_bytes + self.measured.state_bytes
+                <= self.gpu_memory_bytes - self.reserve_bytes
+            )
+            if set(self.actions) == {RECOMPUTE} or not fits:
+                self.settled_from = self.planned_from
+                return
+            self._tried_plan = plan
+            self._install(self._checkpoint_all_plan())
+            self._trial_from = self.step + 1
+            return
+        if self._trial_from is not None and self.step == self._trial_from + n - 1:
+            baseline = self._best_recent_ms(n)
+            self.choice["checkpoint_all_ms"] = baseline
+            if self._plan_best_ms < baseline:
+                assert self._tried_plan is not None
+                self._install(self._tried_plan)
+            else:
                 self.choice["kept"] = "checkpoint every block"
+            self.settled_from = self.step + 1
+            self._stats_at[self.settled_from] = (self.stats.as_dict(), self.state.stats.as_dict())
+
+    def _checkpoint_all_plan(self) -> Plan:
+        plan = Plan([RECOMPUTE] * len(self.blocks))
+        plan.predicted_ms, plan.predicted_peak_bytes = predict(self.measured, plan, self.link)
+        return plan
+
+    def _best_recent_ms(self, count: int) -> float:
+        """The fastest of the last `count` iterations (ms on the compute stream)."""
+        return min(sum(times.values()) for times in self._iterations[-count:])
 
     # -- report --------------------------------------------------------------------------------
 
+    def _counted_from(self) -> Optional[int]:
+        """The first iteration the report counts: after the A/B trial where one has run since,
+        else the plan's first."""
+        settled = self.settled_from
+        if settled is not None and settled in self._stats_at and len(self._iterations) > settled:
+            return settled
+        return self.planned_from
+
     def _retries_per_iteration(self) -> float:
-        """The allocator's retries per planned iteration (see `_alloc_retries`)."""
-        if (
-            self.planned_from is None
-            or self.planned_from < 1
-            or len(self._alloc_retries) <= self.planned_from
-        ):
+        """The allocator's retries per counted iteration (see `_alloc_retries`)."""
+        start = self._counted_from()
+        if start is None or start < 1 or len(self._alloc_retries) <= start:
             return 0.0
-        counts = self._alloc_retries[self.planned_from - 1 :]
+        counts = self._alloc_retries[start - 1 :]
         return (counts[-1] - counts[0]) / (len(counts) - 1)
 
     def _host_ms(self) -> list[float]:
-        """Host time in teraio in each planned iteration, ms."""
-        if self.planned_from is None or self.planned_from < 1:
+        """Host time in teraio in each counted iteration, ms."""
+        start = self._counted_from()
+        if start is None or start < 1:
             return []
-        ends = self._hook_s_at_end[self.planned_from - 1 :]
+        ends = self._hook_s_at_end[start - 1 :]
         return [(b - a) * 1e3 for a, b in zip(ends, ends[1:])]
 
     def report(self) -> BlockReport:
         self._collect(wait=True)
         host = self._host_ms()
-        planned = self._iterations[self.planned_from :] if self.planned_from is not None else []
+        start = self._counted_from()
+        planned = self._iterations[start:] if start is not None else []
         count = len(planned)
         measured_ms = statistics.median(sum(p.values()) for p in planned) if planned else None
         plan = self.plan
         predicted = plan.predicted_ms if plan else None
         error, warning = check_prediction(measured_ms, predicted)
         stats = self.stats.as_dict()
-        before = self._stats_at_plan or {k: 0 for k in stats}
+        before, state_before = self._stats_at.get(start, ({}, {})) if start is not None else ({}, {})
 
         def per(key: str) -> int:
             return int((stats[key] - before.get(key, 0)) / count) if count else 0
 
         recomputed = sum(b.saved_bytes for b, a in zip(self.measured.blocks, self.actions) if a == RECOMPUTE)
         state_now = self.state.stats.as_dict()
-        state_before = self._state_stats_at_plan or {"offloaded_bytes": {}, "prefetched_bytes": {}}
+        state_before = state_before or {"offloaded_bytes": {}, "prefetched_bytes": {}}
         state_per = {
             kind: {
                 tier: int((state_now[kind][tier] - state_before[kind].get(tier, 0)) / count) if count else 0
@@ -1204,6 +1261,7 @@ class BlockOffload:
             for kind in ("offloaded_bytes", "prefetched_bytes")
         }
         ckpt_ms = self.measured.checkpoint_all_ms if self.planned_from is not None else None
+        trial_ms = self.choice.get("checkpoint_all_ms")
         ideal = None
         if ckpt_ms is not None:
             ideal = ckpt_ms - sum(b.recompute_ms for b in self.measured.blocks)
@@ -1213,9 +1271,7 @@ class BlockOffload:
             if count
             else 0.0,
             "prefetches_on_demand": per("prefetches_on_demand"),
-            "state_step_wait_ms": (
-                state_now["step_wait_s"] - (self._state_stats_at_plan or {}).get("step_wait_s", 0)
-            )
+            "state_step_wait_ms": (state_now["step_wait_s"] - state_before.get("step_wait_s", 0))
             * 1e3
             / count
             if count
@@ -1230,10 +1286,13 @@ class BlockOffload:
             predicted_iteration_ms=predicted,
             prediction_error_percent=error,
             prediction_warning=warning,
-            checkpoint_all_ms=ckpt_ms,
+            checkpoint_all_ms=trial_ms if trial_ms is not None else ckpt_ms,
+            checkpoint_all_source=f"best of {self.TRIAL_STEPS} iterations in the trial"
+            if trial_ms is not None
+            else "the measuring iterations",
             ideal_estimate_ms=ideal,
-            peak_gpu_bytes=max(self._peaks[self.planned_from :])
-            if self._peaks and self.planned_from is not None and self._peaks[self.planned_from :]
+            peak_gpu_bytes=max(self._peaks[start:])
+            if self._peaks and start is not None and self._peaks[start:]
             else None,
             predicted_peak_bytes=plan.predicted_peak_bytes if plan else None,
             gpu_memory_bytes=self.gpu_memory_bytes,
