@@ -215,7 +215,7 @@ def test_block_plan_is_exact_on_cuda(monkeypatch: Any, action: Any) -> None:
     from the gradient hooks, checkpointing), and the plan chosen for a tight budget (None)."""
     from teraio import blockwise as bw
 
-    data = batches(7, rows=8192, device=DEVICE)
+    data = batches(11, rows=8192, device=DEVICE)  # 3 measuring, 3 + 3 in the trial, 2 after
     model, optimizer = make(device=DEVICE, layers=6, hidden=1024)
     reference = train(model, optimizer, data)
     ref_state = {k: v.clone() for k, v in model.state_dict().items()}

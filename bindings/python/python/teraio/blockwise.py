@@ -625,8 +625,9 @@ class BlockOffload:
     #: Iterations before the plan: sizes; times with full recomputation (each block's own); times
     #: as checkpointing runs (recomputation stops early, once backward has what it needs).
     MEASURING_STEPS = 3
-    #: Planned iterations each side of the A/B trial runs (`_check_plan`).
-    TRIAL_STEPS = 2
+    #: Planned iterations each side of the A/B trial runs (`_check_plan`); each side's median
+    #: counts (the first iteration of a plan carries its one-time work: pinned buffers, switching).
+    TRIAL_STEPS = 3
 
     def __init__(
         self,
@@ -695,10 +696,10 @@ class BlockOffload:
         self._pending_bytes: dict[int, int] = {}
         self._state_moves_set = False
         self._state_resident_while_measuring = False
-        # The A/B trial (`_check_plan`): the plan tried, its best measured iteration, and the
+        # The A/B trial (`_check_plan`): the plan tried, its median iteration, and the
         # step from which the final choice runs.
         self._tried_plan: Optional[Plan] = None
-        self._plan_best_ms = 0.0
+        self._plan_ms = 0.0
         self._trial_from: Optional[int] = None
         self.settled_from: Optional[int] = None
         self.replans = 0
@@ -1150,7 +1151,7 @@ class BlockOffload:
         """After a planned iteration: a peak within half the reserve of the budget checkpoints one
         more kept block. Then the A/B trial: the plan's first `TRIAL_STEPS` iterations against as
         many with every block checkpointed (where that fits with all the state on the GPU); the
-        side whose best iteration was faster stays (`choice` has both). Measured, because single
+        side with the faster median stays (`choice` has both). Measured, because single
         iterations in this regime vary by 10% and the measuring iterations run under other
         conditions than planned ones."""
         assert self.plan is not None and self.planned_from is not None
@@ -1165,7 +1166,7 @@ class BlockOffload:
         n = self.TRIAL_STEPS
         if self._trial_from is None and self.step == self.planned_from + n - 1:
             plan = self.plan
-            self._plan_best_ms = self._best_recent_ms(n)
+            self._plan_ms = self._recent_ms(n)
             self.choice = {
                 "kept": "plan",
                 "plan": {
@@ -1174,7 +1175,7 @@ class BlockOffload:
                     "recompute": plan.count(RECOMPUTE),
                     "state_out_bytes": plan.state_out_bytes,
                     "predicted_ms": plan.predicted_ms,
-                    "best_ms": self._plan_best_ms,
+                    "trial_ms": self._plan_ms,
                 },
             }
             fits = (
@@ -1189,9 +1190,9 @@ class BlockOffload:
             self._trial_from = self.step + 1
             return
         if self._trial_from is not None and self.step == self._trial_from + n - 1:
-            baseline = self._best_recent_ms(n)
+            baseline = self._recent_ms(n)
             self.choice["checkpoint_all_ms"] = baseline
-            if self._plan_best_ms < baseline:
+            if self._plan_ms < baseline:
                 assert self._tried_plan is not None
                 self._install(self._tried_plan)
             else:
@@ -1204,9 +1205,9 @@ class BlockOffload:
         plan.predicted_ms, plan.predicted_peak_bytes = predict(self.measured, plan, self.link)
         return plan
 
-    def _best_recent_ms(self, count: int) -> float:
-        """The fastest of the last `count` iterations (ms on the compute stream)."""
-        return min(sum(times.values()) for times in self._iterations[-count:])
+    def _recent_ms(self, count: int) -> float:
+        """The median of the last `count` iterations (ms on the compute stream)."""
+        return statistics.median(sum(times.values()) for times in self._iterations[-count:])
 
     # -- report --------------------------------------------------------------------------------
 
@@ -1287,7 +1288,7 @@ class BlockOffload:
             prediction_error_percent=error,
             prediction_warning=warning,
             checkpoint_all_ms=trial_ms if trial_ms is not None else ckpt_ms,
-            checkpoint_all_source=f"best of {self.TRIAL_STEPS} iterations in the trial"
+            checkpoint_all_source=f"median of {self.TRIAL_STEPS} iterations in the trial"
             if trial_ms is not None
             else "the measuring iterations",
             ideal_estimate_ms=ideal,
