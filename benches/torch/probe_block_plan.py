@@ -201,7 +201,7 @@ def main() -> None:
                     f"step {step}: loss {value:.5f} wall {wall:.0f} ms; phases "
                     + ", ".join(f"{k} {v:.0f}" for k, v in phases.items())
                     + f"; host in teraio {host_ms:.0f} ms; "
-                    f"peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB, "
+                    f"peak {run._peaks[-1] / 2**30:.2f} GiB, "
                     f"reserved {torch.cuda.memory_reserved() / 2**30:.2f} GiB; allocator {delta}",
                     flush=True,
                 )

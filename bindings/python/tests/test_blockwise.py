@@ -281,6 +281,32 @@ def test_the_trial_keeps_the_faster_of_the_plan_and_checkpointing(monkeypatch: A
     assert (moved == 0) == (winner == "checkpoint"), report
 
 
+def test_a_report_in_the_middle_of_the_trial_counts_the_plan_side(monkeypatch: Any) -> None:
+    _force(monkeypatch, HOST)
+    _trial_goes_to(monkeypatch, "plan")
+    _, _, run = _run(7, gpu_memory="1GiB")  # 3 measuring, 3 with the plan, 1 checkpointing
+    report = run.report()
+    assert report.choice["kept"].startswith("undecided")
+    assert report.planned_steps == bw.BlockOffload.TRIAL_STEPS
+    assert report.bytes_per_iteration["offloaded"]["host"] == LAYERS * (BLOCK_SAVED + ROWS * 64 * 4)
+
+
+def test_a_run_entered_again_trains_on_exactly() -> None:
+    # Leaving the context brings the state back (a move out left for the next forward is
+    # dropped with it); entering again resumes.
+    reference, state = _reference(4)
+    model, optimizer = make(layers=LAYERS, hidden=HIDDEN)
+    run = teraio.offload(model, optimizer, gpu_memory="1GiB", granularity="block", min_bytes=0)
+    data = batches(4, rows=ROWS)
+    losses = []
+    with run:
+        losses += train(model, optimizer, data[:2])
+    with run:
+        losses += train(model, optimizer, data[2:])
+    assert losses == reference
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+
+
 def test_no_trial_where_the_plan_is_checkpointing(monkeypatch: Any) -> None:
     steps = 7
     _force(monkeypatch, RECOMPUTE)

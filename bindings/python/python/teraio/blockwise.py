@@ -22,17 +22,19 @@ of checkpointing, and its inputs are measured without per-op instrumentation:
   between steps (host memory, then the store). Every layout "the first h blocks to the host, the
   next c recomputed, the rest kept" is predicted by `predict` (a replay of the two copy queues over
   the measured times) and bounded in memory from the measured peak; the fastest that fits wins.
-- planned iterations: the first two are checked against the checkpointing baseline; a plan
-  measured slower than checkpointing every block (where that fits) is replaced by it, and a peak
-  that comes within half the reserve of the budget checkpoints one more kept block. Both are
-  counted in the report.
+- planned iterations: an A/B trial, measured rather than predicted (single iterations in this
+  regime vary by 10%): the plan runs `TRIAL_STEPS` iterations, then checkpointing every block as
+  many (where that fits with all the optimizer state on the GPU); the side with the faster median
+  stays. A peak that comes within half the reserve of the budget checkpoints one more kept block.
+  Both are counted in the report, which counts the iterations after the trial.
 
-Before the plan, optimizer state leaves the GPU between steps (as in the tensor plan), so that the
-two measuring iterations need no more memory than checkpointing with the state away. Its copies out
-are issued when the next forward reaches the first block, not at the end of the step: copies in one
-direction run in the order they were issued, whatever their stream, and issued at the step they
-held up the training loop's `loss.item()` until all of them were done (122 ms for 7 GB on the
-H100).
+While measuring, the optimizer state stays on the GPU where step 0's peak (every block
+checkpointed) plus all of the state fits the budget, so that the measuring iterations run as
+planned ones do; else it leaves the GPU between steps (as in the tensor plan), so that they need no
+more memory than checkpointing with the state away. Its copies out are issued when the next forward
+reaches the first block, not at the end of the step: copies in one direction run in the order they
+were issued, whatever their stream, and issued at the step they held up the training loop's
+`loss.item()` until all of them were done (122 ms for 7 GB on the H100).
 """
 
 from __future__ import annotations
@@ -173,7 +175,8 @@ def predict(measured: Measurement, plan: Plan, link: Link) -> tuple[float, int]:
     # Forward.
     t = measured.pre_forward_ms
     state_out_ms = plan.state_host_bytes * ms_per_byte_d2h + plan.state_ssd_bytes * ssd_ms_per_byte
-    link_free = state_out_ms
+    # The state's copies out are issued when forward reaches the first block.
+    link_free = t + state_out_ms
     in_flight: deque[tuple[float, int]] = deque()
     flight_bytes = 0
     written: dict[int, float] = {}
@@ -193,7 +196,7 @@ def predict(measured: Measurement, plan: Plan, link: Link) -> tuple[float, int]:
             t = max(t, done)
             flight_bytes -= nbytes
     # State whose copy out is still queued when forward ends is still on the GPU at the peak.
-    state_late = max(0.0, state_out_ms - t)
+    state_late = max(0.0, measured.pre_forward_ms + state_out_ms - t)
     state_late_bytes = int(
         state_late / max(ms_per_byte_d2h, ssd_ms_per_byte if plan.state_ssd_bytes else 0.0)
     )
@@ -1035,8 +1038,7 @@ class BlockOffload:
     def _state_all_out(self) -> None:
         """Before the plan: every state tensor leaves the GPU between steps (host, then store),
         unless step 0's forward and backward (every block checkpointed) plus all of the state fit
-        the budget: then the measuring iterations run as checkpointing runs, copying nothing, and
-        the last of them is the checkpointing baseline as measured (`_baseline_ms`)."""
+        the budget: then the measuring iterations run as checkpointing runs, copying nothing."""
         if self._state_moves_set or not self.options.offload_optimizer_state:
             return
         tensors = self._state_tensors()
@@ -1179,8 +1181,7 @@ class BlockOffload:
                 },
             }
             fits = (
-                self.measured.peak_bytes + self.measured.state_bytes
-                <= self.gpu_memory_bytes - self.reserve_bytes
+                self._checkpoint_all_plan().predicted_peak_bytes <= self.gpu_memory_bytes - self.reserve_bytes
             )
             if set(self.actions) == {RECOMPUTE} or not fits:
                 self.settled_from = self.planned_from
@@ -1188,6 +1189,8 @@ class BlockOffload:
             self._tried_plan = plan
             self._install(self._checkpoint_all_plan())
             self._trial_from = self.step + 1
+            self._stats_at[self._trial_from] = (self.stats.as_dict(), self.state.stats.as_dict())
+            self.choice["kept"] = "undecided: the trial of checkpointing every block has not finished"
             return
         if self._trial_from is not None and self.step == self._trial_from + n - 1:
             baseline = self._recent_ms(n)
@@ -1195,6 +1198,7 @@ class BlockOffload:
             if self._plan_ms < baseline:
                 assert self._tried_plan is not None
                 self._install(self._tried_plan)
+                self.choice["kept"] = "plan"
             else:
                 self.choice["kept"] = "checkpoint every block"
             self.settled_from = self.step + 1
@@ -1211,48 +1215,49 @@ class BlockOffload:
 
     # -- report --------------------------------------------------------------------------------
 
-    def _counted_from(self) -> Optional[int]:
-        """The first iteration the report counts: after the A/B trial where one has run since,
-        else the plan's first."""
+    def _counted(self) -> tuple[Optional[int], Optional[int]]:
+        """The iterations the report counts, [start, end) (end None: to the last): those after the
+        A/B trial where any ran since, else the plan's own (before the trial, where one ran)."""
         settled = self.settled_from
         if settled is not None and settled in self._stats_at and len(self._iterations) > settled:
-            return settled
-        return self.planned_from
+            return settled, None
+        return self.planned_from, self._trial_from
 
     def _retries_per_iteration(self) -> float:
         """The allocator's retries per counted iteration (see `_alloc_retries`)."""
-        start = self._counted_from()
-        if start is None or start < 1 or len(self._alloc_retries) <= start:
+        start, end = self._counted()
+        if start is None or start < 1:
             return 0.0
-        counts = self._alloc_retries[start - 1 :]
-        return (counts[-1] - counts[0]) / (len(counts) - 1)
+        counts = self._alloc_retries[start - 1 : end]
+        return (counts[-1] - counts[0]) / (len(counts) - 1) if len(counts) > 1 else 0.0
 
     def _host_ms(self) -> list[float]:
         """Host time in teraio in each counted iteration, ms."""
-        start = self._counted_from()
+        start, end = self._counted()
         if start is None or start < 1:
             return []
-        ends = self._hook_s_at_end[start - 1 :]
+        ends = self._hook_s_at_end[start - 1 : end]
         return [(b - a) * 1e3 for a, b in zip(ends, ends[1:])]
 
     def report(self) -> BlockReport:
         self._collect(wait=True)
         host = self._host_ms()
-        start = self._counted_from()
-        planned = self._iterations[start:] if start is not None else []
+        start, end = self._counted()
+        planned = self._iterations[start:end] if start is not None else []
         count = len(planned)
         measured_ms = statistics.median(sum(p.values()) for p in planned) if planned else None
         plan = self.plan
         predicted = plan.predicted_ms if plan else None
         error, warning = check_prediction(measured_ms, predicted)
-        stats = self.stats.as_dict()
+        stats, state_now = (
+            self._stats_at[end] if end is not None else (self.stats.as_dict(), self.state.stats.as_dict())
+        )
         before, state_before = self._stats_at.get(start, ({}, {})) if start is not None else ({}, {})
 
         def per(key: str) -> int:
             return int((stats[key] - before.get(key, 0)) / count) if count else 0
 
         recomputed = sum(b.saved_bytes for b, a in zip(self.measured.blocks, self.actions) if a == RECOMPUTE)
-        state_now = self.state.stats.as_dict()
         state_before = state_before or {"offloaded_bytes": {}, "prefetched_bytes": {}}
         state_per = {
             kind: {
@@ -1261,8 +1266,10 @@ class BlockOffload:
             }
             for kind in ("offloaded_bytes", "prefetched_bytes")
         }
-        ckpt_ms = self.measured.checkpoint_all_ms if self.planned_from is not None else None
         trial_ms = self.choice.get("checkpoint_all_ms")
+        ckpt_ms = trial_ms if trial_ms is not None else self.measured.checkpoint_all_ms
+        if self.planned_from is None:
+            ckpt_ms = None
         ideal = None
         if ckpt_ms is not None:
             ideal = ckpt_ms - sum(b.recompute_ms for b in self.measured.blocks)
@@ -1287,13 +1294,13 @@ class BlockOffload:
             predicted_iteration_ms=predicted,
             prediction_error_percent=error,
             prediction_warning=warning,
-            checkpoint_all_ms=trial_ms if trial_ms is not None else ckpt_ms,
+            checkpoint_all_ms=ckpt_ms,
             checkpoint_all_source=f"median of {self.TRIAL_STEPS} iterations in the trial"
             if trial_ms is not None
             else "the measuring iterations",
             ideal_estimate_ms=ideal,
-            peak_gpu_bytes=max(self._peaks[start:])
-            if self._peaks and start is not None and self._peaks[start:]
+            peak_gpu_bytes=max(self._peaks[start:end])
+            if start is not None and self._peaks[start:end]
             else None,
             predicted_peak_bytes=plan.predicted_peak_bytes if plan else None,
             gpu_memory_bytes=self.gpu_memory_bytes,

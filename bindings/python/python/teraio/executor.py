@@ -15,7 +15,7 @@ copies one at a time in the order they become ready, across streams too, so a sm
 needed soon waits behind a large one needed later (the planner's simulator lets the urgent one go
 first). What closes that gap is `_pull_urgent_forward`: the urgent prefetch is issued just before
 the large one. Prefetches also spread over two streams (a new one behind a copy needed no later
-than itself, `_prefetch_stream`) in `COPY_CHUNK_BYTES` pieces; that alone
+than itself, `_prefetch_stream`) in `PREFETCH_CHUNK_BYTES` pieces; that alone
 measured no gain (the pieces of a copy already ready still ran first).
 A prefetch the plan did not issue in time is issued on demand; that and any wait for an SSD
 read are counted as stalls, and the result is still exact.
@@ -55,11 +55,9 @@ SSD = "ssd"
 RECOMPUTE = "recompute"
 
 
-#: Copies between host and GPU go in pieces of this size (64 MiB: 1.2 ms at 55 GB/s; each piece
-#: costs about 10 us to issue): copies on two streams in one direction share a copy engine and run
-#: one after another, so a small copy queued behind a large one (the user's `loss.item()` behind
-#: gigabytes of optimizer state) waits for one piece instead of the whole copy.
-COPY_CHUNK_BYTES = 64 << 20
+#: Prefetches are copied in pieces of this size (64 MiB: 1.2 ms at 55 GB/s; each piece costs
+#: about 10 us to issue).
+PREFETCH_CHUNK_BYTES = 64 << 20
 
 
 #: Pinned host memory staging SSD writes at most (beyond it a save waits for the disk).
@@ -214,19 +212,19 @@ def copy_on_stream(
     target: Any,
     source: Any,
     after: Any = None,
-    chunk_bytes: int = COPY_CHUNK_BYTES,
+    chunk_bytes: int = 0,
 ) -> Any:
     """Copies `source` into `target` (tensors, or untyped storages of one size) on a side stream
     once the compute work queued so far (and the copy event `after`, if given: the other
     direction's copy of the same bytes) is done; returns the copy's CUDA event. The caller
     decides how the memory outlives the copy (`record_stream`, or compute waiting on the event).
-    Flat byte tensors are copied in pieces of `chunk_bytes` (`COPY_CHUNK_BYTES`; 0: whole), so
-    copies queued on other streams can run between them."""
+    `chunk_bytes` > 0 (flat byte tensors only): one copy per chunk, so copies queued on other
+    streams can run between them."""
     stream.wait_stream(torch.cuda.current_stream(device))
     if after is not None:
         stream.wait_event(after)
     with torch.cuda.stream(stream):
-        if _is_flat_bytes(target) and _is_flat_bytes(source) and 0 < chunk_bytes < target.numel():
+        if chunk_bytes > 0 and target.numel() > chunk_bytes:
             for start in range(0, target.numel(), chunk_bytes):
                 end = start + chunk_bytes
                 target[start:end].copy_(source[start:end], non_blocking=True)
@@ -235,10 +233,6 @@ def copy_on_stream(
         event = torch.cuda.Event()
         event.record(stream)
     return event
-
-
-def _is_flat_bytes(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1
 
 
 def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -860,7 +854,9 @@ class ActivationExecutor:
         assert gpu is not None and host is not None
         index = self._prefetch_stream(slot.need_event)
         stream = self.h2d_streams[index]
-        slot.h2d_event = copy_on_stream(stream, self.device, gpu, host, after=slot.d2h_event)
+        slot.h2d_event = copy_on_stream(
+            stream, self.device, gpu, host, after=slot.d2h_event, chunk_bytes=PREFETCH_CHUNK_BYTES
+        )
         self._h2d_last[index] = (slot.h2d_event, _deadline(slot.need_event))
         # No `record_stream` here: it would hold the block, once backward frees it, until every
         # copy queued on the prefetch stream by then is done (often most of the backward pass's

@@ -166,9 +166,8 @@ class StateExecutor:
             # Pinned memory is allocated now: allocating it takes long (about 1 s per GB), on the
             # host, and would stall the forward pass that issues the copies.
             for index in self._between_steps:
-                slot = self.slots[index]
-                if slot.resident and slot.tier == HOST:
-                    self._host_buffer(slot)
+                if self.slots[index].resident:
+                    self._host_buffer(self.slots[index])
             self._out_at_next_event = self._out_at_next_event or bool(self._between_steps)
         else:
             self._move_out(self._between_steps)
@@ -380,7 +379,8 @@ class StateExecutor:
             for slot in self.slots:
                 if slot.tier == SSD:
                     self.store.delete(slot.object_id)
-        self.slots = []
+        self.set_plan([])
+        self._out_at_next_event = False
 
 
 def _index(device: torch.device) -> int:
