@@ -4,10 +4,13 @@ Optimizer state (AdamW's `exp_avg` and `exp_avg_sq`: twice the parameters' bytes
 inside `optimizer.step()`, so between two steps it is dead weight on the GPU, exactly when the
 forward pass peaks. For each state tensor the plan moves, the executor
 
-- after the step (`offload`): copies the bytes to their tier (pinned host memory, or the SSD
-  tier through the engine) on its own CUDA stream, then releases the GPU memory by shrinking the
-  tensor's storage to zero bytes (`untyped_storage().resize_(0)`: the tensor object and every view
-  of it stay valid, which is what the optimizer holds);
+- after the step (`offload`; with `after_step(defer=True)`, at the next event or
+  `issue_deferred_out` instead, so that the copies do not hold up the copy the training loop makes
+  right after the step: copies in one direction run in issue order): copies the bytes to their
+  tier (pinned host memory, or the SSD tier through the engine) on its own CUDA stream, then
+  releases the GPU memory by shrinking the tensor's storage to zero bytes
+  (`untyped_storage().resize_(0)`: the tensor object and every view of it stay valid, which is
+  what the optimizer holds);
 - at the event the plan maps the prefetch to (a `saved_tensors_hooks` event in the backward pass
   of the next iteration), grows the storage back and copies the bytes up (host tier: a host-to-
   device copy on its own stream; SSD tier: the engine reads into a pinned buffer, copied up as
