@@ -32,7 +32,6 @@ import os
 import pathlib
 import subprocess
 import sys
-import time
 from typing import Any, Iterator
 
 import pytest
@@ -41,6 +40,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 import teraio  # noqa: E402
+from ranks import spawn_ranks  # noqa: E402
 from tiny import batches, make, train  # noqa: E402
 
 try:
@@ -240,19 +240,7 @@ def _rank_main(rank: int, tmp: str, store_root: str) -> None:
 
 
 def _spawn(*args: Any) -> None:
-    import torch.multiprocessing as mp
-
-    context = mp.start_processes(_rank_main, args=args, nprocs=WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        while not context.join(timeout=1.0):  # raises if a rank failed
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the {WORLD} ranks did not finish in {DEADLINE_S:.0f} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.terminate()
-                process.join(5)
+    spawn_ranks(_rank_main, args, WORLD, DEADLINE_S)
 
 
 def test_fsdp2_offload_bitwise_and_checkpoint_resume(store_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
