@@ -61,7 +61,7 @@ from .options import OffloadOptions
 from .planning import _bandwidth as planning_bandwidth
 from .planning import format_bytes, parse_size
 from .report import check_prediction
-from .state import Move, StateExecutor
+from .state import StateExecutor, host_then_store, movable_state
 from .store import Store
 from .timing import elapsed_ms as _ms
 from .timing import mark
@@ -1019,18 +1019,8 @@ class BlockOffload:
                 self.machine["reserve"] = f"from the allocator: {format_bytes(slack)} of split blocks at most"
 
     def _state_tensors(self) -> list[torch.Tensor]:
-        found: list[torch.Tensor] = []
-        seen: set[int] = set()
-        for state in self.optimizer.state.values():
-            for value in state.values():
-                if (
-                    isinstance(value, torch.Tensor)
-                    and value.device == self.device
-                    and value.untyped_storage().nbytes() >= self.options.min_bytes
-                    and value.untyped_storage().data_ptr() not in seen
-                ):
-                    seen.add(value.untyped_storage().data_ptr())
-                    found.append(value)
+        """The movable optimizer-state tensors, largest first."""
+        found = movable_state(self.optimizer, self.device, self.options.min_bytes)
         found.sort(key=lambda t: -t.untyped_storage().nbytes())
         return found
 
@@ -1066,16 +1056,8 @@ class BlockOffload:
     def _set_state_moves(
         self, tensors: list[torch.Tensor], host_left: int, count: int, restore_at: Optional[int]
     ) -> None:
-        moves = []
-        for tensor in tensors[:count]:
-            size = _pinned_size(tensor.untyped_storage().nbytes())
-            if size <= host_left:
-                host_left -= size
-                moves.append(Move(tensor, HOST, restore_at))
-            elif self.store is not None:
-                moves.append(Move(tensor, SSD, restore_at))
         self.state.close()
-        self.state.set_plan(moves)
+        self.state.set_plan(host_then_store(tensors[:count], host_left, self.store is not None, restore_at))
 
     def _make_plan(self) -> None:
         measured = self.measured
@@ -1188,14 +1170,13 @@ class BlockOffload:
                     "trial_ms": self._plan_ms,
                 },
             }
-            fits = (
-                self._checkpoint_all_plan().predicted_peak_bytes <= self.gpu_memory_bytes - self.reserve_bytes
-            )
+            checkpointing = self._checkpoint_all_plan()
+            fits = checkpointing.predicted_peak_bytes <= self.gpu_memory_bytes - self.reserve_bytes
             if set(self.actions) == {RECOMPUTE} or not fits:
                 self.settled_from = self.planned_from
                 return
             self._tried_plan = plan
-            self._install(self._checkpoint_all_plan())
+            self._install(checkpointing)
             self._trial_from = self.step + 1
             self._stats_at[self._trial_from] = (self.stats.as_dict(), self.state.stats.as_dict())
             self.choice["kept"] = "undecided: the trial of checkpointing every block has not finished"

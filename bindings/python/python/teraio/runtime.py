@@ -37,7 +37,13 @@ from .options import OffloadOptions
 from .planning import _bandwidth, format_bytes, parse_size, plan, simulate
 from .profiler import Profiler, SaveEvent
 from .report import Report, check_prediction
-from .state import Move, StateExecutor, pin_outside_forward_gap, pin_within_iteration
+from .state import (
+    StateExecutor,
+    host_then_store,
+    movable_state,
+    pin_outside_forward_gap,
+    pin_within_iteration,
+)
 from .store import Store
 from .timing import elapsed_ms as _elapsed_ms
 from .translate import decisions_from_plan, parameter_moves_from_plan, state_moves_from_plan
@@ -518,25 +524,12 @@ class offload:
         if self.plan_result is not None or not self.offload_optimizer_state:
             return
         if not self.fallback_state.slots:
-            moves = []
-            host_left = self.host_memory_bytes // 2  # the other half stays for activations
-            seen: set[int] = set()
-            for state in self.optimizer.state.values():
-                for value in map(sharded.local_tensor, state.values()):
-                    if (
-                        not isinstance(value, torch.Tensor)
-                        or value.device != self.device
-                        or value.untyped_storage().nbytes() < self.min_bytes
-                        or value.untyped_storage().data_ptr() in seen
-                    ):
-                        continue
-                    seen.add(value.untyped_storage().data_ptr())
-                    nbytes = _pinned_size(value.untyped_storage().nbytes())
-                    if nbytes <= host_left:
-                        host_left -= nbytes
-                        moves.append(Move(value, HOST, None))
-                    elif self.store is not None:
-                        moves.append(Move(value, SSD, None))
+            # The other half of host memory stays for activations.
+            moves = host_then_store(
+                movable_state(self.optimizer, self.device, self.min_bytes),
+                self.host_memory_bytes // 2,
+                self.store is not None,
+            )
             self.fallback_state.set_plan(moves)
             held = sum(_pinned_size(s.nbytes) for s in self.fallback_state.slots if s.tier == HOST)
             self.executor.host_memory_bytes = max(0, self.host_memory_bytes - held)

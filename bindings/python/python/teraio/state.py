@@ -37,7 +37,7 @@ from typing import Any, Optional
 
 import torch
 
-from .executor import HOST, SSD, _flat_bytes, copy_on_stream
+from .executor import HOST, SSD, _flat_bytes, _pinned_size, copy_on_stream
 from .sharded import local_tensor
 from .store import Store
 
@@ -70,6 +70,41 @@ class Move:
     restore_event: Optional[int]
     release_event: Optional[int] = None
     wait_event: Optional[int] = None
+
+
+def movable_state(
+    optimizer: torch.optim.Optimizer, device: torch.device, min_bytes: int
+) -> list[torch.Tensor]:
+    """The optimizer-state tensors a plan may move, in the optimizer's order: on `device` (a
+    DTensor's local shard), of at least `min_bytes`, one per storage."""
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for state in optimizer.state.values():
+        for value in map(local_tensor, state.values()):
+            if not isinstance(value, torch.Tensor) or value.device != device:
+                continue
+            storage = value.untyped_storage()
+            if storage.nbytes() < min_bytes or storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            found.append(value)
+    return found
+
+
+def host_then_store(
+    tensors: list[torch.Tensor], host_bytes: int, has_store: bool, restore_event: Optional[int] = None
+) -> list[Move]:
+    """Moves between steps for `tensors`, in order: to pinned host memory while `host_bytes` holds
+    them, then to the store where there is one; the rest stay on the device."""
+    moves = []
+    for tensor in tensors:
+        size = _pinned_size(tensor.untyped_storage().nbytes())
+        if size <= host_bytes:
+            host_bytes -= size
+            moves.append(Move(tensor, HOST, restore_event))
+        elif has_store:
+            moves.append(Move(tensor, SSD, restore_event))
+    return moves
 
 
 class _StateSlot:
