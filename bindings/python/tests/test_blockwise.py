@@ -338,7 +338,10 @@ def test_no_trial_where_the_plan_is_checkpointing(monkeypatch: Any) -> None:
     assert set(report.actions.values()) == {RECOMPUTE}
     assert "checkpoint_all_ms" not in report.choice
     assert report.planned_steps == steps - bw.BlockOffload.MEASURING_STEPS
-    assert report.checkpoint_all_source == "the measuring iterations"
+    assert (
+        report.checkpoint_all_source
+        == "the sum of each block's and the head's times in the measuring iterations"
+    )
 
 
 def test_no_plan_fits_is_a_clear_error() -> None:

@@ -548,7 +548,8 @@ class BlockReport:
     prediction_error_percent: Optional[float]
     prediction_warning: str
     checkpoint_all_ms: Optional[float]
-    #: How `checkpoint_all_ms` was measured (the A/B trial, or the measuring iterations).
+    #: How `checkpoint_all_ms` was measured: the A/B trial's median iteration, or (no trial) the
+    #: sum of the spans the measuring iterations timed, not one whole iteration.
     checkpoint_all_source: str
     ideal_estimate_ms: Optional[float]
     peak_gpu_bytes: Optional[int]
@@ -1286,7 +1287,7 @@ class BlockOffload:
             checkpoint_all_ms=ckpt_ms,
             checkpoint_all_source=f"median of {self.TRIAL_STEPS} iterations in the trial"
             if trial_ms is not None
-            else "the measuring iterations",
+            else "the sum of each block's and the head's times in the measuring iterations",
             ideal_estimate_ms=ideal,
             peak_gpu_bytes=max(self._peaks[start:end])
             if start is not None and self._peaks[start:end]
