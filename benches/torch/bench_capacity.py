@@ -17,6 +17,9 @@ each in its own process:
                    then off.report()
     teraio_ssd     the same with host_memory="8GiB" (`--ssd-host-memory`): host memory too small
                    for the state, so part of it must live on the SSD store
+    teraio_step_in_bwd, teraio_ssd_step_in_bwd
+                   teraio and teraio_ssd with step_in_backward=True (opt-in: the loop neither
+                   clips nor accumulates gradients, so each parameter is updated in backward)
     zero_infinity  DeepSpeed ZeRO-3, parameters and optimizer state offloaded to NVMe (swap files
                    under the same work dir, so the same disk), Hugging Face gradient checkpointing
                    (use_reentrant=False, as ZeRO-Infinity users fit activations),
@@ -82,14 +85,23 @@ sys.path.insert(0, HERE)
 import baselines  # noqa: E402  (beside this script)
 import bench_regime  # noqa: E402
 import summarize  # noqa: E402
+from timeline import profiled  # noqa: E402
 
 GIB = 1 << 30
 #: ZeRO-Infinity's offload_param.buffer_count (see make_deepspeed).
 ZERO_INFINITY_PARAM_BUFFERS = 40
 
-MODES = ["reference", "teraio", "teraio_ssd", "zero_infinity", "zero_offload"]
+MODES = [
+    "reference",
+    "teraio",
+    "teraio_ssd",
+    "teraio_step_in_bwd",
+    "teraio_ssd_step_in_bwd",
+    "zero_infinity",
+    "zero_offload",
+]
 DEEPSPEED_MODES = ("zero_infinity", "zero_offload")
-TERAIO_MODES = ("teraio", "teraio_ssd")
+TERAIO_MODES = ("teraio", "teraio_ssd", "teraio_step_in_bwd", "teraio_ssd_step_in_bwd")
 #: Files of teraio's store, in one folder of the work dir (one disk on the GPU machine).
 #: Disk space a teraio store must leave free (its files are reserved in full when created).
 DISK_KEPT_FREE = 8 * GIB
@@ -176,7 +188,8 @@ def disk_bytes(path: str) -> int:
 
 def tier_bytes(report: dict[str, Any]) -> dict[str, dict[str, int]]:
     """{tier: {direction: bytes}} per iteration, summed over every tensor kind the report lists
-    (fields named `*bytes_per_iteration` shaped {direction: {tier: bytes}})."""
+    (fields named `*bytes_per_iteration` shaped {direction: {tier: bytes}}, or {direction: {tier:
+    {kind: bytes}}} as the whole-model report has them)."""
     totals: dict[str, dict[str, int]] = {}
     for key, value in report.items():
         if not key.endswith("bytes_per_iteration") or not isinstance(value, dict):
@@ -185,6 +198,8 @@ def tier_bytes(report: dict[str, Any]) -> dict[str, dict[str, int]]:
             if not isinstance(tiers, dict):
                 continue
             for tier, nbytes in tiers.items():
+                if isinstance(nbytes, dict):
+                    nbytes = sum(v for v in nbytes.values() if isinstance(v, (int, float)))
                 if isinstance(nbytes, (int, float)):
                     per_tier = totals.setdefault(tier, {})
                     per_tier[direction] = per_tier.get(direction, 0) + int(nbytes)
@@ -263,7 +278,9 @@ def make_teraio(
         [os.path.join(store_dir, name) for name in names], file_size_bytes=file_size, **emulated
     )
     kwargs: dict[str, Any] = {"store": store, "gpu_memory": cap}
-    if args.mode == "teraio_ssd":
+    if args.mode.endswith("_step_in_bwd"):
+        kwargs["step_in_backward"] = True
+    if args.mode.startswith("teraio_ssd"):
         # --tiny: a quarter of the model state, so that the SSD store must hold the rest.
         kwargs["host_memory"] = args.ssd_host_memory or bench_regime.model_state_bytes(model) // 4
     described = {"store_files": len(names), "store_bytes": file_size * len(names), "emulate": args.emulate}
@@ -384,17 +401,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     io_at_warmup = proc_io()
                 tokens = tokens.to(device)
                 started = time.perf_counter()
-                if engine is not None:
-                    loss = engine(input_ids=tokens, labels=tokens).loss
-                    engine.backward(loss)
-                    engine.step()
-                else:
-                    with torch.autocast(device.type, dtype=torch.bfloat16):
-                        loss = model(input_ids=tokens, labels=tokens).loss
-                    loss.backward()
-                    optimizer.step()
-                    optimizer.zero_grad()
-                losses.append(loss.item())
+                trace = os.path.join(args.trace_dir or args.work_dir, f"trace-{args.mode}-s{step}.json")
+                with profiled(step == args.profile_step, trace):
+                    if engine is not None:
+                        loss = engine(input_ids=tokens, labels=tokens).loss
+                        engine.backward(loss)
+                        engine.step()
+                    else:
+                        with torch.autocast(device.type, dtype=torch.bfloat16):
+                            loss = model(input_ids=tokens, labels=tokens).loss
+                        loss.backward()
+                        optimizer.step()
+                        optimizer.zero_grad()
+                    losses.append(loss.item())
                 if cuda:
                     torch.cuda.synchronize()
                     peaks.append(torch.cuda.max_memory_allocated())
@@ -473,18 +492,22 @@ def run_main(args: argparse.Namespace) -> int:
 
 def run_command(args: argparse.Namespace, mode: str) -> list[str]:
     command = [sys.executable, os.path.abspath(__file__), "run", "--mode", mode, "--work-dir", args.work_dir]
+    steps, warmup = args.steps, args.warmup
+    if mode == "zero_infinity" and args.zero_infinity_steps:
+        steps = args.zero_infinity_steps
+        warmup = min(warmup, steps - 1)
+    command += ["--steps", str(steps), "--warmup", str(warmup)]
     flags = (
         "family",
-        "steps",
-        "warmup",
         "batch",
         "seq",
         "seed",
         "store_gib",
         "ssd_host_memory",
         "store_devices",
+        "profile_step",
     )
-    for flag in flags + ("emulate",):
+    for flag in flags + ("emulate", "trace_dir"):
         value = getattr(args, flag)
         if value is not None:
             command += ["--" + flag.replace("_", "-"), str(value)]
@@ -730,6 +753,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     common.add_argument("--zero-offload-stage", type=int, choices=[2, 3], default=2)
     common.add_argument("--tiny", action="store_true", help="CPU, 2 small layers (tests of this script)")
+    common.add_argument(
+        "--profile-step",
+        type=int,
+        default=-1,
+        help="record this step with torch.profiler: a summary in the log, the trace in --trace-dir",
+    )
+    common.add_argument(
+        "--trace-dir", default=None, help="where --profile-step's trace goes (default: work dir)"
+    )
 
     one = commands.add_parser("run", parents=[common], help="one mode in this process")
     one.add_argument("--mode", choices=MODES, required=True)
@@ -741,6 +773,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     many.add_argument("--modes", default=",".join(MODES))
     many.add_argument(
         "--out-dir", default=None, help="results.jsonl, logs, capacity.md (default: WORK_DIR/out)"
+    )
+    many.add_argument(
+        "--zero-infinity-steps",
+        type=int,
+        default=0,
+        help="steps of the zero_infinity row (default --steps; its warm-up at most one less): "
+        "its ~33 s iterations and ~3 min set-up on the H100 leave room for little else in one call",
     )
     many.add_argument("--reference-from", default=None, help="a results.jsonl with a reference row")
     many.add_argument("--deadline-s", type=float, default=3000.0, help="no row starts after this")
@@ -764,6 +803,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return run_main(args)
     if args.out_dir is None:
         args.out_dir = os.path.join(args.work_dir, "out")
+    if args.trace_dir is None:
+        args.trace_dir = args.out_dir
     return table_main(args)
 
 

@@ -18,10 +18,6 @@ launched the work after each gap, and the host's costliest calls.
 from __future__ import annotations
 
 import argparse
-import collections
-import contextlib
-import gzip
-import json
 import os
 import shutil
 import sys
@@ -60,69 +56,6 @@ def forced_choose(kind: str) -> Any:
     return choose
 
 
-def summarize_trace(path: str, top: int = 12) -> None:
-    """Busy time per GPU stream, the compute stream's longest gaps and what launched the work
-    after each, from a chrome trace written by torch.profiler."""
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as handle:
-        events = json.load(handle)["traceEvents"]
-    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    if not gpu:
-        print("trace: no GPU events")
-        return
-    by_stream: dict[Any, list[tuple[float, float, dict[str, Any]]]] = collections.defaultdict(list)
-    for e in gpu:
-        by_stream[e["args"].get("stream")].append((e["ts"], e["ts"] + e["dur"], e))
-    start = min(e["ts"] for e in gpu)
-    end = max(e["ts"] + e["dur"] for e in gpu)
-    print(f"trace: GPU span {(end - start) / 1e3:.1f} ms")
-    for stream, spans in sorted(by_stream.items(), key=lambda kv: -sum(b - a for a, b, _ in kv[1])):
-        kinds = collections.Counter()
-        for a, b, e in spans:
-            kinds[
-                e["cat"]
-                + (":" + e["name"].split(" ")[1] if e["cat"] == "gpu_memcpy" and " " in e["name"] else "")
-            ] += b - a
-        busy = ", ".join(f"{k} {v / 1e3:.1f} ms" for k, v in kinds.most_common(4))
-        print(f"  stream {stream}: {len(spans)} events, {busy}")
-    compute = max(by_stream, key=lambda s: sum(1 for _, _, e in by_stream[s] if e["cat"] == "kernel"))
-    spans = sorted(by_stream[compute], key=lambda x: x[0])
-    gaps = []
-    last = spans[0][1]
-    for a, b, e in spans[1:]:
-        if a - last > 200:
-            gaps.append((a - last, last, e))
-        last = max(last, b)
-    total = sum(g for g, _, _ in gaps)
-    print(f"  compute stream {compute}: {len(gaps)} gaps over 0.2 ms, {total / 1e3:.1f} ms in all")
-    runtime = {
-        e["args"].get("correlation"): e
-        for e in events
-        if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
-    }
-    ops = sorted(
-        (e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")),
-        key=lambda e: e["ts"],
-    )
-
-    def enclosing(ts: float) -> str:
-        names = [e["name"] for e in ops if e["ts"] <= ts <= e["ts"] + e["dur"]]
-        return " > ".join(names[-4:]) if names else "?"
-
-    for gap, at, e in sorted(gaps, key=lambda g: -g[0])[:top]:
-        launch = runtime.get(e["args"].get("correlation"))
-        where = enclosing(launch["ts"]) if launch else "?"
-        print(
-            f"    gap {gap / 1e3:6.2f} ms at +{(at - start) / 1e3:7.1f} ms "
-            f"before {e['name'][:50]!r}: launched in {where[:160]}"
-        )
-    host = collections.Counter()
-    for e in events:
-        if e.get("ph") == "X" and e.get("cat") == "cuda_runtime":
-            host[e["name"]] += e["dur"]
-    print("  host CUDA calls: " + ", ".join(f"{k} {v / 1e3:.1f} ms" for k, v in host.most_common(8)))
-
-
 def main() -> None:
     import teraio
     from teraio import blockwise as bw
@@ -143,6 +76,7 @@ def main() -> None:
     parser.add_argument("--out-dir", default="")
     args = parser.parse_args()
     from bench_regime import build_model, make_batches
+    from timeline import profiled
 
     device = torch.device("cuda")
     total = torch.cuda.get_device_properties(0).total_memory
@@ -163,18 +97,13 @@ def main() -> None:
                 run._check_plan = lambda: None
             before = torch.cuda.memory_stats()
             for step, tokens in enumerate(batches):
-                profiling = step == args.profile_step
-                profiler = (
-                    torch.profiler.profile(
-                        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-                    )
-                    if profiling
-                    else contextlib.nullcontext()
-                )
                 tokens = tokens.to(device)
                 torch.cuda.synchronize()
                 started = time.perf_counter()
-                with profiler:
+                trace = os.path.join(
+                    args.out_dir or directory, f"trace-{args.family}-{args.plan}-s{step}.json"
+                )
+                with profiled(step == args.profile_step, trace):
                     with torch.autocast("cuda", dtype=torch.bfloat16):
                         loss = model(input_ids=tokens, labels=tokens).loss
                     loss.backward()
@@ -205,15 +134,6 @@ def main() -> None:
                     f"reserved {torch.cuda.memory_reserved() / 2**30:.2f} GiB; allocator {delta}",
                     flush=True,
                 )
-                if profiling:
-                    out = args.out_dir or directory
-                    os.makedirs(out, exist_ok=True)
-                    path = os.path.join(out, f"trace-{args.family}-{args.plan}-s{step}.json")
-                    profiler.export_chrome_trace(path)
-                    summarize_trace(path)
-                    with open(path, "rb") as src, gzip.open(path + ".gz", "wb") as dst:
-                        shutil.copyfileobj(src, dst)
-                    os.remove(path)
         print(run.report())
     finally:
         store.close()

@@ -32,7 +32,9 @@
 #                             #   call with a reference row, for the losses. On the H100 a ZeRO-Offload
 #                             #   row took 114 s (1.16 s/iter, the rest building the model and cpu_adam)
 #                             #   and ZeRO-Infinity had not finished its setup after 132 s: for its 10
-#                             #   steps, run MODES=zero_infinity alone
+#                             #   steps, run MODES=zero_infinity alone. PROFILE_STEP=N: a timeline of step N
+#                             #   per row (summary in the log, trace in logs.tgz); ZI_STEPS=N: the
+#                             #   zero_infinity row takes N steps (its set-up ~3 min, ~33 s per step)
 # Needs .whl-py/ (ignored by git; carry it): the teraio wheel built on the dev machine
 # (`maturin build --release --strip -m bindings/python/Cargo.toml -o .whl-py`), torchtune 0.6.1
 # (`pip download --no-deps torchtune==0.6.1 -d .whl-py`), and for `baselines` .whl-py/ds/: DeepSpeed
@@ -206,7 +208,9 @@ capacity)
     --modes "$modes" --steps "${STEPS:-10}" --warmup "${WARMUP:-3}" \
     --batch "${BATCH:-1}" --cap-gib "${CAP_GIB:-12}" --work-dir /root/teraio-capacity \
     --out-dir "$OUT/capacity" --deadline-s $((deadline - SECONDS)) --timeout-s $((deadline - SECONDS)) \
-    --teraio-timeout-s $((deadline - SECONDS)) ${REFERENCE:+--reference-from "$REFERENCE"} 2>&1 | tee "$OUT/capacity.log"
+    --teraio-timeout-s $((deadline - SECONDS)) ${REFERENCE:+--reference-from "$REFERENCE"} \
+    ${PROFILE_STEP:+--profile-step "$PROFILE_STEP"} ${ZI_STEPS:+--zero-infinity-steps "$ZI_STEPS"} \
+    2>&1 | tee "$OUT/capacity.log"
   rm -rf /root/teraio-capacity
   cp "$OUT/capacity/results.jsonl" "$OUT/results.jsonl"
   cp "$OUT/capacity/capacity.md" "$OUT/capacity.md"

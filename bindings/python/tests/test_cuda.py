@@ -144,15 +144,24 @@ def test_chunked_copy_on_stream_copies_every_byte() -> None:
     assert torch.equal(target.cpu(), source)
 
 
+@pytest.mark.parametrize("step_in_backward", [False, True], ids=["step", "step-in-backward"])
 @pytest.mark.parametrize("host_memory", [1 << 30, 0], ids=["host", "ssd"])
-def test_whole_model_offload_is_exact_on_cuda(store: teraio.Store, host_memory: int) -> None:
+def test_whole_model_offload_is_exact_on_cuda(
+    store: teraio.Store, host_memory: int, step_in_backward: bool
+) -> None:
     # Parameters, gradients and optimizer state stream through pinned host buffers or the
-    # engine's GPU path; losses, parameters and state equal training without offload.
+    # engine's GPU path; losses, parameters and state equal training without offload, with the
+    # step at optimizer.step() or in backward (run from autograd's device thread).
     data = batches(STEPS, rows=ROWS, device=DEVICE)
     reference_model, reference_optimizer = make(device=DEVICE)
     reference = train(reference_model, reference_optimizer, data)
     model, optimizer = make(device=DEVICE)
-    options = {"gpu_memory": 64 << 20, "host_memory": host_memory, "whole_model": "on"}
+    options = {
+        "gpu_memory": 64 << 20,
+        "host_memory": host_memory,
+        "whole_model": "on",
+        "step_in_backward": step_in_backward,
+    }
     with teraio.offload(model, optimizer, store=store, **options, granularity="tensor") as run:
         assert type(run).__name__ == "ModelOffload"
         losses = train(model, optimizer, data)

@@ -339,3 +339,86 @@ def test_optimizer_parameters_outside_the_model_are_refused() -> None:
     optimizer = torch.optim.AdamW([*model.parameters(), extra])
     with pytest.raises(ValueError, match="does not own"):
         teraio.offload(model, optimizer, gpu_memory=4096, host_memory=1 << 30)
+
+
+# -- the step in backward ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("host_memory", [1 << 30, 300_000, 0], ids=["host", "mixed", "ssd"])
+def test_step_in_backward_is_exact_on_every_tier(store: teraio.Store, host_memory: int) -> None:
+    data = batches(STEPS, rows=ROWS)
+    reference = _reference(make, data)
+    result, run = _run(make, data, store, host_memory=host_memory, step_in_backward=True)
+    _assert_same(reference, result)
+    report = run.report()
+    assert report.step_in_backward
+    # Gradients never leave the GPU, and the step reads no parameter in: every parameter comes
+    # in for forward and recomputation only.
+    moved = report.bytes_per_iteration
+    assert all(kinds.get("gradient", 0) == 0 for direction in moved.values() for kinds in direction.values())
+    params = sum(p.untyped_storage().nbytes() for p in result[0].parameters())
+    parameters_in = sum(kinds.get("parameter", 0) for kinds in moved["in"].values())
+    assert parameters_in <= 2 * params
+    assert store.list() == []
+
+
+@pytest.mark.parametrize("checkpoint", [None, "off"])
+def test_step_in_backward_with_tied_weights(store: teraio.Store, checkpoint: Optional[str]) -> None:
+    # The tied weight's gradient is complete only once backward reaches the embedding: it must
+    # not be stepped with the head's part alone.
+    data = _tokens(STEPS)
+    reference = _reference(_tied, data)
+    result, _ = _run(_tied, data, store, host_memory=20_000, checkpoint=checkpoint, step_in_backward=True)
+    _assert_same(reference, result)
+
+
+def test_step_in_backward_updates_the_model_in_backward(store: teraio.Store) -> None:
+    model, optimizer = make()
+    x = batches(1, rows=ROWS)[0]
+    with teraio.offload(
+        model, optimizer, store=store, gpu_memory=4096, host_memory=1 << 30, step_in_backward=True
+    ):
+        model(x).backward()
+        # AdamW counts its steps per parameter: every one has stepped before optimizer.step().
+        assert all(int(optimizer.state[p]["step"]) == 1 for p in model.parameters())
+        optimizer.step()
+        optimizer.zero_grad()
+        assert all(int(optimizer.state[p]["step"]) == 1 for p in model.parameters())
+
+
+def test_step_in_backward_refuses_clipping_and_accumulation(store: teraio.Store) -> None:
+    model, optimizer = make()
+    x = batches(1, rows=ROWS)[0]
+    with teraio.offload(
+        model, optimizer, store=store, gpu_memory=4096, host_memory=1 << 30, step_in_backward=True
+    ):
+        model(x).backward()
+        with pytest.raises(RuntimeError, match="clip_grad_norm_ after backward"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        with pytest.raises(RuntimeError, match="a second backward before optimizer.step"):
+            model(x).backward()
+
+
+def test_step_in_backward_without_whole_model_mode_warns() -> None:
+    model, optimizer = make()
+    with pytest.warns(UserWarning, match="step_in_backward=True has no effect"):
+        teraio.offload(model, optimizer, gpu_memory=1 << 30, step_in_backward=True, granularity="tensor")
+
+
+def test_capacity_table_counts_the_whole_model_reports_bytes() -> None:
+    # benches/torch/bench_capacity.py's tier columns, from a whole-model report's per-kind counts.
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3] / "benches" / "torch"))
+    from bench_capacity import tier_bytes
+
+    model, optimizer = make()
+    with teraio.offload(model, optimizer, gpu_memory=4096, host_memory=1 << 30) as run:
+        train(model, optimizer, batches(2, rows=ROWS))
+    report = run.report().as_dict()
+    moved = report["bytes_per_iteration"]
+    assert tier_bytes(report) == {
+        "host": {direction: sum(moved[direction]["host"].values()) for direction in ("in", "out")}
+    }
+    assert tier_bytes(report)["host"]["in"] > 0

@@ -49,6 +49,13 @@ class OffloadOptions:
             "Whole-model offload").
         step_window: whole-model mode: parameter + gradient + state bytes the streamed optimizer
             step holds on the GPU per window ("auto": `whole_model.WINDOW_SHARE` of `gpu_memory`).
+        step_in_backward: whole-model mode: update each parameter in backward, as soon as its
+            gradient is complete, while it is still on the GPU (default False: at
+            `optimizer.step()`, which the loop may precede with `clip_grad_norm_` or more
+            backward passes). True saves moving the gradients out and back and the parameters in
+            again; the loop then must not clip gradients nor accumulate them over backward passes
+            (both raise), and every backward updates the model (`optimizer.step()` only ends
+            the iteration). The update is the optimizer's own, so losses match the default's.
         checkpoint: whole-block recomputation (activation checkpointing of the repeated blocks,
             e.g. transformer layers): None (the default: "off", and "all" in whole-model mode),
             "off", "auto" (plans with 0, 1/4, 1/2, 3/4 and all blocks checkpointed and keeps the
@@ -87,6 +94,7 @@ class OffloadOptions:
     checkpoint: Optional[str] = None
     whole_model: str = "auto"
     step_window: Size = "auto"
+    step_in_backward: bool = False
     tier_preference: str = "auto"
     offload_optimizer_state: bool = True
     offload_parameters: bool = False

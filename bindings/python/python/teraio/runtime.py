@@ -22,6 +22,7 @@ import contextlib
 import json
 import statistics
 import time
+import warnings
 from typing import Any, Optional, Union
 
 import torch
@@ -108,6 +109,13 @@ class offload:
         from . import blockwise
         from .blocks import find_blocks
 
+        if options.step_in_backward and not whole:
+            warnings.warn(
+                "teraio.offload: step_in_backward=True has no effect: the model's parameters, "
+                "gradients and optimizer state fit gpu_memory, so whole-model mode is off "
+                "(whole_model='on' forces it)",
+                stacklevel=2,
+            )
         if whole:
             mode: Any = wm.ModelOffload
         elif options.granularity == "tensor" or (options.granularity == "auto" and not find_blocks(model)):

@@ -31,6 +31,14 @@ are issued first, so they overlap), `param.grad` is set for the window only, the
 steps (torch optimizers skip parameters whose `grad` is None), and the updated parameters and
 state go back to their tiers. The step's GPU memory is bounded by two windows.
 
+The step in backward (`step_in_backward=True`, opt-in). A parameter's gradient is complete when its
+post-accumulate-grad hook runs; the parameter is then still on the GPU, where backward used it.
+Its optimizer state is read in ahead of it (with the parameters of the next units backward
+recomputes), and the optimizer steps the parameters whose gradients are complete when backward
+enters the next unit, and at the end of backward (an autograd engine callback). Gradients never
+leave the GPU and parameters are not read in again for the step. A clip or a second backward
+before `optimizer.step()` raises: the update has already run.
+
 Data moves through `teraio.tiers` (pinned host buffers allocated at start-up under the host cap;
 the store through the engine's GPU path) and where each kind lives is `teraio.capacity`'s plan.
 """
@@ -133,6 +141,8 @@ class WholeModelReport:
     resident_parameter_bytes: int = 0
     #: Where the state went at exit: "gpu", or "cpu" where it did not fit `gpu_memory`.
     returned_to: str = "gpu"
+    #: The optimizer stepped each parameter in backward (`step_in_backward`).
+    step_in_backward: bool = False
     mode: str = "whole-model"
     machine: dict[str, Any] = field(default_factory=dict)
 
@@ -144,11 +154,12 @@ class WholeModelReport:
             return "-" if value is None else format_bytes(value)
 
         ms = "-" if self.measured_iteration_ms is None else f"{self.measured_iteration_ms:.1f} ms"
+        step = f"step {self.step_ms or 0:.1f} ms in {self.windows} windows of <= {gib(self.window_bytes)}"
         lines = [
             f"teraio whole-model offload: {self.steps} steps, {self.units} units, "
             f"{self.checkpointed_blocks} blocks checkpointed",
-            f"  iteration: {ms} (median after the first); step {self.step_ms or 0:.1f} ms in "
-            f"{self.windows} windows of <= {gib(self.window_bytes)}",
+            f"  iteration: {ms} (median after the first); "
+            + ("step in backward, unit by unit" if self.step_in_backward else step),
             f"  peak GPU memory {gib(self.peak_gpu_bytes)} (budget {gib(self.gpu_memory_bytes)}), "
             f"step windows {gib(self.peak_step_window_bytes)}",
             f"  pinned host {gib(self.pinned_host_bytes)}, peak host RSS {gib(self.peak_host_rss_bytes)}; "
@@ -191,6 +202,7 @@ class _Slot:
         "saved",
         "grad_held",
         "incoming_grad",
+        "incoming_state",
         "units",
     )
 
@@ -207,6 +219,7 @@ class _Slot:
         self.saved = False  # autograd saved it in this forward pass: keep until its gradient
         self.grad_held = False  # a gradient of this iteration is in its tier
         self.incoming_grad: Optional[tuple[torch.Tensor, Transfer]] = None  # read for the step
+        self.incoming_state: Optional[list[Transfer]] = None  # state reads for a step in backward
         self.units: list[int] = []
 
 
@@ -281,6 +294,11 @@ class ModelOffload:
         # Parameters whose release waits for an SSD write (`_release`, `_poll`).
         self._releasing: list[_Slot] = []
         self.pull_forward_bytes = parse_size(options.pull_forward_bytes)
+        self.step_in_backward = options.step_in_backward
+        # Step in backward: parameters whose gradient is complete, waiting for their update, and
+        # the backward pass that updated the model in this iteration (its graph task id).
+        self._ready: list[_Slot] = []
+        self._stepping_task: Optional[int] = None
         # Resident parameters by storage address: what the pack hook recognises.
         self._slot_at = {slot.param.untyped_storage().data_ptr(): slot for slot in self.slots}
         self.units = self._find_units()
@@ -408,6 +426,12 @@ class ModelOffload:
         foreach: Optional[bool],
     ) -> torch.Tensor:
         """torch's `clip_grad_norm_` (torch/nn/utils/clip_grad.py) over held gradients."""
+        if self.step_in_backward:
+            raise RuntimeError(
+                "teraio.offload(step_in_backward=True): clip_grad_norm_ after backward, which has "
+                "already updated the model with the unclipped gradients (use step_in_backward=False "
+                "to clip)"
+            )
         norm_type = float(norm_type)
         self._apply_pending_clip()  # a second call sees the gradients the first one scaled
         grads: list[torch.Tensor] = []  # each gradient's dtype and device (held ones: empty)
@@ -631,8 +655,14 @@ class ModelOffload:
         slot.release_pending = False
 
     def _enter_unit(self, index: int) -> None:
+        with torch.profiler.record_function("teraio.enter_unit"):
+            self._enter_unit_traced(index)
+
+    def _enter_unit_traced(self, index: int) -> None:
         started = time.perf_counter()
         self._poll()
+        if self._ready:
+            self._step_ready()  # the unit backward left: its gradients are complete
         if self._recorded is None:
             self._order.append(index)
         self._position += 1
@@ -641,7 +671,7 @@ class ModelOffload:
             self.on_demand_fetches += 1
         for slot in slots:
             self._acquire(slot)
-        self._prefetch_ahead()
+        self._prefetch_ahead(index)
         for slot in slots:
             self._join(slot)
         self._counts.wait_s["units"] += time.perf_counter() - started
@@ -663,10 +693,16 @@ class ModelOffload:
                 ahead += slot.nbytes
         return slots
 
-    def _prefetch_ahead(self) -> None:
-        """Issues the reads of the parameters in the horizon."""
-        for slot in self._horizon():
+    def _prefetch_ahead(self, current: Optional[int] = None) -> None:
+        """Issues the reads of the parameters in the horizon; in backward with the step there,
+        also their optimizer state's, and the state of unit `current`'s parameters."""
+        horizon = self._horizon()
+        for slot in horizon:
             self._acquire(slot)
+        if self.step_in_backward and torch._C._current_graph_task_id() != -1:
+            mine = [self.slots[i] for i in self.units[current].slots] if current is not None else []
+            for slot in mine + horizon:
+                self._fetch_state(slot)
 
     def _leave_unit(self, index: int) -> None:
         if torch._C._current_graph_task_id() != -1:
@@ -696,7 +732,11 @@ class ModelOffload:
 
     def _gradient_ready(self, param: torch.Tensor) -> None:
         slot = self._slot_of[id(param)]
-        self._move_gradient_out(slot)
+        if self.step_in_backward:
+            self._await_step(slot)
+            return
+        with torch.profiler.record_function("teraio.gradient_out"):
+            self._move_gradient_out(slot)
         # Backward is done with the parameter once its gradient is accumulated.
         slot.saved = False
         self._release(slot)
@@ -724,6 +764,60 @@ class ModelOffload:
             while sum(n for _, n in self._gradient_writes) > MAX_GRADIENT_WRITES_BYTES:
                 self._gradient_writes.pop(0)[0].join()
 
+    def _await_step(self, slot: _Slot) -> None:
+        """Step in backward: the parameter's gradient is complete; it is updated when backward
+        enters the next unit or ends."""
+        task = torch._C._current_graph_task_id()
+        if self._stepping_task is None:
+            self._stepping_task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._step_ready)
+        elif task != self._stepping_task:
+            raise RuntimeError(
+                "teraio.offload(step_in_backward=True): a second backward before optimizer.step(): "
+                "the first one has already updated the model, so gradients cannot accumulate over "
+                "backward passes (use step_in_backward=False to accumulate)"
+            )
+        slot.saved = False
+        self._fetch_state(slot)
+        self._ready.append(slot)
+
+    def _fetch_state(self, slot: _Slot) -> None:
+        """Issues the reads of the parameter's optimizer state for a step in backward (once)."""
+        if slot.incoming_state is not None or not slot.param.requires_grad:
+            return
+        self._finish_state_writes(self.plan.window_bytes, slot=slot)
+        slot.incoming_state = []
+        for name, value in _state_tensors(self.optimizer, slot.param, resident=False):
+            slot.incoming_state.append(self._read(slot, (cp.STATE, name), value))
+            self._account(_nbytes(value))
+
+    def _step_ready(self) -> None:
+        """Step in backward: the optimizer steps the parameters whose gradients are complete (the
+        others' `grad` is None, which torch optimizers skip); they and their state go back."""
+        ready, self._ready = self._ready, []
+        if not ready:
+            return
+        started = time.perf_counter()
+        with torch.profiler.record_function("teraio.step_in_backward"):
+            for slot in ready:
+                self._fetch_state(slot)
+                if slot.write is not None:
+                    slot.write.join()  # the step changes the parameter: its last write must be done
+                    slot.write = None
+                # Backward may not have needed it (a bias: its gradient needs no parameter).
+                self._acquire(slot)
+                self._join(slot)
+                for transfer in slot.incoming_state or []:
+                    transfer.join()
+                slot.incoming_state = None
+                self._account(slot.nbytes * (2 if slot.tiers[cp.PARAMETER] != GPU else 1))
+            assert self._original_step is not None
+            self._original_step()
+            for slot in ready:
+                self._write_back(slot)
+        waits = self._counts.wait_s
+        waits["step in backward"] = waits.get("step in backward", 0.0) + time.perf_counter() - started
+
     def _read_gradient(self, slot: _Slot) -> torch.Tensor:
         grad = torch.empty_like(slot.param, memory_format=torch.contiguous_format)
         tier = self._tier(slot, cp.GRADIENT)
@@ -745,7 +839,13 @@ class ModelOffload:
     def _streamed_step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         if closure is not None:
             raise ValueError("teraio.offload (whole-model): optimizer.step(closure) is not supported")
+        with torch.profiler.record_function("teraio.streamed_step"):
+            return self._streamed_step_traced()
+
+    def _streamed_step_traced(self) -> Any:
         started = time.perf_counter()
+        self._step_ready()  # step in backward: what backward left (none unless it failed)
+        self._stepping_task = None
         for slot in self.slots:  # gradients set outside backward (e.g. by hand) move out too
             if slot.param.grad is not None:
                 self._move_gradient_out(slot)
@@ -754,28 +854,29 @@ class ModelOffload:
         result = None
         pending = self._fetch_window(windows[0]) if windows else []
         for position, window in enumerate(windows):
-            following = self._fetch_window(windows[position + 1]) if position + 1 < len(windows) else []
-            # Store transfers start only once polled (after their compute point has passed):
-            # poll between the waits, or the next window's reads would start at their join.
-            self._poll_tiers()
-            for transfer in pending:
-                transfer.join()
+            with torch.profiler.record_function("teraio.step_window"):
+                following = self._fetch_window(windows[position + 1]) if position + 1 < len(windows) else []
+                # Store transfers start only once polled (after their compute point has passed):
+                # poll between the waits, or the next window's reads would start at their join.
                 self._poll_tiers()
-            stepped = []
-            for i in window:
-                slot = self.slots[i]
-                self._join(slot)
-                if slot.incoming_grad is not None:
-                    grad, transfer = slot.incoming_grad
+                for transfer in pending:
                     transfer.join()
-                    slot.param.grad = self._scaled(slot, grad)
-                    slot.incoming_grad = None
-                    slot.grad_held = False
-                    stepped.append(slot)
-            result = self._original_step()
-            for slot in stepped:
-                self._write_back(slot)
-            self._poll_tiers()
+                    self._poll_tiers()
+                stepped = []
+                for i in window:
+                    slot = self.slots[i]
+                    self._join(slot)
+                    if slot.incoming_grad is not None:
+                        grad, transfer = slot.incoming_grad
+                        transfer.join()
+                        slot.param.grad = self._scaled(slot, grad)
+                        slot.incoming_grad = None
+                        slot.grad_held = False
+                        stepped.append(slot)
+                result = self._original_step()
+                for slot in stepped:
+                    self._write_back(slot)
+                self._poll_tiers()
             pending = following
         for slot in self.slots:
             slot.saved = False
@@ -955,6 +1056,7 @@ class ModelOffload:
             on_demand_fetches=self.on_demand_fetches,
             resident_parameter_bytes=self.resident_parameter_bytes,
             returned_to=self.returned_to,
+            step_in_backward=self.step_in_backward,
             machine=dict(self.machine),
         )
 

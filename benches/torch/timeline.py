@@ -1,0 +1,98 @@
+"""GPU timelines of one training step: `profiled` records a step with torch.profiler and writes
+its chrome trace (gzipped); `summarize_trace` prints where the GPU's time went: busy time per
+stream, the compute stream's longest gaps, the host op that launched the work after each gap, and
+the host's CUDA calls. Used by probe_block_plan.py and bench_capacity.py (`--profile-step`)."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import gzip
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+
+@contextlib.contextmanager
+def profiled(enabled: bool, path: str) -> Iterator[None]:
+    """Records the body with torch.profiler (CPU and CUDA) when `enabled`, then writes `path`.gz
+    and prints the summary; otherwise does nothing."""
+    if not enabled:
+        yield
+        return
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profiler:
+        yield
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    profiler.export_chrome_trace(path)
+    summarize_trace(path)
+    with open(path, "rb") as src, gzip.open(path + ".gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.remove(path)
+
+
+def summarize_trace(path: str, top: int = 12) -> None:
+    """Busy time per GPU stream, the compute stream's longest gaps and what launched the work
+    after each, from a chrome trace written by torch.profiler."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as handle:
+        events = json.load(handle)["traceEvents"]
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not gpu:
+        print("trace: no GPU events")
+        return
+    by_stream: dict[Any, list[tuple[float, float, dict[str, Any]]]] = collections.defaultdict(list)
+    for e in gpu:
+        by_stream[e["args"].get("stream")].append((e["ts"], e["ts"] + e["dur"], e))
+    start = min(e["ts"] for e in gpu)
+    end = max(e["ts"] + e["dur"] for e in gpu)
+    print(f"trace: GPU span {(end - start) / 1e3:.1f} ms")
+    for stream, spans in sorted(by_stream.items(), key=lambda kv: -sum(b - a for a, b, _ in kv[1])):
+        kinds = collections.Counter()
+        for a, b, e in spans:
+            kinds[
+                e["cat"]
+                + (":" + e["name"].split(" ")[1] if e["cat"] == "gpu_memcpy" and " " in e["name"] else "")
+            ] += b - a
+        busy = ", ".join(f"{k} {v / 1e3:.1f} ms" for k, v in kinds.most_common(4))
+        print(f"  stream {stream}: {len(spans)} events, {busy}")
+    compute = max(by_stream, key=lambda s: sum(1 for _, _, e in by_stream[s] if e["cat"] == "kernel"))
+    spans = sorted(by_stream[compute], key=lambda x: x[0])
+    gaps = []
+    last = spans[0][1]
+    for a, b, e in spans[1:]:
+        if a - last > 200:
+            gaps.append((a - last, last, e))
+        last = max(last, b)
+    total = sum(g for g, _, _ in gaps)
+    print(f"  compute stream {compute}: {len(gaps)} gaps over 0.2 ms, {total / 1e3:.1f} ms in all")
+    runtime = {
+        e["args"].get("correlation"): e
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+    }
+    ops = sorted(
+        (e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")),
+        key=lambda e: e["ts"],
+    )
+
+    def enclosing(ts: float) -> str:
+        names = [e["name"] for e in ops if e["ts"] <= ts <= e["ts"] + e["dur"]]
+        return " > ".join(names[-4:]) if names else "?"
+
+    for gap, at, e in sorted(gaps, key=lambda g: -g[0])[:top]:
+        launch = runtime.get(e["args"].get("correlation"))
+        where = enclosing(launch["ts"]) if launch else "?"
+        print(
+            f"    gap {gap / 1e3:6.2f} ms at +{(at - start) / 1e3:7.1f} ms "
+            f"before {e['name'][:50]!r}: launched in {where[:160]}"
+        )
+    host = collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "cuda_runtime":
+            host[e["name"]] += e["dur"]
+    print("  host CUDA calls: " + ", ".join(f"{k} {v / 1e3:.1f} ms" for k, v in host.most_common(8)))
