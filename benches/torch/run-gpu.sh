@@ -22,7 +22,8 @@
 #                             #   (';'-separated bench_llama.py options) runs those variants instead
 #   run-gpu.sh sweep          # emulated SSD arrays (tmpfs, each device paced like an SSD): whole-model
 #                             #   offload of the capacity model with 16 GiB of host memory over
-#                             #   DEVICES="1 2 4 8" x 6.5 GB/s; WHAT=flagship: the flagship on 4 x 2.5 GB/s
+#                             #   DEVICES="1 2 4 8" x 6.5 GB/s (MODE=teraio_ssd_step_in_bwd: with the step in
+#                             #   backward); WHAT=flagship: the flagship on 4 x 2.5 GB/s
 #   run-gpu.sh capacity       # bench_capacity.py's table: Qwen2-1.5B shape under a 12 GiB cap, 10 steps.
 #                             #   MODES picks the rows (default zero_offload,zero_infinity, ~9 min: the
 #                             #   teraio rows run in calls of their own; any of reference, teraio,
@@ -233,7 +234,7 @@ sweep)
     # devices at 6.5 GB/s and 20 us.
     for n in ${DEVICES:-1 2 4 8}; do
       rm -rf /dev/shm/teraio-array
-      timeout 170 python3 $B/bench_capacity.py run --mode teraio_ssd --steps "${STEPS:-8}" --warmup "${WARMUP:-2}" \
+      timeout 170 python3 $B/bench_capacity.py run --mode "${MODE:-teraio_ssd}" --steps "${STEPS:-8}" --warmup "${WARMUP:-2}" \
         --ssd-host-memory 16GiB --store-devices "$n" --store-gib 16 --emulate 6.5GB/s@20us \
         --work-dir /dev/shm/teraio-array --time-budget-s 150 > "$OUT/array-$n.log" 2>&1
       grep '^RESULT' "$OUT/array-$n.log" | cut -c8- | sed "s/^{/{\"devices\": $n, /" >> "$OUT/results.jsonl"

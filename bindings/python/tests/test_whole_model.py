@@ -359,6 +359,10 @@ def test_step_in_backward_is_exact_on_every_tier(store: teraio.Store, host_memor
     params = sum(p.untyped_storage().nbytes() for p in result[0].parameters())
     parameters_in = sum(kinds.get("parameter", 0) for kinds in moved["in"].values())
     assert parameters_in <= 2 * params
+    # No tier holds gradients: host memory and the store go to parameters and state.
+    placed = report.placement
+    assert placed["host"]["gradient"] == 0 and placed["ssd"]["gradient"] == 0
+    assert report.pinned_host_bytes == sum(placed["host"].values())
     assert store.list() == []
 
 

@@ -258,9 +258,14 @@ class ModelOffload:
         _refuse_foreign_parameters(named, optimizer)
         trained = {id(p) for p in _trained(optimizer)}
         state_per_param = self._state_bytes_per_param([p for _, p in named], trained)
+        # With the step in backward, gradients never leave the GPU: no tier holds them.
+        moves_gradients = not options.step_in_backward
         sizes = [
             cp.SlotSize(
-                name, _nbytes(p), _nbytes(p) if id(p) in trained else 0, state_per_param.get(id(p), 0)
+                name,
+                _nbytes(p),
+                _nbytes(p) if id(p) in trained and moves_gradients else 0,
+                state_per_param.get(id(p), 0),
             )
             for name, p in named
         ]
@@ -375,7 +380,10 @@ class ModelOffload:
     def __enter__(self) -> ModelOffload:
         for slot in self.slots:
             for kind in (cp.PARAMETER, cp.GRADIENT):
-                if slot.tiers[kind] == HOST and (kind == cp.PARAMETER or slot.param.requires_grad):
+                gradient = kind == cp.GRADIENT
+                if gradient and (not slot.param.requires_grad or self.step_in_backward):
+                    continue
+                if slot.tiers[kind] == HOST:
                     self.host.reserve((kind, slot.index), slot.nbytes)
         self._move_out_at_start()
         for index, unit in enumerate(self.units):
