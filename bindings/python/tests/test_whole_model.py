@@ -376,12 +376,18 @@ def test_step_in_backward_with_tied_weights(store: teraio.Store, checkpoint: Opt
     _assert_same(reference, result)
 
 
-def test_step_in_backward_updates_the_model_in_backward(store: teraio.Store) -> None:
+def _stepping_in_backward(store: teraio.Store) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
     model, optimizer = make()
-    x = batches(1, rows=ROWS)[0]
-    with teraio.offload(
+    run = teraio.offload(
         model, optimizer, store=store, gpu_memory=4096, host_memory=1 << 30, step_in_backward=True
-    ):
+    )
+    return model, optimizer, run
+
+
+def test_step_in_backward_updates_the_model_in_backward(store: teraio.Store) -> None:
+    model, optimizer, run = _stepping_in_backward(store)
+    x = batches(1, rows=ROWS)[0]
+    with run:
         model(x).backward()
         # AdamW counts its steps per parameter: every one has stepped before optimizer.step().
         assert all(int(optimizer.state[p]["step"]) == 1 for p in model.parameters())
@@ -391,11 +397,9 @@ def test_step_in_backward_updates_the_model_in_backward(store: teraio.Store) -> 
 
 
 def test_step_in_backward_refuses_clipping_and_accumulation(store: teraio.Store) -> None:
-    model, optimizer = make()
+    model, _, run = _stepping_in_backward(store)
     x = batches(1, rows=ROWS)[0]
-    with teraio.offload(
-        model, optimizer, store=store, gpu_memory=4096, host_memory=1 << 30, step_in_backward=True
-    ):
+    with run:
         model(x).backward()
         with pytest.raises(RuntimeError, match="clip_grad_norm_ after backward"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -667,10 +667,10 @@ class ModelOffload:
             self._enter_unit_traced(index)
 
     def _enter_unit_traced(self, index: int) -> None:
-        started = time.perf_counter()
-        self._poll()
         if self._ready:
             self._step_ready()  # the unit backward left: its gradients are complete
+        started = time.perf_counter()
+        self._poll()
         if self._recorded is None:
             self._order.append(index)
         self._position += 1
