@@ -161,8 +161,9 @@ def _rank_main(rank: int, tmp: str, store_root: str) -> None:
     result["block_bytes"] = sum(p.numel() * p.element_size() for p in model.layers[0].parameters())
     result["ops"] = sorted({op["name"].split(":")[-1] for op in trace["ops"]})
 
-    with pytest.raises(ValueError, match="FSDP2"):
-        teraio.offload(model, optimizer, gpu_memory=peak, checkpoint="auto")
+    for refused in ({"checkpoint": "auto"}, {"step_in_backward": True}):
+        with pytest.raises(ValueError, match="FSDP2"):
+            teraio.offload(model, optimizer, gpu_memory=peak, **refused)
 
     model, optimizer = _build()
     plain_calls: list[Any] = []

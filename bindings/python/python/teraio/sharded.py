@@ -16,7 +16,8 @@ What changes for a sharded model, and where teraio meets it:
 - teraio issues no collective and changes no FSDP hook or order: every rank runs the same FSDP
   collectives in the same order whatever its plan. Options that would make one rank run a
   block's forward again (`checkpoint`) or read FSDP-owned memory at a point of teraio's
-  choosing (`recompute`, `offload_parameters`), or whole-model mode, are refused, and
+  choosing (`recompute`, `offload_parameters`), or whole-model mode (and its
+  `step_in_backward`), are refused, and
   `recompute="auto"` means "off" (`adapt_options`).
 """
 
@@ -67,6 +68,8 @@ def adapt_options(model: torch.nn.Module, options: OffloadOptions) -> OffloadOpt
     refused = []
     if options.whole_model == "on":
         refused.append("whole_model='on'")
+    if options.step_in_backward:
+        refused.append("step_in_backward=True")
     if options.checkpoint not in (None, "off"):
         refused.append(f"checkpoint={options.checkpoint!r}")
     if options.recompute == "on":
