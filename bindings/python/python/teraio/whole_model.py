@@ -135,6 +135,8 @@ class WholeModelReport:
     #: Host time blocked waiting for transfers, per iteration (ms): before a unit's forward or
     #: recomputation, and inside the step.
     wait_ms_per_iteration: dict[str, float] = field(default_factory=dict)
+    #: Host time in the runtime per iteration (ms): its hooks in forward and backward, and the step.
+    host_ms_per_iteration: Optional[float] = None
     #: Units whose parameters were not prefetched in time and were fetched on demand.
     on_demand_fetches: int = 0
     #: Parameters the first iteration's unused memory kept on the GPU for good.
@@ -183,6 +185,12 @@ class WholeModelReport:
         if self.wait_ms_per_iteration:
             waits = ", ".join(f"{k} {v:.1f} ms" for k, v in self.wait_ms_per_iteration.items())
             lines.append(f"  host waits per iteration: {waits}; on-demand fetches {self.on_demand_fetches}")
+        if self.host_ms_per_iteration is not None and self.measured_iteration_ms:
+            share = self.host_ms_per_iteration / self.measured_iteration_ms
+            lines.append(
+                f"  host time in teraio per iteration: {self.host_ms_per_iteration:.1f} ms "
+                f"({share:.0%} of the iteration)"
+            )
         return "\n".join(lines)
 
 
@@ -722,32 +730,40 @@ class ModelOffload:
 
     def _wrapped_forward(self, index: int, forward: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
             self._enter_unit(index)
+            self._counts.host_s += time.perf_counter() - started
             output = forward(*args, **kwargs)
+            started = time.perf_counter()
             self._leave_unit(index)
+            self._counts.host_s += time.perf_counter() - started
             return output
 
         return run
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        started = time.perf_counter()
         # Autograd saves parameters as they are or as views (a Linear's `weight.t()`).
         slot = self._slot_at.get(tensor.untyped_storage().data_ptr())
         if slot is not None:
             slot.saved = True
+        self._counts.host_s += time.perf_counter() - started
         return tensor
 
     # -- gradients -----------------------------------------------------------------------------
 
     def _gradient_ready(self, param: torch.Tensor) -> None:
+        started = time.perf_counter()
         slot = self._slot_of[id(param)]
         if self.step_in_backward:
             self._await_step(slot)
-            return
-        with torch.profiler.record_function("teraio.gradient_out"):
-            self._move_gradient_out(slot)
-        # Backward is done with the parameter once its gradient is accumulated.
-        slot.saved = False
-        self._release(slot)
+        else:
+            with torch.profiler.record_function("teraio.gradient_out"):
+                self._move_gradient_out(slot)
+            # Backward is done with the parameter once its gradient is accumulated.
+            slot.saved = False
+            self._release(slot)
+        self._counts.host_s += time.perf_counter() - started
 
     def _move_gradient_out(self, slot: _Slot) -> None:
         grad = slot.param.grad
@@ -778,7 +794,7 @@ class ModelOffload:
         task = torch._C._current_graph_task_id()
         if self._stepping_task is None:
             self._stepping_task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self._step_ready)
+            torch.autograd.Variable._execution_engine.queue_callback(self._step_at_backward_end)
         elif task != self._stepping_task:
             raise RuntimeError(
                 "teraio.offload(step_in_backward=True): a second backward before optimizer.step(): "
@@ -798,6 +814,11 @@ class ModelOffload:
         for name, value in _state_tensors(self.optimizer, slot.param, resident=False):
             slot.incoming_state.append(self._read(slot, (cp.STATE, name), value))
             self._account(_nbytes(value))
+
+    def _step_at_backward_end(self) -> None:
+        started = time.perf_counter()
+        self._step_ready()
+        self._counts.host_s += time.perf_counter() - started
 
     def _step_ready(self) -> None:
         """Step in backward: the optimizer steps the parameters whose gradients are complete (the
@@ -1061,6 +1082,7 @@ class ModelOffload:
             units=len(self.units),
             checkpointed_blocks=len(self.blocks),
             wait_ms_per_iteration={k: v * 1e3 for k, v in middle.wait_s.items()},
+            host_ms_per_iteration=(middle.host_s + middle.wait_s["step"]) * 1e3 if later else None,
             on_demand_fetches=self.on_demand_fetches,
             resident_parameter_bytes=self.resident_parameter_bytes,
             returned_to=self.returned_to,
@@ -1075,6 +1097,9 @@ class _Counts:
     def __init__(self) -> None:
         self.bytes: dict[tuple[str, str, str], int] = {}
         self.wait_s = {"units": 0.0, "step": 0.0}
+        # Host time in the runtime's hooks (unit entry and exit, saved tensors, gradients, the
+        # step in backward at its end); the step's own is `wait_s["step"]`.
+        self.host_s = 0.0
 
     def add(self, direction: str, tier: str, kind: Any, nbytes: int) -> None:
         base = kind[0] if isinstance(kind, tuple) else kind
