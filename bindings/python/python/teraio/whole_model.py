@@ -135,7 +135,8 @@ class WholeModelReport:
     #: Host time blocked waiting for transfers, per iteration (ms): before a unit's forward or
     #: recomputation, and inside the step.
     wait_ms_per_iteration: dict[str, float] = field(default_factory=dict)
-    #: Host time in the runtime per iteration (ms): its hooks in forward and backward, and the step.
+    #: Host time in the runtime per iteration (ms, the median over the iterations after the
+    #: first): its hooks in forward and backward, and the step.
     host_ms_per_iteration: Optional[float] = None
     #: Units whose parameters were not prefetched in time and were fetched on demand.
     on_demand_fetches: int = 0
@@ -1082,7 +1083,9 @@ class ModelOffload:
             units=len(self.units),
             checkpointed_blocks=len(self.blocks),
             wait_ms_per_iteration={k: v * 1e3 for k, v in middle.wait_s.items()},
-            host_ms_per_iteration=(middle.host_s + middle.wait_s["step"]) * 1e3 if later else None,
+            host_ms_per_iteration=(
+                statistics.median(c.host_s + c.wait_s["step"] for c in later) * 1e3 if later else None
+            ),
             on_demand_fetches=self.on_demand_fetches,
             resident_parameter_bytes=self.resident_parameter_bytes,
             returned_to=self.returned_to,
