@@ -280,6 +280,9 @@ def make_teraio(
     kwargs: dict[str, Any] = {"store": store, "gpu_memory": cap}
     if args.mode.endswith("_step_in_bwd"):
         kwargs["step_in_backward"] = True
+    for item in filter(None, (args.teraio_options or "").split(",")):
+        name, _, value = item.partition("=")
+        kwargs[name.strip()] = int(value) if value.strip().isdigit() else value.strip()
     if args.mode.startswith("teraio_ssd"):
         # --tiny: a quarter of the model state, so that the SSD store must hold the rest.
         kwargs["host_memory"] = args.ssd_host_memory or bench_regime.model_state_bytes(model) // 4
@@ -507,7 +510,7 @@ def run_command(args: argparse.Namespace, mode: str) -> list[str]:
         "store_devices",
         "profile_step",
     )
-    for flag in flags + ("emulate", "trace_dir"):
+    for flag in flags + ("emulate", "trace_dir", "teraio_options"):
         value = getattr(args, flag)
         if value is not None:
             command += ["--" + flag.replace("_", "-"), str(value)]
@@ -758,6 +761,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         type=int,
         default=-1,
         help="record this step with torch.profiler: a summary in the log, the trace in --trace-dir",
+    )
+    common.add_argument(
+        "--teraio-options",
+        default=None,
+        help='extra teraio.offload options for the teraio rows, "name=value,..." (e.g. '
+        '"pull_forward_bytes=1536MiB"); recorded in the row\'s setup',
     )
     common.add_argument(
         "--trace-dir", default=None, help="where --profile-step's trace goes (default: work dir)"

@@ -35,7 +35,8 @@
 #                             #   and ZeRO-Infinity had not finished its setup after 132 s: for its 10
 #                             #   steps, run MODES=zero_infinity alone. PROFILE_STEP=N: a timeline of step N
 #                             #   per row (summary in the log, trace in logs.tgz); ZI_STEPS=N: the
-#                             #   zero_infinity row takes N steps (its set-up ~3 min, ~33 s per step)
+#                             #   zero_infinity row takes N steps (its set-up ~3 min, ~33 s per step);
+#                             #   TERAIO_OPTIONS="name=value,...": more teraio.offload options for its rows
 # Needs .whl-py/ (ignored by git; carry it): the teraio wheel built on the dev machine
 # (`maturin build --release --strip -m bindings/python/Cargo.toml -o .whl-py`), torchtune 0.6.1
 # (`pip download --no-deps torchtune==0.6.1 -d .whl-py`), and for `baselines` .whl-py/ds/: DeepSpeed
@@ -211,6 +212,7 @@ capacity)
     --out-dir "$OUT/capacity" --deadline-s $((deadline - SECONDS)) --timeout-s $((deadline - SECONDS)) \
     --teraio-timeout-s $((deadline - SECONDS)) ${REFERENCE:+--reference-from "$REFERENCE"} \
     ${PROFILE_STEP:+--profile-step "$PROFILE_STEP"} ${ZI_STEPS:+--zero-infinity-steps "$ZI_STEPS"} \
+    ${TERAIO_OPTIONS:+--teraio-options "$TERAIO_OPTIONS"} \
     2>&1 | tee "$OUT/capacity.log"
   rm -rf /root/teraio-capacity
   cp "$OUT/capacity/results.jsonl" "$OUT/results.jsonl"

@@ -712,14 +712,21 @@ class ModelOffload:
 
     def _prefetch_ahead(self, current: Optional[int] = None) -> None:
         """Issues the reads of the parameters in the horizon; in backward with the step there,
-        also their optimizer state's, and the state of unit `current`'s parameters."""
+        also the optimizer state of unit `current`'s parameters and, up to `pull_forward_bytes`
+        of state more, of the horizon's (state is twice the parameters' bytes under Adam: an
+        unbounded read-ahead ran out of memory at pull_forward_bytes=3GiB on the H100)."""
         horizon = self._horizon()
         for slot in horizon:
             self._acquire(slot)
         if self.step_in_backward and torch._C._current_graph_task_id() != -1:
-            mine = [self.slots[i] for i in self.units[current].slots] if current is not None else []
-            for slot in mine + horizon:
-                self._fetch_state(slot)
+            if current is not None:
+                for i in self.units[current].slots:
+                    self._fetch_state(self.slots[i])
+            ahead = 0
+            for slot in horizon:
+                if ahead >= self.pull_forward_bytes:
+                    break
+                ahead += self._fetch_state(slot)
 
     def _leave_unit(self, index: int) -> None:
         if torch._C._current_graph_task_id() != -1:
@@ -806,15 +813,16 @@ class ModelOffload:
         self._fetch_state(slot)
         self._ready.append(slot)
 
-    def _fetch_state(self, slot: _Slot) -> None:
-        """Issues the reads of the parameter's optimizer state for a step in backward (once)."""
-        if slot.incoming_state is not None or not slot.param.requires_grad:
-            return
-        self._finish_state_writes(self.plan.window_bytes, slot=slot)
-        slot.incoming_state = []
-        for name, value in _state_tensors(self.optimizer, slot.param, resident=False):
-            slot.incoming_state.append(self._read(slot, (cp.STATE, name), value))
-            self._account(_nbytes(value))
+    def _fetch_state(self, slot: _Slot) -> int:
+        """Issues the reads of the parameter's optimizer state for a step in backward (once);
+        returns the bytes of its state being read in."""
+        if slot.incoming_state is None and slot.param.requires_grad:
+            self._finish_state_writes(self.plan.window_bytes, slot=slot)
+            slot.incoming_state = []
+            for name, value in _state_tensors(self.optimizer, slot.param, resident=False):
+                slot.incoming_state.append(self._read(slot, (cp.STATE, name), value))
+                self._account(_nbytes(value))
+        return sum(transfer.nbytes for transfer in slot.incoming_state or [])
 
     def _step_at_backward_end(self) -> None:
         started = time.perf_counter()
