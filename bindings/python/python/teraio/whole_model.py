@@ -278,6 +278,8 @@ class ModelOffload:
             )
             for name, p in named
         ]
+        # Optimizer state bytes per parameter (as planned: before the first step, an estimate).
+        self._state_bytes = [size.state for size in sizes]
         window = options.step_window
         window_bytes = int(WINDOW_SHARE * gpu_memory_bytes) if window == "auto" else parse_size(window)
         ssd_free = None if store is None else sum(int(d["free_bytes"]) for d in store.info()["devices"])
@@ -711,22 +713,27 @@ class ModelOffload:
         return slots
 
     def _prefetch_ahead(self, current: Optional[int] = None) -> None:
-        """Issues the reads of the parameters in the horizon; in backward with the step there,
-        also the optimizer state of unit `current`'s parameters and, up to `pull_forward_bytes`
-        of state more, of the horizon's (state is twice the parameters' bytes under Adam: an
-        unbounded read-ahead ran out of memory at pull_forward_bytes=3GiB on the H100)."""
+        """Issues the reads of the parameters in the horizon. In backward with the step there,
+        also the optimizer state of unit `current`'s parameters, and the horizon's parameters
+        and state together stay within `pull_forward_bytes` (state is twice the parameters'
+        bytes under Adam: read ahead beside a full parameter horizon, it ran out of memory at
+        pull_forward_bytes=3GiB on the H100)."""
         horizon = self._horizon()
-        for slot in horizon:
-            self._acquire(slot)
-        if self.step_in_backward and torch._C._current_graph_task_id() != -1:
-            if current is not None:
-                for i in self.units[current].slots:
-                    self._fetch_state(self.slots[i])
-            ahead = 0
+        if not (self.step_in_backward and torch._C._current_graph_task_id() != -1):
             for slot in horizon:
-                if ahead >= self.pull_forward_bytes:
-                    break
-                ahead += self._fetch_state(slot)
+                self._acquire(slot)
+            return
+        if current is not None:
+            for i in self.units[current].slots:
+                self._fetch_state(self.slots[i])
+        ahead = 0
+        for slot in horizon:
+            need = slot.nbytes + self._state_bytes[slot.index]
+            if ahead > 0 and ahead + need > self.pull_forward_bytes:
+                break
+            ahead += need
+            self._acquire(slot)
+            self._fetch_state(slot)
 
     def _leave_unit(self, index: int) -> None:
         if torch._C._current_graph_task_id() != -1:
@@ -813,16 +820,15 @@ class ModelOffload:
         self._fetch_state(slot)
         self._ready.append(slot)
 
-    def _fetch_state(self, slot: _Slot) -> int:
-        """Issues the reads of the parameter's optimizer state for a step in backward (once);
-        returns the bytes of its state being read in."""
-        if slot.incoming_state is None and slot.param.requires_grad:
-            self._finish_state_writes(self.plan.window_bytes, slot=slot)
-            slot.incoming_state = []
-            for name, value in _state_tensors(self.optimizer, slot.param, resident=False):
-                slot.incoming_state.append(self._read(slot, (cp.STATE, name), value))
-                self._account(_nbytes(value))
-        return sum(transfer.nbytes for transfer in slot.incoming_state or [])
+    def _fetch_state(self, slot: _Slot) -> None:
+        """Issues the reads of the parameter's optimizer state for a step in backward (once)."""
+        if slot.incoming_state is not None or not slot.param.requires_grad:
+            return
+        self._finish_state_writes(self.plan.window_bytes, slot=slot)
+        slot.incoming_state = []
+        for name, value in _state_tensors(self.optimizer, slot.param, resident=False):
+            slot.incoming_state.append(self._read(slot, (cp.STATE, name), value))
+            self._account(_nbytes(value))
 
     def _step_at_backward_end(self) -> None:
         started = time.perf_counter()
@@ -1060,6 +1066,10 @@ class ModelOffload:
             in_flight += MAX_GRADIENT_WRITES_BYTES
         if any(slot.tiers[cp.STATE] == SSD for slot in self.slots):
             in_flight += self.plan.window_bytes
+        if self.step_in_backward:
+            # The first iteration had no state to read in: later ones hold the state of the unit
+            # backward is in (read ahead beside it: within the parameters' horizon bytes).
+            in_flight += max(sum(self._state_bytes[i] for i in unit.slots) for unit in self.units)
         spare = self.gpu_memory_bytes - reserve - peak - in_flight
         for slot in sorted(self.slots, key=lambda s: -s.nbytes):
             if slot.tiers[cp.PARAMETER] == GPU or slot.nbytes > spare:
