@@ -437,9 +437,9 @@ def test_capacity_table_counts_the_whole_model_reports_bytes() -> None:
 
 
 def test_step_in_backward_reads_state_ahead_within_its_budget() -> None:
-    # In backward, the units ahead have their parameters and optimizer state read in within
-    # pull_forward_bytes together (state read ahead beside a full parameter horizon, twice its
-    # bytes, ran out of memory on the H100 at pull_forward_bytes=3GiB).
+    # In backward, the optimizer state of the units ahead is read in up to pull_forward_bytes
+    # (read ahead for the whole parameter horizon, twice its bytes, it ran out of memory on the
+    # H100 at pull_forward_bytes=3GiB).
     pull = 600_000
     model, optimizer = make(layers=16)
     with teraio.offload(

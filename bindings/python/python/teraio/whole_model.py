@@ -714,25 +714,23 @@ class ModelOffload:
 
     def _prefetch_ahead(self, current: Optional[int] = None) -> None:
         """Issues the reads of the parameters in the horizon. In backward with the step there,
-        also the optimizer state of unit `current`'s parameters, and the horizon's parameters
-        and state together stay within `pull_forward_bytes` (state is twice the parameters'
-        bytes under Adam: read ahead beside a full parameter horizon, it ran out of memory at
-        pull_forward_bytes=3GiB on the H100)."""
+        also those of the optimizer state of unit `current`'s parameters and of the horizon's,
+        up to `pull_forward_bytes` of state (twice the parameters' bytes under Adam: read ahead
+        for the whole parameter horizon, it ran out of memory at pull_forward_bytes=3GiB on the
+        H100; counted with the parameters' bytes, it left the parameter reads behind)."""
         horizon = self._horizon()
+        for slot in horizon:
+            self._acquire(slot)
         if not (self.step_in_backward and torch._C._current_graph_task_id() != -1):
-            for slot in horizon:
-                self._acquire(slot)
             return
         if current is not None:
             for i in self.units[current].slots:
                 self._fetch_state(self.slots[i])
         ahead = 0
         for slot in horizon:
-            need = slot.nbytes + self._state_bytes[slot.index]
-            if ahead > 0 and ahead + need > self.pull_forward_bytes:
+            if ahead > 0 and ahead + self._state_bytes[slot.index] > self.pull_forward_bytes:
                 break
-            ahead += need
-            self._acquire(slot)
+            ahead += self._state_bytes[slot.index]
             self._fetch_state(slot)
 
     def _leave_unit(self, index: int) -> None:
@@ -1067,9 +1065,12 @@ class ModelOffload:
         if any(slot.tiers[cp.STATE] == SSD for slot in self.slots):
             in_flight += self.plan.window_bytes
         if self.step_in_backward:
-            # The first iteration had no state to read in: later ones hold the state of the unit
-            # backward is in (read ahead beside it: within the parameters' horizon bytes).
-            in_flight += max(sum(self._state_bytes[i] for i in unit.slots) for unit in self.units)
+            # The first iteration had no state to read in: later ones hold, in backward, the state
+            # of the unit it recomputes and up to `pull_forward_bytes` of state read ahead.
+            again = [unit for unit in set(self._order) if self._order.count(unit) > 1]
+            in_flight += self.pull_forward_bytes + max(
+                (sum(self._state_bytes[i] for i in self.units[unit].slots) for unit in again), default=0
+            )
         spare = self.gpu_memory_bytes - reserve - peak - in_flight
         for slot in sorted(self.slots, key=lambda s: -s.nbytes):
             if slot.tiers[cp.PARAMETER] == GPU or slot.nbytes > spare:
