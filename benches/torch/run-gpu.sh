@@ -24,6 +24,7 @@
 #                             #   offload of the capacity model with 16 GiB of host memory over
 #                             #   DEVICES="1 2 4 8" x 6.5 GB/s (MODE=teraio_ssd_step_in_bwd: with the step in
 #                             #   backward); WHAT=flagship: the flagship on 4 x 2.5 GB/s
+#   run-gpu.sh link           # the host link one way and both ways at once (probe_link.py, ~10 s)
 #   run-gpu.sh capacity       # bench_capacity.py's table: Qwen2-1.5B shape under a 12 GiB cap, 10 steps.
 #                             #   MODES picks the rows (default zero_offload,zero_infinity, ~9 min: the
 #                             #   teraio rows run in calls of their own; any of reference, teraio,
@@ -197,6 +198,10 @@ diagnose)
   cat "$OUT"/f-*.log | grep '^RESULT' > "$OUT/results.jsonl"
   summary
   (cd "$OUT" && tar czf logs.tgz f-*.log && rm -f f-*.log trace-b4.json plan-b4.json)
+  ;;
+
+link)
+  python3 $B/probe_link.py | tee "$OUT/link.md"
   ;;
 
 capacity)

@@ -1,7 +1,9 @@
 """GPU timelines of one training step: `profiled` records a step with torch.profiler and writes
 its chrome trace (gzipped); `summarize_trace` prints where the GPU's time went: busy time per
-stream, the compute stream's longest gaps, the host op that launched the work after each gap, and
-the host's CUDA calls. Used by probe_block_plan.py and bench_capacity.py (`--profile-step`)."""
+stream, the compute stream's longest gaps, the host op that launched the work after each gap, the
+copy streams' idle time (the next copy queued late by the host, or queued in time and waiting for
+an event), busy shares per tenth of the span, and the host's CUDA calls. Used by
+probe_block_plan.py and bench_capacity.py (`--profile-step`)."""
 
 from __future__ import annotations
 
@@ -91,8 +93,54 @@ def summarize_trace(path: str, top: int = 12) -> None:
             f"    gap {gap / 1e3:6.2f} ms at +{(at - start) / 1e3:7.1f} ms "
             f"before {e['name'][:50]!r}: launched in {where[:160]}"
         )
+    for stream in by_stream:
+        if stream != compute:
+            _copy_stream_gaps(stream, by_stream[stream], runtime)
+    _busy_strip(by_stream, compute, start, end)
     host = collections.Counter()
     for e in events:
         if e.get("ph") == "X" and e.get("cat") == "cuda_runtime":
             host[e["name"]] += e["dur"]
     print("  host CUDA calls: " + ", ".join(f"{k} {v / 1e3:.1f} ms" for k, v in host.most_common(8)))
+
+
+def _copy_stream_gaps(
+    stream: Any, spans: list[tuple[float, float, dict[str, Any]]], runtime: dict[Any, Any]
+) -> None:
+    """A copy stream's idle time between copies, split by why: the host queued the next copy
+    after the stream went idle, or the copy was queued in time and waited (for the event it was
+    ordered after: compute, or a write of the same key)."""
+    spans = sorted((s for s in spans if s[2]["cat"] == "gpu_memcpy"), key=lambda x: x[0])
+    if len(spans) < 2:
+        return
+    late = waited = 0.0
+    last = spans[0][1]
+    for a, b, e in spans[1:]:
+        gap = a - last
+        if gap > 200:
+            launch = runtime.get(e["args"].get("correlation"))
+            queued = launch["ts"] if launch else last
+            late_part = min(gap, max(0.0, queued - last))
+            late += late_part
+            waited += gap - late_part
+        last = max(last, b)
+    print(
+        f"  copy stream {stream}: idle between copies {(late + waited) / 1e3:.1f} ms: "
+        f"next copy queued late by the host {late / 1e3:.1f} ms, queued and waiting {waited / 1e3:.1f} ms"
+    )
+
+
+def _busy_strip(
+    by_stream: dict[Any, list[tuple[float, float, dict[str, Any]]]], compute: Any, start: float, end: float
+) -> None:
+    """Busy share of each stream in each tenth of the span (where in the step each one idles)."""
+    bins = 10
+    width = (end - start) / bins
+    for stream, spans in sorted(by_stream.items(), key=lambda kv: kv[0] != compute):
+        busy = [0.0] * bins
+        for a, b, _ in spans:
+            for i in range(int((a - start) // width), min(bins - 1, int((b - start) // width)) + 1):
+                lo, hi = start + i * width, start + (i + 1) * width
+                busy[i] += max(0.0, min(b, hi) - max(a, lo))
+        label = "compute" if stream == compute else f"stream {stream}"
+        print(f"  busy % per tenth, {label:>10}: " + " ".join(f"{100 * x / width:3.0f}" for x in busy))
