@@ -144,6 +144,53 @@ def test_chunked_copy_on_stream_copies_every_byte() -> None:
     assert torch.equal(target.cpu(), source)
 
 
+def test_host_tier_batches_are_ordered_and_exact() -> None:
+    from teraio.tiers import HostTier
+
+    tier = HostTier(torch.device(DEVICE), 64 << 20)
+    sources = [torch.randint(0, 255, (n,), dtype=torch.uint8, device=DEVICE) for n in (4096, 1 << 20, 7)]
+    expected = [s.clone() for s in sources]
+    with tier.batched():
+        writes = [tier.write(i, s) for i, s in enumerate(sources)]
+        assert not any(w.done() for w in writes)  # queued: issued when the batch ends
+        # A read of a key written in the same batch sees the write.
+        first = torch.empty_like(sources[0])
+        read_first = tier.read(0, first)
+    read_first.join()
+    torch.cuda.current_stream().synchronize()
+    assert torch.equal(first, expected[0])
+    for s in sources:
+        s.zero_()  # the host copies were taken before: changing the sources changes nothing
+    # Joining inside a batch issues what is queued so far; reads after a new write see it.
+    targets = [torch.empty_like(s) for s in expected]
+    with tier.batched():
+        transfers = [tier.read(i, t) for i, t in enumerate(targets)]
+        transfers[1].join()
+        assert torch.equal(targets[1], expected[1])
+        tier.write(2, sources[2]).join()
+        again = torch.empty_like(sources[2])
+        tier.read(2, again).join()
+    for t in transfers:
+        t.join()
+    torch.cuda.current_stream().synchronize()
+    assert all(torch.equal(t, e) for t, e in zip(targets, expected))
+    assert torch.equal(again, torch.zeros_like(again))
+    # Compute waits for a read on the GPU: held back on its stream, the copy still lands before
+    # compute uses the bytes, for every transfer of the batch that joins.
+    now = [expected[0], expected[1], torch.zeros_like(expected[2])]
+    for attempt in range(3):
+        late = [torch.full_like(e, 7) for e in now]
+        with tier.batched():
+            with torch.cuda.stream(tier.h2d):
+                torch.cuda._sleep(20_000_000)  # ~10 ms on the copy stream before the reads
+            reads = [tier.read(i, t) for i, t in enumerate(late)]
+        for read in reads:
+            read.join()
+        sums = [t.sum(dtype=torch.int64) for t in late]  # queued on compute after the joins
+        assert [int(x) for x in sums] == [int(e.sum(dtype=torch.int64)) for e in now], attempt
+    tier.close()
+
+
 @pytest.mark.parametrize("step_in_backward", [False, True], ids=["step", "step-in-backward"])
 @pytest.mark.parametrize("host_memory", [1 << 30, 0], ids=["host", "ssd"])
 def test_whole_model_offload_is_exact_on_cuda(

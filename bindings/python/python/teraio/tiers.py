@@ -7,7 +7,10 @@ and return a `Transfer` that says when the copy is done and makes compute wait f
 - `HostTier`: pinned host buffers, one per key, allocated when a key is first written and capped
   at `capacity_bytes` (an error past it, never a silent overflow); copies run on their own CUDA
   streams after the compute work queued so far, and compute waits for a read on the GPU
-  (`wait_event`), not on the host.
+  (`wait_event`), not on the host. Copies asked for inside `batched()` are issued together at its
+  end, one stream ordering and one event per direction for all of them: the whole-model runtime
+  moves a unit's tensors as one group, and its per-tensor host work (stream waits, events) bounded
+  its iterations (the copy streams sat idle for want of copies the host had not queued yet).
 - `SsdTier`: objects in a `teraio.Store`, one per key, in one id namespace (`teraio.ids`). Data
   moves through the engine's GPU path (`put_device`/`get_device`: its pinned bounce slab, or
   cuFile with GPUDirect Storage), so Python stages nothing. The engine copies on its own streams,
@@ -21,11 +24,13 @@ On a CPU "device" both tiers copy synchronously (host tier) or through the engin
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
 import torch
 
-from .executor import HOST, SSD, copy_on_stream
+from .executor import HOST, SSD
 from .executor import _flat_bytes as flat_bytes
 from .state import _index
 from .store import Store
@@ -56,6 +61,29 @@ class Transfer:
         self._join()
 
 
+class _Group:
+    """Host-tier copies issued together: one event after the last of them."""
+
+    __slots__ = ("tier", "event", "waited_on")
+
+    def __init__(self, tier: HostTier) -> None:
+        self.tier = tier
+        self.event: Any = None
+        self.waited_on: Optional[int] = None  # the stream (handle) already made to wait for it
+
+    def done(self) -> bool:
+        return self.event is not None and bool(self.event.query())
+
+    def join(self) -> None:
+        if self.event is None:
+            self.tier.flush()  # joined inside its batch: issue what is queued now
+        stream = torch.cuda.current_stream(self.tier.device)
+        # By handle: `Stream.__ne__` is the C base's, and `None != stream` is False there.
+        if self.waited_on != stream.cuda_stream:
+            stream.wait_event(self.event)
+            self.waited_on = stream.cuda_stream
+
+
 def _finished() -> bool:
     return True
 
@@ -80,6 +108,10 @@ class HostTier:
         self.buffers: dict[Any, torch.Tensor] = {}
         # The last write of each key: a read of the key is queued after it.
         self._written: dict[Any, Any] = {}
+        # Inside `batched()`: (key, GPU tensor, host buffer) copies not issued yet, and their group.
+        self._batching = 0
+        self._queued: dict[str, list[tuple[Any, torch.Tensor, torch.Tensor]]] = {"out": [], "in": []}
+        self._groups: dict[str, Optional[_Group]] = {"out": None, "in": None}
         if self.cuda:
             self.d2h, self.h2d = (
                 streams if streams is not None else (torch.cuda.Stream(device), torch.cuda.Stream(device))
@@ -99,19 +131,29 @@ class HostTier:
         self.used_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
 
+    @contextlib.contextmanager
+    def batched(self) -> Iterator[None]:
+        """Copies asked for inside are issued together when the block ends (see the module
+        docstring); a write's source must stay allocated until then. Joining a copy of the batch
+        inside it issues what is queued so far."""
+        self._batching += 1
+        try:
+            yield
+        finally:
+            self._batching -= 1
+            if self._batching == 0:
+                self.flush()
+
     def write(self, key: Any, source: torch.Tensor) -> Transfer:
         """Copies `source` (flat bytes on the GPU) to the key's buffer after the compute work
-        queued so far; the source's memory may be released as soon as this returns."""
+        queued so far; the source's memory may be released as soon as this returns (inside
+        `batched()`: once the block has ended)."""
         self.reserve(key, source.numel())
         host = self.buffers[key]
         if not self.cuda:
             host.copy_(source)
             return Transfer(source.numel(), _finished, _nothing)
-        event = copy_on_stream(self.d2h, self.device, host, source, after=self._written.get(key))
-        # The allocator keeps the block until the copy has read it.
-        source.record_stream(self.d2h)
-        self._written[key] = event
-        return self._transfer(source.numel(), event)
+        return self._queue("out", key, source, host)
 
     def read(self, key: Any, target: torch.Tensor) -> Transfer:
         """Copies the key's bytes into `target` (flat bytes on the GPU, allocated on the compute
@@ -121,21 +163,60 @@ class HostTier:
         if not self.cuda:
             target.copy_(host)
             return Transfer(target.numel(), _finished, _nothing)
-        event = copy_on_stream(self.h2d, self.device, target, host, after=self._written.get(key))
-        target.record_stream(self.h2d)
-        return self._transfer(target.numel(), event)
+        return self._queue("in", key, target, host)
+
+    def _queue(self, direction: str, key: Any, gpu: torch.Tensor, host: torch.Tensor) -> Transfer:
+        group = self._groups[direction]
+        if group is None:
+            group = self._groups[direction] = _Group(self)
+        self._queued[direction].append((key, gpu, host))
+        transfer = Transfer(gpu.numel(), group.done, group.join)
+        if self._batching == 0:
+            self.flush()
+        return transfer
+
+    def flush(self) -> None:
+        """Issues the queued copies: writes first (a read of a key written in the same batch is
+        ordered after the write), each direction on its stream after the compute work queued so
+        far."""
+        if not self.cuda:
+            return  # copies on a CPU device are done when asked for
+        for direction, stream in (("out", self.d2h), ("in", self.h2d)):
+            queued, group = self._queued[direction], self._groups[direction]
+            if not queued:
+                continue
+            self._queued[direction], self._groups[direction] = [], None
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            # The keys' last writes (d2h: the same stream, in order already).
+            if direction == "in":
+                after = {id(e): e for e in (self._written.get(key) for key, _, _ in queued) if e is not None}
+                for event in after.values():
+                    stream.wait_event(event)
+            with torch.cuda.stream(stream):
+                for _, gpu, host in queued:
+                    if direction == "out":
+                        host.copy_(gpu, non_blocking=True)
+                    else:
+                        gpu.copy_(host, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+            for key, gpu, _ in queued:
+                # The allocator keeps the GPU block until the copy is done with it.
+                gpu.record_stream(stream)
+                if direction == "out":
+                    self._written[key] = event
+            assert group is not None
+            group.event = event
 
     def read_to_host(self, key: Any, target: torch.Tensor) -> None:
         """Copies the key's bytes into `target` (flat bytes in CPU memory) once its last write
         is done."""
+        if self.cuda:
+            self.flush()
         written = self._written.get(key)
         if written is not None:
             written.synchronize()
         target.copy_(self.buffers[key])
-
-    def _transfer(self, nbytes: int, event: Any) -> Transfer:
-        device = self.device
-        return Transfer(nbytes, event.query, lambda: torch.cuda.current_stream(device).wait_event(event))
 
     def discard(self, key: Any) -> None:
         """Forgets the key's bytes (its buffer stays allocated for the next write)."""
@@ -143,6 +224,7 @@ class HostTier:
 
     def close(self) -> None:
         if self.cuda:
+            self.flush()
             self.d2h.synchronize()
             self.h2d.synchronize()
         self.buffers.clear()

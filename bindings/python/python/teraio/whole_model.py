@@ -315,6 +315,11 @@ class ModelOffload:
         # the backward pass that updated the model in this iteration (its graph task id).
         self._ready: list[_Slot] = []
         self._stepping_task: Optional[int] = None
+        # Otherwise: parameters whose gradient is complete, waiting to move it out (a unit's as one
+        # batch, when backward enters the next unit or ends), and the backward pass whose end is
+        # watched for that.
+        self._gradients: list[_Slot] = []
+        self._watched_task: Optional[int] = None
         # Resident parameters by storage address: what the pack hook recognises.
         self._slot_at = {slot.param.untyped_storage().data_ptr(): slot for slot in self.slots}
         self.units = self._find_units()
@@ -452,6 +457,7 @@ class ModelOffload:
                 "to clip)"
             )
         norm_type = float(norm_type)
+        self._gradients_out()  # what backward left (none unless it failed)
         self._apply_pending_clip()  # a second call sees the gradients the first one scaled
         grads: list[torch.Tensor] = []  # each gradient's dtype and device (held ones: empty)
         norms: list[torch.Tensor] = []
@@ -493,16 +499,19 @@ class ModelOffload:
 
     def _apply_pending_clip(self) -> None:
         """Scales every held gradient in its tier by the pending clip coefficient (before another
-        clip, or before a later backward adds to it), as torch would have in place."""
+        clip, or before a later backward adds to it), as torch would have in place. A gradient a
+        later backward has left on the parameter (not added yet) stays there."""
         if self._clip is None:
             return
         for slot in self.slots:
             if slot.grad_held and slot.index in self._clip[2]:
+                fresh = slot.param.grad
                 grad = self._scaled(slot, self._read_gradient(slot))
                 self._tier(slot, cp.GRADIENT).discard((cp.GRADIENT, slot.index))
                 slot.grad_held = False
                 slot.param.grad = grad
                 self._move_gradient_out(slot)
+                slot.param.grad = fresh
         self._clip = None
 
     def _scaled(self, slot: _Slot, grad: torch.Tensor) -> torch.Tensor:
@@ -539,7 +548,8 @@ class ModelOffload:
             if slot.param.grad is not None:
                 self._move_gradient_out(slot)
             for name, value in _state_tensors(self.optimizer, slot.param):
-                self._state_out(slot, name, value)
+                if self._state_out(slot, name, value):
+                    value.untyped_storage().resize_(0)
             self._release(slot, wait=True)
         self._drain_writes()
         self._counts = _Counts()
@@ -680,6 +690,8 @@ class ModelOffload:
     def _enter_unit_traced(self, index: int) -> None:
         if self._ready:
             self._step_ready()  # the unit backward left: its gradients are complete
+        if self._gradients:
+            self._gradients_out()
         started = time.perf_counter()
         self._poll()
         if self._recorded is None:
@@ -688,55 +700,65 @@ class ModelOffload:
         slots = [self.slots[i] for i in self.units[index].slots]
         if self._recorded is not None and any(not slot.resident for slot in slots):
             self.on_demand_fetches += 1
-        for slot in slots:
-            self._acquire(slot)
+        with self.host.batched():
+            for slot in slots:
+                self._acquire(slot)
         self._prefetch_ahead(index)
         for slot in slots:
             self._join(slot)
         self._counts.wait_s["units"] += time.perf_counter() - started
 
-    def _horizon(self) -> list[_Slot]:
-        """The parameters of the next units in the recorded order, `pull_forward_bytes` of them
-        (counting those already resident, which need no read; at least one parameter unless 0)."""
+    def _horizon(self) -> list[list[_Slot]]:
+        """The parameters of the next units in the recorded order, unit by unit,
+        `pull_forward_bytes` of them (counting those already resident, which need no read; at
+        least one parameter unless 0)."""
         budget = self.pull_forward_bytes
         if self._recorded is None or budget == 0:
             return []
         ahead = 0
-        slots: list[_Slot] = []
+        units: list[list[_Slot]] = []
         for index in self._recorded[self._position : self._position + len(self.units)]:
+            unit: list[_Slot] = []
+            units.append(unit)
             for i in self.units[index].slots:
                 slot = self.slots[i]
                 if ahead > 0 and ahead + slot.nbytes > budget:
-                    return slots
-                slots.append(slot)
+                    return units
+                unit.append(slot)
                 ahead += slot.nbytes
-        return slots
+        return units
 
     def _prefetch_ahead(self, current: Optional[int] = None) -> None:
-        """Issues the reads of the parameters in the horizon. In backward with the step there,
-        also those of the optimizer state of unit `current`'s parameters and of the horizon's,
-        up to `pull_forward_bytes` of state (twice the parameters' bytes under Adam: read ahead
-        for the whole parameter horizon, it ran out of memory at pull_forward_bytes=3GiB on the
-        H100; counted with the parameters' bytes, it left the parameter reads behind)."""
+        """Issues the reads of the parameters in the horizon, a unit's as one batch (one event
+        for compute to wait for). In backward with the step there, also those of the optimizer
+        state of unit `current`'s parameters and of the horizon's, up to `pull_forward_bytes` of
+        state (twice the parameters' bytes under Adam: read ahead for the whole parameter
+        horizon, it ran out of memory at pull_forward_bytes=3GiB on the H100; counted with the
+        parameters' bytes, it left the parameter reads behind)."""
         horizon = self._horizon()
-        for slot in horizon:
-            self._acquire(slot)
+        for unit in horizon:
+            with self.host.batched():
+                for slot in unit:
+                    self._acquire(slot)
         if not (self.step_in_backward and torch._C._current_graph_task_id() != -1):
             return
         if current is not None:
-            for i in self.units[current].slots:
-                self._fetch_state(self.slots[i])
+            with self.host.batched():
+                for i in self.units[current].slots:
+                    self._fetch_state(self.slots[i])
         ahead = 0
-        for slot in horizon:
-            if ahead > 0 and ahead + self._state_bytes[slot.index] > self.pull_forward_bytes:
-                break
-            ahead += self._state_bytes[slot.index]
-            self._fetch_state(slot)
+        for unit in horizon:
+            with self.host.batched():
+                for slot in unit:
+                    if ahead > 0 and ahead + self._state_bytes[slot.index] > self.pull_forward_bytes:
+                        return
+                    ahead += self._state_bytes[slot.index]
+                    self._fetch_state(slot)
 
     def _leave_unit(self, index: int) -> None:
         if torch._C._current_graph_task_id() != -1:
             return  # recomputation in backward: the parameters stay until their gradients
-        soon = {slot.index for slot in self._horizon()}
+        soon = {slot.index for unit in self._horizon() for slot in unit}
         for i in self.units[index].slots:
             if not self.slots[i].saved and i not in soon:
                 self._release(self.slots[i])
@@ -771,22 +793,37 @@ class ModelOffload:
         if self.step_in_backward:
             self._await_step(slot)
         else:
-            with torch.profiler.record_function("teraio.gradient_out"):
-                self._move_gradient_out(slot)
-            # Backward is done with the parameter once its gradient is accumulated.
-            slot.saved = False
-            self._release(slot)
+            task = torch._C._current_graph_task_id()
+            if task != self._watched_task:
+                self._watched_task = task
+                torch.autograd.Variable._execution_engine.queue_callback(self._gradients_out_at_backward_end)
+            self._gradients.append(slot)
         self._counts.host_s += time.perf_counter() - started
+
+    def _gradients_out_at_backward_end(self) -> None:
+        started = time.perf_counter()
+        self._watched_task = None
+        self._gradients_out()
+        self._counts.host_s += time.perf_counter() - started
+
+    def _gradients_out(self) -> None:
+        """Moves the complete gradients out (the host tier's copies as one batch) and releases
+        their parameters: backward is done with a parameter once its gradient is accumulated."""
+        ready, self._gradients = self._gradients, []
+        with torch.profiler.record_function("teraio.gradient_out"):
+            with self.host.batched():
+                for slot in ready:
+                    self._move_gradient_out(slot)
+            for slot in ready:
+                slot.saved = False
+                self._release(slot)
 
     def _move_gradient_out(self, slot: _Slot) -> None:
         grad = slot.param.grad
         assert grad is not None
-        if slot.grad_held and self._clip is not None:
-            # This backward adds to gradients a clip has scaled: scale the held ones first.
-            slot.param.grad = None
-            self._apply_pending_clip()
-            slot.param.grad = grad
         if slot.grad_held:
+            # This backward adds to gradients a clip may have scaled: scale the held ones first.
+            self._apply_pending_clip()
             # Accumulation over micro-batches: held + new, the sum autograd would have made.
             grad = grad + self._read_gradient(slot)
         grad = grad.contiguous()
@@ -841,13 +878,15 @@ class ModelOffload:
             return
         started = time.perf_counter()
         with torch.profiler.record_function("teraio.step_in_backward"):
+            with self.host.batched():
+                for slot in ready:
+                    self._fetch_state(slot)
+                    if slot.write is not None:
+                        slot.write.join()  # the step changes the parameter: its last write must be done
+                        slot.write = None
+                    # Backward may not have needed it (a bias: its gradient needs no parameter).
+                    self._acquire(slot)
             for slot in ready:
-                self._fetch_state(slot)
-                if slot.write is not None:
-                    slot.write.join()  # the step changes the parameter: its last write must be done
-                    slot.write = None
-                # Backward may not have needed it (a bias: its gradient needs no parameter).
-                self._acquire(slot)
                 self._join(slot)
                 for transfer in slot.incoming_state or []:
                     transfer.join()
@@ -855,8 +894,7 @@ class ModelOffload:
                 self._account(slot.nbytes * (2 if slot.tiers[cp.PARAMETER] != GPU else 1))
             assert self._original_step is not None
             self._original_step()
-            for slot in ready:
-                self._write_back(slot)
+            self._write_back(ready)
         waits = self._counts.wait_s
         waits["step in backward"] = waits.get("step in backward", 0.0) + time.perf_counter() - started
 
@@ -888,6 +926,7 @@ class ModelOffload:
         started = time.perf_counter()
         self._step_ready()  # step in backward: what backward left (none unless it failed)
         self._stepping_task = None
+        self._gradients_out()  # what backward left (none unless it failed)
         for slot in self.slots:  # gradients set outside backward (e.g. by hand) move out too
             if slot.param.grad is not None:
                 self._move_gradient_out(slot)
@@ -916,8 +955,7 @@ class ModelOffload:
                         slot.grad_held = False
                         stepped.append(slot)
                 result = self._original_step()
-                for slot in stepped:
-                    self._write_back(slot)
+                self._write_back(stepped)
                 self._poll_tiers()
             pending = following
         for slot in self.slots:
@@ -933,8 +971,14 @@ class ModelOffload:
         return result
 
     def _fetch_window(self, window: list[int]) -> list[Transfer]:
-        """Issues the reads of a window's parameters, gradients and optimizer state."""
+        """Issues the reads of a window's parameters, gradients and optimizer state (the host
+        tier's as one batch)."""
         transfers: list[Transfer] = []
+        with self.host.batched():
+            self._fetch_window_batched(window, transfers)
+        return transfers
+
+    def _fetch_window_batched(self, window: list[int], transfers: list[Transfer]) -> None:
         for i in window:
             slot = self.slots[i]
             if not slot.grad_held:
@@ -954,31 +998,41 @@ class ModelOffload:
             for name, value in _state_tensors(self.optimizer, slot.param, resident=False):
                 transfers.append(self._read(slot, (cp.STATE, name), value))
                 self._account(_nbytes(value))
-        return transfers
 
     def _account(self, nbytes: int) -> None:
         self._window_bytes += nbytes
         self.peak_step_window_bytes = max(self.peak_step_window_bytes, self._window_bytes)
 
-    def _write_back(self, slot: _Slot) -> None:
-        """After its step: gradient dropped, parameter and state back to their tiers."""
-        slot.param.grad = None
-        self._window_bytes -= slot.nbytes
-        for name, value in _state_tensors(self.optimizer, slot.param):
-            new = (slot.index, name) not in self._seen_state
-            self._state_out(slot, name, value)
-            if not new:
-                self._window_bytes -= self._state_nbytes[((cp.STATE, name), slot.index)]
-        if slot.tiers[cp.PARAMETER] != GPU:
-            slot.write = self._write(slot, cp.PARAMETER, flat_bytes(slot.param))
-            if slot.tiers[cp.PARAMETER] == HOST:
-                slot.write = None  # the allocator keeps the memory until the copy has read it
+    def _write_back(self, slots: list[_Slot]) -> None:
+        """After their step: gradients dropped, parameters and state back to their tiers (the
+        host tier's copies as one batch; their GPU memory is released once it is issued)."""
+        released: list[torch.Tensor] = []
+        moved: list[_Slot] = []
+        with self.host.batched():
+            for slot in slots:
+                slot.param.grad = None
+                self._window_bytes -= slot.nbytes
+                for name, value in _state_tensors(self.optimizer, slot.param):
+                    new = (slot.index, name) not in self._seen_state
+                    if self._state_out(slot, name, value):
+                        released.append(value)
+                    if not new:
+                        self._window_bytes -= self._state_nbytes[((cp.STATE, name), slot.index)]
+                if slot.tiers[cp.PARAMETER] != GPU:
+                    slot.write = self._write(slot, cp.PARAMETER, flat_bytes(slot.param))
+                    if slot.tiers[cp.PARAMETER] == HOST:
+                        slot.write = None  # the allocator keeps the memory until the copy has read it
+                    moved.append(slot)
+        for value in released:
+            value.untyped_storage().resize_(0)
+        for slot in moved:
             self._release(slot)
             self._window_bytes -= slot.nbytes
 
-    def _state_out(self, slot: _Slot, name: str, value: torch.Tensor) -> None:
-        """Writes one optimizer-state tensor to its tier and releases it (an SSD write: once the
-        engine has read it)."""
+    def _state_out(self, slot: _Slot, name: str, value: torch.Tensor) -> bool:
+        """Writes one optimizer-state tensor to its tier. True: a host write, the caller releases
+        the tensor once the batch is issued; an SSD write releases it once the engine has read
+        it."""
         self._seen_state.add((slot.index, name))
         kind = (cp.STATE, name)
         nbytes = _nbytes(value)
@@ -987,9 +1041,9 @@ class ModelOffload:
             self.host.reserve((kind, slot.index), nbytes)
         transfer = self._write(slot, kind, flat_bytes(value))
         if slot.tiers[cp.STATE] == HOST:
-            value.untyped_storage().resize_(0)
-        else:
-            self._state_writes.append((transfer, value, nbytes, slot.index))
+            return True
+        self._state_writes.append((transfer, value, nbytes, slot.index))
+        return False
 
     def _finish_state_writes(self, keep_bytes: int, slot: Optional[_Slot] = None) -> None:
         """Releases optimizer state whose SSD write is done; waits for the oldest while more than
