@@ -105,7 +105,7 @@ def test_never_predicted_slower_than_checkpointing_every_block() -> None:
     # checkpointing every block.
     data = batches(STEPS, rows=2048)
     model, optimizer, run = _offload_below_peak(
-        data, 3, host_memory=1 << 30, host_link_bandwidth="50MB/s", checkpoint="auto"
+        data, 3, host_memory=1 << 30, host_link_bandwidth="5MB/s", checkpoint="auto"
     )
     with run:
         train(model, optimizer, data)
