@@ -25,6 +25,11 @@
 #                             #   DEVICES="1 2 4 8" x 6.5 GB/s (MODE=teraio_ssd_step_in_bwd: with the step in
 #                             #   backward); WHAT=flagship: the flagship on 4 x 2.5 GB/s
 #   run-gpu.sh link           # the host link one way and both ways at once (probe_link.py, ~10 s)
+#   run-gpu.sh ab             # one call's A/B of whole-model rows: this tree's teraio ("new") against the
+#                             #   same package with OLD_PY's *.py files ("old": another commit's teraio
+#                             #   modules, e.g. `git show REV:bindings/python/python/teraio/whole_model.py`;
+#                             #   carry the folder), ROUNDS (2) rounds of AB_MODES (teraio_step_in_bwd
+#                             #   teraio) rows, STEPS (8) steps, 3 left out
 #   run-gpu.sh capacity       # bench_capacity.py's table: Qwen2-1.5B shape under a 12 GiB cap, 10 steps.
 #                             #   MODES picks the rows (default zero_offload,zero_infinity, ~9 min: the
 #                             #   teraio rows run in calls of their own; any of reference, teraio,
@@ -204,6 +209,31 @@ link)
   python3 $B/probe_link.py | tee "$OUT/link.md"
   ;;
 
+ab)
+  [ -d "${OLD_PY:-}" ] || { echo "ab: OLD_PY must name a folder of teraio/*.py files" >&2; exit 2; }
+  rm -rf /tmp/site-old && cp -r /tmp/site /tmp/site-old && cp "$OLD_PY"/*.py /tmp/site-old/teraio/
+  for round in $(seq "${ROUNDS:-2}"); do
+    for v in new old; do
+      for mode in ${AB_MODES:-teraio_step_in_bwd teraio}; do
+        site=/tmp/site; [ $v = old ] && site=/tmp/site-old
+        log=$OUT/ab-$round-$v-$mode.log
+        PYTHONPATH=$site timeout 150 python3 $B/bench_capacity.py run --mode "$mode" --steps "${STEPS:-8}" --warmup 3 \
+          --work-dir /root/ab-work --time-budget-s 120 > "$log" 2>&1
+        rm -rf /root/ab-work
+        grep '^RESULT' "$log" | cut -c8- | sed "s/^{/{\"ab_round\": $round, \"ab_variant\": \"$v\", /" >> "$OUT/results.jsonl"
+        grep -q '^RESULT' "$log" || tail -5 "$log"
+      done
+    done
+  done
+  python3 -c "
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line); t = r['teraio_report']
+    print(r['ab_round'], r['ab_variant'], r['mode'], round(r['ms_per_iter']), 'host', round(t['host_ms_per_iteration']),
+          'resident', t['resident_parameter_bytes'], 'peak', t['peak_gpu_bytes'], 'loss', r['losses'][-1])
+" "$OUT/results.jsonl"
+  ;;
+
 capacity)
   # Stores and swap folders under one work dir on the disk, each removed after its row (the
   # ZeRO-Infinity swap folder takes ~25 GB of the ~64 GB free).
@@ -252,7 +282,7 @@ sweep)
   ;;
 
 *)
-  echo "unknown mode $what: tests, regime, flagship, baselines, capacity, sweep or diagnose" >&2
+  echo "unknown mode $what: tests, regime, flagship, baselines, probe, diagnose, link, ab, capacity or sweep" >&2
   exit 2
   ;;
 esac
