@@ -21,9 +21,14 @@ is every other module that owns parameters directly (embeddings, final norm, hea
   unit again, so its parameters come back exactly when backward needs them, and are released once
   their gradients are accumulated.
 
-Gradients. A post-accumulate-grad hook on each parameter moves the gradient to its tier as soon as
-backward has produced it and drops it from the GPU (`param.grad = None`); gradient accumulation
-over micro-batches adds the held gradient back on the GPU.
+Gradients. A post-accumulate-grad hook on each parameter marks its gradient complete; a unit's
+complete gradients move to their tier together (one batch of copies) when backward enters the next
+unit, or ends (an autograd engine callback), and are dropped from the GPU (`param.grad = None`);
+gradient accumulation over micro-batches adds the held gradient back on the GPU.
+
+Residency. After the first and the second iteration, the GPU memory the iteration's peak left
+unused (less the reserve the allocator's behaviour asks for) keeps the largest parameters resident
+for good (`_keep_resident`).
 
 The step. `optimizer.step` is replaced on the instance by a streamed step: for one window of
 parameters at a time, their parameter, gradient and state bytes come in (the next window's reads
