@@ -220,15 +220,24 @@ def copy_on_stream(
     decides how the memory outlives the copy (`record_stream`, or compute waiting on the event).
     `chunk_bytes` > 0 (flat byte tensors only): one copy per chunk, so copies queued on other
     streams can run between them."""
+    if chunk_bytes > 0 and target.numel() > chunk_bytes:
+        starts = range(0, target.numel(), chunk_bytes)
+        pairs = [(target[s : s + chunk_bytes], source[s : s + chunk_bytes]) for s in starts]
+    else:
+        pairs = [(target, source)]
+    return copies_on_stream(stream, device, pairs, [after] if after is not None else [])
+
+
+def copies_on_stream(
+    stream: Any, device: torch.device, pairs: list[tuple[Any, Any]], after: list[Any]
+) -> Any:
+    """`copy_on_stream` for several (target, source) pairs at once, after every event in
+    `after`: one stream ordering and one event for all of them."""
     stream.wait_stream(torch.cuda.current_stream(device))
-    if after is not None:
-        stream.wait_event(after)
+    for event in after:
+        stream.wait_event(event)
     with torch.cuda.stream(stream):
-        if chunk_bytes > 0 and target.numel() > chunk_bytes:
-            for start in range(0, target.numel(), chunk_bytes):
-                end = start + chunk_bytes
-                target[start:end].copy_(source[start:end], non_blocking=True)
-        else:
+        for target, source in pairs:
             target.copy_(source, non_blocking=True)
         event = torch.cuda.Event()
         event.record(stream)

@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .executor import HOST, SSD
+from .executor import HOST, SSD, copies_on_stream
 from .executor import _flat_bytes as flat_bytes
 from .state import _index
 from .store import Store
@@ -186,24 +186,16 @@ class HostTier:
             if not queued:
                 continue
             self._queued[direction], self._groups[direction] = [], None
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            # The keys' last writes (d2h: the same stream, in order already).
-            if direction == "in":
-                after = {id(e): e for e in (self._written.get(key) for key, _, _ in queued) if e is not None}
-                for event in after.values():
-                    stream.wait_event(event)
-            with torch.cuda.stream(stream):
-                for _, gpu, host in queued:
-                    if direction == "out":
-                        host.copy_(gpu, non_blocking=True)
-                    else:
-                        gpu.copy_(host, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(stream)
+            out = direction == "out"
+            pairs = [(host, gpu) if out else (gpu, host) for _, gpu, host in queued]
+            # A read waits for its key's last write; writes of a key are in order on their stream.
+            last = [] if out else [self._written.get(key) for key, _, _ in queued]
+            written = {id(e): e for e in last if e is not None}
+            event = copies_on_stream(stream, self.device, pairs, list(written.values()))
             for key, gpu, _ in queued:
                 # The allocator keeps the GPU block until the copy is done with it.
                 gpu.record_stream(stream)
-                if direction == "out":
+                if out:
                     self._written[key] = event
             assert group is not None
             group.event = event

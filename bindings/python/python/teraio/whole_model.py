@@ -145,7 +145,7 @@ class WholeModelReport:
     host_ms_per_iteration: Optional[float] = None
     #: Units whose parameters were not prefetched in time and were fetched on demand.
     on_demand_fetches: int = 0
-    #: Parameters the first iteration's unused memory kept on the GPU for good.
+    #: Parameters the first two iterations' unused memory kept on the GPU for good.
     resident_parameter_bytes: int = 0
     #: Where the state went at exit: "gpu", or "cpu" where it did not fit `gpu_memory`.
     returned_to: str = "gpu"
@@ -316,15 +316,14 @@ class ModelOffload:
         self._releasing: list[_Slot] = []
         self.pull_forward_bytes = parse_size(options.pull_forward_bytes)
         self.step_in_backward = options.step_in_backward
-        # Step in backward: parameters whose gradient is complete, waiting for their update, and
-        # the backward pass that updated the model in this iteration (its graph task id).
+        # Parameters whose gradient is complete, waiting (until backward enters the next unit or
+        # ends) for their update (step in backward) or to move it out (a unit's as one batch).
         self._ready: list[_Slot] = []
-        self._stepping_task: Optional[int] = None
-        # Otherwise: parameters whose gradient is complete, waiting to move it out (a unit's as one
-        # batch, when backward enters the next unit or ends), and the backward pass whose end is
-        # watched for that.
         self._gradients: list[_Slot] = []
+        # The backward pass whose end is watched for those (its graph task id), and with the step
+        # in backward the one that updated the model in this iteration.
         self._watched_task: Optional[int] = None
+        self._stepping_task: Optional[int] = None
         # Resident parameters by storage address: what the pack hook recognises.
         self._slot_at = {slot.param.untyped_storage().data_ptr(): slot for slot in self.slots}
         self.units = self._find_units()
@@ -462,7 +461,7 @@ class ModelOffload:
                 "to clip)"
             )
         norm_type = float(norm_type)
-        self._gradients_out()  # what backward left (none unless it failed)
+        self._gradients_complete()  # what backward left (nothing unless it failed)
         self._apply_pending_clip()  # a second call sees the gradients the first one scaled
         grads: list[torch.Tensor] = []  # each gradient's dtype and device (held ones: empty)
         norms: list[torch.Tensor] = []
@@ -693,10 +692,7 @@ class ModelOffload:
             self._enter_unit_traced(index)
 
     def _enter_unit_traced(self, index: int) -> None:
-        if self._ready:
-            self._step_ready()  # the unit backward left: its gradients are complete
-        if self._gradients:
-            self._gradients_out()
+        self._gradients_complete()  # the unit backward left
         started = time.perf_counter()
         self._poll()
         if self._recorded is None:
@@ -795,21 +791,29 @@ class ModelOffload:
     def _gradient_ready(self, param: torch.Tensor) -> None:
         started = time.perf_counter()
         slot = self._slot_of[id(param)]
+        task = torch._C._current_graph_task_id()
+        if task != self._watched_task:
+            self._watched_task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
         if self.step_in_backward:
-            self._await_step(slot)
+            self._await_step(slot, task)
         else:
-            task = torch._C._current_graph_task_id()
-            if task != self._watched_task:
-                self._watched_task = task
-                torch.autograd.Variable._execution_engine.queue_callback(self._gradients_out_at_backward_end)
             self._gradients.append(slot)
         self._counts.host_s += time.perf_counter() - started
 
-    def _gradients_out_at_backward_end(self) -> None:
+    def _backward_ended(self) -> None:
         started = time.perf_counter()
         self._watched_task = None
-        self._gradients_out()
+        self._gradients_complete()
         self._counts.host_s += time.perf_counter() - started
+
+    def _gradients_complete(self) -> None:
+        """Backward is done with the gradients marked complete so far: the step in backward
+        updates their parameters, otherwise they move out."""
+        if self._ready:
+            self._step_ready()
+        if self._gradients:
+            self._gradients_out()
 
     def _gradients_out(self) -> None:
         """Moves the complete gradients out (the host tier's copies as one batch) and releases
@@ -843,13 +847,11 @@ class ModelOffload:
             while sum(n for _, n in self._gradient_writes) > MAX_GRADIENT_WRITES_BYTES:
                 self._gradient_writes.pop(0)[0].join()
 
-    def _await_step(self, slot: _Slot) -> None:
-        """Step in backward: the parameter's gradient is complete; it is updated when backward
-        enters the next unit or ends."""
-        task = torch._C._current_graph_task_id()
+    def _await_step(self, slot: _Slot, task: int) -> None:
+        """Step in backward: the parameter's gradient is complete (in backward pass `task`); it is
+        updated when backward enters the next unit or ends."""
         if self._stepping_task is None:
             self._stepping_task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self._step_at_backward_end)
         elif task != self._stepping_task:
             raise RuntimeError(
                 "teraio.offload(step_in_backward=True): a second backward before optimizer.step(): "
@@ -869,11 +871,6 @@ class ModelOffload:
         for name, value in _state_tensors(self.optimizer, slot.param, resident=False):
             slot.incoming_state.append(self._read(slot, (cp.STATE, name), value))
             self._account(_nbytes(value))
-
-    def _step_at_backward_end(self) -> None:
-        started = time.perf_counter()
-        self._step_ready()
-        self._counts.host_s += time.perf_counter() - started
 
     def _step_ready(self) -> None:
         """Step in backward: the optimizer steps the parameters whose gradients are complete (the
@@ -929,9 +926,8 @@ class ModelOffload:
 
     def _streamed_step_traced(self) -> Any:
         started = time.perf_counter()
-        self._step_ready()  # step in backward: what backward left (none unless it failed)
+        self._gradients_complete()  # what backward left (nothing unless it failed)
         self._stepping_task = None
-        self._gradients_out()  # what backward left (none unless it failed)
         for slot in self.slots:  # gradients set outside backward (e.g. by hand) move out too
             if slot.param.grad is not None:
                 self._move_gradient_out(slot)
@@ -980,29 +976,26 @@ class ModelOffload:
         tier's as one batch)."""
         transfers: list[Transfer] = []
         with self.host.batched():
-            self._fetch_window_batched(window, transfers)
-        return transfers
-
-    def _fetch_window_batched(self, window: list[int], transfers: list[Transfer]) -> None:
-        for i in window:
-            slot = self.slots[i]
-            if not slot.grad_held:
-                continue
-            self._finish_state_writes(self.plan.window_bytes, slot=slot)
-            if slot.write is not None:
-                slot.write.join()  # the step changes the parameter: its last write must be done
-                slot.write = None
-            if slot.tiers[cp.PARAMETER] != GPU:
-                self._acquire(slot)
+            for i in window:
+                slot = self.slots[i]
+                if not slot.grad_held:
+                    continue
+                self._finish_state_writes(self.plan.window_bytes, slot=slot)
+                if slot.write is not None:
+                    slot.write.join()  # the step changes the parameter: its last write must be done
+                    slot.write = None
+                if slot.tiers[cp.PARAMETER] != GPU:
+                    self._acquire(slot)
+                    self._account(slot.nbytes)
+                grad = torch.empty_like(slot.param, memory_format=torch.contiguous_format)
+                tier = self._tier(slot, cp.GRADIENT)
+                self._counts.add("in", tier.name, cp.GRADIENT, slot.nbytes)
+                slot.incoming_grad = (grad, tier.read((cp.GRADIENT, slot.index), flat_bytes(grad)))
                 self._account(slot.nbytes)
-            grad = torch.empty_like(slot.param, memory_format=torch.contiguous_format)
-            tier = self._tier(slot, cp.GRADIENT)
-            self._counts.add("in", tier.name, cp.GRADIENT, slot.nbytes)
-            slot.incoming_grad = (grad, tier.read((cp.GRADIENT, slot.index), flat_bytes(grad)))
-            self._account(slot.nbytes)
-            for name, value in _state_tensors(self.optimizer, slot.param, resident=False):
-                transfers.append(self._read(slot, (cp.STATE, name), value))
-                self._account(_nbytes(value))
+                for name, value in _state_tensors(self.optimizer, slot.param, resident=False):
+                    transfers.append(self._read(slot, (cp.STATE, name), value))
+                    self._account(_nbytes(value))
+        return transfers
 
     def _account(self, nbytes: int) -> None:
         self._window_bytes += nbytes
