@@ -126,6 +126,8 @@ def moved(rep: dict[str, Any]) -> str:
 
 def host_overhead_ms(rep: dict[str, Any]) -> Optional[float]:
     host = rep.get("host_ms_per_iteration") or {}
+    if isinstance(host, (int, float)):
+        return float(host)  # whole-model records saved before it took the others' shape
     parts = [v for k, v in host.items() if not k.startswith("of which") and isinstance(v, (int, float))]
     return sum(parts) if parts else None
 

@@ -140,9 +140,10 @@ class WholeModelReport:
     #: Host time blocked waiting for transfers, per iteration (ms): before a unit's forward or
     #: recomputation, and inside the step.
     wait_ms_per_iteration: dict[str, float] = field(default_factory=dict)
-    #: Host time in the runtime per iteration (ms, the median over the iterations after the
-    #: first): its hooks in forward and backward, and the step.
-    host_ms_per_iteration: Optional[float] = None
+    #: Host time in the runtime per iteration (ms, medians over the iterations after the first),
+    #: shaped as the other modes' reports have it: "hooks" (forward and backward, the step in
+    #: backward included) and "step" (the streamed step).
+    host_ms_per_iteration: dict[str, float] = field(default_factory=dict)
     #: Units whose parameters were not prefetched in time and were fetched on demand.
     on_demand_fetches: int = 0
     #: Parameters the first two iterations' unused memory kept on the GPU for good.
@@ -191,11 +192,12 @@ class WholeModelReport:
         if self.wait_ms_per_iteration:
             waits = ", ".join(f"{k} {v:.1f} ms" for k, v in self.wait_ms_per_iteration.items())
             lines.append(f"  host waits per iteration: {waits}; on-demand fetches {self.on_demand_fetches}")
-        if self.host_ms_per_iteration is not None and self.measured_iteration_ms:
-            share = self.host_ms_per_iteration / self.measured_iteration_ms
+        if self.host_ms_per_iteration and self.measured_iteration_ms:
+            total = sum(self.host_ms_per_iteration.values())
+            parts = ", ".join(f"{name} {v:.1f} ms" for name, v in self.host_ms_per_iteration.items())
             lines.append(
-                f"  host time in teraio per iteration: {self.host_ms_per_iteration:.1f} ms "
-                f"({share:.0%} of the iteration)"
+                f"  host time in teraio per iteration: {total:.1f} ms "
+                f"({total / self.measured_iteration_ms:.0%} of the iteration: {parts})"
             )
         return "\n".join(lines)
 
@@ -1161,7 +1163,12 @@ class ModelOffload:
             checkpointed_blocks=len(self.blocks),
             wait_ms_per_iteration={k: v * 1e3 for k, v in middle.wait_s.items()},
             host_ms_per_iteration=(
-                statistics.median(c.host_s + c.wait_s["step"] for c in later) * 1e3 if later else None
+                {
+                    "hooks": statistics.median(c.host_s for c in later) * 1e3,
+                    "step": statistics.median(c.wait_s["step"] for c in later) * 1e3,
+                }
+                if later
+                else {}
             ),
             on_demand_fetches=self.on_demand_fetches,
             resident_parameter_bytes=self.resident_parameter_bytes,
