@@ -17,6 +17,7 @@ pub mod lifetime;
 pub mod plan;
 pub mod predict;
 pub mod pressure;
+pub mod replay;
 pub mod report;
 pub mod sim;
 pub mod synth;

@@ -113,6 +113,10 @@ enum Place {
 struct TensorState {
     place: Place,
     ssd_copy_valid: bool,
+    /// Host memory holds an up-to-date copy (written and not changed since): a drop to the host
+    /// tier frees the GPU memory without writing. Runtimes that keep host copies (whole-model
+    /// offload's home tier) plan such drops; the planner plans clean drops to the SSD only.
+    host_copy_valid: bool,
     /// Keep the tensor on the GPU when its write completes (needed again meanwhile).
     cancel_offload: bool,
     /// An op wrote the tensor after its write to the tier began (the copy will be stale).
@@ -347,12 +351,14 @@ impl Simulator<'_> {
                         self.tensors[tensor].ssd_copy_valid = true;
                     }
                     if tier == Tier::Host {
+                        self.tensors[tensor].host_copy_valid = !state.written_during_offload;
                         self.host_used_bytes -= size;
                     }
                 } else {
                     self.tensors[tensor].place = Place::OnTier(tier);
-                    if tier == Tier::Ssd {
-                        self.tensors[tensor].ssd_copy_valid = true;
+                    match tier {
+                        Tier::Ssd => self.tensors[tensor].ssd_copy_valid = true,
+                        Tier::Host => self.tensors[tensor].host_copy_valid = true,
                     }
                     let used = self.gpu_used_bytes - size;
                     self.set_gpu_used(used);
@@ -424,9 +430,18 @@ impl Simulator<'_> {
         }
         state.cancel_offload = false;
         if drop {
-            if tier == Tier::Ssd && state.ssd_copy_valid {
-                state.place = Place::OnTier(Tier::Ssd);
-                let used = self.gpu_used_bytes - self.size(tensor);
+            let clean = match tier {
+                Tier::Ssd => state.ssd_copy_valid,
+                Tier::Host => state.host_copy_valid,
+            };
+            if clean {
+                state.place = Place::OnTier(tier);
+                let size = self.size(tensor);
+                if tier == Tier::Host {
+                    // Reads count the host copy as freed; the kept copy holds host memory again.
+                    self.add_host(size);
+                }
+                let used = self.gpu_used_bytes - size;
                 self.set_gpu_used(used);
                 self.serve_waiting();
                 return;
@@ -542,6 +557,7 @@ impl Simulator<'_> {
                 Some(tier) => {
                     state.place = Place::OnTier(tier);
                     state.ssd_copy_valid = tier == Tier::Ssd;
+                    state.host_copy_valid = tier == Tier::Host;
                     if tier == Tier::Host {
                         self.host_used_bytes += tensor.size_bytes;
                     }
@@ -659,6 +675,7 @@ impl Simulator<'_> {
             let state = &mut self.tensors[tensor as usize];
             state.place = Place::Gpu;
             state.ssd_copy_valid = false;
+            state.host_copy_valid = false;
             state.cancel_offload = false;
         }
         let used = self.gpu_used_bytes + allocation_bytes;
@@ -671,6 +688,7 @@ impl Simulator<'_> {
             state.last_used_seq = self.seq;
             if access == Access::Write {
                 state.ssd_copy_valid = false;
+                state.host_copy_valid = false;
                 state.written_during_offload = true;
             }
         }
@@ -689,6 +707,7 @@ impl Simulator<'_> {
             }
             state.place = Place::Unallocated;
             state.ssd_copy_valid = false;
+            state.host_copy_valid = false;
             if on_gpu {
                 let used = self.gpu_used_bytes - size;
                 self.set_gpu_used(used);
@@ -747,6 +766,7 @@ pub fn simulate(trace: &Trace, hardware: &Hardware, policy: Policy<'_>, config: 
             TensorState {
                 place: Place::Unallocated,
                 ssd_copy_valid: false,
+                host_copy_valid: false,
                 cancel_offload: false,
                 written_during_offload: false,
                 rewrite: false,

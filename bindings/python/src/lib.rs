@@ -3,8 +3,8 @@
 //! Thin on purpose (the work is in `teraio-engine` and `teraio-planner`): a `Store` whose put/get
 //! take raw host pointers with an owner object that keeps the memory alive, `Handle`s to wait on
 //! with the GIL released, engine errors as specific Python exceptions carrying the engine's
-//! message, and the planner (`plan`: `teraio_planner::predict::plan_and_predict`, `simulate_plan`)
-//! on JSON traces. The typed Python face is
+//! message, and the planner (`plan`: `teraio_planner::predict::plan_and_predict`, `simulate_plan`,
+//! `replay_schedule`) on JSON traces. The typed Python face is
 //! `teraio/__init__.py` and `teraio/_native.pyi`.
 
 use std::path::PathBuf;
@@ -21,6 +21,7 @@ use teraio_planner::greedy::{PlannerConfig, TierPreference};
 use teraio_planner::hardware::Hardware;
 use teraio_planner::plan::Plan;
 use teraio_planner::predict::{plan_and_predict, PlanOptions};
+use teraio_planner::replay::{replay, Schedule};
 use teraio_planner::sim::{simulate, Policy, SimConfig};
 use teraio_planner::trace::{TensorKind, Trace};
 use teraio_units::ReadWriteBandwidth;
@@ -702,6 +703,48 @@ fn simulate_plan(
     })
 }
 
+/// Replays a runtime's own recorded schedule (`{"transfers": [...]}`: what it issued before each
+/// op of the trace, `teraio_planner::replay`) in the simulator and returns its report as JSON:
+/// how long that schedule takes at these bandwidths.
+#[pyfunction]
+#[pyo3(signature = (trace_json, schedule_json, *, gpu_memory_bytes, ssd_read_bytes_per_s, ssd_write_bytes_per_s,
+    host_memory_bytes=0, host_link_bytes_per_s=25e9, ssd_latency_us=20.0, host_latency_us=10.0, ssd_shared=false,
+    ssd_via_host_link=false))]
+#[allow(clippy::too_many_arguments)]
+fn replay_schedule(
+    py: Python<'_>,
+    trace_json: &str,
+    schedule_json: &str,
+    gpu_memory_bytes: u64,
+    ssd_read_bytes_per_s: f64,
+    ssd_write_bytes_per_s: f64,
+    host_memory_bytes: u64,
+    host_link_bytes_per_s: f64,
+    ssd_latency_us: f64,
+    host_latency_us: f64,
+    ssd_shared: bool,
+    ssd_via_host_link: bool,
+) -> PyResult<String> {
+    let trace = parse_trace(trace_json)?;
+    let schedule: Schedule = serde_json::from_str(schedule_json)
+        .map_err(|e| PlannerError::new_err(format!("the schedule is not {{\"transfers\": [...]}} JSON: {e}")))?;
+    let hardware = hardware_from(
+        gpu_memory_bytes,
+        ssd_read_bytes_per_s,
+        ssd_write_bytes_per_s,
+        host_memory_bytes,
+        host_link_bytes_per_s,
+        ssd_latency_us,
+        host_latency_us,
+        ssd_shared,
+        ssd_via_host_link,
+    )?;
+    py.allow_threads(move || {
+        let report = replay(&trace, &schedule.transfers, &hardware).map_err(planner_err)?;
+        serde_json::to_string(&report).map_err(|e| PlannerError::new_err(e.to_string()))
+    })
+}
+
 /// Checks a trace (JSON) against docs/trace.md; raises PlannerError naming the broken rule.
 #[pyfunction]
 fn validate_trace(trace_json: &str) -> PyResult<()> {
@@ -735,6 +778,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Handle>()?;
     m.add_function(wrap_pyfunction!(plan, m)?)?;
     m.add_function(wrap_pyfunction!(simulate_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(replay_schedule, m)?)?;
     m.add_function(wrap_pyfunction!(validate_trace, m)?)?;
     m.add_function(wrap_pyfunction!(parse_size, m)?)?;
     m.add_function(wrap_pyfunction!(parse_bandwidth, m)?)?;

@@ -1,0 +1,223 @@
+//! A runtime's own schedule replayed in the simulator. Whole-model offload does not execute the
+//! planner's plan: it runs its own schedule (a unit's parameters read ahead along the recorded
+//! order, gradients out as backward leaves a unit, the step's windows). To predict that schedule
+//! at other bandwidths (more SSDs, another link) the runtime records one iteration as it ran: its
+//! ops (GPU time of each stretch between two waits, measured), the tensors they used, and the
+//! transfers it issued before each op. [`plan_from_schedule`] turns the transfers into a plan
+//! (each departure paired with the read that brings the tensor back, wrapping into the next
+//! iteration where the tensor starts the iteration on its tier) and [`replay`] runs it through
+//! [`crate::sim::simulate`]: the same channel, latency and link model as every other prediction.
+
+use std::collections::HashMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::hardware::Hardware;
+use crate::plan::{ActionKind, Migration, Plan, Tier};
+use crate::sim::{simulate, Policy, SimConfig, SimReport};
+use crate::trace::Trace;
+
+/// The policy name replayed plans carry.
+pub const REPLAY_POLICY: &str = "replayed schedule";
+
+/// One transfer the runtime issued: before op `op` (the op count: after the last op, which is
+/// before the next iteration's first), `kind` of tensor `tensor_id` to or from `tier` (offload:
+/// written, then its GPU memory freed; drop: freed, the tier's copy is current; prefetch: read
+/// back). Within one op the simulator issues departures before reads, as plans order them.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Issued {
+    /// The op before which it was issued.
+    pub op: u32,
+    /// The trace's tensor id.
+    pub tensor_id: u64,
+    /// What was done.
+    pub kind: ActionKind,
+    /// Source or destination tier.
+    pub tier: Tier,
+}
+
+/// A recorded schedule as JSON clients send it: `{"transfers": [...]}`, in issue order.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Schedule {
+    /// Every transfer of one iteration, in the order the runtime issued them.
+    pub transfers: Vec<Issued>,
+}
+
+/// The plan that executes `transfers` (issue order) on `trace`. Per tensor the transfers must
+/// alternate between a departure (offload or drop) and a prefetch from the same tier; where the
+/// first is a prefetch, the tensor starts the iteration on its tier and the last departure's
+/// period wraps. Anything else is `Error::InvalidPlan`, naming the tensor.
+pub fn plan_from_schedule(trace: &Trace, transfers: &[Issued], gpu_capacity_bytes: u64) -> Result<Plan> {
+    let op_count = trace.ops.len() as u32;
+    let index_of: HashMap<u64, u32> = trace.tensors.iter().enumerate().map(|(i, t)| (t.id, i as u32)).collect();
+    let mut per_tensor: HashMap<u32, Vec<Issued>> = HashMap::new();
+    for issued in transfers {
+        let Some(&index) = index_of.get(&issued.tensor_id) else {
+            return Err(Error::InvalidPlan(format!(
+                "a transfer names tensor {}, which the trace lacks",
+                issued.tensor_id
+            )));
+        };
+        if issued.op > op_count {
+            return Err(Error::InvalidPlan(format!(
+                "a transfer of tensor {} is issued before op {}; the trace has {op_count} ops",
+                issued.tensor_id, issued.op
+            )));
+        }
+        per_tensor.entry(index).or_default().push(*issued);
+    }
+    let mut migrations = Vec::new();
+    let mut tensors: Vec<u32> = per_tensor.keys().copied().collect();
+    tensors.sort_unstable();
+    for index in tensors {
+        let mut events = per_tensor.remove(&index).unwrap_or_default();
+        events.sort_by_key(|e| e.op); // stable: issue order within an op
+                                      // After the last op is before the next iteration's first.
+        let at = |e: &Issued| if e.op == op_count { 0 } else { e.op };
+        let tensor = &trace.tensors[index as usize];
+        let leaves = |e: &Issued| e.kind != ActionKind::Prefetch;
+        let invalid = |why: &str| Error::InvalidPlan(format!("tensor {} ({:?}): {why}", tensor.id, tensor.name));
+        let departures = events.iter().filter(|e| leaves(e)).count();
+        if departures * 2 != events.len() {
+            return Err(invalid("its departures and prefetches do not pair up"));
+        }
+        // Start at the first departure: the events then alternate departure, prefetch, ...
+        let first = events.iter().position(leaves).ok_or_else(|| invalid("it is read but never leaves"))?;
+        let wrapped = first == 1;
+        if first > 1 {
+            return Err(invalid("it is read twice without leaving between"));
+        }
+        if wrapped && !tensor.is_persistent() {
+            return Err(invalid("it is read back before it left, but it does not outlive the iteration"));
+        }
+        for pair in 0..departures {
+            let out = events[(first + 2 * pair) % events.len()];
+            let back = events[(first + 2 * pair + 1) % events.len()];
+            if !leaves(&out) || leaves(&back) {
+                return Err(invalid("it leaves twice without coming back, or comes back twice"));
+            }
+            if out.tier != back.tier {
+                return Err(invalid("it is read back from another tier than the one it left to"));
+            }
+            let wraps = wrapped && pair + 1 == departures;
+            let next_use_op = tensor
+                .uses
+                .iter()
+                .map(|u| u.op)
+                .find(|&op| op >= at(&back))
+                .or_else(|| tensor.uses.first().map(|u| u.op))
+                .unwrap_or(at(&back));
+            migrations.push(Migration {
+                tensor_id: tensor.id,
+                tensor_index: index,
+                tier: out.tier,
+                offload_op: at(&out),
+                writes: out.kind == ActionKind::Offload,
+                prefetch_op: at(&back),
+                next_use_op,
+                // Op indices: a replayed schedule has no planner slots.
+                absent_from_slot: at(&out),
+                absent_to_slot: at(&back),
+                wraps,
+                offloaded_at_start: wraps,
+                offload_urgent: false,
+                prefetch_urgent: next_use_op == at(&back),
+                offload_stalls: false,
+                prefetch_stalls: false,
+            });
+        }
+    }
+    Ok(Plan::new(REPLAY_POLICY, trace, gpu_capacity_bytes, 0, migrations))
+}
+
+/// Replays `transfers` on `trace` (see the module docs) and returns the simulator's report.
+pub fn replay(trace: &Trace, transfers: &[Issued], hardware: &Hardware) -> Result<SimReport> {
+    trace.validate()?;
+    hardware.validate()?;
+    let plan = plan_from_schedule(trace, transfers, hardware.gpu_capacity_bytes)?;
+    simulate(trace, hardware, Policy::Planned(&plan), SimConfig::default())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::trace::{Access, Op, Phase, Tensor, TensorKind, TensorUse, FORMAT_VERSION};
+    use teraio_units::ReadWriteBandwidth;
+
+    /// Ops of 100, 100 and 5000 us, one persistent 1 MB weight read by the first and written by
+    /// the second (the third is long enough for its write to end within the iteration).
+    fn trace() -> Trace {
+        let op = |name: &str, duration_us: f64| Op { name: name.into(), duration_us, layer: None, phase: Phase::Other };
+        let uses = vec![TensorUse { op: 0, access: Access::Read }, TensorUse { op: 1, access: Access::Write }];
+        Trace {
+            format_version: FORMAT_VERSION,
+            description: "replay test".into(),
+            gpu_capacity_bytes: 1 << 40,
+            ops: vec![op("forward", 100.0), op("step", 100.0), op("other", 5000.0)],
+            tensors: vec![Tensor {
+                id: 7,
+                name: "w".into(),
+                size_bytes: 1_000_000,
+                kind: TensorKind::Weight,
+                alloc_op: None,
+                free_op: None,
+                uses,
+            }],
+        }
+    }
+
+    fn hardware(host_bytes_per_s: f64) -> Hardware {
+        let ssd = ReadWriteBandwidth { read_bytes_per_s: 1e9, write_bytes_per_s: 1e9 };
+        let mut hardware = Hardware::new(1 << 40, ssd, 1 << 40);
+        hardware.host_link_bytes_per_s = host_bytes_per_s;
+        hardware.host_latency_us = 0.0;
+        hardware
+    }
+
+    fn issued(op: u32, kind: ActionKind) -> Issued {
+        Issued { op, tensor_id: 7, kind, tier: Tier::Host }
+    }
+
+    #[test]
+    fn a_wrapping_read_starts_on_the_tier_and_a_clean_host_drop_writes_nothing() {
+        // Read before op 0, dropped before op 1 (unchanged), read before op 1, written back after.
+        let transfers = [
+            issued(0, ActionKind::Prefetch),
+            issued(1, ActionKind::Drop),
+            issued(1, ActionKind::Prefetch),
+            issued(2, ActionKind::Offload),
+        ];
+        let plan = plan_from_schedule(&trace(), &transfers, 1 << 40).unwrap();
+        assert_eq!(plan.migrations.len(), 2);
+        assert!(plan.migrations.iter().any(|m| m.offloaded_at_start && m.offload_op == 2 && m.writes));
+        // 1 MB at 1 GB/s: 1000 us per read, one write; nothing hides the reads.
+        let report = replay(&trace(), &transfers, &hardware(1e9)).unwrap();
+        assert_eq!(report.downgraded_drops, 0, "the host copy was current: the drop must not write");
+        assert_eq!(report.host_read_bytes, 2_000_000);
+        assert_eq!(report.host_written_bytes, 1_000_000);
+        assert!((report.iteration_time_us - 7200.0).abs() < 1.0, "{}", report.iteration_time_us);
+        // Far faster link: the ops alone.
+        let fast = replay(&trace(), &transfers, &hardware(1e15)).unwrap();
+        assert!((fast.iteration_time_us - 5200.0).abs() < 1.0, "{}", fast.iteration_time_us);
+        // Written back after the last op: the same as before the next iteration's first.
+        let after_last = [transfers[0], transfers[1], transfers[2], issued(3, ActionKind::Offload)];
+        let plan = plan_from_schedule(&trace(), &after_last, 1 << 40).unwrap();
+        assert!(plan.migrations.iter().any(|m| m.offloaded_at_start && m.offload_op == 0 && m.prefetch_op == 0));
+    }
+
+    #[test]
+    fn transfers_that_do_not_pair_up_are_refused() {
+        let twice = [issued(0, ActionKind::Prefetch), issued(1, ActionKind::Prefetch)];
+        assert!(matches!(plan_from_schedule(&trace(), &twice, 1 << 40), Err(Error::InvalidPlan(_))));
+        let other_tier =
+            [Issued { tier: Tier::Ssd, ..issued(0, ActionKind::Prefetch) }, issued(1, ActionKind::Offload)];
+        assert!(matches!(plan_from_schedule(&trace(), &other_tier, 1 << 40), Err(Error::InvalidPlan(_))));
+        let unknown = [Issued { tensor_id: 8, ..issued(0, ActionKind::Prefetch) }];
+        assert!(matches!(plan_from_schedule(&trace(), &unknown, 1 << 40), Err(Error::InvalidPlan(_))));
+        let late = [issued(4, ActionKind::Prefetch), issued(1, ActionKind::Offload)];
+        assert!(matches!(plan_from_schedule(&trace(), &late, 1 << 40), Err(Error::InvalidPlan(_))));
+    }
+}
