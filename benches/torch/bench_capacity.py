@@ -459,7 +459,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result["teraio_report"] = bench_regime.jsonable(fields)
             result["tier_bytes_per_iteration"] = tier_bytes(fields)
             print(str(report), flush=True)
+        with contextlib.suppress(Exception):
+            result["predicted_ms_by_devices"] = predictions_by_devices(outer, args.store_devices)
     return result
+
+
+#: Device counts the array table predicts from each row's recorded iteration.
+PREDICTED_DEVICE_COUNTS = (1, 2, 4, 8)
+
+
+def predictions_by_devices(offload: Any, devices: int) -> dict[int, Optional[float]]:
+    """Whole-model rows: the recorded iteration replayed with the store's bandwidth scaled from
+    `devices` to each of `PREDICTED_DEVICE_COUNTS` devices (ms; the array table's predictions
+    from one row)."""
+    link = offload.link
+    out: dict[int, Optional[float]] = {}
+    for count in PREDICTED_DEVICE_COUNTS:
+        scale = count / devices
+        read, write = link.ssd_read * scale, link.ssd_write * scale
+        replay = offload.predict(ssd_bandwidth=read, ssd_write_bandwidth=write)
+        out[count] = replay["iteration_ms"] if replay else None
+    return out
 
 
 def row_base(args: argparse.Namespace, mode: str) -> dict[str, Any]:

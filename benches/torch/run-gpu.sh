@@ -268,7 +268,12 @@ sweep)
     summary
   else
     # bench_capacity.py's teraio_ssd row with host memory bounded to 16 GiB, the store on DEVICES
-    # devices at 6.5 GB/s and 20 us.
+    # devices at 6.5 GB/s and 20 us; the reference row (the ideal) first, in the same call.
+    if [ "${REFERENCE:-1}" = 1 ]; then
+      timeout 170 python3 $B/bench_capacity.py run --mode reference --steps "${STEPS:-8}" --warmup "${WARMUP:-2}" \
+        --work-dir /dev/shm/teraio-array > "$OUT/array-reference.log" 2>&1
+      grep '^RESULT' "$OUT/array-reference.log" | cut -c8- >> "$OUT/results.jsonl"
+    fi
     for n in ${DEVICES:-1 2 4 8}; do
       rm -rf /dev/shm/teraio-array
       timeout 170 python3 $B/bench_capacity.py run --mode "${MODE:-teraio_ssd}" --steps "${STEPS:-8}" --warmup "${WARMUP:-2}" \
@@ -278,6 +283,7 @@ sweep)
       grep -v '^RESULT' "$OUT/array-$n.log" | tail -12
       rm -rf /dev/shm/teraio-array
     done
+    python3 $B/summarize.py --array "$OUT/results.jsonl" | tee "$OUT/array-table.md"
   fi
   ;;
 

@@ -9,6 +9,11 @@ agreement with the first ideal run next to the ideal-vs-ideal spread. After each
 teraio against the fastest checkpointing mode that fits, and the targets. `--reports`
 adds each teraio run's own report.
 
+    python3 benches/torch/summarize.py --array OUT/results.jsonl
+
+prints the emulated-array sweep's table (`run-gpu.sh sweep`): % of ideal per device count next to
+the simulator's prediction.
+
     python3 benches/torch/summarize.py --index benches/results
 
 writes benches/results/README.md: one table per <date>-<machine> folder, each file with what it
@@ -341,8 +346,51 @@ def write_index(root: Path) -> Path:
     return path
 
 
+def off_by(measured: Optional[float], predicted: Optional[float]) -> str:
+    """(measured - predicted) / predicted, or "-"."""
+    return f"{(measured - predicted) / predicted:+.1%}" if measured and predicted else "-"
+
+
+def array_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The emulated-array sweep (`run-gpu.sh sweep`): per device count, teraio's iteration and
+    the simulator's replay of that row's recorded iteration, each as % of the reference row's
+    measured iteration (the ideal), and what the 1-device row's record predicts for that count."""
+    ideal = next((r.get("ms_per_iter") for r in rows if r.get("mode") == "reference" and ok(r)), None)
+    arrays = sorted((r for r in rows if "devices" in r), key=lambda r: r["devices"])
+    first = next((r for r in arrays if r["devices"] == 1), None)
+    from_one = (first or {}).get("predicted_ms_by_devices", {})
+
+    def pct(ms: Optional[float]) -> str:
+        return f"{100 * ideal / ms:.1f}%" if ideal and ms else "-"
+
+    def ms_cell(ms: Optional[float]) -> str:
+        return f"{ms:.0f}" if ms else "-"
+
+    lines = [
+        f"ideal (no offload, measured in the same call): {ms_cell(ideal)} ms/iter",
+        "",
+        "| devices | teraio ms/iter | % of ideal | predicted (its own record) | % of ideal | "
+        "measured vs predicted | predicted from the 1-device record | measured vs that |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in arrays:
+        measured = r.get("ms_per_iter") if ok(r) else None
+        predicted = (r.get("teraio_report") or {}).get("predicted_iteration_ms")
+        one = from_one.get(str(r["devices"])) or from_one.get(r["devices"])
+
+        lines.append(
+            f"| {r['devices']} | {ms_cell(measured) if measured else status(r)} | {pct(measured)} | "
+            f"{ms_cell(predicted)} | {pct(predicted)} | {off_by(measured, predicted)} | {ms_cell(one)} | "
+            f"{off_by(measured, one)} |"
+        )
+    return lines
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--array"]:
+        print("\n".join(array_table(load(argv[1:]))))
+        return
     if argv[:1] == ["--index"]:
         if len(argv) != 2:
             sys.exit("usage: summarize.py --index RESULTS_DIR")

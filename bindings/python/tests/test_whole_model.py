@@ -13,7 +13,7 @@ from teraio import capacity as cp
 from teraio import ids
 from teraio.blockwise import BlockOffload
 from teraio.tiers import HostTier
-from teraio.whole_model import WHOLE_MODEL_SHARE, ModelOffload, needs_whole_model
+from teraio.whole_model import RECORDED_ITERATION, WHOLE_MODEL_SHARE, ModelOffload, needs_whole_model
 from tiny import batches, make, train
 
 STEPS = 4
@@ -450,3 +450,43 @@ def test_step_in_backward_reads_state_ahead_within_its_budget() -> None:
     # Counted here: the state of the unit backward is in and the parameters and gradients of the
     # one it left (2 + 2 units), and the state read ahead (within the budget).
     assert run.report().peak_step_window_bytes <= pull + 4 * unit
+
+
+@pytest.mark.parametrize("step_in_backward", [False, True])
+def test_the_recorded_iteration_holds_every_transfer_and_replays_at_other_bandwidths(
+    store: teraio.Store, step_in_backward: bool
+) -> None:
+    data = _tokens(RECORDED_ITERATION + 2)
+    _, run = _run(_tied, data, store, host_memory=20_000, step_in_backward=step_in_backward)
+    record = run.recorder.result()
+    assert record is not None and record.unmodelled_transfers == 0
+    # Every byte the runtime counted in that iteration is a recorded read or write.
+    sizes = {t["id"]: t["size_bytes"] for t in record.trace["tensors"]}
+    recorded: dict[tuple[str, str], int] = {}
+    for index, transfer in enumerate(record.schedule["transfers"]):
+        if transfer["kind"] != "drop" and index not in record.kept:
+            direction = "in" if transfer["kind"] == "prefetch" else "out"
+            key = (direction, transfer["tier"])
+            recorded[key] = recorded.get(key, 0) + sizes[transfer["tensor_id"]]
+    counted = {
+        (direction, tier): sum(kinds.values())
+        for direction, tiers in run._iterations[RECORDED_ITERATION].moved().items()
+        for tier, kinds in tiers.items()
+    }
+    assert recorded == counted
+    assert ("in", "ssd") in counted  # the store carries part of it
+    report = run.report()
+    assert report.predicted_iteration_ms is not None and report.prediction["ops"] == len(record.trace["ops"])
+    assert "predicted" in str(report)
+    # Unbounded bandwidth: the recorded GPU work alone; a slow store: at least its reads' time.
+    fast = run.predict(host_link_bandwidth=1e18, ssd_bandwidth=1e18)
+    assert fast is not None and fast["iteration_ms"] == pytest.approx(fast["compute_ms"], rel=0.02, abs=0.2)
+    slow = run.predict(ssd_bandwidth="1MB/s")
+    assert slow is not None and slow["iteration_ms"] >= slow["ssd_read_bytes"] / 1e6 * 1e3
+
+
+def test_no_prediction_before_the_recorded_iteration(store: teraio.Store) -> None:
+    _, run = _run(_tied, _tokens(RECORDED_ITERATION), store, host_memory=20_000)
+    report = run.report()
+    assert report.predicted_iteration_ms is None and run.predict() is None
+    assert "predicted: none" in str(report)

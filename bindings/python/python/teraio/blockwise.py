@@ -57,8 +57,8 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 from . import ids, machine
 from .blocks import find_blocks
 from .executor import HOST, SSD, _flat_bytes, _pinned_size, copy_on_stream
+from .machine import Link
 from .options import OffloadOptions
-from .planning import _bandwidth as planning_bandwidth
 from .planning import format_bytes, parse_size
 from .report import check_prediction
 from .state import StateExecutor, host_then_store, movable_state
@@ -118,16 +118,6 @@ class Measurement:
         blocks = sum(b.forward_ms + b.recompute_ms + b.backward_ms for b in self.blocks)
         edges = self.pre_forward_ms + self.head_backward_ms + self.tail_backward_ms
         return blocks + edges + self.step_ms
-
-
-@dataclass(frozen=True)
-class Link:
-    """Bytes per second each way between the GPU and host memory, and of the store."""
-
-    d2h: float
-    h2d: float
-    ssd_read: float = 1.0
-    ssd_write: float = 1.0
 
 
 @dataclass
@@ -711,36 +701,7 @@ class BlockOffload:
         self._stats_at: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
 
     def _resolve_link(self) -> Link:
-        want = self.options.host_link_bandwidth == "auto"
-        want_store = self.store is not None and "auto" in (
-            self.options.ssd_bandwidth,
-            self.options.ssd_write_bandwidth,
-        )
-        measured = machine.resolve_bandwidths(self.device, self.store, want_link=want, want_store=want_store)
-        self.machine["measured"] = measured.source
-        share = machine.PLAN_SHARE
-        if want:
-            assert measured.link_d2h is not None and measured.link_h2d is not None
-            d2h, h2d = share * measured.link_d2h, share * measured.link_h2d
-        else:
-            d2h = h2d = _bandwidth(self.options.host_link_bandwidth)
-        ssd_read = ssd_write = 1.0
-        if self.store is not None:
-            ssd_read = (
-                share * measured.ssd_read
-                if measured.ssd_read
-                else _bandwidth(self.options.ssd_bandwidth, 6.5e9)
-            )
-            write = self.options.ssd_write_bandwidth
-            ssd_write = (
-                share * measured.ssd_write
-                if measured.ssd_write
-                else _bandwidth(write or self.options.ssd_bandwidth, 6.5e9)
-            )
-        self.machine.update(
-            {"link_d2h_bytes_per_s": d2h, "link_h2d_bytes_per_s": h2d, "ssd_read_bytes_per_s": ssd_read}
-        )
-        return Link(d2h, h2d, ssd_read, ssd_write)
+        return machine.resolve_link(self.device, self.store, self.options, self.machine)
 
     # -- context -------------------------------------------------------------------------------
 
@@ -1313,9 +1274,3 @@ class BlockOffload:
             choice=dict(self.choice, tried=len(self.tried)),
             host_peak_bytes=self.mover.peak_bytes,
         )
-
-
-def _bandwidth(value: Any, default: float = 1.0) -> float:
-    if value in (None, "auto"):
-        return default
-    return float(planning_bandwidth(value))

@@ -25,6 +25,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .planning import _bandwidth
+
 #: Share of MemAvailable the runtime pins at most by default (the rest stays for the data
 #: loader, the page cache the store's files use, and the process itself; PyTorch's caching
 #: pinned allocator also keeps freed blocks, so what it holds can exceed what is in use).
@@ -41,6 +43,19 @@ PROBE_OBJECT_BASE = 1 << 50
 RESERVE_MIN_SHARE = 0.1
 RESERVE_SLACK_FACTOR = 1.5
 RESERVE_EXTRA_BYTES = 512 << 20
+
+
+@dataclass(frozen=True)
+class Link:
+    """What a runtime plans with, bytes/s: each way between the GPU and host memory, and the
+    store's reads and writes (1.0 without a store); `ssd_shared`: the store's reads and writes
+    share its devices' time (`OffloadOptions.ssd_shared`)."""
+
+    d2h: float
+    h2d: float
+    ssd_read: float = 1.0
+    ssd_write: float = 1.0
+    ssd_shared: bool = False
 
 
 @dataclass
@@ -205,3 +220,36 @@ def resolve_bandwidths(
         os.replace(temporary, path)
     measured.source = ", ".join(sources) + (f" ({path})" if path else "")
     return measured
+
+
+def resolve_link(device: torch.device, store: Any, options: Any, notes: dict[str, Any]) -> Link:
+    """The bandwidths a runtime plans with: `options`' (an `OffloadOptions`) where given, else
+    `PLAN_SHARE` of the measured (or cached) ones; `notes` (the report's machine notes) get
+    where they came from and the figures."""
+
+    def given(value: Any, default: float = 1.0) -> float:
+        return default if value in (None, "auto") else float(_bandwidth(value))
+
+    want = options.host_link_bandwidth == "auto"
+    want_store = store is not None and "auto" in (options.ssd_bandwidth, options.ssd_write_bandwidth)
+    measured = resolve_bandwidths(device, store, want_link=want, want_store=want_store)
+    notes["measured"] = measured.source
+    if want:
+        assert measured.link_d2h is not None and measured.link_h2d is not None
+        d2h, h2d = PLAN_SHARE * measured.link_d2h, PLAN_SHARE * measured.link_h2d
+    else:
+        d2h = h2d = given(options.host_link_bandwidth)
+    ssd_read = ssd_write = 1.0
+    shared = bool(options.ssd_shared) if options.ssd_shared is not None else measured.ssd_read is not None
+    if store is not None:
+        ssd_read = (
+            PLAN_SHARE * measured.ssd_read if measured.ssd_read else given(options.ssd_bandwidth, 6.5e9)
+        )
+        write = options.ssd_write_bandwidth
+        ssd_write = (
+            PLAN_SHARE * measured.ssd_write
+            if measured.ssd_write
+            else given(write or options.ssd_bandwidth, 6.5e9)
+        )
+    notes.update({"link_d2h_bytes_per_s": d2h, "link_h2d_bytes_per_s": h2d, "ssd_read_bytes_per_s": ssd_read})
+    return Link(d2h, h2d, ssd_read, ssd_write, shared)

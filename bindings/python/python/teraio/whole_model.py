@@ -68,9 +68,13 @@ from torch.utils._foreach_utils import (
 from . import blocks as bk
 from . import capacity as cp
 from . import ids
-from .machine import reserve_from_allocator
+from ._native import PlannerError
+from .machine import reserve_from_allocator, resolve_link
 from .options import OffloadOptions
+from .planning import _bandwidth as parse_bandwidth
 from .planning import format_bytes, parse_size
+from .report import check_prediction
+from .schedule_record import ScheduleRecorder
 from .store import Store
 from .tiers import GPU, HOST, SSD, HostTier, SsdTier, Transfer, flat_bytes
 
@@ -89,6 +93,10 @@ GRAD_NORM_TYPE = 2.0
 
 #: GPU gradients waiting for an SSD write, at most (the tier's writes run behind backward).
 MAX_GRADIENT_WRITES_BYTES = 1 << 30
+
+#: The iteration recorded for the prediction (0-based): the first after the residency decisions
+#: that follow iterations 0 and 1 (`_keep_resident`).
+RECORDED_ITERATION = 2
 
 
 def state_bytes_estimate(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -152,6 +160,15 @@ class WholeModelReport:
     returned_to: str = "gpu"
     #: The optimizer stepped each parameter in backward (`step_in_backward`).
     step_in_backward: bool = False
+    #: The simulator's replay of the recorded iteration (`RECORDED_ITERATION`) at the planned
+    #: bandwidths (`machine`): None before that iteration has run.
+    predicted_iteration_ms: Optional[float] = None
+    #: (measured - predicted) / predicted, percent.
+    prediction_error_percent: Optional[float] = None
+    #: The replay's figures: compute and stall time, bytes per tier, the bandwidths it assumed.
+    prediction: dict[str, Any] = field(default_factory=dict)
+    #: Where the measurement and the prediction differ by more than the tolerance.
+    warnings: list[str] = field(default_factory=list)
     mode: str = "whole-model"
     machine: dict[str, Any] = field(default_factory=dict)
 
@@ -192,6 +209,16 @@ class WholeModelReport:
         if self.wait_ms_per_iteration:
             waits = ", ".join(f"{k} {v:.1f} ms" for k, v in self.wait_ms_per_iteration.items())
             lines.append(f"  host waits per iteration: {waits}; on-demand fetches {self.on_demand_fetches}")
+        if self.predicted_iteration_ms is None:
+            lines.append(f"  predicted: none (the prediction replays iteration {RECORDED_ITERATION + 1})")
+        else:
+            p = self.prediction
+            lines.append(
+                f"  predicted {self.predicted_iteration_ms:.1f} ms (the simulator's replay of iteration "
+                f"{RECORDED_ITERATION + 1}: GPU work {p['compute_ms']:.1f} ms, waits "
+                f"{p['stall_ms']:.1f} ms), measured {ms}: {self.prediction_error_percent:+.1f}%"
+            )
+        lines.extend(f"  WARNING: {w}" for w in self.warnings)
         if self.host_ms_per_iteration and self.measured_iteration_ms:
             total = sum(self.host_ms_per_iteration.values())
             parts = ", ".join(f"{name} {v:.1f} ms" for name, v in self.host_ms_per_iteration.items())
@@ -269,6 +296,7 @@ class ModelOffload:
         self.machine = machine
         self.device = next(iter(model.parameters())).device
         self.cuda = self.device.type == "cuda"
+        self.recorder = ScheduleRecorder(self.device)
         named = _named_unique_parameters(model)
         _refuse_shared_storage(named)
         _refuse_foreign_parameters(named, optimizer)
@@ -303,6 +331,8 @@ class ModelOffload:
 
             kind = NoSpaceError if error.store_full else NoPlanFitsError
             raise kind(f"teraio.offload: {error}") from None
+        # The bandwidths the prediction assumes (measured once, cached with the store).
+        self.link = resolve_link(self.device, store, options, self.machine)
         streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) if self.cuda else None
         self.host = HostTier(self.device, host_memory_bytes, streams)
         self.ssd: dict[str, SsdTier] = {}
@@ -632,8 +662,11 @@ class ModelOffload:
         return self.host if slot.tiers[base] == HOST else self.ssd[base]
 
     def _write(self, slot: _Slot, kind: Any, source: torch.Tensor) -> Transfer:
+        """Writes `source` as `kind` of the parameter to its tier; a parameter's GPU memory goes
+        at its `_release`, the others' with the write."""
         tier = self._tier(slot, kind)
         self._counts.add("out", tier.name, kind, source.numel())
+        self.recorder.wrote((kind, slot.index), tier.name, leaves=kind != cp.PARAMETER)
         return tier.write((kind, slot.index), source)
 
     def _read(self, slot: _Slot, kind: Any, tensor: torch.Tensor) -> Transfer:
@@ -641,9 +674,23 @@ class ModelOffload:
         storage = tensor.untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(slot.nbytes if kind == cp.PARAMETER else self._state_nbytes[(kind, slot.index)])
+        return self._read_into(slot, kind, flat_bytes(tensor))
+
+    def _read_into(self, slot: _Slot, kind: Any, target: torch.Tensor) -> Transfer:
         tier = self._tier(slot, kind)
-        self._counts.add("in", tier.name, kind, storage.nbytes())
-        return tier.read((kind, slot.index), flat_bytes(tensor))
+        self._counts.add("in", tier.name, kind, target.numel())
+        self.recorder.read((kind, slot.index), tier.name)
+        return tier.read((kind, slot.index), target)
+
+    def _record_use(self, slot: _Slot, kind: Any, write: bool = False) -> None:
+        """The running op used `kind` of the parameter (for the recorded iteration)."""
+        if not self.recorder.recording:
+            return
+        if isinstance(kind, tuple):
+            nbytes, name, base = self._state_nbytes[(kind, slot.index)], f"{slot.name}.{kind[1]}", kind[0]
+        else:
+            nbytes, name, base = slot.nbytes, slot.name + (".grad" if kind == cp.GRADIENT else ""), kind
+        self.recorder.use((kind, slot.index), name, base, nbytes, write)
 
     def _drain_writes(self) -> None:
         for transfer, _ in self._gradient_writes:
@@ -659,6 +706,8 @@ class ModelOffload:
         """Makes the parameter's storage resident (a read is queued if it was released)."""
         slot.release_pending = False
         if slot.resident:
+            # Its release may have waited for a write, which goes on: kept after all.
+            self.recorder.returned((cp.PARAMETER, slot.index), slot.tiers[cp.PARAMETER])
             return
         slot.fetch = self._read(slot, cp.PARAMETER, slot.param)
         slot.resident = True
@@ -688,6 +737,7 @@ class ModelOffload:
         slot.param.untyped_storage().resize_(0)
         slot.resident = False
         slot.release_pending = False
+        self.recorder.left((cp.PARAMETER, slot.index), slot.tiers[cp.PARAMETER])
 
     def _enter_unit(self, index: int) -> None:
         with torch.profiler.record_function("teraio.enter_unit"):
@@ -695,6 +745,7 @@ class ModelOffload:
 
     def _enter_unit_traced(self, index: int) -> None:
         self._gradients_complete()  # the unit backward left
+        self.recorder.wait()
         started = time.perf_counter()
         self._poll()
         if self._recorded is None:
@@ -710,6 +761,10 @@ class ModelOffload:
         for slot in slots:
             self._join(slot)
         self._counts.wait_s["units"] += time.perf_counter() - started
+        backward = torch._C._current_graph_task_id() != -1
+        self.recorder.begin(f"{'backward' if backward else 'forward'} {self.units[index].name}")
+        for slot in slots:
+            self._record_use(slot, cp.PARAMETER)
 
     def _horizon(self) -> list[list[_Slot]]:
         """The parameters of the next units in the recorded order, unit by unit,
@@ -797,9 +852,11 @@ class ModelOffload:
         if task != self._watched_task:
             self._watched_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+        self._record_use(slot, cp.PARAMETER)
         if self.step_in_backward:
             self._await_step(slot, task)
         else:
+            self._record_use(slot, cp.GRADIENT, write=True)
             self._gradients.append(slot)
         self._counts.host_s += time.perf_counter() - started
 
@@ -881,6 +938,7 @@ class ModelOffload:
         if not ready:
             return
         started = time.perf_counter()
+        self.recorder.wait()
         with torch.profiler.record_function("teraio.step_in_backward"):
             with self.host.batched():
                 for slot in ready:
@@ -897,16 +955,16 @@ class ModelOffload:
                 slot.incoming_state = None
                 self._account(slot.nbytes * (2 if slot.tiers[cp.PARAMETER] != GPU else 1))
             assert self._original_step is not None
+            self.recorder.begin("step in backward")
             self._original_step()
+            self._record_step_uses(ready)
             self._write_back(ready)
         waits = self._counts.wait_s
         waits["step in backward"] = waits.get("step in backward", 0.0) + time.perf_counter() - started
 
     def _read_gradient(self, slot: _Slot) -> torch.Tensor:
         grad = torch.empty_like(slot.param, memory_format=torch.contiguous_format)
-        tier = self._tier(slot, cp.GRADIENT)
-        self._counts.add("in", tier.name, cp.GRADIENT, slot.nbytes)
-        tier.read((cp.GRADIENT, slot.index), flat_bytes(grad)).join()
+        self._read_into(slot, cp.GRADIENT, flat_bytes(grad)).join()
         return grad
 
     def _zero_grad(self, set_to_none: bool = True) -> None:
@@ -943,6 +1001,7 @@ class ModelOffload:
                 # Store transfers start only once polled (after their compute point has passed):
                 # poll between the waits, or the next window's reads would start at their join.
                 self._poll_tiers()
+                self.recorder.wait()
                 for transfer in pending:
                     transfer.join()
                     self._poll_tiers()
@@ -957,7 +1016,11 @@ class ModelOffload:
                         slot.incoming_grad = None
                         slot.grad_held = False
                         stepped.append(slot)
+                self.recorder.begin("step window")
+                for slot in stepped:
+                    self._record_use(slot, cp.GRADIENT)
                 result = self._original_step()
+                self._record_step_uses(stepped)
                 self._write_back(stepped)
                 self._poll_tiers()
             pending = following
@@ -990,14 +1053,20 @@ class ModelOffload:
                     self._acquire(slot)
                     self._account(slot.nbytes)
                 grad = torch.empty_like(slot.param, memory_format=torch.contiguous_format)
-                tier = self._tier(slot, cp.GRADIENT)
-                self._counts.add("in", tier.name, cp.GRADIENT, slot.nbytes)
-                slot.incoming_grad = (grad, tier.read((cp.GRADIENT, slot.index), flat_bytes(grad)))
+                slot.incoming_grad = (grad, self._read_into(slot, cp.GRADIENT, flat_bytes(grad)))
                 self._account(slot.nbytes)
                 for name, value in _state_tensors(self.optimizer, slot.param, resident=False):
                     transfers.append(self._read(slot, (cp.STATE, name), value))
                     self._account(_nbytes(value))
         return transfers
+
+    def _record_step_uses(self, stepped: list[_Slot]) -> None:
+        """The running op (a step) wrote these parameters and their optimizer state."""
+        for slot in stepped:
+            self._record_use(slot, cp.PARAMETER, write=True)
+            for name, _ in _state_tensors(self.optimizer, slot.param):
+                if ((cp.STATE, name), slot.index) in self._state_nbytes:
+                    self._record_use(slot, (cp.STATE, name), write=True)
 
     def _account(self, nbytes: int) -> None:
         self._window_bytes += nbytes
@@ -1083,12 +1152,15 @@ class ModelOffload:
     # -- iterations and the report ---------------------------------------------------------------
 
     def _begin_iteration(self) -> None:
+        if self.steps == RECORDED_ITERATION:
+            self.recorder.start()
         self._position = 0
         self._step_started = time.perf_counter()
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def _end_iteration(self) -> None:
+        self.recorder.finish()
         if self._recorded is None:
             self._recorded = list(self._order)
             self._keep_resident(first=True)
@@ -1141,13 +1213,69 @@ class ModelOffload:
             slot.tiers[cp.PARAMETER] = GPU
             self.resident_parameter_bytes += slot.nbytes
 
+    def predict(
+        self,
+        *,
+        host_link_bandwidth: Optional[Any] = None,
+        ssd_bandwidth: Optional[Any] = None,
+        ssd_write_bandwidth: Optional[Any] = None,
+    ) -> Optional[dict[str, Any]]:
+        """The recorded iteration (`RECORDED_ITERATION`) replayed in the simulator at the planned
+        bandwidths (`self.link`), or at those given (bytes/s or text such as "4x6.5GB/s": what
+        more SSDs or another link would do to this schedule). None before that iteration ran.
+        Returns the replay's figures in ms and bytes, with the bandwidths assumed."""
+        record = self.recorder.result()
+        if record is None:
+            return None
+        link = min(self.link.d2h, self.link.h2d)
+        link = link if host_link_bandwidth is None else parse_bandwidth(host_link_bandwidth)
+        read = self.link.ssd_read if ssd_bandwidth is None else parse_bandwidth(ssd_bandwidth)
+        write = self.link.ssd_write if ssd_bandwidth is None else read
+        write = write if ssd_write_bandwidth is None else parse_bandwidth(ssd_write_bandwidth)
+        sim = record.replay(
+            host_link_bytes_per_s=link,
+            ssd_read_bytes_per_s=read,
+            ssd_write_bytes_per_s=write,
+            ssd_shared=self.link.ssd_shared,
+        )
+        return {
+            "iteration_ms": sim["iteration_time_us"] / 1e3,
+            "compute_ms": sim["compute_time_us"] / 1e3,
+            "stall_ms": sim["stall_time_us"] / 1e3,
+            "ops": len(record.trace["ops"]),
+            "host_read_bytes": sim["host_read_bytes"],
+            "host_written_bytes": sim["host_written_bytes"],
+            "ssd_read_bytes": sim["ssd_read_bytes"],
+            "ssd_written_bytes": sim["ssd_written_bytes"],
+            "demand_fetches": sim["demand_fetches"],
+            "unmodelled_transfers": record.unmodelled_transfers,
+            "host_link_bytes_per_s": link,
+            "ssd_read_bytes_per_s": read,
+            "ssd_write_bytes_per_s": write,
+            "ssd_shared": self.link.ssd_shared,
+            "recorded_iteration": RECORDED_ITERATION,
+        }
+
     def report(self) -> WholeModelReport:
         later = self._iterations[1:] or self._iterations
         middle = later[len(later) // 2] if later else _Counts()
         times = self._step_times_ms[1:] or self._step_times_ms
+        measured = statistics.median(times) if times else None
+        try:
+            prediction = self.predict()
+        except PlannerError as failure:  # a schedule the replay cannot pair up: say so
+            prediction, failure_text = (
+                None,
+                f"no prediction: the recorded schedule does not replay ({failure})",
+            )
+        else:
+            failure_text = ""
+        predicted = prediction["iteration_ms"] if prediction else None
+        error, warning = check_prediction(measured, predicted)
+        warning = warning or failure_text
         return WholeModelReport(
             steps=self.steps,
-            measured_iteration_ms=statistics.median(times) if times else None,
+            measured_iteration_ms=measured,
             step_times_ms=list(self._step_times_ms),
             step_ms=statistics.median(self._step_ms[1:] or self._step_ms) if self._step_ms else None,
             peak_gpu_bytes=max(self._peaks[1:] or self._peaks) if self._peaks else None,
@@ -1174,6 +1302,10 @@ class ModelOffload:
             resident_parameter_bytes=self.resident_parameter_bytes,
             returned_to=self.returned_to,
             step_in_backward=self.step_in_backward,
+            predicted_iteration_ms=predicted,
+            prediction_error_percent=error,
+            prediction=prediction or {},
+            warnings=[warning] if warning else [],
             machine=dict(self.machine),
         )
 

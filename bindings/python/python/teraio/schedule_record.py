@@ -1,0 +1,218 @@
+"""One iteration of a runtime's own schedule as it ran, for the simulator to replay.
+
+Whole-model offload does not execute a planner's plan; it predicts its iteration by recording one
+(`ScheduleRecorder`) and replaying the record in the simulator (`_native.replay_schedule`,
+planner/src/replay.rs) at the machine's bandwidths, or at others (`ScheduleRecord.replay`):
+
+- ops: the stretches of GPU work between two waits of the runtime (a unit's forward, its
+  recomputation and backward, a step window), each timed on the compute stream from just after
+  the runtime's waits to just before the next ones (`timing.mark`), so the time the GPU waited
+  for a transfer is not in it;
+- tensors: what the ops used (a parameter, its gradient, each optimizer-state tensor), read or
+  written, with their sizes;
+- transfers: each read, write and drop the runtime issued, before the op that followed it (one
+  issued while an op runs counts before the next op: the replay issues it a little late).
+
+Only tensors that moved are recorded: a parameter kept on the GPU takes no link time.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Optional
+
+import torch
+
+from . import _native
+from .timing import elapsed_ms, mark
+
+#: Trace kinds (docs/trace.md) of the runtime's kinds of bytes.
+TRACE_KINDS = {"parameter": "weight", "gradient": "gradient", "optimizer_state": "optimizer_state"}
+#: Transfer kinds (planner/src/replay.rs).
+PREFETCH, OFFLOAD, DROP = "prefetch", "offload", "drop"
+#: GPU and host memory the replay assumes: unbounded (the runtime bounds its own memory; the
+#: replay predicts time).
+UNBOUNDED_BYTES = 1 << 62
+
+
+@dataclass
+class _Tensor:
+    name: str
+    kind: str
+    size_bytes: int
+    persistent: bool
+    uses: dict[int, str] = field(default_factory=dict)  # op -> "read" | "write"
+
+
+@dataclass
+class ScheduleRecord:
+    """A recorded iteration: the trace (docs/trace.md) and the schedule the replay reads."""
+
+    trace: dict[str, Any]
+    schedule: dict[str, Any]
+    #: Transfers of tensors no op used in the recorded iteration (not replayable; counted).
+    unmodelled_transfers: int = 0
+    #: Indices of the schedule's reads that moved no bytes: a tensor kept while its write ran.
+    kept: list[int] = field(default_factory=list)
+
+    def replay(
+        self,
+        *,
+        host_link_bytes_per_s: float,
+        ssd_read_bytes_per_s: float,
+        ssd_write_bytes_per_s: float,
+        ssd_shared: bool = False,
+    ) -> dict[str, Any]:
+        """The simulator's report (planner/src/sim.rs `SimReport`) for this schedule at these
+        bandwidths; SSD transfers also take the host link (the store's bounce path)."""
+        report = _native.replay_schedule(
+            json.dumps(self.trace),
+            json.dumps(self.schedule),
+            gpu_memory_bytes=UNBOUNDED_BYTES,
+            host_memory_bytes=UNBOUNDED_BYTES,
+            host_link_bytes_per_s=host_link_bytes_per_s,
+            ssd_read_bytes_per_s=ssd_read_bytes_per_s,
+            ssd_write_bytes_per_s=ssd_write_bytes_per_s,
+            ssd_shared=ssd_shared,
+            ssd_via_host_link=True,
+        )
+        return json.loads(report)
+
+
+class ScheduleRecorder:
+    """Records one iteration (see the module docstring): `start`, then the runtime calls `wait`
+    before it waits, `begin` after, `use` for what the running op touches, `read` / `wrote` /
+    `left` for its transfers; `finish` ends the record, `result` builds it (reading the GPU
+    marks then, not while training runs). Calls outside a record do nothing."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.recording = False
+        self._finished = False
+        self._record: Optional[ScheduleRecord] = None
+        self._ops: list[list[Any]] = []  # [name, start mark, end mark or None]
+        self._tensors: dict[Hashable, _Tensor] = {}
+        self._transfers: list[tuple[int, Hashable, str, str, bool]] = []  # (..., moved bytes)
+        # Tensors written whose GPU memory has not left since (the write's departure is owed),
+        # tracked between records too; and which of them were written during the record.
+        self._owed: dict[Hashable, str] = {}
+        self._written: set[Hashable] = set()
+
+    def start(self) -> None:
+        self.recording, self._finished, self._record = True, False, None
+        self._ops, self._tensors, self._transfers, self._written = [], {}, [], set()
+
+    def wait(self) -> None:
+        """The runtime is about to wait for transfers: the running op ends here."""
+        if self.recording and self._ops and self._ops[-1][2] is None:
+            self._ops[-1][2] = mark(self.device)
+
+    def begin(self, name: str) -> None:
+        """The runtime's waits are done: op `name` starts."""
+        if self.recording:
+            self.wait()
+            self._ops.append([name, mark(self.device), None])
+
+    def use(self, key: Hashable, name: str, kind: str, size_bytes: int, write: bool = False) -> None:
+        """The running op reads (or writes) tensor `key`; `kind` one of `TRACE_KINDS`' keys."""
+        if not self.recording or not self._ops:
+            return
+        tensor = self._tensors.get(key)
+        if tensor is None:
+            tensor = _Tensor(name, TRACE_KINDS[kind], size_bytes, kind != "gradient")
+            self._tensors[key] = tensor
+        op = len(self._ops) - 1
+        if write or tensor.uses.get(op) != "write":
+            tensor.uses[op] = "write" if write else "read"
+
+    def read(self, key: Hashable, tier: str) -> None:
+        self._issue(key, PREFETCH, tier)
+
+    def wrote(self, key: Hashable, tier: str, leaves: bool = True) -> None:
+        """A write of `key` to `tier` was issued; `leaves`: its GPU memory goes with it (else it
+        goes at `left` or stays at `returned`: this write's departure is owed until then)."""
+        if leaves:
+            self._issue(key, OFFLOAD, tier)
+            return
+        self._owed[key] = tier
+        if self.recording:
+            self._written.add(key)
+
+    def left(self, key: Hashable, tier: str) -> None:
+        """`key`'s GPU memory was released: the departure of the write owed since (none if that
+        write came before the record: in the steady state the record's own last write is it,
+        `finish`), or a drop (its copy on `tier` is current)."""
+        if self._owed.pop(key, None) is None:
+            self._issue(key, DROP, tier)
+        elif key in self._written:
+            self._written.discard(key)
+            self._issue(key, OFFLOAD, tier)
+
+    def returned(self, key: Hashable, tier: str) -> None:
+        """`key` is kept on the GPU after all while its owed write goes on: the write's departure
+        and a read at once (the simulator, too, keeps a tensor read while its write runs)."""
+        if self._owed.pop(key, None) is None:
+            return
+        if key in self._written:
+            self._written.discard(key)
+            self._issue(key, OFFLOAD, tier)
+        self._issue(key, PREFETCH, tier, moves=False)
+
+    def _issue(self, key: Hashable, kind: str, tier: str, moves: bool = True) -> None:
+        if self.recording:
+            self._transfers.append((len(self._ops), key, kind, tier, moves))
+
+    def finish(self) -> None:
+        """Ends the record: the last op ends here; writes whose release comes later (an SSD
+        write still running) depart after it."""
+        if self.recording:
+            self.wait()
+            for key in self._written:
+                self._issue(key, OFFLOAD, self._owed[key])
+            self.recording, self._finished = False, True
+
+    def result(self) -> Optional[ScheduleRecord]:
+        """The finished record (None before `finish`)."""
+        if self._finished and self._record is None:
+            self._record = self._build()
+        return self._record
+
+    def _build(self) -> ScheduleRecord:
+        ops = [
+            {"name": name, "duration_us": max(0.0, elapsed_ms(start, end) * 1e3)}
+            for name, start, end in self._ops
+        ]
+        ids = {key: index for index, key in enumerate(k for k, t in self._tensors.items() if t.uses)}
+        moved = {key for _, key, _, _, _ in self._transfers if key in ids}
+        tensors = []
+        for key, tensor in self._tensors.items():
+            if key not in moved:
+                continue
+            uses = sorted(tensor.uses.items())
+            entry: dict[str, Any] = {
+                "id": ids[key],
+                "name": tensor.name,
+                "size_bytes": tensor.size_bytes,
+                "kind": tensor.kind,
+                "alloc_op": None if tensor.persistent else uses[0][0],
+                "free_op": None if tensor.persistent else uses[-1][0],
+                "uses": [{"op": op, "access": access} for op, access in uses],
+            }
+            tensors.append(entry)
+        kept = [t for t in self._transfers if t[1] in moved]
+        transfers = [
+            {"op": op, "tensor_id": ids[key], "kind": kind, "tier": tier} for op, key, kind, tier, _ in kept
+        ]
+        return ScheduleRecord(
+            trace={
+                "format_version": 1,
+                "description": "whole-model offload, one recorded iteration",
+                "gpu_capacity_bytes": UNBOUNDED_BYTES,
+                "ops": ops,
+                "tensors": tensors,
+            },
+            schedule={"transfers": transfers},
+            unmodelled_transfers=len(self._transfers) - len(transfers),
+            kept=[index for index, t in enumerate(kept) if not t[4]],
+        )
