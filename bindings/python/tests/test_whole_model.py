@@ -477,6 +477,7 @@ def test_the_recorded_iteration_holds_every_transfer_and_replays_at_other_bandwi
     assert ("in", "ssd") in counted  # the store carries part of it
     report = run.report()
     assert report.predicted_iteration_ms is not None and report.prediction["ops"] == len(record.trace["ops"])
+    assert report.prediction["recorded_span_ms"] >= report.prediction["compute_ms"] > 0
     assert "predicted" in str(report)
     # Unbounded bandwidth: the recorded GPU work alone; a slow store: at least its reads' time.
     fast = run.predict(host_link_bandwidth=1e18, ssd_bandwidth=1e18)

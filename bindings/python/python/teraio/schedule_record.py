@@ -55,6 +55,9 @@ class ScheduleRecord:
     unmodelled_transfers: int = 0
     #: Indices of the schedule's reads that moved no bytes: a tensor kept while its write ran.
     kept: list[int] = field(default_factory=list)
+    #: The recorded iteration as it ran on the GPU: from its first op's start to its last op's
+    #: end (ms); less the ops' time, what it waited for (the replay's stall, measured).
+    span_ms: float = 0.0
 
     def replay(
         self,
@@ -183,6 +186,7 @@ class ScheduleRecorder:
             {"name": name, "duration_us": max(0.0, elapsed_ms(start, end) * 1e3)}
             for name, start, end in self._ops
         ]
+        span_ms = elapsed_ms(self._ops[0][1], self._ops[-1][2]) if self._ops else 0.0
         ids = {key: index for index, key in enumerate(k for k, t in self._tensors.items() if t.uses)}
         moved = {key for _, key, _, _, _ in self._transfers if key in ids}
         tensors = []
@@ -215,4 +219,5 @@ class ScheduleRecorder:
             schedule={"transfers": transfers},
             unmodelled_transfers=len(self._transfers) - len(transfers),
             kept=[index for index, t in enumerate(kept) if not t[4]],
+            span_ms=span_ms,
         )

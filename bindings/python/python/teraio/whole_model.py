@@ -216,7 +216,9 @@ class WholeModelReport:
             lines.append(
                 f"  predicted {self.predicted_iteration_ms:.1f} ms (the simulator's replay of iteration "
                 f"{RECORDED_ITERATION + 1}: GPU work {p['compute_ms']:.1f} ms, waits "
-                f"{p['stall_ms']:.1f} ms), measured {ms}: {self.prediction_error_percent:+.1f}%"
+                f"{p['stall_ms']:.1f} ms), measured {ms}: {self.prediction_error_percent:+.1f}%; "
+                f"that iteration ran {p['recorded_span_ms']:.1f} ms, "
+                f"{p['recorded_waits_ms']:.1f} ms of it waits"
             )
         lines.extend(f"  WARNING: {w}" for w in self.warnings)
         if self.host_ms_per_iteration and self.measured_iteration_ms:
@@ -1242,6 +1244,9 @@ class ModelOffload:
             "iteration_ms": sim["iteration_time_us"] / 1e3,
             "compute_ms": sim["compute_time_us"] / 1e3,
             "stall_ms": sim["stall_time_us"] / 1e3,
+            # The same iteration as it ran: its GPU span, and its waits (span less the ops).
+            "recorded_span_ms": record.span_ms,
+            "recorded_waits_ms": record.span_ms - sim["compute_time_us"] / 1e3,
             "ops": len(record.trace["ops"]),
             "host_read_bytes": sim["host_read_bytes"],
             "host_written_bytes": sim["host_written_bytes"],
