@@ -23,7 +23,10 @@
 #   run-gpu.sh sweep          # emulated SSD arrays (tmpfs, each device paced like an SSD): whole-model
 #                             #   offload of the capacity model with 16 GiB of host memory over
 #                             #   DEVICES="1 2 4 8" x 6.5 GB/s (MODE=teraio_ssd_step_in_bwd: with the step in
-#                             #   backward); WHAT=flagship: the flagship on 4 x 2.5 GB/s
+#                             #   backward), after the reference row (REFERENCE=0: none); prints % of
+#                             #   ideal per device count next to the simulator's replay of each row's
+#                             #   recorded iteration (summarize.py --array); WHAT=flagship: the
+#                             #   flagship on 4 x 2.5 GB/s
 #   run-gpu.sh link           # the host link one way and both ways at once (probe_link.py, ~10 s)
 #   run-gpu.sh ab             # one call's A/B of whole-model rows: this tree's teraio ("new") against the
 #                             #   same package with OLD_PY's *.py files ("old": another commit's teraio
