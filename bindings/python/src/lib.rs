@@ -704,41 +704,17 @@ fn simulate_plan(
 }
 
 /// Replays a runtime's own recorded schedule (`{"transfers": [...]}`: what it issued before each
-/// op of the trace, `teraio_planner::replay`) in the simulator and returns its report as JSON:
-/// how long that schedule takes at these bandwidths.
+/// op of the trace, `teraio_planner::replay`) in the simulator on `hardware_json` (the planner's
+/// `Hardware`, every field named) and returns the simulator's report as JSON: how long that
+/// schedule takes there.
 #[pyfunction]
-#[pyo3(signature = (trace_json, schedule_json, *, gpu_memory_bytes, ssd_read_bytes_per_s, ssd_write_bytes_per_s,
-    host_memory_bytes=0, host_link_bytes_per_s=25e9, ssd_latency_us=20.0, host_latency_us=10.0, ssd_shared=false,
-    ssd_via_host_link=false))]
-#[allow(clippy::too_many_arguments)]
-fn replay_schedule(
-    py: Python<'_>,
-    trace_json: &str,
-    schedule_json: &str,
-    gpu_memory_bytes: u64,
-    ssd_read_bytes_per_s: f64,
-    ssd_write_bytes_per_s: f64,
-    host_memory_bytes: u64,
-    host_link_bytes_per_s: f64,
-    ssd_latency_us: f64,
-    host_latency_us: f64,
-    ssd_shared: bool,
-    ssd_via_host_link: bool,
-) -> PyResult<String> {
+fn replay_schedule(py: Python<'_>, trace_json: &str, schedule_json: &str, hardware_json: &str) -> PyResult<String> {
     let trace = parse_trace(trace_json)?;
     let schedule: Schedule = serde_json::from_str(schedule_json)
         .map_err(|e| PlannerError::new_err(format!("the schedule is not {{\"transfers\": [...]}} JSON: {e}")))?;
-    let hardware = hardware_from(
-        gpu_memory_bytes,
-        ssd_read_bytes_per_s,
-        ssd_write_bytes_per_s,
-        host_memory_bytes,
-        host_link_bytes_per_s,
-        ssd_latency_us,
-        host_latency_us,
-        ssd_shared,
-        ssd_via_host_link,
-    )?;
+    let hardware: Hardware = serde_json::from_str(hardware_json)
+        .map_err(|e| PlannerError::new_err(format!("the hardware is not the planner's Hardware JSON: {e}")))?;
+    hardware.validate().map_err(planner_err)?;
     py.allow_threads(move || {
         let report = replay(&trace, &schedule.transfers, &hardware).map_err(planner_err)?;
         serde_json::to_string(&report).map_err(|e| PlannerError::new_err(e.to_string()))

@@ -143,20 +143,7 @@ def simulate_plan(
     ssd_shared: bool = False,
     ssd_via_host_link: bool = False,
 ) -> str: ...
-def replay_schedule(
-    trace_json: str,
-    schedule_json: str,
-    *,
-    gpu_memory_bytes: int,
-    ssd_read_bytes_per_s: float,
-    ssd_write_bytes_per_s: float,
-    host_memory_bytes: int = 0,
-    host_link_bytes_per_s: float = 25e9,
-    ssd_latency_us: float = 20.0,
-    host_latency_us: float = 10.0,
-    ssd_shared: bool = False,
-    ssd_via_host_link: bool = False,
-) -> str: ...
+def replay_schedule(trace_json: str, schedule_json: str, hardware_json: str) -> str: ...
 def validate_trace(trace_json: str) -> None: ...
 def parse_size(text: str) -> int: ...
 def parse_bandwidth(text: str) -> float: ...

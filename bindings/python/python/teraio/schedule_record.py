@@ -34,6 +34,8 @@ PREFETCH, OFFLOAD, DROP = "prefetch", "offload", "drop"
 #: GPU and host memory the replay assumes: unbounded (the runtime bounds its own memory; the
 #: replay predicts time).
 UNBOUNDED_BYTES = 1 << 62
+#: Fixed cost per transfer the replay assumes (the planner's defaults, `Hardware::new`).
+HOST_LATENCY_US, SSD_LATENCY_US = 10.0, 20.0
 
 
 @dataclass
@@ -69,16 +71,19 @@ class ScheduleRecord:
     ) -> dict[str, Any]:
         """The simulator's report (planner/src/sim.rs `SimReport`) for this schedule at these
         bandwidths; SSD transfers also take the host link (the store's bounce path)."""
+        hardware = {
+            "gpu_capacity_bytes": UNBOUNDED_BYTES,
+            "host_capacity_bytes": UNBOUNDED_BYTES,
+            "host_link_bytes_per_s": host_link_bytes_per_s,
+            "host_latency_us": HOST_LATENCY_US,
+            "ssd_read_bytes_per_s": ssd_read_bytes_per_s,
+            "ssd_write_bytes_per_s": ssd_write_bytes_per_s,
+            "ssd_latency_us": SSD_LATENCY_US,
+            "ssd_shared": ssd_shared,
+            "ssd_via_host_link": True,
+        }
         report = _native.replay_schedule(
-            json.dumps(self.trace),
-            json.dumps(self.schedule),
-            gpu_memory_bytes=UNBOUNDED_BYTES,
-            host_memory_bytes=UNBOUNDED_BYTES,
-            host_link_bytes_per_s=host_link_bytes_per_s,
-            ssd_read_bytes_per_s=ssd_read_bytes_per_s,
-            ssd_write_bytes_per_s=ssd_write_bytes_per_s,
-            ssd_shared=ssd_shared,
-            ssd_via_host_link=True,
+            json.dumps(self.trace), json.dumps(self.schedule), json.dumps(hardware)
         )
         return json.loads(report)
 
