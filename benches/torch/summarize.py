@@ -376,7 +376,7 @@ def array_table(rows: list[dict[str, Any]]) -> list[str]:
     for r in arrays:
         measured = r.get("ms_per_iter") if ok(r) else None
         predicted = (r.get("teraio_report") or {}).get("predicted_iteration_ms")
-        one = from_one.get(str(r["devices"])) or from_one.get(r["devices"])
+        one = from_one.get(str(r["devices"]))  # JSON object keys are strings
 
         lines.append(
             f"| {r['devices']} | {ms_cell(measured) if measured else status(r)} | {pct(measured)} | "

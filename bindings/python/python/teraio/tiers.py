@@ -203,8 +203,7 @@ class HostTier:
     def read_to_host(self, key: Any, target: torch.Tensor) -> None:
         """Copies the key's bytes into `target` (flat bytes in CPU memory) once its last write
         is done."""
-        if self.cuda:
-            self.flush()
+        self.flush()
         written = self._written.get(key)
         if written is not None:
             written.synchronize()
@@ -215,8 +214,8 @@ class HostTier:
         self._written.pop(key, None)
 
     def close(self) -> None:
+        self.flush()
         if self.cuda:
-            self.flush()
             self.d2h.synchronize()
             self.h2d.synchronize()
         self.buffers.clear()

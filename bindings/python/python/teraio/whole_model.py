@@ -706,10 +706,11 @@ class ModelOffload:
 
     def _acquire(self, slot: _Slot) -> None:
         """Makes the parameter's storage resident (a read is queued if it was released)."""
+        if slot.release_pending:
+            # Its release waited for a write, which goes on: kept after all.
+            self.recorder.returned((cp.PARAMETER, slot.index), slot.tiers[cp.PARAMETER])
         slot.release_pending = False
         if slot.resident:
-            # Its release may have waited for a write, which goes on: kept after all.
-            self.recorder.returned((cp.PARAMETER, slot.index), slot.tiers[cp.PARAMETER])
             return
         slot.fetch = self._read(slot, cp.PARAMETER, slot.param)
         slot.resident = True
@@ -1019,8 +1020,6 @@ class ModelOffload:
                         slot.grad_held = False
                         stepped.append(slot)
                 self.recorder.begin("step window")
-                for slot in stepped:
-                    self._record_use(slot, cp.GRADIENT)
                 result = self._original_step()
                 self._record_step_uses(stepped)
                 self._write_back(stepped)
@@ -1063,8 +1062,12 @@ class ModelOffload:
         return transfers
 
     def _record_step_uses(self, stepped: list[_Slot]) -> None:
-        """The running op (a step) wrote these parameters and their optimizer state."""
+        """The running op (a step) read these parameters' gradients and wrote the parameters and
+        their optimizer state (a gradient that never moved is left out of the record)."""
+        if not self.recorder.recording:
+            return
         for slot in stepped:
+            self._record_use(slot, cp.GRADIENT)
             self._record_use(slot, cp.PARAMETER, write=True)
             for name, _ in _state_tensors(self.optimizer, slot.param):
                 if ((cp.STATE, name), slot.index) in self._state_nbytes:
