@@ -14,6 +14,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from teraio import selective
 
 
 def enable_checkpointing(model: Any, checkpoint_kwargs: dict[str, Any]) -> None:
@@ -31,22 +32,9 @@ def enable_hf_checkpointing(model: Any) -> None:
     enable_checkpointing(model, {"use_reentrant": False})
 
 
-def _sac_save_ops() -> set[Any]:
-    aten = torch.ops.aten
-    names = [
-        "mm",
-        "addmm",
-        "bmm",
-        "baddbmm",
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-    ]
-    return {getattr(aten, name).default for name in names if hasattr(aten, name)}
-
-
-SAC_SAVE_OPS = _sac_save_ops()
+#: The ops whose outputs the policy saves: teraio's selective action's own (matrix products and
+#: attention), so that the two compare like for like.
+SAC_SAVE_OPS = selective.SAVE_OPS
 #: How often the policy chose each (forward and recomputation), reported with the row.
 SAC_DECISIONS = {"save": 0, "recompute": 0}
 

@@ -190,7 +190,7 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
         traffic, recomputed, predicted, host = "-", "-", "-", "-"
         if rep:
             traffic = moved(rep)
-            recomputed = f"{gib(rep.get('recomputed_bytes_per_iteration') or 0)} GiB"
+            recomputed = f"{gib(rep.get('recomputed_bytes_per_iteration') or 0)} GiB" + block_actions(rep)
             pred = rep.get("predicted_iteration_ms")
             if pred:
                 error = (pred - ms) / ms
@@ -216,6 +216,16 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
         )
     out += verdicts(rows, ideal_ms, ideal_peak)
     return out
+
+
+def block_actions(rep: dict[str, Any]) -> str:
+    """The block plan's actions, counted ("" for a report without them)."""
+    actions = list((rep.get("actions") or {}).values())
+    if not actions:
+        return ""
+    names = {"keep": "kept", "host": "to host", "selective": "selective", "recompute": "whole"}
+    counts = [f"{actions.count(a)} {label}" for a, label in names.items() if actions.count(a)]
+    return " (blocks: " + ", ".join(counts) + ")"
 
 
 def verdicts(rows: list[dict[str, Any]], ideal_ms: Optional[float], ideal_peak: Optional[int]) -> list[str]:

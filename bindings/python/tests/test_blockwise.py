@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 
 import teraio  # noqa: E402
 from teraio import blockwise as bw  # noqa: E402
-from teraio.blockwise import HOST, KEEP, RECOMPUTE, BlockCost, Link, Measurement, Plan  # noqa: E402
+from teraio.blockwise import HOST, KEEP, RECOMPUTE, SELECTIVE, BlockCost, Link, Measurement, Plan  # noqa: E402
 from tiny import batches, make, train  # noqa: E402
 
 GB = 10**9
@@ -93,6 +93,37 @@ def test_no_plan_when_even_the_step_does_not_fit() -> None:
     assert plan is None  # ...and below it nothing fits
 
 
+def _with_selective(measured: Measurement, kept: int, recompute_ms: float) -> Measurement:
+    for block in measured.blocks:
+        block.selective_bytes, block.selective_recompute_ms = kept, recompute_ms
+    return measured
+
+
+def test_selective_wins_where_it_frees_bytes_cheaply() -> None:
+    # 4 GB must go. Recomputing 4 blocks costs 4 ms; selectively recomputing 6 (each keeps a
+    # third: 0.67 GB freed) costs 6 x 0.2 ms.
+    measured = _with_selective(_measured(), GB // 3, 0.2)
+    plan = _choose(measured, limit=18 * GB, link=1e9)
+    assert plan.count(SELECTIVE) == 6 and plan.count(RECOMPUTE) == 0, plan.actions
+    assert plan.actions[-2:] == [KEEP] * 2  # the kept blocks are the last (backward frees them first)
+    assert plan.predicted_ms == pytest.approx(measured.checkpoint_all_ms - 8 * 1.0 + 6 * 0.2)
+    assert plan.predicted_peak_bytes == 10 * GB + 2 * GB + 6 * (GB // 3) + 4 * GB
+    # Where selective recomputation costs about as much as the whole and keeps most, the
+    # whole block is recomputed.
+    costly = _choose(_with_selective(_measured(), 2 * GB // 3, 0.9), limit=18 * GB, link=1e9)
+    assert costly.count(RECOMPUTE) == 4 and costly.count(SELECTIVE) == 0, costly.actions
+    # Not measured (None): never chosen.
+    assert _choose(_measured(), limit=18 * GB, link=1e9).count(SELECTIVE) == 0
+
+
+def test_selective_and_whole_recomputation_mix_where_selective_alone_cannot_fit() -> None:
+    # 7 GB must go: 8 selective blocks free 5.3 GB, so some are recomputed whole.
+    plan = _choose(_with_selective(_measured(), GB // 3, 0.2), limit=15 * GB, link=1e9)
+    assert plan.count(RECOMPUTE) >= 1 and plan.count(SELECTIVE) >= 1, plan.actions
+    assert plan.predicted_peak_bytes <= 15 * GB
+    assert plan.predicted_ms < _measured().checkpoint_all_ms
+
+
 def test_forward_waits_while_the_window_is_full() -> None:
     measured = _measured()
     hosted = Plan([HOST] * 8)
@@ -109,6 +140,9 @@ def test_forward_waits_while_the_window_is_full() -> None:
 ROWS, LAYERS, HIDDEN = 4096, 6, 512
 #: What a tiny block keeps: up's and gelu's outputs (its input x is the previous block's output).
 BLOCK_SAVED = 2 * ROWS * HIDDEN * 4
+#: What it keeps selectively checkpointed: the outputs of its two matrix products (gelu's is
+#: recomputed).
+SELECTIVE_KEPT = ROWS * HIDDEN * 4 + ROWS * 64 * 4
 
 
 def _reference(steps: int) -> tuple[list[float], dict[str, Any]]:
@@ -154,6 +188,7 @@ def _force(monkeypatch: Any, action: str) -> None:
     [
         ("1GiB", {}, {KEEP: 6}),  # everything fits: kept (ties go to keeping)
         ("40MiB", {"force": HOST}, {HOST: 6}),
+        ("40MiB", {"force": SELECTIVE}, {SELECTIVE: 6}),
         ("40MiB", {"host_memory": "40MiB"}, {}),  # chosen under a host cap
         ("9MiB", {"host_link_bandwidth": "1MB/s"}, {RECOMPUTE: 6}),  # only recomputation fits
     ],
@@ -177,12 +212,15 @@ def test_trains_bitwise_with_each_action(
     trial = 2 * bw.BlockOffload.TRIAL_STEPS if "checkpoint_all_ms" in report.choice else 0
     assert report.planned_steps == steps - bw.BlockOffload.MEASURING_STEPS - trial
     assert [b.saved_bytes for b in run.measured.blocks] == [BLOCK_SAVED] * LAYERS
+    assert [b.selective_bytes for b in run.measured.blocks] == [SELECTIVE_KEPT] * LAYERS
+    assert all(b.selective_recompute_ms is not None for b in run.measured.blocks)
     hosted = list(report.actions.values()).count(HOST)
     # A host block copies its input too (1 MiB), beside what it keeps.
     assert report.bytes_per_iteration["offloaded"]["host"] == hosted * (BLOCK_SAVED + ROWS * 64 * 4)
-    assert (
-        report.recomputed_bytes_per_iteration == list(report.actions.values()).count(RECOMPUTE) * BLOCK_SAVED
-    )
+    counts = list(report.actions.values())
+    assert report.recomputed_bytes_per_iteration == counts.count(RECOMPUTE) * BLOCK_SAVED + counts.count(
+        SELECTIVE
+    ) * (BLOCK_SAVED - SELECTIVE_KEPT)
     assert run.mover.peak_bytes <= run.host_memory_bytes
     # Host time: one figure per planned iteration, the report's the median of them.
     per_iteration = run._host_ms()
@@ -404,3 +442,27 @@ def test_model_families_bf16_autocast_sdpa_bitwise(name: str, build: Any, vocab:
     assert isinstance(run, bw.BlockOffload)
     actions = list(run.report().actions.values())
     assert len(actions) == 3 and actions != [KEEP] * 3
+
+
+def test_the_allocators_peak_resets_when_the_next_forward_begins(monkeypatch: Any) -> None:
+    """Not at the step's end: a training loop reading the peak after `optimizer.step()` sees its
+    whole iteration (a CUDA device faked: only the reset is called)."""
+    from teraio.timing import IterationPeak
+
+    resets: list[Any] = []
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: resets.append(device))
+    model, _ = make(layers=1)
+    peak = IterationPeak(model, torch.device("cuda", 0))
+    peak.arm()  # an iteration ended
+    assert resets == []
+    model(torch.zeros(2, 64))
+    model(torch.zeros(2, 64))  # a second forward in the same iteration: no second reset
+    assert resets == [torch.device("cuda", 0)]
+    peak.handle.remove()
+    peak.arm()
+    model(torch.zeros(2, 64))
+    assert len(resets) == 1
+    cpu = IterationPeak(model, torch.device("cpu"))
+    cpu.arm()
+    model(torch.zeros(2, 64))
+    assert len(resets) == 1  # no allocator on a CPU "device"

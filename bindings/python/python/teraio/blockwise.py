@@ -16,12 +16,19 @@ of checkpointing, and its inputs are measured without per-op instrumentation:
   `torch.utils.checkpoint` does by default (once backward has every tensor it needs, the rest of
   the block is not run again): each block's recomputation is its backward span less its backward.
   So the iteration with every block checkpointed, the baseline, is measured as it runs.
+  In this iteration the first blocks after block 0 (`SELECTIVE_PROBES`) run selectively
+  checkpointed instead (`teraio.selective`), where iteration 1's peak leaves room for what they
+  keep: their backward spans give selective recomputation's time, which the other blocks get in
+  proportion to their own recomputation (blocks of one class run the same ops). What a selective
+  block keeps is counted exactly in iteration 0: every output of the ops the policy keeps.
 - the plan (`choose`): per block one of KEEP, HOST (its saved tensors are copied to pinned host
   memory as they are saved and prefetched back ahead of its backward, at most `window` bytes in
-  flight each way) or RECOMPUTE (checkpointed); and which optimizer-state tensors leave the GPU
-  between steps (host memory, then the store). Every layout "the first h blocks to the host, the
-  next c recomputed, the rest kept" is predicted by `predict` (a replay of the two copy queues over
-  the measured times) and bounded in memory from the measured peak; the fastest that fits wins.
+  flight each way), SELECTIVE (matrix products and attention kept, the rest recomputed) or
+  RECOMPUTE (checkpointed); and which optimizer-state tensors leave the GPU between steps (host
+  memory, then the store). Every layout "the first h blocks to the host, the next c recomputed,
+  the next s selective, the rest kept" is predicted by `predict` (a replay of the two copy queues
+  over the measured times) and bounded in memory from the measured peak; the fastest that fits
+  wins.
 - planned iterations: an A/B trial, measured rather than predicted (single iterations in this
   regime vary by 10%): the plan runs `TRIAL_STEPS` iterations, then checkpointing every block as
   many (where that fits with all the optimizer state on the GPU); the side with the faster median
@@ -54,7 +61,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-from . import ids, machine
+from . import ids, machine, selective
 from .blocks import find_blocks
 from .executor import HOST, SSD, _flat_bytes, _pinned_size, copy_on_stream
 from .machine import Link
@@ -63,12 +70,17 @@ from .planning import format_bytes, parse_size
 from .report import check_prediction
 from .state import StateExecutor, host_then_store, movable_state
 from .store import Store
+from .timing import IterationPeak, mark
 from .timing import elapsed_ms as _ms
-from .timing import mark
 
 KEEP = "keep"
 RECOMPUTE = "recompute"
-#: `HOST` (imported) is the third action.
+SELECTIVE = "selective"
+#: `HOST` (imported) is the fourth action.
+
+#: Blocks that run selectively checkpointed in the third measuring iteration, to time it (block 0
+#: is never one: its backward span holds the embedding's too).
+SELECTIVE_PROBES = (1, 2)
 
 #: Saved bytes each copy direction may have in flight, in blocks' worth (the largest block): the
 #: plan picks one of these (a wider window stalls forward less and costs more GPU memory).
@@ -92,6 +104,10 @@ class BlockCost:
     recompute_ms: float = 0.0
     #: Its backward without its recomputation.
     backward_ms: float = 0.0
+    #: Selectively checkpointed (`teraio.selective`): the bytes it keeps (beyond its inputs, as
+    #: `saved_bytes`) and its recomputation; None where not measured (the action is not offered).
+    selective_bytes: int = 0
+    selective_recompute_ms: Optional[float] = None
 
 
 @dataclass
@@ -145,6 +161,26 @@ class Plan:
 
 def window_bytes(measured: Measurement, plan: Plan) -> int:
     return plan.window_blocks * max((b.saved_bytes for b in measured.blocks), default=0)
+
+
+def recompute_ms(block: BlockCost, action: str) -> float:
+    """What `action` recomputes of `block` in backward, ms."""
+    if action == RECOMPUTE:
+        return block.recompute_ms
+    if action == SELECTIVE:
+        assert block.selective_recompute_ms is not None, "selective recomputation was not measured"
+        return block.selective_recompute_ms
+    return 0.0
+
+
+def resident_bytes(block: BlockCost, action: str) -> int:
+    """What `block` holds on the GPU from its forward to its backward under `action`, beyond what
+    it holds checkpointed (a HOST block's bytes are in the copy window instead)."""
+    if action == KEEP:
+        return block.saved_bytes
+    if action == SELECTIVE:
+        return block.selective_bytes
+    return 0
 
 
 def predict(measured: Measurement, plan: Plan, link: Link) -> tuple[float, int]:
@@ -229,7 +265,7 @@ def predict(measured: Measurement, plan: Plan, link: Link) -> tuple[float, int]:
             h2d_free = state_ready
         if plan.actions[index] == HOST:
             t = max(t, ready[index])
-        t += block.backward_ms + (block.recompute_ms if plan.actions[index] == RECOMPUTE else 0.0)
+        t += block.backward_ms + recompute_ms(block, plan.actions[index])
     t += measured.tail_backward_ms
     if plan.state_out_bytes and plan.state_restore_at is None:
         state_ready = restore_state(t)
@@ -238,7 +274,7 @@ def predict(measured: Measurement, plan: Plan, link: Link) -> tuple[float, int]:
 
 
 def peak_bound(measured: Measurement, plan: Plan) -> int:
-    kept = sum(b.saved_bytes for b, a in zip(measured.blocks, plan.actions) if a == KEEP)
+    kept = sum(resident_bytes(b, a) for b, a in zip(measured.blocks, plan.actions))
     # The window, and the block whose copies backward is using while the next one arrives.
     largest = max((b.saved_bytes for b in measured.blocks), default=0)
     hosted = window_bytes(measured, plan) + largest if HOST in plan.actions else 0
@@ -247,7 +283,8 @@ def peak_bound(measured: Measurement, plan: Plan) -> int:
 
 
 def _restore_position(measured: Measurement, plan: Plan, limit: int) -> Optional[int]:
-    """The earliest backward position where the freed kept blocks make room for the state."""
+    """The earliest backward position where the freed kept (and selective) blocks make room for
+    the state."""
     if not plan.state_out_bytes:
         return None
     peak = peak_bound(measured, plan)
@@ -255,9 +292,26 @@ def _restore_position(measured: Measurement, plan: Plan, limit: int) -> Optional
     for position, index in enumerate(reversed(range(len(measured.blocks)))):
         if peak - freed + plan.state_out_bytes <= limit:
             return position
-        if plan.actions[index] == KEEP:
-            freed += measured.blocks[index].saved_bytes
+        freed += resident_bytes(measured.blocks[index], plan.actions[index])
     return None
+
+
+def _move_state(plan: Plan, need: int, state_sizes: list[int], host_left: int, has_store: bool) -> bool:
+    """Sets which optimizer state leaves the GPU (host memory first, then the store) to free
+    `need` bytes; False where it cannot."""
+    moved = 0
+    for size in state_sizes:
+        if moved >= need:
+            break
+        if _pinned_size(size) <= host_left:
+            plan.state_host_bytes += size
+            host_left -= _pinned_size(size)
+        elif has_store:
+            plan.state_ssd_bytes += size
+        else:
+            continue
+        moved += size
+    return moved >= need
 
 
 def choose(
@@ -270,8 +324,14 @@ def choose(
 ) -> tuple[Optional[Plan], list[dict[str, Any]]]:
     """The fastest layout that fits `limit_bytes` (None if none does), and a summary per block
     count tried. `state_sizes`: the movable optimizer-state tensors' bytes (largest first);
-    `host_bytes`: pinned host memory for activations and state together."""
+    `host_bytes`: pinned host memory for activations and state together.
+
+    Layouts: h blocks to the host, then c recomputed, s selective (where every block's selective
+    recomputation was measured) and the rest kept. For given h and c, each more selective block
+    adds its recomputation to the iteration: the count stops growing once the plan fits without
+    moving state, or its time without copies cannot beat the best plan found."""
     n = len(measured.blocks)
+    selective_ok = n > 0 and all(b.selective_recompute_ms is not None for b in measured.blocks)
     best: Optional[Plan] = None
     tried = []
     for hosted in range(n + 1):
@@ -279,31 +339,28 @@ def choose(
         if host_activations > host_bytes:
             break
         for recomputed, window in itertools.product(range(n - hosted + 1), WINDOW_BLOCKS if hosted else (1,)):
-            actions = [HOST] * hosted + [RECOMPUTE] * recomputed + [KEEP] * (n - hosted - recomputed)
-            plan = Plan(actions, window_blocks=window)
-            need = peak_bound(measured, plan) - limit_bytes
-            if need > 0:
-                host_left = host_bytes - host_activations
-                moved = 0
-                for size in state_sizes:
-                    if moved >= need:
-                        break
-                    if _pinned_size(size) <= host_left:
-                        plan.state_host_bytes += size
-                        host_left -= _pinned_size(size)
-                    elif has_store:
-                        plan.state_ssd_bytes += size
-                    else:
-                        continue
-                    moved += size
-                if moved < need:
+            for chosen in range(n - hosted - recomputed + 1 if selective_ok else 1):
+                kept = n - hosted - recomputed - chosen
+                actions = [HOST] * hosted + [RECOMPUTE] * recomputed + [SELECTIVE] * chosen + [KEEP] * kept
+                plan = Plan(actions, window_blocks=window)
+                compute = measured.checkpoint_all_ms + sum(
+                    recompute_ms(b, a) - b.recompute_ms for b, a in zip(measured.blocks, actions)
+                )
+                if best is not None and compute >= best.predicted_ms - 1e-9:
+                    break
+                need = peak_bound(measured, plan) - limit_bytes
+                if need > 0 and not _move_state(
+                    plan, need, state_sizes, host_bytes - host_activations, has_store
+                ):
                     continue
-            plan.state_restore_at = _restore_position(measured, plan, limit_bytes)
-            plan.predicted_ms, plan.predicted_peak_bytes = predict(measured, plan, link)
-            if plan.predicted_peak_bytes > limit_bytes:
-                continue
-            if best is None or plan.predicted_ms < best.predicted_ms - 1e-9:
-                best = plan
+                plan.state_restore_at = _restore_position(measured, plan, limit_bytes)
+                plan.predicted_ms, plan.predicted_peak_bytes = predict(measured, plan, link)
+                if plan.predicted_peak_bytes > limit_bytes:
+                    continue
+                if best is None or plan.predicted_ms < best.predicted_ms - 1e-9:
+                    best = plan
+                if need <= 0:
+                    break
         tried.append({"host_blocks": hosted, "best_ms": best.predicted_ms if best else None})
     return best, tried
 
@@ -312,14 +369,17 @@ def choose(
 
 
 class _LiveOutputs(TorchDispatchMode):
-    """Records (weakly) every tensor the ops inside it make."""
+    """Records (weakly) every tensor the ops inside it make, and the bytes a selective checkpoint
+    of the same ops would keep (`selective.kept_bytes`)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.refs: list[Any] = []
+        self.selective_bytes = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        self.selective_bytes += selective.kept_bytes(func, out)
         for value in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(value, torch.Tensor):
                 self.refs.append(weakref.ref(value))
@@ -550,7 +610,8 @@ class BlockReport:
     #: Per iteration counted (`planned_steps`: those after the A/B trial where it ran, else all with
     #: a plan). Saved activations: {"offloaded"|"prefetched": {tier: bytes}}.
     bytes_per_iteration: dict[str, dict[str, int]]
-    #: Saved bytes of the recomputed blocks, per planned iteration.
+    #: Saved bytes recomputed per planned iteration: all of a recomputed block's, and what a
+    #: selective block does not keep.
     recomputed_bytes_per_iteration: int
     state_bytes_per_iteration: dict[str, dict[str, int]]
     stalls: dict[str, Any]
@@ -571,7 +632,9 @@ class BlockReport:
         def ms(value: Optional[float]) -> str:
             return "-" if value is None else f"{value:.1f} ms"
 
-        counts = {a: sum(1 for v in self.actions.values() if v == a) for a in (KEEP, HOST, RECOMPUTE)}
+        counts = {
+            a: sum(1 for v in self.actions.values() if v == a) for a in (KEEP, HOST, SELECTIVE, RECOMPUTE)
+        }
         lines = [
             f"teraio offload (block plan): {self.steps} steps, {self.planned_steps} counted "
             "(with the plan as chosen)",
@@ -583,7 +646,8 @@ class BlockReport:
             f"  peak GPU memory: measured {_size(self.peak_gpu_bytes)}, "
             f"bound {_size(self.predicted_peak_bytes)}, "
             f"budget {_size(self.gpu_memory_bytes)} (reserve {_size(self.reserve_bytes)})",
-            f"  blocks: {counts[KEEP]} kept, {counts[HOST]} to host memory, {counts[RECOMPUTE]} recomputed",
+            f"  blocks: {counts[KEEP]} kept, {counts[HOST]} to host memory, {counts[SELECTIVE]} "
+            f"selectively recomputed, {counts[RECOMPUTE]} recomputed",
             "  per iteration: activations to host "
             f"{format_bytes(self.bytes_per_iteration['offloaded'][HOST])}, "
             f"recomputed {format_bytes(self.recomputed_bytes_per_iteration)}; optimizer state out "
@@ -675,6 +739,9 @@ class BlockOffload:
         self._block_marks: dict[str, list[tuple[int, Any, Any]]] = {"forward": [], "recompute": []}
         self._triggers: list[tuple[int, Any]] = []
         self._sizes: dict[int, int] = {}
+        self._selective_sizes: dict[int, int] = {}
+        # The blocks run selectively checkpointed in the third measuring iteration.
+        self._probes: list[int] = []
         self._iterations: list[dict[str, float]] = []
         self._pending_marks: list[dict[str, Any]] = []
         self._peaks: list[int] = []
@@ -721,6 +788,8 @@ class BlockOffload:
             module.forward = self._wrapped(index, module.forward)  # type: ignore[method-assign]
         self._hooks.append(self.optimizer.register_step_pre_hook(self._before_step))
         self._hooks.append(self.optimizer.register_step_post_hook(self._after_step))
+        self._peak = IterationPeak(self.model, self.device)
+        self._hooks.append(self._peak.handle)
         self._begin_iteration()
         return self
 
@@ -758,6 +827,8 @@ class BlockOffload:
             if action == RECOMPUTE:
                 with set_checkpoint_early_stop(not measuring or self.step >= 2):
                     out = checkpoint(body, *args, use_reentrant=False, **kwargs)
+            elif action == SELECTIVE:
+                out = selective.run(body, *args, **kwargs)
             elif action == HOST:
                 self.mover.begin_block(index)
                 with torch.autograd.graph.saved_tensors_hooks(self.mover.pack, self.mover.unpack):
@@ -795,6 +866,7 @@ class BlockOffload:
                         if storage.data_ptr() not in skip:
                             sizes[storage.data_ptr()] = storage.nbytes()
                 self._sizes[index] = sum(sizes.values())
+                self._selective_sizes[index] = live.selective_bytes
                 return out
             start = mark(self.device)
             out = original(*a, **k)
@@ -845,8 +917,7 @@ class BlockOffload:
     # -- iterations ----------------------------------------------------------------------------
 
     def _begin_iteration(self) -> None:
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
+        self._peak.arm()
         self._started = time.perf_counter()
         self._marks = {"forward": mark(self.device)}
         self._triggers = []
@@ -873,11 +944,13 @@ class BlockOffload:
         started = time.perf_counter()
         if self.plan is None and self.step == 1:
             self._take_times()
+            self._start_selective_probes()
         if self.plan is None and self.step == 2:
             self._take_early_stop_times()
         if self.plan is None and self.step == 0:
             for index, cost in enumerate(self.measured.blocks):
                 cost.saved_bytes = self._sizes.get(index, 0)
+                cost.selective_bytes = self._selective_sizes.get(index, 0)
         self._pending_marks.append(self._marks)
         checking = self.planned_from is not None and self.settled_from is None  # the trial's times
         waiting = time.perf_counter()
@@ -920,20 +993,49 @@ class BlockOffload:
                 }
             )
 
+    def _start_selective_probes(self) -> None:
+        """Before step 2: the probe blocks run selectively checkpointed, where step 1's peak
+        leaves room for what they keep."""
+        blocks = self.measured.blocks
+        probes = [i for i in SELECTIVE_PROBES if i < len(blocks) - 1]
+        if self.cuda:
+            room = self.gpu_memory_bytes - self.reserve_bytes - getattr(self, "_fb_peak", 0)
+            while probes and sum(blocks[i].selective_bytes for i in probes) > room:
+                probes.pop()
+        self._probes = probes
+        for i in probes:
+            self.actions[i] = SELECTIVE
+
     def _take_early_stop_times(self) -> None:
         """Step 2's backward spans (recomputation stopping early, as in planned iterations): each
-        block's recomputation is its span less its backward as step 1 measured it."""
+        block's recomputation is its span less its backward as step 1 measured it. A probe's span
+        is its selective recomputation: against the median full one of the other blocks (the probe's
+        own full recomputation is taken as that median), it gives every block's selective
+        recomputation in proportion to its full one."""
         if self.cuda:
             self._marks["end"].synchronize()
+        probes, self._probes = self._probes, []
+        for i in probes:
+            self.actions[i] = RECOMPUTE
+        blocks = self.measured.blocks
         n = len(self.blocks)
         if len(self._triggers) != n:
             return
         trigger = {i: mark for i, mark in self._triggers}
         for i in range(1, n):
-            cost = self.measured.blocks[i]
+            cost = blocks[i]
             cost.recompute_ms = max(0.0, _ms(trigger[i], trigger[i - 1]) - cost.backward_ms)
+        if probes:
+            full = statistics.median(blocks[i].recompute_ms for i in range(1, n) if i not in probes)
+            spans = [blocks[i].recompute_ms for i in probes]
+            for i in probes:
+                blocks[i].recompute_ms = full
+            share = statistics.median(spans) / full if full > 0 else 1.0
+            for cost in blocks:
+                cost.selective_recompute_ms = share * cost.recompute_ms
         if self.cuda:
-            self.measured.peak_bytes = max(self.measured.peak_bytes, getattr(self, "_fb_peak", 0))
+            held = sum(blocks[i].selective_bytes for i in probes)
+            self.measured.peak_bytes = max(self.measured.peak_bytes, getattr(self, "_fb_peak", 0) - held)
 
     def _take_times(self) -> None:
         """Step 1's events into the measurement (per block, and the edges around them)."""
@@ -1103,18 +1205,16 @@ class BlockOffload:
 
     def _check_plan(self) -> None:
         """After a planned iteration: a peak within half the reserve of the budget checkpoints one
-        more kept block. Then the A/B trial: the plan's first `TRIAL_STEPS` iterations against as
+        more block (a kept one selectively where that was measured, else fully; else a selective
+        one fully). Then the A/B trial: the plan's first `TRIAL_STEPS` iterations against as
         many with every block checkpointed (where that fits with all the state on the GPU); the
         side with the faster median stays (`choice` has both). Measured, because single
         iterations in this regime vary by 10% and the measuring iterations run under other
         conditions than planned ones."""
         assert self.plan is not None and self.planned_from is not None
         peak = self._peaks[-1] if self._peaks else 0
-        if self.cuda and peak > self.gpu_memory_bytes - self.reserve_bytes // 2 and KEEP in self.actions:
-            index = self.actions.index(KEEP)
-            self.actions[index] = RECOMPUTE
-            self.plan.actions = list(self.actions)
-            self.replans += 1
+        if self.cuda and peak > self.gpu_memory_bytes - self.reserve_bytes // 2:
+            self._checkpoint_one_more()
         if self.settled_from is not None:
             return
         n = self.TRIAL_STEPS
@@ -1126,6 +1226,7 @@ class BlockOffload:
                 "plan": {
                     "keep": plan.count(KEEP),
                     "host": plan.count(HOST),
+                    "selective": plan.count(SELECTIVE),
                     "recompute": plan.count(RECOMPUTE),
                     "state_out_bytes": plan.state_out_bytes,
                     "predicted_ms": plan.predicted_ms,
@@ -1154,6 +1255,18 @@ class BlockOffload:
                 self.choice["kept"] = "checkpoint every block"
             self.settled_from = self.step + 1
             self._stats_at[self.settled_from] = (self.stats.as_dict(), self.state.stats.as_dict())
+
+    def _checkpoint_one_more(self) -> None:
+        assert self.plan is not None
+        selective_ok = all(b.selective_recompute_ms is not None for b in self.measured.blocks)
+        if KEEP in self.actions:
+            self.actions[self.actions.index(KEEP)] = SELECTIVE if selective_ok else RECOMPUTE
+        elif SELECTIVE in self.actions:
+            self.actions[self.actions.index(SELECTIVE)] = RECOMPUTE
+        else:
+            return
+        self.plan.actions = list(self.actions)
+        self.replans += 1
 
     def _checkpoint_all_plan(self) -> Plan:
         plan = Plan([RECOMPUTE] * len(self.blocks))
@@ -1208,7 +1321,11 @@ class BlockOffload:
         def per(key: str) -> int:
             return int((stats[key] - before.get(key, 0)) / count) if count else 0
 
-        recomputed = sum(b.saved_bytes for b, a in zip(self.measured.blocks, self.actions) if a == RECOMPUTE)
+        recomputed = sum(
+            max(0, b.saved_bytes - resident_bytes(b, a))
+            for b, a in zip(self.measured.blocks, self.actions)
+            if a in (RECOMPUTE, SELECTIVE)
+        )
         state_before = state_before or {"offloaded_bytes": {}, "prefetched_bytes": {}}
         state_per = {
             kind: {

@@ -46,6 +46,7 @@ from .state import (
     pin_within_iteration,
 )
 from .store import Store
+from .timing import IterationPeak
 from .timing import elapsed_ms as _elapsed_ms
 from .translate import decisions_from_plan, parameter_moves_from_plan, state_moves_from_plan
 
@@ -305,6 +306,8 @@ class offload:
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.executor.pack, self.executor.unpack)
         self._saved_hooks.__enter__()
         self._hooks.extend(osd.install(self))
+        self._peak = IterationPeak(self.model, self.device)
+        self._hooks.append(self._peak.handle)
         self._begin_iteration()
         return self
 
@@ -346,8 +349,7 @@ class offload:
     def _begin_iteration(self) -> None:
         self.executor.begin_iteration()
         self._module_calls.clear()
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+        self._peak.arm()
         for hook in self._block_hooks:
             hook.remove()
         self._block_hooks.clear()

@@ -77,6 +77,7 @@ from .report import check_prediction
 from .schedule_record import ScheduleRecorder
 from .store import Store
 from .tiers import GPU, HOST, SSD, HostTier, SsdTier, Transfer, flat_bytes
+from .timing import IterationPeak
 
 #: Whole-model mode starts when parameters + gradients + optimizer state exceed this share of the
 #: GPU budget: a step with all of them resident peaks higher still (AdamW's foreach update holds
@@ -453,6 +454,8 @@ class ModelOffload:
         self.optimizer.step = self._streamed_step  # type: ignore[method-assign]
         self.optimizer.zero_grad = self._zero_grad  # type: ignore[method-assign]
         self._take_over_clipping()
+        self._peak = IterationPeak(self.model, self.device)
+        self._hooks.append(self._peak.handle)
         self._begin_iteration()
         return self
 
@@ -1161,8 +1164,7 @@ class ModelOffload:
             self.recorder.start()
         self._position = 0
         self._step_started = time.perf_counter()
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
+        self._peak.arm()
 
     def _end_iteration(self) -> None:
         self.recorder.finish()
