@@ -214,6 +214,9 @@ def test_trains_bitwise_with_each_action(
     assert [b.saved_bytes for b in run.measured.blocks] == [BLOCK_SAVED] * LAYERS
     assert [b.selective_bytes for b in run.measured.blocks] == [SELECTIVE_KEPT] * LAYERS
     assert all(b.selective_recompute_ms is not None for b in run.measured.blocks)
+    assert report.selective["probes"] == ["layers.1", "layers.2"]
+    assert report.selective["kept_share"] == pytest.approx(SELECTIVE_KEPT / BLOCK_SAVED)
+    assert report.selective["bytes_scale"] == 1.0  # no allocator to count with on a CPU
     hosted = list(report.actions.values()).count(HOST)
     # A host block copies its input too (1 MiB), beside what it keeps.
     assert report.bytes_per_iteration["offloaded"]["host"] == hosted * (BLOCK_SAVED + ROWS * 64 * 4)

@@ -108,6 +108,8 @@ class BlockCost:
     #: `saved_bytes`) and its recomputation; None where not measured (the action is not offered).
     selective_bytes: int = 0
     selective_recompute_ms: Optional[float] = None
+    #: What selective checkpointing adds to its forward (torch's caching mode sees every op).
+    selective_forward_ms: float = 0.0
 
 
 @dataclass
@@ -173,6 +175,11 @@ def recompute_ms(block: BlockCost, action: str) -> float:
     return 0.0
 
 
+def added_forward_ms(block: BlockCost, action: str) -> float:
+    """What `action` adds to `block`'s forward as measured checkpointed, ms."""
+    return block.selective_forward_ms if action == SELECTIVE else 0.0
+
+
 def resident_bytes(block: BlockCost, action: str) -> int:
     """What `block` holds on the GPU from its forward to its backward under `action`, beyond what
     it holds checkpointed (a HOST block's bytes are in the copy window instead)."""
@@ -207,7 +214,7 @@ def predict(measured: Measurement, plan: Plan, link: Link) -> tuple[float, int]:
     flight_bytes = 0
     written: dict[int, float] = {}
     for index, (block, action) in enumerate(zip(blocks, plan.actions)):
-        t += block.forward_ms
+        t += block.forward_ms + added_forward_ms(block, action)
         if action != HOST:
             continue
         start = max(t, link_free)
@@ -344,7 +351,8 @@ def choose(
                 actions = [HOST] * hosted + [RECOMPUTE] * recomputed + [SELECTIVE] * chosen + [KEEP] * kept
                 plan = Plan(actions, window_blocks=window)
                 compute = measured.checkpoint_all_ms + sum(
-                    recompute_ms(b, a) - b.recompute_ms for b, a in zip(measured.blocks, actions)
+                    recompute_ms(b, a) - b.recompute_ms + added_forward_ms(b, a)
+                    for b, a in zip(measured.blocks, actions)
                 )
                 if best is not None and compute >= best.predicted_ms - 1e-9:
                     break
@@ -624,6 +632,10 @@ class BlockReport:
     machine: dict[str, Any] = field(default_factory=dict)
     choice: dict[str, Any] = field(default_factory=dict)
     host_peak_bytes: int = 0
+    #: How selective checkpointing was measured (`BlockOffload._take_selective`): the probe
+    #: blocks, its recomputation and added forward as shares of a whole block's, what it keeps as
+    #: a share of what the block saves, and the factor the allocator's count put on step 0's.
+    selective: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -659,6 +671,7 @@ class BlockReport:
             f"(median; mean {self.host_ms_mean:.1f} ms with installing and switching plans)",
             f"  stalls: {self.stalls}",
             f"  choice: {self.choice}",
+            f"  selective checkpointing as measured: {self.selective or 'not measured'}",
             f"  machine: {self.machine}",
         ]
         if self.prediction_warning:
@@ -740,8 +753,12 @@ class BlockOffload:
         self._triggers: list[tuple[int, Any]] = []
         self._sizes: dict[int, int] = {}
         self._selective_sizes: dict[int, int] = {}
-        # The blocks run selectively checkpointed in the third measuring iteration.
+        # The blocks run selectively checkpointed in the third measuring iteration, and what
+        # each block's forward left allocated there (CUDA).
         self._probes: list[int] = []
+        self._forward_held: dict[int, int] = {}
+        #: How selective checkpointing was measured (the report's `selective`).
+        self.selective_measured: dict[str, Any] = {}
         self._iterations: list[dict[str, float]] = []
         self._pending_marks: list[dict[str, Any]] = []
         self._peaks: list[int] = []
@@ -824,6 +841,9 @@ class BlockOffload:
             timing = measuring and self.step >= 1
             if timing:
                 start = mark(self.device)
+            held = measuring and self.step == 2 and self.cuda
+            if held:
+                allocated = torch.cuda.memory_allocated(self.device)
             if action == RECOMPUTE:
                 with set_checkpoint_early_stop(not measuring or self.step >= 2):
                     out = checkpoint(body, *args, use_reentrant=False, **kwargs)
@@ -837,6 +857,8 @@ class BlockOffload:
                 out = body(*args, **kwargs)
             if timing:
                 self._block_marks["forward"].append((index, start, mark(self.device)))
+            if held:
+                self._forward_held[index] = torch.cuda.memory_allocated(self.device) - allocated
             self._hook_output(index, out)
             return out
 
@@ -1008,10 +1030,8 @@ class BlockOffload:
 
     def _take_early_stop_times(self) -> None:
         """Step 2's backward spans (recomputation stopping early, as in planned iterations): each
-        block's recomputation is its span less its backward as step 1 measured it. A probe's span
-        is its selective recomputation: against the median full one of the other blocks (the probe's
-        own full recomputation is taken as that median), it gives every block's selective
-        recomputation in proportion to its full one."""
+        block's recomputation is its span less its backward as step 1 measured it; the probes'
+        are selective (`_take_selective`)."""
         if self.cuda:
             self._marks["end"].synchronize()
         probes, self._probes = self._probes, []
@@ -1026,16 +1046,71 @@ class BlockOffload:
             cost = blocks[i]
             cost.recompute_ms = max(0.0, _ms(trigger[i], trigger[i - 1]) - cost.backward_ms)
         if probes:
-            full = statistics.median(blocks[i].recompute_ms for i in range(1, n) if i not in probes)
-            spans = [blocks[i].recompute_ms for i in probes]
-            for i in probes:
-                blocks[i].recompute_ms = full
-            share = statistics.median(spans) / full if full > 0 else 1.0
-            for cost in blocks:
-                cost.selective_recompute_ms = share * cost.recompute_ms
+            self._take_selective(probes)
         if self.cuda:
             held = sum(blocks[i].selective_bytes for i in probes)
             self.measured.peak_bytes = max(self.measured.peak_bytes, getattr(self, "_fb_peak", 0) - held)
+            if self.reserve_auto:
+                self._reserve_from_allocator()
+
+    def _reserve_from_allocator(self) -> None:
+        """The reserve from the allocator's fragmentation in this measuring iteration (its peak of
+        split blocks it holds but cannot hand out whole; reserved minus allocated would count the
+        cache the warm-up's state and step left, which a planned iteration reuses), the larger of
+        iterations 1 and 2 (whose selective probes allocate as selective blocks do)."""
+        slack = getattr(self, "_fb_split_peak", 0)
+        reserve = machine.reserve_from_allocator(self.gpu_memory_bytes, slack, 0, min_share=RESERVE_MIN_SHARE)
+        if reserve > self.reserve_bytes or self.step == 1:
+            self.reserve_bytes = reserve
+            self.machine["reserve"] = f"from the allocator: {format_bytes(slack)} of split blocks at most"
+
+    def _take_selective(self, probes: list[int]) -> None:
+        """Selective checkpointing's costs from the probes of step 2, each against the median of
+        the other blocks (one class: the same ops), as shares that every block gets:
+        - recomputation: the probe's span, against the others' (the probe's own whole
+          recomputation is taken as their median);
+        - forward: the probe's against step 1's, less the others' drift between the two steps;
+        - bytes (CUDA): what its forward left allocated beyond the others', where that exceeds
+          the count of step 0 (`selective_bytes`)."""
+        blocks = self.measured.blocks
+        others = [i for i in range(1, len(blocks)) if i not in probes]
+        whole = statistics.median(blocks[i].recompute_ms for i in others)
+        spans = [blocks[i].recompute_ms for i in probes]
+        for i in probes:
+            blocks[i].recompute_ms = whole
+        recompute_share = statistics.median(spans) / whole if whole > 0 else 1.0
+        forward = {i: _ms(a, b) for i, a, b in self._block_marks["forward"]}
+        forward_share = 0.0
+        if all(i in forward for i in range(len(blocks))) and all(blocks[i].forward_ms > 0 for i in others):
+            drift = statistics.median(forward[i] / blocks[i].forward_ms for i in others)
+            forward_share = max(
+                0.0,
+                statistics.median(
+                    forward[i] / blocks[i].forward_ms - drift for i in probes if blocks[i].forward_ms > 0
+                ),
+            )
+        bytes_scale = 1.0
+        if self.cuda and all(i in self._forward_held for i in range(len(blocks))):
+            base = statistics.median(self._forward_held[i] for i in others)
+            held = [self._forward_held[i] - base for i in probes]
+            counted = [blocks[i].selective_bytes for i in probes]
+            if all(counted):
+                bytes_scale = max(1.0, statistics.median(h / c for h, c in zip(held, counted)))
+        for cost in blocks:
+            cost.selective_recompute_ms = recompute_share * cost.recompute_ms
+            cost.selective_forward_ms = forward_share * cost.forward_ms
+            cost.selective_bytes = int(cost.selective_bytes * bytes_scale)
+        self.selective_measured = {
+            "probes": [self.blocks[i][0] for i in probes],
+            "recompute_share": recompute_share,
+            "forward_share": forward_share,
+            "bytes_scale": bytes_scale,
+            "kept_share": statistics.median(
+                b.selective_bytes / b.saved_bytes for b in blocks if b.saved_bytes
+            )
+            if any(b.saved_bytes for b in blocks)
+            else None,
+        }
 
     def _take_times(self) -> None:
         """Step 1's events into the measurement (per block, and the edges around them)."""
@@ -1073,14 +1148,7 @@ class BlockOffload:
             measured.peak_bytes = getattr(self, "_fb_peak", 0)
             measured.step_peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
             if self.reserve_auto:
-                # The allocator's fragmentation in this iteration: its peak of split blocks it
-                # holds but cannot hand out whole (reserved minus allocated would count the cache
-                # the warm-up's state and step left, which a planned iteration reuses).
-                slack = getattr(self, "_fb_split_peak", 0)
-                self.reserve_bytes = machine.reserve_from_allocator(
-                    self.gpu_memory_bytes, slack, 0, min_share=RESERVE_MIN_SHARE
-                )
-                self.machine["reserve"] = f"from the allocator: {format_bytes(slack)} of split blocks at most"
+                self._reserve_from_allocator()
 
     def _state_tensors(self) -> list[torch.Tensor]:
         """The movable optimizer-state tensors, largest first."""
@@ -1390,4 +1458,5 @@ class BlockOffload:
             machine=self.machine,
             choice=dict(self.choice, tried=len(self.tried)),
             host_peak_bytes=self.mover.peak_bytes,
+            selective=dict(self.selective_measured),
         )
