@@ -112,6 +112,12 @@ def test_selective_wins_where_it_frees_bytes_cheaply() -> None:
     # whole block is recomputed.
     costly = _choose(_with_selective(_measured(), 2 * GB // 3, 0.9), limit=18 * GB, link=1e9)
     assert costly.count(RECOMPUTE) == 4 and costly.count(SELECTIVE) == 0, costly.actions
+    # Where its forward costs more (torch's caching mode in eager bf16 measured +150%), likewise.
+    slow = _with_selective(_measured(), GB // 3, 0.2)
+    for block in slow.blocks:
+        block.selective_forward_ms = 1.5
+    slowed = _choose(slow, limit=18 * GB, link=1e9)
+    assert slowed.count(RECOMPUTE) == 4 and slowed.count(SELECTIVE) == 0, slowed.actions
     # Not measured (None): never chosen.
     assert _choose(_measured(), limit=18 * GB, link=1e9).count(SELECTIVE) == 0
 

@@ -321,6 +321,46 @@ def _move_state(plan: Plan, need: int, state_sizes: list[int], host_left: int, h
     return moved >= need
 
 
+def _best_layout(
+    measured: Measurement,
+    link: Link,
+    limit_bytes: int,
+    state_sizes: list[int],
+    host_left: int,
+    has_store: bool,
+    hosted: int,
+    with_selective: bool,
+    best: Optional[Plan],
+) -> Optional[Plan]:
+    """`best`, or a faster layout with `hosted` host blocks that fits (`choose`)."""
+    n = len(measured.blocks)
+    for recomputed, window in itertools.product(range(n - hosted + 1), WINDOW_BLOCKS if hosted else (1,)):
+        left = n - hosted - recomputed
+        for chosen in range(1, left + 1) if with_selective else (0,):
+            actions = (
+                [HOST] * hosted + [RECOMPUTE] * recomputed + [SELECTIVE] * chosen + [KEEP] * (left - chosen)
+            )
+            plan = Plan(actions, window_blocks=window)
+            compute = measured.checkpoint_all_ms + sum(
+                recompute_ms(b, a) - b.recompute_ms + added_forward_ms(b, a)
+                for b, a in zip(measured.blocks, actions)
+            )
+            if best is not None and compute >= best.predicted_ms - 1e-9:
+                break
+            need = peak_bound(measured, plan) - limit_bytes
+            if need > 0 and not _move_state(plan, need, state_sizes, host_left, has_store):
+                continue
+            plan.state_restore_at = _restore_position(measured, plan, limit_bytes)
+            plan.predicted_ms, plan.predicted_peak_bytes = predict(measured, plan, link)
+            if plan.predicted_peak_bytes > limit_bytes:
+                continue
+            if best is None or plan.predicted_ms < best.predicted_ms - 1e-9:
+                best = plan
+            if need <= 0:
+                break
+    return best
+
+
 def choose(
     measured: Measurement,
     link: Link,
@@ -334,42 +374,37 @@ def choose(
     `host_bytes`: pinned host memory for activations and state together.
 
     Layouts: h blocks to the host, then c recomputed, s selective (where every block's selective
-    recomputation was measured) and the rest kept. For given h and c, each more selective block
-    adds its recomputation to the iteration: the count stops growing once the plan fits without
-    moving state, or its time without copies cannot beat the best plan found."""
+    recomputation was measured) and the rest kept. The layouts without selective blocks go first;
+    then, for given h and c, each more selective block adds its recomputation and forward to the
+    iteration: the count stops growing once the plan fits without moving state, or its time
+    without copies cannot beat the best plan found."""
     n = len(measured.blocks)
     selective_ok = n > 0 and all(b.selective_recompute_ms is not None for b in measured.blocks)
     best: Optional[Plan] = None
     tried = []
-    for hosted in range(n + 1):
-        host_activations = sum(_pinned_size(b.saved_bytes) for b in measured.blocks[:hosted])
-        if host_activations > host_bytes:
-            break
-        for recomputed, window in itertools.product(range(n - hosted + 1), WINDOW_BLOCKS if hosted else (1,)):
-            for chosen in range(n - hosted - recomputed + 1 if selective_ok else 1):
-                kept = n - hosted - recomputed - chosen
-                actions = [HOST] * hosted + [RECOMPUTE] * recomputed + [SELECTIVE] * chosen + [KEEP] * kept
-                plan = Plan(actions, window_blocks=window)
-                compute = measured.checkpoint_all_ms + sum(
-                    recompute_ms(b, a) - b.recompute_ms + added_forward_ms(b, a)
-                    for b, a in zip(measured.blocks, actions)
-                )
-                if best is not None and compute >= best.predicted_ms - 1e-9:
-                    break
-                need = peak_bound(measured, plan) - limit_bytes
-                if need > 0 and not _move_state(
-                    plan, need, state_sizes, host_bytes - host_activations, has_store
-                ):
-                    continue
-                plan.state_restore_at = _restore_position(measured, plan, limit_bytes)
-                plan.predicted_ms, plan.predicted_peak_bytes = predict(measured, plan, link)
-                if plan.predicted_peak_bytes > limit_bytes:
-                    continue
-                if best is None or plan.predicted_ms < best.predicted_ms - 1e-9:
-                    best = plan
-                if need <= 0:
-                    break
-        tried.append({"host_blocks": hosted, "best_ms": best.predicted_ms if best else None})
+    for with_selective in (False, True) if selective_ok else (False,):
+        for hosted in range(n + 1):
+            host_activations = sum(_pinned_size(b.saved_bytes) for b in measured.blocks[:hosted])
+            if host_activations > host_bytes:
+                break
+            best = _best_layout(
+                measured,
+                link,
+                limit_bytes,
+                state_sizes,
+                host_bytes - host_activations,
+                has_store,
+                hosted,
+                with_selective,
+                best,
+            )
+            tried.append(
+                {
+                    "host_blocks": hosted,
+                    "selective": with_selective,
+                    "best_ms": best.predicted_ms if best else None,
+                }
+            )
     return best, tried
 
 
