@@ -18,9 +18,10 @@ of checkpointing, and its inputs are measured without per-op instrumentation:
   So the iteration with every block checkpointed, the baseline, is measured as it runs.
   In this iteration the first blocks after block 0 (`SELECTIVE_PROBES`) run selectively
   checkpointed instead (`teraio.selective`), where iteration 1's peak leaves room for what they
-  keep: their backward spans give selective recomputation's time, which the other blocks get in
-  proportion to their own recomputation (blocks of one class run the same ops). What a selective
-  block keeps is counted exactly in iteration 0: every output of the ops the policy keeps.
+  keep: their backward spans, forwards and allocations give selective recomputation's time, the
+  time it adds to the forward and the bytes the allocator holds for it, which the other blocks get
+  in proportion to their own (blocks of one class run the same ops). What a selective block keeps
+  is counted exactly in iteration 0: every output of the ops the policy keeps.
 - the plan (`choose`): per block one of KEEP, HOST (its saved tensors are copied to pinned host
   memory as they are saved and prefetched back ahead of its backward, at most `window` bytes in
   flight each way), SELECTIVE (matrix products and attention kept, the rest recomputed) or
@@ -134,6 +135,11 @@ class Measurement:
     step_peak_bytes: int = 0
     #: Optimizer-state bytes that may leave the GPU between steps.
     state_bytes: int = 0
+
+    @property
+    def selective_ok(self) -> bool:
+        """Whether every block's selective recomputation was measured (the action is offered)."""
+        return bool(self.blocks) and all(b.selective_recompute_ms is not None for b in self.blocks)
 
     @property
     def checkpoint_all_ms(self) -> float:
@@ -384,10 +390,9 @@ def choose(
     iteration: the count stops growing once the plan fits without moving state, or its time
     without copies cannot beat the best plan found."""
     n = len(measured.blocks)
-    selective_ok = n > 0 and all(b.selective_recompute_ms is not None for b in measured.blocks)
     best: Optional[Plan] = None
     tried = []
-    for with_selective in (False, True) if selective_ok else (False,):
+    for with_selective in (False, True) if measured.selective_ok else (False,):
         for hosted in range(n + 1):
             host_activations = sum(_pinned_size(b.saved_bytes) for b in measured.blocks[:hosted])
             if host_activations > host_bytes:
@@ -1366,9 +1371,8 @@ class BlockOffload:
 
     def _checkpoint_one_more(self) -> None:
         assert self.plan is not None
-        selective_ok = all(b.selective_recompute_ms is not None for b in self.measured.blocks)
         if KEEP in self.actions:
-            self.actions[self.actions.index(KEEP)] = SELECTIVE if selective_ok else RECOMPUTE
+            self.actions[self.actions.index(KEEP)] = SELECTIVE if self.measured.selective_ok else RECOMPUTE
         elif SELECTIVE in self.actions:
             self.actions[self.actions.index(SELECTIVE)] = RECOMPUTE
         else:
