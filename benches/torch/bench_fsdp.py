@@ -1,31 +1,44 @@
-"""FSDP2 (`fully_shard`) training three ways on 2 ranks, one run: plain, CPUOffloadPolicy, teraio.
+"""FSDP2 (`fully_shard`) training on 2 ranks, one run: alone, with checkpointing, with
+CPUOffloadPolicy, with teraio; and a model FSDP2 alone cannot hold, with teraio.
 
-    python3 benches/torch/bench_fsdp.py                        # 2 GPUs (NCCL), the default size
+    python3 benches/torch/bench_fsdp.py --family llama          # 2 GPUs (NCCL)
+    python3 benches/torch/bench_fsdp.py --configs big_teraio big_fsdp
     python3 benches/torch/bench_fsdp.py --device cpu --tiny    # 2 gloo processes, a tiny model
 
 The script starts its ranks itself (torch.multiprocessing, spawn; a file rendezvous, so no
-port). Each rank shards the same seeded model (an embedding, `--layers` pre-norm MLP blocks, a
-head; every block and the root `fully_shard`ed) and trains `--steps` steps on its rows of every
-global batch, for each configuration in turn:
+port). Each rank builds the same seeded model, `fully_shard`s every block and then the root, and
+trains `--steps` steps on its rows of every global batch, for each configuration in turn:
 
-- `fsdp`: FSDP2 alone;
+- `--family llama` / `qwen2` (GPU default: llama): the transformers model of bench_regime.py's
+  family (SDPA attention, 128K/152K vocabulary), trained as FSDP2 users train in bf16: a
+  `MixedPrecisionPolicy` (bf16 parameters and compute, fp32 gradient reduction);
+  `--family mlp` (CPU default): pre-norm MLP blocks in fp32.
+- `fsdp`: FSDP2 alone; `fsdp_repeat`: the same again (the spread of two runs, for the losses of
+  configurations whose reduction order differs);
+- `fsdp_ckpt`: FSDP2 with every block checkpointed (transformers' gradient checkpointing);
 - `fsdp_cpu_offload`: FSDP2 with `CPUOffloadPolicy` (sharded parameters, gradients and optimizer
   state live in host memory; the optimizer steps on the CPU);
-- `fsdp_teraio`: FSDP2 inside `teraio.offload` with a budget of `--budget-share` (default 50%) of
-  that rank's `fsdp` peak (measured by the allocator on a GPU, the profiled unplanned peak on the
-  CPU) and one store per rank (`--store-dir`/rank<r>/dev0).
+- `fsdp_teraio`: FSDP2 inside `teraio.offload(model, optimizer, store=store, gpu_memory=budget)`
+  with the budget `--budget-share` (default 50%) of that rank's `fsdp` peak (the allocator's on a
+  GPU, the profiled unplanned peak on the CPU) and one store per rank
+  (`--store-dir`/rank<r>/dev0);
+- `big_teraio`: the `BIG` llama shape (14.5B parameters, untied 128K vocabulary; built on the meta
+  device and materialised after sharding), `--big-batch` rows of `--big-seq` tokens, inside
+  `teraio.offload(model, optimizer, store=store)`: all defaults, the whole GPU;
+- `big_fsdp`: the same model with FSDP2 alone (it does not fit: the row says where it failed).
 
 Rank 0 prints one `RESULT {json}` line per configuration: ms/iter (the slowest rank's median over
 the steps after `--warmup`), each rank's peak, its bytes per tier per iteration (teraio's report:
 activations and optimizer state; CPUOffloadPolicy: what it keeps in host memory) and stalls, and
-the losses' agreement with `fsdp`: bitwise where the reduction order is the same (teraio), else
-the largest difference. `benches/torch/run-fsdp.sh` runs it on the 2-GPU machine.
+the losses' agreement with `fsdp`: bitwise, else the largest difference (compare it with
+`fsdp_repeat`'s). `benches/torch/run-fsdp.sh` runs it on the 2-GPU machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import statistics
@@ -40,7 +53,29 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 GIB = 1 << 30
-CONFIGS = ("fsdp", "fsdp_cpu_offload", "fsdp_teraio")
+HERE = os.path.dirname(os.path.abspath(__file__))
+CONFIGS = ("fsdp", "fsdp_repeat", "fsdp_ckpt", "fsdp_cpu_offload", "fsdp_teraio", "big_teraio", "big_fsdp")
+#: --family: bench_regime.py's family and the changes to its shape.
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", {}),
+    # Llama-3-8B's layer (4096 wide) at 16 layers: a 4.3B model whose 128K-vocabulary head is a
+    # smaller share of the peak than in the 1.2B one.
+    "llama-wide": (
+        "llama",
+        dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=16, num_attention_heads=32),
+    ),
+}
+#: The model FSDP2 alone cannot hold on 2 x H200 (143 GB each): 14.5B parameters, whose fp32
+#: parameters, gradients and Adam state take 116 GB per rank before any activation.
+BIG = dict(
+    hidden_size=5120,
+    intermediate_size=13824,
+    num_hidden_layers=48,
+    num_attention_heads=40,
+    num_key_value_heads=8,
+    tie_word_embeddings=False,
+)
 
 
 class Block(torch.nn.Module):
@@ -49,9 +84,15 @@ class Block(torch.nn.Module):
         self.norm = torch.nn.LayerNorm(dim)
         self.up = torch.nn.Linear(dim, hidden)
         self.down = torch.nn.Linear(hidden, dim)
+        self.checkpointed = False
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(self.norm(x))))
+        if self.checkpointed:
+            return torch.utils.checkpoint.checkpoint(self.body, x, use_reentrant=False)
+        return self.body(x)
 
 
 class Model(torch.nn.Module):
@@ -72,17 +113,75 @@ class Model(torch.nn.Module):
         return F.cross_entropy(logits.reshape(-1, self.vocab), tokens[:, 1:].reshape(-1))
 
 
-def build(args: argparse.Namespace, device: torch.device, config: str) -> tuple[Any, Any]:
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+def hf_model(family: str, overrides: dict[str, Any], device: torch.device, tiny: bool) -> torch.nn.Module:
+    """bench_regime.py's transformers model of `family` (SDPA), with `overrides`, on `device`
+    (the meta device: no memory; `materialise` fills it in after sharding)."""
+    sys.path.insert(0, HERE)
+    import transformers
 
+    import bench_regime
+
+    config_name, model_name, kwargs = bench_regime.FAMILIES[family]
+    kwargs = {**kwargs, **overrides, **(bench_regime.TINY if tiny else {})}
+    if tiny and "num_key_value_heads" in kwargs:
+        kwargs["num_key_value_heads"] = 2
+    config = getattr(transformers, config_name)(**kwargs)
+    config._attn_implementation = "sdpa"
+    config.use_cache = False
     torch.manual_seed(0)
-    model = Model(args.vocab, args.dim, args.hidden, args.layers).to(device)
-    # Pinned host memory needs CUDA; on a CPU device the policy's code path runs unpinned.
-    cpu_offload = CPUOffloadPolicy(pin_memory=device.type == "cuda")
-    policy = {"offload_policy": cpu_offload} if config == "fsdp_cpu_offload" else {}
-    for layer in model.layers:
+    with device:
+        model = getattr(transformers, model_name)(config)
+    model.train()
+    return model
+
+
+def materialise(model: torch.nn.Module, device: torch.device) -> None:
+    """A meta-device model made real after `fully_shard` (the way sharded models too large for
+    one process are built): memory on `device`, weights drawn as transformers draws them, norms
+    at one, rotary tables computed."""
+    model.to_empty(device=device)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                module.weight.normal_(0.0, 0.02)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            elif type(module).__name__.endswith("RMSNorm"):
+                module.weight.fill_(1.0)
+            elif hasattr(module, "rope_init_fn"):
+                inv_freq, module.attention_scaling = module.rope_init_fn(module.config, device)
+                module.register_buffer("inv_freq", inv_freq, persistent=False)
+                module.original_inv_freq = inv_freq
+
+
+def build(args: argparse.Namespace, device: torch.device, config: str) -> tuple[Any, Any]:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    big = config.startswith("big_")
+    policy: dict[str, Any] = {}
+    if config == "fsdp_cpu_offload":
+        # Pinned host memory needs CUDA; on a CPU device the policy's code path runs unpinned.
+        policy["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    if args.precision == "bf16":
+        policy["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if args.family == "mlp" and not big:
+        torch.manual_seed(0)
+        model: Any = Model(args.vocab, args.dim, args.hidden, args.layers).to(device)
+        layers = model.layers
+        for layer in layers:
+            layer.checkpointed = config == "fsdp_ckpt"
+    else:
+        family, overrides = ("llama", BIG) if big else FAMILIES[args.family]
+        model = hf_model(family, overrides, torch.device("meta") if big else device, args.tiny)
+        if config == "fsdp_ckpt":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        layers = model.model.layers
+    for layer in layers:
         fully_shard(layer, **policy)
     fully_shard(model, **policy)
+    if big:
+        materialise(model, device)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
@@ -112,43 +211,70 @@ def profiled_peak(model: Any, optimizer: Any, batch: torch.Tensor) -> int:
 
 
 def train_step(model: Any, optimizer: Any, batch: torch.Tensor) -> float:
-    loss = model(batch)
+    if isinstance(model, Model):
+        loss = model(batch)
+    else:
+        loss = model(input_ids=batch, labels=batch).loss
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return float(loss.item())
 
 
+def shape(args: argparse.Namespace, config: str) -> tuple[int, int]:
+    """Global rows and tokens per row of `config`'s batches."""
+    return (args.big_batch, args.big_seq) if config.startswith("big_") else (args.batch, args.seq)
+
+
+def make_batches(
+    args: argparse.Namespace, rank: int, config: str, vocab: int, device: torch.device
+) -> list[Any]:
+    """This rank's rows of `--steps` seeded global batches (the same on every configuration)."""
+    rows, seq = shape(args, config)
+    generator = torch.Generator().manual_seed(1)
+    per = rows // args.world
+    return [
+        torch.randint(0, vocab, (rows, seq), generator=generator)[rank * per : (rank + 1) * per].to(device)
+        for _ in range(args.steps)
+    ]
+
+
 def run_config(
-    args: argparse.Namespace,
-    rank: int,
-    device: torch.device,
-    config: str,
-    batches: list[Any],
-    peak: Optional[int],
+    args: argparse.Namespace, rank: int, device: torch.device, config: str, peak: Optional[int]
 ) -> dict[str, Any]:
     """One configuration on this rank: its step times, losses, peak and traffic."""
     model, optimizer = build(args, device, config)
+    vocab = model.vocab if isinstance(model, Model) else model.config.vocab_size
+    batches = make_batches(args, rank, config, vocab, device)
     mine: dict[str, Any] = {"rank": rank}
     handle: Any = None
     store: Any = None
-    if config == "fsdp_teraio":
+    if config in ("fsdp_teraio", "big_teraio"):
         import teraio
 
-        assert peak is not None
         path = os.path.join(args.store_dir, f"rank{rank}")
         os.makedirs(path, exist_ok=True)
+        store_gib = args.big_store_gib if config == "big_teraio" else args.store_gib
         store = teraio.Store.create(
-            [os.path.join(path, "dev0")], file_size_bytes=int(args.store_gib * GIB), durable=False, force=True
+            [os.path.join(path, "dev0")], file_size_bytes=int(store_gib * GIB), durable=False, force=True
         )
-        budget = int(peak * args.budget_share)
-        options: dict[str, Any] = dict(store=store, gpu_memory=budget, if_no_fit="run")
-        options["host_memory"] = int(args.host_gib * GIB)
+        options: dict[str, Any] = dict(store=store)
+        if args.trace_dir and rank == 0:
+            options["trace_path"] = os.path.join(args.trace_dir, f"trace-{args.family}-{config}.json")
+        if config == "fsdp_teraio":
+            assert peak is not None
+            options["gpu_memory"] = mine["budget_bytes"] = int(peak * args.budget_share)
         if device.type == "cpu":
-            # No pinned memory or link to measure: the figures given.
-            options.update(reserve=0, min_bytes=16 << 10, ssd_bandwidth="2GB/s", host_link_bandwidth="25GB/s")
+            # No allocator, pinned memory or link to measure: the figures given.
+            options.setdefault("gpu_memory", 1 << 30)  # big_teraio: no device to take the size of
+            options.update(
+                host_memory=int(args.host_gib * GIB),
+                reserve=0,
+                min_bytes=16 << 10,
+                ssd_bandwidth="2GB/s",
+                host_link_bandwidth="25GB/s",
+            )
         handle = teraio.offload(model, optimizer, **options)
-        mine["budget_bytes"] = budget
     times_ms, losses = [], []
     dist.barrier()
     if handle is not None:
@@ -213,22 +339,18 @@ def rank_main(rank: int, args: argparse.Namespace, init_file: str) -> None:
         **({"device_id": device} if device.type == "cuda" else {}),
     )
     torch.backends.cuda.matmul.allow_tf32 = False
-    generator = torch.Generator().manual_seed(1)
-    per = args.batch // world
-    batches = [
-        torch.randint(0, args.vocab, (args.batch, args.seq), generator=generator)[
-            rank * per : (rank + 1) * per
-        ].to(device)
-        for _ in range(args.steps)
-    ]
     results: dict[str, Any] = {}
     peak: Optional[int] = None
     for config in args.configs:
         try:
-            mine = run_config(args, rank, device, config, batches, peak)
+            mine = run_config(args, rank, device, config, peak)
         except Exception as error:  # this configuration failed on this rank: say so, go on
             traceback.print_exc()
             mine = {"rank": rank, "error": f"{type(error).__name__}: {error}"[:600]}
+        # Each configuration starts from an empty allocator cache, as its own process would.
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         if config == "fsdp" and "error" not in mine:
             peak = mine["profiled_peak_bytes"] if device.type == "cpu" else mine["peak_bytes"]
         ranks: list[Any] = [None] * world
@@ -239,11 +361,15 @@ def rank_main(rank: int, args: argparse.Namespace, init_file: str) -> None:
         for config, ranks in results.items():
             ok = all("error" not in r for r in ranks)
             line: dict[str, Any] = {"config": config, "device": args.device, "world_size": world, "ok": ok}
-            line.update(layers=args.layers, dim=args.dim, hidden=args.hidden, batch=args.batch, seq=args.seq)
+            rows, seq = shape(args, config)
+            family = "llama-big" if config.startswith("big_") else args.family
+            line.update(family=family, precision=args.precision, batch=rows, seq=seq, steps=args.steps)
+            if family == "mlp":
+                line.update(layers=args.layers, dim=args.dim, hidden=args.hidden)
             if ok:
                 line["ms_per_iter"] = max(r["ms_per_iter"] for r in ranks)
                 line["peak_bytes_per_rank"] = [r["peak_bytes"] for r in ranks]
-                if reference and all("error" not in r for r in reference):
+                if not config.startswith("big_") and reference and all("error" not in r for r in reference):
                     pairs = [
                         (a, b) for r, f in zip(ranks, reference) for a, b in zip(r["losses"], f["losses"])
                     ]
@@ -270,27 +396,38 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a tiny model and batch (CPU smoke runs)")
     parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
-    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument(
+        "--configs", nargs="+", choices=CONFIGS, default=[c for c in CONFIGS if not c.startswith("big_")]
+    )
+    parser.add_argument("--family", choices=[*FAMILIES, "mlp"], help="default: llama (cuda), mlp (cpu)")
+    parser.add_argument("--precision", choices=["bf16", "fp32"], help="default: bf16 (cuda), fp32 (cpu)")
+    parser.add_argument("--layers", type=int, default=24, help="mlp family")
     parser.add_argument("--dim", type=int, default=2048)
     parser.add_argument("--hidden", type=int, default=8192)
-    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--vocab", type=int, default=32000, help="mlp family")
     parser.add_argument("--batch", type=int, default=8, help="rows per step over all ranks")
     parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--warmup", type=int, default=4, help="steps left out of the timing")
+    parser.add_argument("--big-batch", type=int, default=2, help="big_*: rows per step over all ranks")
+    parser.add_argument("--big-seq", type=int, default=4096)
+    parser.add_argument("--big-store-gib", type=float, default=40.0, help="big_teraio: each rank's store")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3, help="steps left out of the timing")
     parser.add_argument("--budget-share", type=float, default=0.5, help="teraio budget / fsdp peak")
-    parser.add_argument("--host-gib", type=float, default=48.0, help="pinned host memory per rank")
+    parser.add_argument("--host-gib", type=float, default=1 / 1024, help="pinned host memory per rank (cpu)")
     parser.add_argument("--store-dir", default="/root/teraio-fsdp", help="rank r's store: DIR/rank<r>/dev0")
     parser.add_argument("--store-gib", type=float, default=24.0)
     parser.add_argument("--threads", type=int, default=1, help="CPU threads per rank (--device cpu)")
     parser.add_argument("--collective-timeout-s", type=float, default=300.0)
     parser.add_argument("--out", default="", help="JSONL file rank 0 appends the RESULT lines to")
+    parser.add_argument("--trace-dir", default="", help="rank 0 writes teraio's profiled traces here")
     args = parser.parse_args(argv)
+    cuda = args.device == "cuda"
+    args.family = args.family or ("llama" if cuda else "mlp")
+    args.precision = args.precision or ("bf16" if cuda else "fp32")
     if args.tiny:
         args.layers, args.dim, args.hidden, args.vocab = 4, 64, 256, 512
         args.batch, args.seq, args.steps, args.warmup = 8, 64, 10, 4
-        args.host_gib, args.store_gib = 1 / 1024, 0.25  # 1 MiB of host memory: the store is used
+        args.store_gib = 0.25  # with 1 MiB of host memory (--host-gib): the store is used
     if args.device == "cuda" and torch.cuda.device_count() < args.world:
         raise SystemExit(f"--device cuda needs {args.world} GPUs, found {torch.cuda.device_count()}")
     import torch.multiprocessing as mp

@@ -1,9 +1,10 @@
 #!/bin/bash
 # FSDP2 with teraio offload on the 2-GPU machine (nvidia-h200-x2), in one call:
-#   benches/torch/run-fsdp.sh
-# bench_fsdp.py starts both ranks itself (NCCL) and trains, 12 steps each: FSDP2 alone, FSDP2 with
-# CPUOffloadPolicy, FSDP2 inside teraio.offload at 50% of the first run's per-rank peak (one store
-# per rank: $STORE_DIR/rank<r>/dev0). RESULT lines (results-fsdp.jsonl) and the log go to $OUT.
+#   benches/torch/run-fsdp.sh                       # each of $FAMILIES: the five 50% configurations
+#   BIG=1 FAMILIES= benches/torch/run-fsdp.sh       # the model FSDP2 alone cannot hold
+# bench_fsdp.py starts both ranks itself (NCCL) and trains $STEPS steps each (its docstring lists
+# the configurations; teraio gets one store per rank: $STORE_DIR/rank<r>/dev0). RESULT lines
+# (results-fsdp.jsonl), the log and rank 0's profiled traces (gzipped) go to $OUT.
 # Needs .whl-py/ (ignored by git; carry it): the teraio wheel built on the dev machine
 # (`maturin build --release --strip -m bindings/python/Cargo.toml -o .whl-py`).
 # CPU smoke run of the same script: python3 benches/torch/bench_fsdp.py --device cpu --tiny
@@ -11,7 +12,10 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/teraio-fsdp-out}
 STORE_DIR=${STORE_DIR:-/root/teraio-fsdp}  # a real file system: the store uses O_DIRECT (not tmpfs)
-STEPS=${STEPS:-12}
+STEPS=${STEPS:-10}
+FAMILIES=${FAMILIES-llama qwen2 llama-wide}
+BIG=${BIG:-0}
+DEADLINE=${DEADLINE:-540}  # seconds for all the runs together
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
   .whl-py/teraio-*.whl || exit 1
@@ -26,20 +30,33 @@ rm -f "$RESULTS"
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__,
   "gpus", torch.cuda.device_count())'
-timeout -k 10 500 python3 benches/torch/bench_fsdp.py --device cuda --steps "$STEPS" \
-  --store-dir "$STORE_DIR" --out "$RESULTS" > "$OUT/fsdp.log" 2>&1
-status=$?
-grep -v RESULT "$OUT/fsdp.log" | grep -vE "^W[0-9]+ " | tail -40 | cut -c1-300
-rm -rf "$STORE_DIR"
+status=0
+: > "$OUT/fsdp.log"
+runs=()
+for family in $FAMILIES; do runs+=("--family $family"); done
+[ "$BIG" = 1 ] && runs+=("--configs big_teraio big_fsdp")
+for run in "${runs[@]}"; do
+  left=$((DEADLINE - SECONDS))
+  [ "$left" -gt 30 ] || { echo "no time left for: $run"; status=1; continue; }
+  echo "== $run (${left}s left)" | tee -a "$OUT/fsdp.log"
+  # shellcheck disable=SC2086  # $run is a list of arguments
+  timeout -k 10 "$left" python3 benches/torch/bench_fsdp.py --device cuda --steps "$STEPS" $run \
+    --store-dir "$STORE_DIR" --out "$RESULTS" --trace-dir "$OUT" >> "$OUT/fsdp.log" 2>&1 || status=$?
+  rm -rf "$STORE_DIR"
+done
+gzip -f "$OUT"/trace-*.json 2>/dev/null
+grep -v RESULT "$OUT/fsdp.log" | grep -vE "^W[0-9]+ " | grep -E "^==|Error|error|iteration:|peak GPU|per iteration|plan:|host time in teraio" \
+  | tail -80 | cut -c1-300
 python3 - "$RESULTS" <<'PY'
 import json, sys
 for line in open(sys.argv[1]):
     r = json.loads(line)
+    name = f"{r['family']:10} {r['config']:17}"
     if not r["ok"]:
-        print(f"{r['config']:18} FAILED: " + "; ".join(x.get("error", "") for x in r["ranks"]))
+        print(f"{name} FAILED: " + "; ".join(x.get("error", "")[:200] for x in r["ranks"]))
         continue
     peaks = ", ".join(f"{p / 2**30:.2f}" if p else "-" for p in r["peak_bytes_per_rank"])
-    print(f"{r['config']:18} {r['ms_per_iter']:8.1f} ms/iter  speed vs fsdp {r.get('speed_vs_fsdp', 0):.2f}  "
+    print(f"{name} {r['ms_per_iter']:8.1f} ms/iter  speed vs fsdp {r.get('speed_vs_fsdp', 0):.2f}  "
           f"peak GiB/rank [{peaks}]  losses bitwise {r.get('losses_bitwise_equal')} "
           f"(max diff {r.get('max_abs_loss_diff', 0):.2e})")
 PY

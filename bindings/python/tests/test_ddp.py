@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import json
 import pathlib
+import time
 from typing import Any, Optional
 
 import pytest
@@ -191,3 +192,79 @@ def test_ddp_offload_bitwise_equal_and_matches_single_process(
     )
     assert loss_rel < 1e-5
     assert param_diff < 1e-5
+
+
+def _probe_rank_main(rank: int, init_file: str, out_dir: str, store_root: str) -> None:
+    """Rank `rank` resolves its bandwidths with recording probes; rank 0 has its figures cached
+    from an earlier run of the same group size, rank 1 has none."""
+    from teraio import machine
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        path = pathlib.Path(store_root) / f"probe{rank}"
+        path.mkdir(parents=True, exist_ok=True)
+        store = teraio.Store.create([path / "dev0"], file_size_bytes=64 << 20, durable=False, force=True)
+        calls: list[tuple[str, float, float]] = []
+
+        def probe(kind: str, rate: float) -> Any:
+            def run(*_: Any) -> tuple[float, float]:
+                started = time.monotonic()
+                time.sleep(0.3)  # long enough for the two ranks' probes to overlap, if they run together
+                calls.append((kind, started, time.monotonic()))
+                return rate, rate
+
+            return run
+
+        try:
+            suffix = f" x{WORLD} ranks"
+            if rank == 0:
+                cached = {"links": {"cpu" + suffix: {"d2h": 1.0, "h2d": 1.0}}}
+                cached.update({"ssd_write" + suffix: 1.0, "ssd_read" + suffix: 1.0})
+                pathlib.Path(machine.cache_path(store)).write_text(json.dumps(cached))
+            measured = machine.resolve_bandwidths(
+                torch.device("cpu"),
+                store,
+                want_link=True,
+                want_store=True,
+                link_probe=probe("link", 7e9),
+                store_probe=probe("store", 3e9),
+            )
+            # A second start finds the figures in the cache: no probe, and still no deadlock.
+            again = machine.resolve_bandwidths(
+                torch.device("cpu"),
+                store,
+                want_link=True,
+                want_store=True,
+                link_probe=probe("link", 1.0),
+                store_probe=probe("store", 1.0),
+            )
+        finally:
+            store.close()
+        result = {"calls": calls, "measured": measured.__dict__, "again": again.__dict__}
+        (pathlib.Path(out_dir) / f"probe{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_probe_the_machine_together(tmp_path: pathlib.Path, store_dir: pathlib.Path) -> None:
+    """Under a process group every rank probes where any rank lacks a cached figure, and the
+    ranks' probes overlap in time: each measures its share of what the ranks share."""
+    spawn_ranks(
+        _probe_rank_main, (str(tmp_path / "rendezvous"), str(tmp_path), str(store_dir)), WORLD, DEADLINE_S
+    )
+    results = [json.loads((tmp_path / f"probe{rank}.json").read_text()) for rank in range(WORLD)]
+    for result in results:
+        assert [kind for kind, _, _ in result["calls"]] == ["link", "store"], result
+        assert result["measured"]["link_d2h"] == 7e9 and result["measured"]["ssd_read"] == 3e9
+        assert result["again"]["ssd_write"] == 3e9 and "cached" in result["again"]["source"]
+        assert "measured x2 ranks" in result["measured"]["source"]
+    for index in range(2):
+        (_, a_start, a_end), (_, b_start, b_end) = (r["calls"][index] for r in results)
+        assert a_start < b_end and b_start < a_end, "the ranks' probes did not run at the same time"

@@ -289,11 +289,13 @@ def test_fsdp_benchmark_smoke(tmp_path: pathlib.Path, store_dir: pathlib.Path) -
     lines = done.stdout.splitlines()
     results = [json.loads(line[len("RESULT ") :]) for line in lines if line.startswith("RESULT ")]
     by_config = {r["config"]: r for r in results}
-    assert set(by_config) == {"fsdp", "fsdp_cpu_offload", "fsdp_teraio"}, done.stdout[-4000:]
+    configs = {"fsdp", "fsdp_repeat", "fsdp_ckpt", "fsdp_cpu_offload", "fsdp_teraio"}
+    assert set(by_config) == configs, done.stdout[-4000:]
     for result in results:
         assert result["ok"], result
         assert len(result["ranks"]) == 2 and result["ms_per_iter"] > 0
     teraio_run = by_config["fsdp_teraio"]
     assert teraio_run["losses_bitwise_equal"], teraio_run
+    assert by_config["fsdp_repeat"]["losses_bitwise_equal"], by_config["fsdp_repeat"]
     for rank in teraio_run["ranks"]:
         assert rank["tiers"]["ssd"]["offloaded"] > 0, rank

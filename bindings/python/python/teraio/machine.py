@@ -7,6 +7,13 @@
 - Both are measured once and cached in a small JSON file keyed by the store's UUID (and the GPU's
   name for the link), next to the store's first device file (or in `~/.cache/teraio` where that
   directory cannot be written, e.g. a block device): `cache_path`.
+- **Several ranks** (a `torch.distributed` process group of more than one rank, as under DDP or
+  FSDP2, one store per rank): each rank plans with its share of what it shares with the others
+  (the host's memory system and PCIe root, a disk several ranks' stores sit on). So the ranks
+  measure together: where any rank has no cached figure, every rank probes, between barriers,
+  at the same time (`_GroupProbe`), and the figures are cached under the group's size. This is
+  the one collective teraio issues, once, when `teraio.offload` starts; every rank must start it
+  with the same options (the same code does).
 - **Host memory**: `HOST_MEMORY_SHARE` of MemAvailable (/proc/meminfo) at the start.
 - **Reserve**: from the allocator's own behaviour in the profiled iteration
   (`reserve_from_allocator`).
@@ -166,6 +173,32 @@ def _device_name(device: torch.device) -> str:
     return "cpu"
 
 
+class _GroupProbe:
+    """Whether the ranks of a process group probe, and their barriers (see the module docstring);
+    one process (no group, or a group of one): no collective at all."""
+
+    def __init__(self) -> None:
+        dist = torch.distributed
+        self.ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+    @property
+    def suffix(self) -> str:
+        """The cache key's suffix: figures measured by this many ranks at once."""
+        return "" if self.ranks == 1 else f" x{self.ranks} ranks"
+
+    def agree(self, needs: tuple[bool, bool]) -> tuple[bool, bool]:
+        """(link, store): whether any rank needs that probe (then every rank runs it)."""
+        if self.ranks == 1:
+            return needs
+        gathered: list[Any] = [None] * self.ranks
+        torch.distributed.all_gather_object(gathered, needs)
+        return any(g[0] for g in gathered), any(g[1] for g in gathered)
+
+    def barrier(self) -> None:
+        if self.ranks > 1:
+            torch.distributed.barrier()
+
+
 def resolve_bandwidths(
     device: torch.device,
     store: Any,
@@ -176,11 +209,13 @@ def resolve_bandwidths(
     store_probe: Optional[Callable[[Any, bool], tuple[float, float]]] = None,
 ) -> Measured:
     """The link's and the store's bandwidth: from the store's cache where it has them, else
-    measured (and cached with the store). Without a store the link is measured each time."""
+    measured (and cached with the store). Without a store the link is measured each time.
+    Under a process group the ranks measure together (the module docstring says why)."""
     link_probe = link_probe or measure_link
     store_probe = store_probe or measure_store
     measured = Measured()
-    if not want_link and not (want_store and store is not None):
+    want_store = want_store and store is not None
+    if not want_link and not want_store:
         return measured
     cache: dict[str, Any] = {}
     path = cache_path(store) if store is not None else None
@@ -190,29 +225,32 @@ def resolve_bandwidths(
                 cache = json.load(f)
         except (OSError, ValueError):
             cache = {}
+    group = _GroupProbe()
+    links = cache.setdefault("links", {})
+    link_key = _device_name(device) + group.suffix
+    write_key, read_key = "ssd_write" + group.suffix, "ssd_read" + group.suffix
+    probe_link, probe_store = group.agree(
+        (want_link and link_key not in links, want_store and write_key not in cache)
+    )
     sources = []
-    changed = False
     if want_link:
-        links = cache.setdefault("links", {})
-        entry = links.get(_device_name(device))
-        if entry is None:
+        if probe_link:
+            group.barrier()
             d2h, h2d = link_probe(device)
-            entry = {"d2h": d2h, "h2d": h2d}
-            links[_device_name(device)] = entry
-            changed = True
-            sources.append("link measured")
+            links[link_key] = {"d2h": d2h, "h2d": h2d}
+            sources.append("link measured" + group.suffix)
         else:
             sources.append("link cached")
-        measured.link_d2h, measured.link_h2d = float(entry["d2h"]), float(entry["h2d"])
-    if want_store and store is not None:
-        if "ssd_write" not in cache:
-            cache["ssd_write"], cache["ssd_read"] = store_probe(store, device.type == "cuda")
-            changed = True
-            sources.append("store measured")
+        measured.link_d2h, measured.link_h2d = float(links[link_key]["d2h"]), float(links[link_key]["h2d"])
+    if want_store:
+        if probe_store:
+            group.barrier()
+            cache[write_key], cache[read_key] = store_probe(store, device.type == "cuda")
+            sources.append("store measured" + group.suffix)
         else:
             sources.append("store cached")
-        measured.ssd_write, measured.ssd_read = float(cache["ssd_write"]), float(cache["ssd_read"])
-    if changed and path is not None:
+        measured.ssd_write, measured.ssd_read = float(cache[write_key]), float(cache[read_key])
+    if (probe_link or probe_store) and path is not None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         temporary = f"{path}.{os.getpid()}.tmp"
         with open(temporary, "w") as f:

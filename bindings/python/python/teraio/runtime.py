@@ -358,6 +358,11 @@ class offload:
             self.checkpointer.apply(set(self.checkpoint_blocks))
         elif self.step == self.profile_step and self.trace is None:
             self.checkpointer.apply(set())
+            if self.device.type == "cuda":
+                # The reserve comes from the allocator's slack in this iteration (reserved minus
+                # allocated at the peaks): blocks cached by earlier work (another model trained
+                # in this process) would count as slack and shrink the plan's room for nothing.
+                torch.cuda.empty_cache()
             self.profiler = Profiler(self.model, self.optimizer, install_hooks=False, device=self.device)
             self.executor.profiler = self.profiler
             self._record_blocks()
