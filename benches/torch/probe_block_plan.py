@@ -12,7 +12,10 @@ steps, back at the step), `no-state` (the fastest plan that moves no optimizer s
 slower than checkpointing (and no memory replan). Per step it prints the wall time, the allocator's
 retries and device allocations, and the block runtime's phase times; with `--profile-step` the
 GPU's busy time per stream, its longest idle gaps on the compute stream with the host op that
-launched the work after each gap, and the host's costliest calls.
+launched the work after each gap, and the host's costliest calls. `--memory-history`: the
+allocator records where each allocation was made; where a step runs out of memory, the live
+bytes are printed by the Python line that allocated them (`live_by_line`), with the plan's bound
+and each block's counted bytes beside them.
 """
 
 from __future__ import annotations
@@ -56,6 +59,31 @@ def forced_choose(kind: str) -> Any:
     return choose
 
 
+def live_by_line(snapshot: dict[str, Any], top: int = 30) -> list[tuple[int, int, str]]:
+    """Live allocated bytes (and block count) by the innermost Python frame outside torch's own
+    modules (checkpointing and autocast stay visible: their file names are kept), largest first."""
+    totals: dict[str, list[int]] = {}
+    for segment in snapshot["segments"]:
+        for block in segment["blocks"]:
+            if block["state"] != "active_allocated":
+                continue
+            frames = block.get("frames") or []
+            where = "?"
+            for frame in frames:
+                name = frame["filename"]
+                if "/torch/" in name and "checkpoint" not in name and "amp" not in name:
+                    continue
+                if name.startswith("??") or name.endswith(".cpp") or name.endswith(".h"):
+                    continue
+                where = f"{name.split('site-packages/')[-1]}:{frame['line']} {frame['name']}"
+                break
+            entry = totals.setdefault(where, [0, 0])
+            entry[0] += block["size"]
+            entry[1] += 1
+    ranked = sorted(((b, n, w) for w, (b, n) in totals.items()), reverse=True)
+    return ranked[:top]
+
+
 def main() -> None:
     import teraio
     from teraio import blockwise as bw
@@ -74,6 +102,7 @@ def main() -> None:
     parser.add_argument("--no-guard", action="store_true")
     parser.add_argument("--profile-step", type=int, default=-1)
     parser.add_argument("--out-dir", default="")
+    parser.add_argument("--memory-history", action="store_true")
     args = parser.parse_args()
     from bench_regime import build_model, make_batches
     from timeline import profiled
@@ -91,6 +120,9 @@ def main() -> None:
         [os.path.join(directory, "dev0")], file_size_bytes=16 << 30, durable=False, force=True
     )
     print(f"== {args.family} cap {args.cap_bytes / 2**30:.2f} GiB plan {args.plan} guard {not args.no_guard}")
+    if args.memory_history:
+        torch.cuda.memory._record_memory_history(max_entries=300000)
+    run: Any = None
     try:
         with teraio.offload(model, optimizer, store=store, gpu_memory=args.cap_bytes) as run:
             if args.no_guard:
@@ -135,6 +167,30 @@ def main() -> None:
                     flush=True,
                 )
         print(run.report())
+    except torch.OutOfMemoryError:
+        if not args.memory_history:
+            raise
+        snapshot = torch.cuda.memory._snapshot()
+        plan = run.plan if run is not None else None
+        print(
+            f"OUT OF MEMORY at step {run.step if run else '?'}: "
+            f"allocated {torch.cuda.memory_allocated() / 2**30:.2f} GiB"
+        )
+        if plan is not None:
+            print(f"  plan {plan.actions}\n  bound {plan.predicted_peak_bytes / 2**30:.2f} GiB")
+            measured = run.measured
+            print(
+                f"  measured peak (no state) {measured.peak_bytes / 2**30:.2f} GiB, "
+                f"state {measured.state_bytes / 2**30:.2f} GiB"
+            )
+            for block in measured.blocks:
+                print(
+                    f"  {block.name}: saved {block.saved_bytes / 2**20:.0f} MiB, "
+                    f"selective {block.selective_bytes / 2**20:.0f} MiB"
+                )
+        for nbytes, count, where in live_by_line(snapshot):
+            print(f"  {nbytes / 2**20:10.1f} MiB {count:6d} blocks  {where}")
+        raise
     finally:
         store.close()
         shutil.rmtree(directory, ignore_errors=True)
