@@ -304,9 +304,16 @@ def run_config(
         if report.peak_gpu_bytes is not None:
             mine["peak_bytes"] = report.peak_gpu_bytes  # teraio resets the peak at each step
         mine["planned_peak_bytes"] = report.predicted_peak_bytes
-        mine["unplanned_peak_bytes"] = report.unplanned_peak_bytes
-        mine["plan_fits"] = report.plan_summary.get("fits")
         mine["stalls"] = report.stalls
+        mine["plan"] = type(report).__name__
+        # The block plan's (the default for these models) or the tensor plan's own figures.
+        actions = getattr(report, "actions", None)
+        if actions is not None:
+            mine["actions"] = {a: sum(1 for v in actions.values() if v == a) for a in set(actions.values())}
+            mine["recomputed_bytes"] = report.recomputed_bytes_per_iteration
+        else:
+            mine["unplanned_peak_bytes"] = report.unplanned_peak_bytes
+            mine["plan_fits"] = report.plan_summary.get("fits")
         mine["report"] = str(report)
         mine["store_errors"] = store.stats()["errors"]
         store.close()

@@ -161,7 +161,7 @@ def _rank_main(rank: int, tmp: str, store_root: str) -> None:
     result["block_bytes"] = sum(p.numel() * p.element_size() for p in model.layers[0].parameters())
     result["ops"] = sorted({op["name"].split(":")[-1] for op in trace["ops"]})
 
-    for refused in ({"checkpoint": "auto"}, {"step_in_backward": True}):
+    for refused in ({"checkpoint": "auto", "granularity": "tensor"}, {"step_in_backward": True}):
         with pytest.raises(ValueError, match="FSDP2"):
             teraio.offload(model, optimizer, gpu_memory=peak, **refused)
 
@@ -182,6 +182,7 @@ def _rank_main(rank: int, tmp: str, store_root: str) -> None:
         reserve=0,
         min_bytes=16 << 10,
         ssd_bandwidth="2GB/s",
+        granularity="tensor",  # the tensor plan (the block plan's test is below)
     )
     checkpoint = str(out / "checkpoint")
     try:
@@ -298,4 +299,76 @@ def test_fsdp_benchmark_smoke(tmp_path: pathlib.Path, store_dir: pathlib.Path) -
     assert teraio_run["losses_bitwise_equal"], teraio_run
     assert by_config["fsdp_repeat"]["losses_bitwise_equal"], by_config["fsdp_repeat"]
     for rank in teraio_run["ranks"]:
-        assert rank["tiers"]["ssd"]["offloaded"] > 0, rank
+        # Its plan fits half of the rank's peak, by moving or recomputing activations (the block
+        # plan, the default for this model) and moving optimizer state.
+        assert rank["plan"] == "BlockReport" and rank["planned_peak_bytes"] <= rank["budget_bytes"], rank
+        moved = sum(rank["tiers"][tier]["offloaded"] for tier in ("host", "ssd"))
+        assert moved + rank["recomputed_bytes"] > 0, rank
+
+
+def _block_rank_main(rank: int, tmp: str, store_root: str) -> None:
+    """The block plan under FSDP2: each rank plans for its own budget (rank 0 a tight one, rank
+    1 a roomy one), so the ranks' plans differ; the collectives must not."""
+    torch.set_num_threads(1)
+    os.environ["TERAIO_TEST_RANK"] = str(rank)
+    out = pathlib.Path(tmp)
+    _init(str(out / "rendezvous-block"))
+    per = ROWS // WORLD
+    data = [x[rank * per : (rank + 1) * per] for x in batches(BLOCK_STEPS, rows=ROWS)]
+    model, optimizer = _build()
+    plain_calls: list[Any] = []
+    with _recording_collectives(plain_calls):
+        plain = train(model, optimizer, data)
+    plain_shards = _shards(model)
+    shard_bytes = sum(p.to_local().numel() * 4 for p in model.parameters())
+
+    path = pathlib.Path(store_root) / f"block{rank}"
+    path.mkdir(parents=True, exist_ok=True)
+    store = teraio.Store.create([path / "dev0"], file_size_bytes=256 << 20, durable=False, force=True)
+    # Parameters, gradients and the optimizer state (4x the shards) are all on the device in the
+    # step; rank 0's budget leaves little more for activations, rank 1's plenty.
+    budget = 4 * shard_bytes + (shard_bytes // 4 if rank == 0 else 64 * shard_bytes)
+    try:
+        model, optimizer = _build()
+        calls: list[Any] = []
+        options = dict(store=store, gpu_memory=budget, reserve=0, min_bytes=16 << 10, ssd_bandwidth="2GB/s")
+        with _recording_collectives(calls), teraio.offload(model, optimizer, **options) as run:
+            losses = train(model, optimizer, data)
+        report = run.report()
+        result = {
+            "kind": type(run).__name__,
+            # The plan the rank chose (its actions in the last steps may be the timed trial's).
+            "chosen": report.choice.get("plan", {}),
+            "report_text": str(report),
+        }
+    finally:
+        store.close()
+    result.update(
+        plain=plain,
+        losses=losses,
+        plain_calls=plain_calls,
+        calls=calls,
+        shards_equal=all(torch.equal(v, plain_shards[k]) for k, v in _shards(model).items()),
+    )
+    (out / f"block{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+BLOCK_STEPS = 7
+
+
+def test_fsdp2_block_plan_per_rank(store_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """The block plan (the default for a model with repeated blocks) under FSDP2: each rank's plan
+    follows its own budget, the losses and shards are bitwise those of plain FSDP2, and every rank
+    runs the same collectives in the same order as plain FSDP2."""
+    spawn_ranks(_block_rank_main, (str(tmp_path), str(store_dir)), WORLD, DEADLINE_S)
+    ranks = [json.loads((tmp_path / f"block{r}.json").read_text()) for r in range(WORLD)]
+    for result in ranks:
+        print(result["report_text"])
+        assert result["kind"] == "BlockOffload"
+        assert result["losses"] == result["plain"], [a - b for a, b in zip(result["losses"], result["plain"])]
+        assert result["shards_equal"]
+        assert result["calls"] and result["calls"] == result["plain_calls"] == ranks[0]["calls"]
+    tight, roomy = ranks
+    assert tight["chosen"]["keep"] == 0, tight["report_text"]
+    assert roomy["chosen"]["keep"] == LAYERS, roomy["report_text"]

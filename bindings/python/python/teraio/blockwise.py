@@ -62,7 +62,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-from . import ids, machine, selective
+from . import ids, machine, selective, sharded
 from .blocks import find_blocks
 from .executor import HOST, SSD, _flat_bytes, _pinned_size, copy_on_stream
 from .machine import Link
@@ -529,7 +529,12 @@ class _HostMover:
         storage = tensor.untyped_storage()
         nbytes = storage.nbytes()
         key = storage.data_ptr()
-        if nbytes < self.min_bytes or tensor.device != self.device or key in self.skip:
+        if (
+            nbytes < self.min_bytes
+            or tensor.device != self.device
+            or key in self.skip
+            or sharded.is_parameter_memory(tensor)
+        ):
             return tensor
         seen = self._seen.get(key)
         # The address names the storage only while it lives: once a copied storage is freed, the
@@ -776,7 +781,7 @@ class BlockOffload:
         n = len(self.blocks)
         self.actions = [RECOMPUTE] * n
         self.stats = BlockStats()
-        parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        parameters = {sharded.local_tensor(p).untyped_storage().data_ptr() for p in model.parameters()}
         self.mover = _HostMover(self.device, host_memory_bytes, self.stats, options.min_bytes, parameters)
         streams = {
             "d2h_stream": getattr(self.mover, "d2h_stream", None),
@@ -835,8 +840,9 @@ class BlockOffload:
     # -- context -------------------------------------------------------------------------------
 
     def __enter__(self) -> BlockOffload:
-        params = sum(p.untyped_storage().nbytes() for p in self.model.parameters())
-        grads = sum(p.untyped_storage().nbytes() for p in self.model.parameters() if p.requires_grad)
+        shards = [sharded.local_tensor(p) for p in self.model.parameters()]
+        params = sum(p.untyped_storage().nbytes() for p in shards)
+        grads = sum(p.untyped_storage().nbytes() for p in shards if p.requires_grad)
         if params + grads > self.gpu_memory_bytes and self.options.if_no_fit == "raise":
             from .runtime import NoPlanFitsError
 
@@ -1251,10 +1257,12 @@ class BlockOffload:
             # No allocator to ask: parameters, gradients and the state that does not move stay;
             # the step holds all of the state.
             persistent = sum(
-                2 * p.untyped_storage().nbytes() for p in self.model.parameters() if p.requires_grad
+                2 * sharded.local_tensor(p).untyped_storage().nbytes()
+                for p in self.model.parameters()
+                if p.requires_grad
             )
             all_state = sum(
-                v.untyped_storage().nbytes()
+                sharded.local_tensor(v).untyped_storage().nbytes()
                 for state in self.optimizer.state.values()
                 for v in state.values()
                 if isinstance(v, torch.Tensor)

@@ -13,12 +13,20 @@ What changes for a sharded model, and where teraio meets it:
   it such as `weight.t()`) are FSDP's to free and gather again: the executor keeps them
   (`is_parameter_memory`), and the profiler records the buffer as a temporary that dies when FSDP
   frees it (`UnshardedTracker`), so the plan sees FSDP's all-gather memory come and go.
-- teraio issues no collective and changes no FSDP hook or order: every rank runs the same FSDP
-  collectives in the same order whatever its plan. Options that would make one rank run a
-  block's forward again (`checkpoint`) or read FSDP-owned memory at a point of teraio's
-  choosing (`recompute`, `offload_parameters`), or whole-model mode (and its
-  `step_in_backward`), are refused, and
-  `recompute="auto"` means "off" (`adapt_options`).
+- teraio issues no collective in training (the ranks measure the machine together once, at
+  the start: `teraio.machine`) and changes no FSDP hook or order: every rank runs the same FSDP
+  collectives in the same order whatever its plan.
+- The block plan (`teraio.blockwise`, the default for models with repeated blocks) runs under
+  FSDP2 as activation checkpointing does in torchtitan: a block's checkpoint sits inside the
+  FSDP module's forward, and its recomputation runs in backward after FSDP's pre-backward hook
+  has gathered the block's parameters (FSDP's forward hooks do not run again). So one rank may
+  recompute a block that another keeps or copies to host memory, with the same collectives.
+  Its host copies leave FSDP's gathered parameters alone (`is_parameter_memory`).
+- Refused (`adapt_options`): whole-model mode (and its `step_in_backward`) and
+  `offload_parameters` (FSDP owns the parameters: it gathers and frees them), `recompute="on"`
+  (the tensor plan's per-op recomputation reads FSDP-owned memory at a point of teraio's
+  choosing); `recompute="auto"` means "off". The tensor plan (`granularity="tensor"`) runs
+  without block checkpointing.
 """
 
 from __future__ import annotations
@@ -70,22 +78,21 @@ def adapt_options(model: torch.nn.Module, options: OffloadOptions) -> OffloadOpt
         refused.append("whole_model='on'")
     if options.step_in_backward:
         refused.append("step_in_backward=True")
-    if options.checkpoint not in (None, "off"):
-        refused.append(f"checkpoint={options.checkpoint!r}")
     if options.recompute == "on":
         refused.append("recompute='on'")
     if options.offload_parameters:
         refused.append("offload_parameters=True")
-    if options.granularity == "block":
-        refused.append("granularity='block'")
+    if options.granularity == "tensor" and options.checkpoint not in (None, "off"):
+        refused.append(f"checkpoint={options.checkpoint!r} with granularity='tensor'")
     if refused:
         raise ValueError(
             f"teraio.offload on an FSDP2 (fully_shard) model does not support {', '.join(refused)}: "
-            "FSDP owns the parameters (it gathers and frees them), and a per-rank choice to run a "
-            "block again could change the order of FSDP's collectives between ranks. Leave these "
-            "options at their defaults; activations and optimizer state are offloaded"
+            "FSDP owns the parameters (it gathers and frees them). Leave these options at their "
+            "defaults: activations (kept, recomputed per block or copied out) and optimizer "
+            "state are offloaded"
         )
-    return options.replace(whole_model="off", checkpoint="off", recompute="off", granularity="tensor")
+    checkpoint = "off" if options.granularity == "tensor" else options.checkpoint
+    return options.replace(whole_model="off", recompute="off", checkpoint=checkpoint)
 
 
 def rank_notes() -> dict[str, Any]:
