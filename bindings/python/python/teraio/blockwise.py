@@ -840,8 +840,9 @@ class BlockOffload:
     # -- context -------------------------------------------------------------------------------
 
     def __enter__(self) -> BlockOffload:
-        params = sharded.storage_bytes(self.model.parameters())
-        grads = sharded.storage_bytes(p for p in self.model.parameters() if p.requires_grad)
+        shards = [sharded.local_tensor(p) for p in self.model.parameters()]
+        params = sum(p.untyped_storage().nbytes() for p in shards)
+        grads = sum(p.untyped_storage().nbytes() for p in shards if p.requires_grad)
         if params + grads > self.gpu_memory_bytes and self.options.if_no_fit == "raise":
             from .runtime import NoPlanFitsError
 
@@ -1255,9 +1256,13 @@ class BlockOffload:
         if not self.cuda:
             # No allocator to ask: parameters, gradients and the state that does not move stay;
             # the step holds all of the state.
-            persistent = 2 * sharded.storage_bytes(p for p in self.model.parameters() if p.requires_grad)
-            all_state = sharded.storage_bytes(
-                v
+            persistent = sum(
+                2 * sharded.local_tensor(p).untyped_storage().nbytes()
+                for p in self.model.parameters()
+                if p.requires_grad
+            )
+            all_state = sum(
+                sharded.local_tensor(v).untyped_storage().nbytes()
                 for state in self.optimizer.state.values()
                 for v in state.values()
                 if isinstance(v, torch.Tensor)

@@ -31,7 +31,7 @@ What changes for a sharded model, and where teraio meets it:
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -44,17 +44,6 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
     local = getattr(tensor, "_local_tensor", None)
     return tensor if local is None else local
-
-
-def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the rank-local data of `tensors` (each counted once). By element, not by storage:
-    FSDP2 may keep shards as views of a larger storage (torch 2.11 does), which a sum of
-    storages would count once per parameter."""
-    seen: dict[int, int] = {}
-    for tensor in tensors:
-        local = local_tensor(tensor)
-        seen[id(tensor)] = local.numel() * local.element_size()
-    return sum(seen.values())
 
 
 def is_parameter_memory(tensor: torch.Tensor) -> bool:
