@@ -177,6 +177,11 @@ def build(args: argparse.Namespace, device: torch.device, config: str) -> tuple[
         if config == "fsdp_ckpt":
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         layers = model.model.layers
+    if device.type == "cpu":
+        # Without a CPU mesh, fully_shard moves the model to CUDA where a GPU is present.
+        from torch.distributed.device_mesh import init_device_mesh
+
+        policy["mesh"] = init_device_mesh("cpu", (args.world,))
     for layer in layers:
         fully_shard(layer, **policy)
     fully_shard(model, **policy)

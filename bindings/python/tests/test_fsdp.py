@@ -69,10 +69,14 @@ pytestmark = pytest.mark.skipif(
 
 
 def _build() -> tuple[Any, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
     model, _ = make(layers=LAYERS)
+    # A CPU mesh: without one, fully_shard moves the model to CUDA where a GPU is present.
+    mesh = init_device_mesh("cpu", (WORLD,))
     for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     # The optimizer holds the sharded parameters (DTensors), so it is made after sharding.
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
