@@ -1,7 +1,10 @@
-"""Runs a test's rank function in spawned processes (the multi-process DDP and FSDP2 tests)."""
+"""Runs a test's rank function in spawned processes (the multi-process DDP and FSDP2 tests), and
+what each rank sets up: its gloo process group and its own store."""
 
 from __future__ import annotations
 
+import datetime
+import pathlib
 import time
 from typing import Any, Callable
 
@@ -22,3 +25,25 @@ def spawn_ranks(main: Callable[..., None], args: tuple[Any, ...], world: int, de
             if process.is_alive():
                 process.terminate()
                 process.join(5)
+
+
+def init_gloo(init_file: str, rank: int, world: int) -> None:
+    """This rank's gloo process group (a file rendezvous, so no port)."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+
+
+def rank_store(root: str, name: str, size_bytes: int = 256 << 20) -> Any:
+    """A store of its own for one rank: `root`/`name`/dev0."""
+    import teraio
+
+    path = pathlib.Path(root) / name
+    path.mkdir(parents=True, exist_ok=True)
+    return teraio.Store.create([path / "dev0"], file_size_bytes=size_bytes, durable=False, force=True)

@@ -16,7 +16,6 @@ go to host memory and to the rank's own store (TERAIO_TEST_DIR, conftest.py). Ch
 
 from __future__ import annotations
 
-import datetime
 import json
 import pathlib
 import time
@@ -28,7 +27,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 import teraio  # noqa: E402
-from ranks import spawn_ranks  # noqa: E402
+from ranks import init_gloo, rank_store, spawn_ranks  # noqa: E402
 from tiny import batches, make, train  # noqa: E402
 
 WORLD = 2
@@ -89,20 +88,12 @@ def _rank_main(
 ) -> None:
     # One thread per rank (2 ranks on small CI machines); the plain and offloaded runs below share it.
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    init_gloo(init_file, rank, WORLD)
     try:
         per = ROWS // WORLD
         data = [x[rank * per : (rank + 1) * per] for x in batches(STEPS, rows=ROWS)]
         plain_losses, plain_state, _ = _train_ddp(rank, WORLD, data, None)
-        path = pathlib.Path(store_root) / f"rank{rank}"
-        path.mkdir(parents=True, exist_ok=True)
-        store = teraio.Store.create([path / "dev0"], file_size_bytes=256 << 20, durable=False, force=True)
+        store = rank_store(store_root, f"rank{rank}")
         try:
             options = dict(
                 store=store,
@@ -200,17 +191,9 @@ def _probe_rank_main(rank: int, init_file: str, out_dir: str, store_root: str) -
     from teraio import machine
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    init_gloo(init_file, rank, WORLD)
     try:
-        path = pathlib.Path(store_root) / f"probe{rank}"
-        path.mkdir(parents=True, exist_ok=True)
-        store = teraio.Store.create([path / "dev0"], file_size_bytes=64 << 20, durable=False, force=True)
+        store = rank_store(store_root, f"probe{rank}", 64 << 20)
         calls: list[tuple[str, float, float]] = []
 
         def probe(kind: str, rate: float) -> Any:

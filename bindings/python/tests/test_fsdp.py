@@ -26,7 +26,6 @@ gathered parameters freed at each reshard (at most two blocks' worth live at onc
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import os
 import pathlib
@@ -40,7 +39,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 import teraio  # noqa: E402
-from ranks import spawn_ranks  # noqa: E402
+from ranks import init_gloo, rank_store, spawn_ranks  # noqa: E402
 from tiny import batches, make, train  # noqa: E402
 
 try:
@@ -128,13 +127,7 @@ def _live_gathered_bytes(trace: dict[str, Any]) -> int:
 
 
 def _init(init_file: str) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=int(os.environ["TERAIO_TEST_RANK"]),
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    init_gloo(init_file, int(os.environ["TERAIO_TEST_RANK"]), WORLD)
 
 
 def _rank_main(rank: int, tmp: str, store_root: str) -> None:
@@ -175,9 +168,7 @@ def _rank_main(rank: int, tmp: str, store_root: str) -> None:
         plain = train(model, optimizer, data)
     plain_shards, plain_state = _shards(model), _state(optimizer)
 
-    path = pathlib.Path(store_root) / f"rank{rank}"
-    path.mkdir(parents=True, exist_ok=True)
-    store = teraio.Store.create([path / "dev0"], file_size_bytes=256 << 20, durable=False, force=True)
+    store = rank_store(store_root, f"rank{rank}")
     options = dict(
         store=store,
         # Below what moving activations alone can save: the plan moves optimizer state as well.
@@ -326,9 +317,7 @@ def _block_rank_main(rank: int, tmp: str, store_root: str) -> None:
     plain_shards = _shards(model)
     shard_bytes = sum(p.to_local().numel() * 4 for p in model.parameters())
 
-    path = pathlib.Path(store_root) / f"block{rank}"
-    path.mkdir(parents=True, exist_ok=True)
-    store = teraio.Store.create([path / "dev0"], file_size_bytes=256 << 20, durable=False, force=True)
+    store = rank_store(store_root, f"block{rank}")
     # Parameters, gradients and the optimizer state (4x the shards) are all on the device in the
     # step; rank 0's budget leaves little more for activations, rank 1's plenty.
     budget = 4 * shard_bytes + (shard_bytes // 4 if rank == 0 else 64 * shard_bytes)

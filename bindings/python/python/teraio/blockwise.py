@@ -840,9 +840,7 @@ class BlockOffload:
     # -- context -------------------------------------------------------------------------------
 
     def __enter__(self) -> BlockOffload:
-        shards = [sharded.local_tensor(p) for p in self.model.parameters()]
-        params = sum(p.untyped_storage().nbytes() for p in shards)
-        grads = sum(p.untyped_storage().nbytes() for p in shards if p.requires_grad)
+        params, grads = sharded.parameter_bytes(self.model)
         if params + grads > self.gpu_memory_bytes and self.options.if_no_fit == "raise":
             from .runtime import NoPlanFitsError
 
@@ -1256,11 +1254,7 @@ class BlockOffload:
         if not self.cuda:
             # No allocator to ask: parameters, gradients and the state that does not move stay;
             # the step holds all of the state.
-            persistent = sum(
-                2 * sharded.local_tensor(p).untyped_storage().nbytes()
-                for p in self.model.parameters()
-                if p.requires_grad
-            )
+            persistent = 2 * sharded.parameter_bytes(self.model)[1]
             all_state = sum(
                 sharded.local_tensor(v).untyped_storage().nbytes()
                 for state in self.optimizer.state.values()

@@ -334,9 +334,7 @@ class offload:
         """Parameters and their gradients stay on the GPU: a budget below them cannot work."""
         if self.options.if_no_fit != "raise":
             return
-        shards = [sharded.local_tensor(p) for p in self.model.parameters()]
-        params = sum(p.untyped_storage().nbytes() for p in shards)
-        grads = sum(p.untyped_storage().nbytes() for p in shards if p.requires_grad)
+        params, grads = sharded.parameter_bytes(self.model)
         if params + grads > self.gpu_memory_bytes:
             raise NoPlanFitsError(
                 f"teraio.offload: gpu_memory={format_bytes(self.gpu_memory_bytes)} cannot hold the "

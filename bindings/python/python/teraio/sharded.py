@@ -46,6 +46,15 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if local is None else local
 
 
+def parameter_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """The rank-local bytes of the model's parameters, and of the gradients its trained ones get
+    (one per trained parameter, of its size): what stays on the GPU through an iteration."""
+    shards = [local_tensor(p) for p in model.parameters()]
+    params = sum(p.untyped_storage().nbytes() for p in shards)
+    grads = sum(p.untyped_storage().nbytes() for p in shards if p.requires_grad)
+    return params, grads
+
+
 def is_parameter_memory(tensor: torch.Tensor) -> bool:
     """Whether `tensor` is a parameter or a view of one (`weight.t()` saved by a linear layer):
     its memory is the parameter's, which a saved-tensor hook must leave alone (under FSDP2 the
