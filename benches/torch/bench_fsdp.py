@@ -16,6 +16,8 @@ trains `--steps` steps on its rows of every global batch, for each configuration
 - `fsdp`: FSDP2 alone; `fsdp_repeat`: the same again (the spread of two runs, for the losses of
   configurations whose reduction order differs);
 - `fsdp_ckpt`: FSDP2 with every block checkpointed (transformers' gradient checkpointing);
+  on a GPU this, `fsdp_cpu_offload` and `fsdp_teraio` run with the allocator capped at teraio's
+  budget (`CAPPED`): the same per-rank memory, where an out-of-memory is the row's result;
 - `fsdp_cpu_offload`: FSDP2 with `CPUOffloadPolicy` (sharded parameters, gradients and optimizer
   state live in host memory; the optimizer steps on the CPU);
 - `fsdp_teraio`: FSDP2 inside `teraio.offload(model, optimizer, store=store, gpu_memory=budget)`
@@ -55,6 +57,9 @@ import torch.nn.functional as F
 GIB = 1 << 30
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = ("fsdp", "fsdp_repeat", "fsdp_ckpt", "fsdp_cpu_offload", "fsdp_teraio", "big_teraio", "big_fsdp")
+#: On a GPU these run with the allocator capped at `--budget-share` of the `fsdp` peak: FSDP2's
+#: own offload and checkpointing at the same per-rank memory as teraio.
+CAPPED = ("fsdp_ckpt", "fsdp_cpu_offload", "fsdp_teraio")
 #: --family: bench_regime.py's family and the changes to its shape.
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("llama", {}),
@@ -354,11 +359,20 @@ def rank_main(rank: int, args: argparse.Namespace, init_file: str) -> None:
     results: dict[str, Any] = {}
     peak: Optional[int] = None
     for config in args.configs:
+        # The configurations compared at the same per-rank memory run under it as a hard cap.
+        cap = int(peak * args.budget_share) if peak and device.type == "cuda" and config in CAPPED else None
+        if cap is not None:
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
         try:
             mine = run_config(args, rank, device, config, peak)
         except Exception as error:  # this configuration failed on this rank: say so, go on
             traceback.print_exc()
             mine = {"rank": rank, "error": f"{type(error).__name__}: {error}"[:600]}
+        finally:
+            if cap is not None:
+                torch.cuda.set_per_process_memory_fraction(1.0, device)
+        mine["cap_bytes"] = cap
         # Each configuration starts from an empty allocator cache, as its own process would.
         gc.collect()
         if device.type == "cuda":
