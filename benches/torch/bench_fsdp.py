@@ -286,6 +286,28 @@ def run_config(
             )
         handle = teraio.offload(model, optimizer, **options)
     times_ms, losses = [], []
+    peaks = None
+    if args.peak_steps and handle is not None and device.type == "cuda":
+        from probe_block_plan import StepPeak
+
+        peaks = StepPeak()
+
+        def at_head(module: Any, inputs: Any, output: Any) -> None:
+            # What the bound takes as gone by the head: the optimizer state the plan moves out.
+            if len(times_ms) not in args.peak_steps:
+                return
+            slots = getattr(handle.state, "slots", [])
+            out = sum(slot.nbytes for slot in slots if slot.tensor.untyped_storage().nbytes() == 0)
+            copied = sum(s.nbytes for s in slots if s.d2h_event is not None and s.d2h_event.query())
+            print(
+                f"[{config}] rank {rank} step {len(times_ms)} at the head: allocated "
+                f"{torch.cuda.memory_allocated(device) / GIB:.2f} GiB; optimizer state planned out "
+                f"{sum(slot.nbytes for slot in slots) / GIB:.2f} GiB, released {out / GIB:.2f}, "
+                f"copied {copied / GIB:.2f}",
+                flush=True,
+            )
+
+        model.get_output_embeddings().register_forward_hook(at_head)
     dist.barrier()
     if handle is not None:
         handle.__enter__()
@@ -294,10 +316,25 @@ def run_config(
             if step == args.warmup and device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             sync(device)
+            if peaks is not None and step in args.peak_steps:
+                peaks.begin()
             started = time.perf_counter()
             losses.append(train_step(model, optimizer, batch))
             sync(device)
             times_ms.append((time.perf_counter() - started) * 1e3)
+            if peaks is not None and step in args.peak_steps:
+                peaks.end(f"[{config}] rank {rank} step {step}")
+    except Exception:
+        # Which step failed, and the plan teraio had then (its bound beside the failure).
+        print(f"[{config}] rank {rank} failed at step {len(times_ms)}", flush=True)
+        if handle is not None:
+            print(f"[{config}] rank {rank} plan at the failure:\n{handle.report()}", flush=True)
+        if peaks is not None and len(times_ms) in args.peak_steps:
+            from probe_block_plan import print_measured
+
+            peaks.end(f"[{config}] rank {rank} step {len(times_ms)} up to the failure")
+            print_measured(handle)
+        raise
     finally:
         if handle is not None:
             handle.__exit__(None, None, None)
@@ -445,6 +482,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="CPU threads per rank (--device cpu)")
     parser.add_argument("--collective-timeout-s", type=float, default=300.0)
     parser.add_argument("--out", default="", help="JSONL file rank 0 appends the RESULT lines to")
+    parser.add_argument(
+        "--peak-steps",
+        type=int,
+        nargs="*",
+        default=[],
+        help="teraio configurations: where these steps' peaks stood, by allocating line "
+        "(probe_block_plan.StepPeak; recording slows the step); on a failure in one, with the block "
+        "plan's bound beside its parts",
+    )
     parser.add_argument("--trace-dir", default="", help="rank 0 writes teraio's profiled traces here")
     args = parser.parse_args(argv)
     cuda = args.device == "cuda"

@@ -8,20 +8,22 @@ an optional torch.profiler timeline of one step.
 `--plan`: `auto` (what `teraio.offload` chooses), `ckpt` (every block recomputed, the optimizer
 state resident), `ckpt-state` (every block recomputed, all optimizer state to host memory between
 steps, back at the step), `no-state` (the fastest plan that moves no optimizer state), `no-host`
-(the fastest that copies no activations). `--no-guard`: the plan stays even where it measures
-slower than checkpointing (and no memory replan). Per step it prints the wall time, the allocator's
-retries and device allocations, and the block runtime's phase times; with `--profile-step` the
-GPU's busy time per stream, its longest idle gaps on the compute stream with the host op that
-launched the work after each gap, and the host's costliest calls. `--memory-history`: the
-allocator records where each allocation was made; where a step runs out of memory, the live
-bytes are printed by the Python line that allocated them (`live_by_line`), with the plan's bound
-and each block's counted bytes beside them.
+(the fastest that copies no activations), `layout:r13k3` (in block order: 13 recomputed, then 3
+kept; letters h host, r recomputed, s selective, k kept; no optimizer state moved). `--no-guard`:
+the plan stays even where it measures slower than checkpointing (and no memory replan). Per step
+it prints the wall time, the allocator's retries and device allocations, and the block runtime's
+phase times; with `--profile-step` the GPU's busy time per stream, its longest idle gaps on the
+compute stream with the host op that launched the work after each gap, and the host's costliest
+calls. `--peak-steps K ...`: the allocator records steps K; each one's peak is printed with the
+bytes live then by the Python line that allocated them (`StepPeak`); where one runs out of memory,
+its peak up to then, with the plan's bound and each block's counted bytes beside it.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -51,6 +53,8 @@ def forced_choose(kind: str) -> Any:
             return real(measured, link, limit, [], host, False)
         elif kind == "no-host":
             return real(measured, link, limit, state_sizes, 0, has_store)
+        elif kind.startswith("layout:"):
+            plan = bw.Plan(parse_layout(kind.removeprefix("layout:"), n))
         else:
             raise ValueError(kind)
         plan.predicted_ms, plan.predicted_peak_bytes = bw.predict(measured, plan, link)
@@ -59,29 +63,89 @@ def forced_choose(kind: str) -> Any:
     return choose
 
 
-def live_by_line(snapshot: dict[str, Any], top: int = 30) -> list[tuple[int, int, str]]:
-    """Live allocated bytes (and block count) by the innermost Python frame outside torch's own
-    modules (checkpointing and autocast stay visible: their file names are kept), largest first."""
-    totals: dict[str, list[int]] = {}
-    for segment in snapshot["segments"]:
-        for block in segment["blocks"]:
-            if block["state"] != "active_allocated":
-                continue
-            frames = block.get("frames") or []
-            where = "?"
-            for frame in frames:
-                name = frame["filename"]
-                if "/torch/" in name and "checkpoint" not in name and "amp" not in name:
-                    continue
-                if name.startswith("??") or name.endswith(".cpp") or name.endswith(".h"):
-                    continue
-                where = f"{name.split('site-packages/')[-1]}:{frame['line']} {frame['name']}"
-                break
-            entry = totals.setdefault(where, [0, 0])
-            entry[0] += block["size"]
-            entry[1] += 1
-    ranked = sorted(((b, n, w) for w, (b, n) in totals.items()), reverse=True)
-    return ranked[:top]
+def parse_layout(spec: str, blocks: int) -> list[str]:
+    """`r13k3` -> 13 RECOMPUTE then 3 KEEP; the counts must add up to `blocks`."""
+    from teraio import blockwise as bw
+
+    action = {"h": bw.HOST, "r": bw.RECOMPUTE, "s": bw.SELECTIVE, "k": bw.KEEP}
+    parts = re.findall(r"([hrsk])(\d+)", spec)
+    if not parts or "".join(f"{a}{c}" for a, c in parts) != spec:
+        raise ValueError(f"layout {spec!r}: expected letters h/r/s/k each followed by a count")
+    actions = [action[a] for a, c in parts for _ in range(int(c))]
+    if len(actions) != blocks:
+        raise ValueError(f"layout {spec!r} names {len(actions)} blocks; the model has {blocks}")
+    return actions
+
+
+def print_measured(run: Any) -> None:
+    """A block plan's bound beside what it was made of (`teraio.blockwise.Measurement`)."""
+    plan, measured = run.plan, run.measured
+    if plan is not None:
+        print(f"  plan {plan.actions}\n  bound {plan.predicted_peak_bytes / 2**30:.2f} GiB")
+    print(
+        f"  measured peak (no state) {measured.peak_bytes / 2**30:.2f} GiB, step peak "
+        f"{measured.step_peak_bytes / 2**30:.2f} GiB, state {measured.state_bytes / 2**30:.2f} GiB"
+    )
+    for block in measured.blocks:
+        print(
+            f"  {block.name}: saved {block.saved_bytes / 2**20:.0f} MiB, "
+            f"selective {block.selective_bytes / 2**20:.0f} MiB"
+        )
+
+
+def _where(frames: list[dict[str, Any]]) -> str:
+    """The innermost Python frame outside torch's own modules (checkpointing, autocast and FSDP
+    stay visible), as "file:line function"; "?" where none was recorded."""
+    for frame in frames or []:
+        name = frame["filename"]
+        if not name.endswith(".py"):
+            continue  # C++ frames (the allocator's own)
+        if "/torch/" in name and not any(k in name for k in ("checkpoint", "amp", "fsdp")):
+            continue
+        return f"{name.split('site-packages/')[-1]}:{frame['line']} {frame['name']}"
+    return "?"
+
+
+class StepPeak:
+    """Where one step's peak of allocated bytes stood, by allocating line: `begin()` before the
+    step (what is live then is "before the step"), `end()` after it; recording runs in between."""
+
+    def begin(self) -> None:
+        self._before = {
+            block["address"]: block["size"]
+            for segment in torch.cuda.memory._snapshot()["segments"]
+            for block in segment["blocks"]
+            if block["state"] in ("active_allocated", "active_pending_free")
+        }
+        torch.cuda.memory._record_memory_history(None)  # an empty trace for this step
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+
+    def end(self, title: str, top: int = 25) -> None:
+        trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+        torch.cuda.memory._record_memory_history(None)
+        live: dict[int, tuple[int, str]] = {a: (n, "live before the step") for a, n in self._before.items()}
+        total = sum(n for n, _ in live.values())
+        peak, peak_at = total, -1
+        for index, event in enumerate(trace):
+            if event["action"] == "alloc":
+                total += event["size"]
+                if total > peak:
+                    peak, peak_at = total, index
+            elif event["action"] == "free_completed":
+                total -= event["size"]
+        live_at_peak = dict(live)
+        for event in trace[: peak_at + 1]:
+            if event["action"] == "alloc":
+                live_at_peak[event["addr"]] = (event["size"], _where(event.get("frames", [])))
+            elif event["action"] == "free_completed":
+                live_at_peak.pop(event["addr"], None)
+        totals: dict[str, int] = {}
+        for nbytes, where in live_at_peak.values():
+            totals[where] = totals.get(where, 0) + nbytes
+        asking = _where(trace[peak_at].get("frames", [])) if peak_at >= 0 else "-"
+        print(f"== {title}: peak {peak / 2**30:.2f} GiB at the allocation from {asking}", flush=True)
+        for where, nbytes in sorted(totals.items(), key=lambda kv: -kv[1])[:top]:
+            print(f"  {nbytes / 2**20:10.1f} MiB  {where}", flush=True)
 
 
 def main() -> None:
@@ -96,13 +160,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument(
-        "--plan", default="auto", choices=["auto", "ckpt", "ckpt-state", "no-state", "no-host"]
-    )
+    parser.add_argument("--plan", default="auto", help="see the module doc")
     parser.add_argument("--no-guard", action="store_true")
     parser.add_argument("--profile-step", type=int, default=-1)
     parser.add_argument("--out-dir", default="")
-    parser.add_argument("--memory-history", action="store_true")
+    parser.add_argument(
+        "--peak-steps",
+        type=int,
+        nargs="*",
+        default=[],
+        help="where these steps' peaks stood, by allocating line (StepPeak; recording slows them)",
+    )
     args = parser.parse_args()
     from bench_regime import build_model, make_batches
     from timeline import profiled
@@ -120,8 +188,7 @@ def main() -> None:
         [os.path.join(directory, "dev0")], file_size_bytes=16 << 30, durable=False, force=True
     )
     print(f"== {args.family} cap {args.cap_bytes / 2**30:.2f} GiB plan {args.plan} guard {not args.no_guard}")
-    if args.memory_history:
-        torch.cuda.memory._record_memory_history(max_entries=300000)
+    peaks = StepPeak()
     run: Any = None
     try:
         with teraio.offload(model, optimizer, store=store, gpu_memory=args.cap_bytes) as run:
@@ -131,6 +198,8 @@ def main() -> None:
             for step, tokens in enumerate(batches):
                 tokens = tokens.to(device)
                 torch.cuda.synchronize()
+                if step in args.peak_steps:
+                    peaks.begin()
                 started = time.perf_counter()
                 trace = os.path.join(
                     args.out_dir or directory, f"trace-{args.family}-{args.plan}-s{step}.json"
@@ -143,6 +212,8 @@ def main() -> None:
                     optimizer.zero_grad(set_to_none=True)
                     value = loss.item()
                 wall = (time.perf_counter() - started) * 1e3
+                if step in args.peak_steps:
+                    peaks.end(f"step {step}")
                 stats = torch.cuda.memory_stats()
                 delta = {
                     k: stats.get(k, 0) - before.get(k, 0)
@@ -168,28 +239,9 @@ def main() -> None:
                 )
         print(run.report())
     except torch.OutOfMemoryError:
-        if not args.memory_history:
-            raise
-        snapshot = torch.cuda.memory._snapshot()
-        plan = run.plan if run is not None else None
-        print(
-            f"OUT OF MEMORY at step {run.step if run else '?'}: "
-            f"allocated {torch.cuda.memory_allocated() / 2**30:.2f} GiB"
-        )
-        if plan is not None:
-            print(f"  plan {plan.actions}\n  bound {plan.predicted_peak_bytes / 2**30:.2f} GiB")
-            measured = run.measured
-            print(
-                f"  measured peak (no state) {measured.peak_bytes / 2**30:.2f} GiB, "
-                f"state {measured.state_bytes / 2**30:.2f} GiB"
-            )
-            for block in measured.blocks:
-                print(
-                    f"  {block.name}: saved {block.saved_bytes / 2**20:.0f} MiB, "
-                    f"selective {block.selective_bytes / 2**20:.0f} MiB"
-                )
-        for nbytes, count, where in live_by_line(snapshot):
-            print(f"  {nbytes / 2**20:10.1f} MiB {count:6d} blocks  {where}")
+        if run is not None and run.step in args.peak_steps:
+            peaks.end(f"step {run.step} up to the failure")
+            print_measured(run)
         raise
     finally:
         store.close()

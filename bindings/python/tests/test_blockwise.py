@@ -352,6 +352,39 @@ def test_measuring_moves_only_the_state_that_does_not_fit() -> None:
     assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
 
 
+def test_a_plan_moves_more_state_than_the_measuring_iterations_did(monkeypatch: Any) -> None:
+    # The measuring iterations moved the largest state tensor only; the plan moves all of it: every
+    # tensor must leave, not just the one the executor already held.
+    reference, state = _reference(6)
+    planned: list[int] = []
+
+    def all_state_out(measured: Measurement, link: Link, limit: int, sizes: list[int], *args: Any) -> Any:
+        plan = Plan([RECOMPUTE] * len(measured.blocks), state_host_bytes=sum(sizes))
+        plan.predicted_ms, plan.predicted_peak_bytes = bw.predict(measured, plan, link)
+        planned.append(plan.state_out_bytes)
+        return plan, []
+
+    monkeypatch.setattr(bw, "choose", all_state_out)
+    _trial_goes_to(monkeypatch, "plan")
+    model, optimizer = make(layers=LAYERS, hidden=HIDDEN)
+    run = teraio.offload(model, optimizer, gpu_memory="1GiB", granularity="block", reserve=0, min_bytes=0)
+    data = batches(6, rows=ROWS)
+    with run:
+        losses = train(model, optimizer, data[:1])
+        tensors = run._state_tensors()
+        run._fb_peak = (1 << 30) - sum(t.untyped_storage().nbytes() for t in tensors) + 1
+        run._state_moves_set = False
+        run.state.close()
+        run._state_all_out()
+        assert len(run.state.slots) == 1 < len(tensors)
+        run.state.after_step(defer=True)
+        losses += train(model, optimizer, data[1:])
+        assert planned and run.state.planned_bytes(HOST) == planned[0] > run.state.slots[0].nbytes
+    assert losses == reference
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+    assert run.report().state_bytes_per_iteration["offloaded"]["host"] == planned[0]
+
+
 def test_a_report_in_the_middle_of_the_trial_counts_the_plan_side(monkeypatch: Any) -> None:
     _force(monkeypatch, HOST)
     _trial_goes_to(monkeypatch, "plan")
