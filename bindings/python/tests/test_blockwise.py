@@ -93,6 +93,22 @@ def test_no_plan_when_even_the_step_does_not_fit() -> None:
     assert plan is None  # ...and below it nothing fits
 
 
+def test_a_windowed_step_fits_below_the_step_with_all_the_state() -> None:
+    # The step holds 12 GB with all 4 GB of state back; at 11 GB only a step that takes the state
+    # back a window (0.5 GB) at a time fits (3 GB out: 9 GB + 3 windows held), on a link fast enough
+    # for the state to be out before forward ends.
+    measured = _measured()
+    limit = 11 * GB
+    plan, _ = bw.choose(measured, Link(1e12, 1e12), limit, [GB // 2] * 8, 1 << 50, False, GB // 2)
+    assert plan is not None and plan.step_window_bytes == GB // 2
+    assert plan.predicted_peak_bytes <= limit
+    assert bw.step_bound(measured, plan) == measured.step_peak_bytes - plan.state_out_bytes + 3 * GB // 2
+    assert plan.state_restore_at is None  # the windowed step brings the state back itself
+    # Where the step fits with all the state, it is not windowed.
+    plan, _ = bw.choose(measured, Link(1e12, 1e12), 13 * GB, [GB // 2] * 8, 1 << 50, False, GB // 2)
+    assert plan is not None and plan.step_window_bytes == 0
+
+
 def _with_selective(measured: Measurement, kept: int, recompute_ms: float) -> Measurement:
     for block in measured.blocks:
         block.selective_bytes, block.selective_recompute_ms = kept, recompute_ms
@@ -383,6 +399,54 @@ def test_a_plan_moves_more_state_than_the_measuring_iterations_did(monkeypatch: 
     assert losses == reference
     assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
     assert run.report().state_bytes_per_iteration["offloaded"]["host"] == planned[0]
+
+
+def test_the_step_runs_in_windows_where_it_cannot_hold_all_the_state(monkeypatch: Any) -> None:
+    # Parameters, gradients and half of the AdamW state: the step with all of its state (twice
+    # the weights) cannot fit, so the state leaves between steps and comes back a window at a
+    # time. Training stays exact, and each window's state is on the device only for its step.
+    _trial_goes_to(monkeypatch, "plan")
+    steps = 6
+    reference, state = _reference(steps)
+    model, optimizer = make(layers=LAYERS, hidden=HIDDEN)
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    budget = 3 * weights
+    resident_at_step: list[int] = []
+    out_by_step: list[int] = []
+
+    def count_resident(optimizer: Any, args: Any, kwargs: Any) -> None:
+        resident_at_step.append(
+            sum(v.untyped_storage().nbytes() for s in optimizer.state.values() for v in s.values() if v.dim())
+        )
+        out_by_step.append(run.state.stats.offloaded_bytes[HOST])
+
+    run = teraio.offload(
+        model,
+        optimizer,
+        gpu_memory=budget,
+        granularity="block",
+        whole_model="off",  # as under FSDP2, where whole-model offload is refused
+        reserve=0,
+        min_bytes=0,
+        host_link_bandwidth="1000GB/s",
+    )
+    with run:
+        # Registered after teraio's: runs once teraio has stepped every window but the last.
+        hook = optimizer.register_step_pre_hook(count_resident)
+        losses = train(model, optimizer, batches(steps, rows=ROWS))
+        hook.remove()
+        moved = run.state.planned_bytes(HOST)
+    assert losses == reference
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+    plan = run.plan
+    assert plan is not None and plan.step_window_bytes > 0, run.report()
+    assert plan.predicted_peak_bytes <= budget
+    assert len(run._step_windows) > 1
+    # At the caller's step only the last window (and any state that stays) is on the device.
+    assert resident_at_step[-1] <= 2 * weights - plan.state_out_bytes + plan.step_window_bytes
+    assert moved >= plan.state_out_bytes
+    # Each moved tensor leaves once an iteration (the last window when the next forward starts).
+    assert out_by_step[-1] - out_by_step[-2] == moved
 
 
 def test_a_report_in_the_middle_of_the_trial_counts_the_plan_side(monkeypatch: Any) -> None:

@@ -91,6 +91,10 @@ SELECTIVE_SPLIT_SHARE = 0.25
 #: Saved bytes each copy direction may have in flight, in blocks' worth (the largest block): the
 #: plan picks one of these (a wider window stalls forward less and costs more GPU memory).
 WINDOW_BLOCKS = (1, 2)
+#: A windowed step (`Plan.step_window_bytes`) holds at most this many windows of optimizer state on
+#: the GPU at once: the one stepping, the next one's restore (issued ahead so that it overlaps) and
+#: the previous one's, whose memory returns once its copy out has read it.
+STEP_WINDOWS_HELD = 3
 #: The least reserve, as a share of the budget. Lower than the tensor plan's
 #: (`machine.RESERVE_MIN_SHARE`): this plan's peak is measured, not modelled per tensor, and its
 #: bound adds whole blocks to it; a peak that comes close still checkpoints one more block.
@@ -163,6 +167,10 @@ class Plan:
     predicted_peak_bytes: int = 0
     #: The copy window of HOST blocks, in blocks' worth (`WINDOW_BLOCKS`).
     window_blocks: int = 1
+    #: 0: the moved state comes back whole for the step. Else the step runs in windows of about
+    #: this many bytes of moved state (one parameter's at least), each back, stepped and out
+    #: again in turn: for a budget the step with all the state cannot fit.
+    step_window_bytes: int = 0
 
     @property
     def state_out_bytes(self) -> int:
@@ -297,7 +305,16 @@ def peak_bound(measured: Measurement, plan: Plan) -> int:
     largest = max((b.saved_bytes for b in measured.blocks), default=0)
     hosted = window_bytes(measured, plan) + largest if HOST in plan.actions else 0
     state_left = measured.state_bytes - plan.state_out_bytes
-    return max(measured.peak_bytes + kept + hosted + state_left, measured.step_peak_bytes)
+    return max(measured.peak_bytes + kept + hosted + state_left, step_bound(measured, plan))
+
+
+def step_bound(measured: Measurement, plan: Plan) -> int:
+    """The step's peak: as measured with all the state back, or, windowed, less the moved state
+    but the windows it holds (its temporaries counted whole, as measured)."""
+    if not plan.step_window_bytes:
+        return measured.step_peak_bytes
+    held = STEP_WINDOWS_HELD * plan.step_window_bytes
+    return min(measured.step_peak_bytes, measured.step_peak_bytes - plan.state_out_bytes + held)
 
 
 def _restore_position(measured: Measurement, plan: Plan, limit: int) -> Optional[int]:
@@ -342,6 +359,7 @@ def _best_layout(
     hosted: int,
     with_selective: bool,
     best: Optional[Plan],
+    step_window: int,
 ) -> Optional[Plan]:
     """`best`, or a faster layout with `hosted` host blocks that fits (`choose`)."""
     n = len(measured.blocks)
@@ -359,9 +377,16 @@ def _best_layout(
             if best is not None and compute >= best.predicted_ms - 1e-9:
                 break
             need = peak_bound(measured, plan) - limit_bytes
+            if step_window and measured.step_peak_bytes > limit_bytes:
+                # The step cannot take all the state back: it runs in windows, and the state
+                # moved must make room for the windows it holds.
+                plan.step_window_bytes = step_window
+                need = max(need, measured.step_peak_bytes - limit_bytes + STEP_WINDOWS_HELD * step_window)
             if need > 0 and not _move_state(plan, need, state_sizes, host_left, has_store):
                 continue
-            plan.state_restore_at = _restore_position(measured, plan, limit_bytes)
+            # A windowed step brings the state back itself; else where backward frees room.
+            if not plan.step_window_bytes:
+                plan.state_restore_at = _restore_position(measured, plan, limit_bytes)
             plan.predicted_ms, plan.predicted_peak_bytes = predict(measured, plan, link)
             if plan.predicted_peak_bytes > limit_bytes:
                 continue
@@ -379,10 +404,12 @@ def choose(
     state_sizes: list[int],
     host_bytes: int,
     has_store: bool,
+    step_window: int = 0,
 ) -> tuple[Optional[Plan], list[dict[str, Any]]]:
     """The fastest layout that fits `limit_bytes` (None if none does), and a summary per block
     count tried. `state_sizes`: the movable optimizer-state tensors' bytes (largest first);
-    `host_bytes`: pinned host memory for activations and state together.
+    `host_bytes`: pinned host memory for activations and state together; `step_window`: the
+    window of a windowed step where the step with all the state cannot fit (0: no windowed step).
 
     Layouts: h blocks to the host, then c recomputed, s selective (where every block's selective
     recomputation was measured) and the rest kept. The layouts without selective blocks go first;
@@ -407,6 +434,7 @@ def choose(
                 hosted,
                 with_selective,
                 best,
+                step_window,
             )
             tried.append(
                 {
@@ -830,6 +858,11 @@ class BlockOffload:
         self._trial_from: Optional[int] = None
         self.settled_from: Optional[int] = None
         self.replans = 0
+        # A windowed step (`Plan.step_window_bytes`): the state slots of each window, the
+        # parameters each window steps, and the gradients hidden from the optimizer meanwhile.
+        self._step_windows: list[list[int]] = []
+        self._window_params: list[set[int]] = []
+        self._hidden_grads: dict[torch.Tensor, torch.Tensor] = {}
         # Counters (block runtime, state executor) when the iterations counted from a step began:
         # {step: (stats, state stats)}, for the plan's first step and the trial's end.
         self._stats_at: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
@@ -1006,13 +1039,41 @@ class BlockOffload:
             torch.cuda.reset_peak_memory_stats(self.device)
         self._marks["backward_end"] = mark(self.device)
         started = time.perf_counter()
-        self.state.before_step()
+        if self._step_windows:
+            self._step_in_windows(optimizer)
+        else:
+            self.state.before_step()
         self.stats.hook_s += time.perf_counter() - started
         self._marks["step"] = mark(self.device)
+
+    def _step_in_windows(self, optimizer: Any) -> None:
+        """All windows but the last are stepped here, by the optimizer's own step without its
+        hooks, each with only its parameters' gradients visible (an optimizer skips parameters
+        without one, and updates each parameter from its own gradient and state alone); the
+        caller's step then steps the last window and the parameters whose state stays."""
+        raw = type(optimizer).step.__wrapped__
+        self._hidden_grads = {
+            p: p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None
+        }
+
+        def show(window: int) -> None:
+            visible = self._window_params[window]
+            for param, grad in self._hidden_grads.items():
+                param.grad = grad if id(param) in visible else None
+
+        def step(window: int) -> None:
+            show(window)
+            raw(optimizer)
+
+        self.state.step_in_windows(self._step_windows, step)
+        show(len(self._step_windows) - 1)
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._marks["end"] = mark(self.device)
         started = time.perf_counter()
+        for param, grad in self._hidden_grads.items():  # as the loop left them
+            param.grad = grad
+        self._hidden_grads = {}
         if self.plan is None and self.step == 1:
             self._take_times()
             self._start_selective_probes()
@@ -1265,7 +1326,13 @@ class BlockOffload:
             measured.step_peak_bytes = persistent + all_state
         limit = self.gpu_memory_bytes - self.reserve_bytes
         plan, self.tried = choose(
-            measured, self.link, limit, sizes, self.host_memory_bytes, self.store is not None
+            measured,
+            self.link,
+            limit,
+            sizes,
+            self.host_memory_bytes,
+            self.store is not None,
+            self._step_window(tensors),
         )
         if plan is None:
             from .runtime import NoPlanFitsError
@@ -1283,6 +1350,52 @@ class BlockOffload:
         self._install(plan)
         self.planned_from = self.step + 1
         self._stats_at[self.planned_from] = (self.stats.as_dict(), self.state.stats.as_dict())
+
+    def _state_by_param(self, tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+        """Each parameter with the ones of `tensors` (movable state) that are its state."""
+        movable = {id(t): t for t in tensors}
+        found = []
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                state = self.optimizer.state.get(param, {})
+                ids = [id(sharded.local_tensor(v)) for v in state.values() if isinstance(v, torch.Tensor)]
+                found.append((param, [movable[i] for i in ids if i in movable]))
+        return found
+
+    def _step_window(self, tensors: list[torch.Tensor]) -> int:
+        """The window of a windowed step: a sixteenth of the movable state, and at least the
+        largest parameter's (its tensors are stepped together); 0 where the optimizer's step
+        cannot be called without its hooks (a windowed step is not offered)."""
+        if getattr(type(self.optimizer).step, "__wrapped__", None) is None or not tensors:
+            return 0
+        nbytes = [
+            sum(t.untyped_storage().nbytes() for t in mine) for _, mine in self._state_by_param(tensors)
+        ]
+        return max(max(nbytes, default=0), sum(nbytes) // 16)
+
+    def _set_step_windows(self, plan: Plan) -> None:
+        """The windowed step's windows over the state slots the plan moves, in the optimizer's
+        parameter order; parameters whose state stays are stepped with the last window."""
+        self._step_windows, self._window_params = [], []
+        if not plan.step_window_bytes:
+            return
+        slot_of = {id(slot.tensor): index for index, slot in enumerate(self.state.slots)}
+        windows: list[tuple[list[int], set[int], int]] = []
+        staying: set[int] = set()
+        for param, mine in self._state_by_param([slot.tensor for slot in self.state.slots]):
+            indices = [slot_of[id(t)] for t in mine]
+            if not indices:
+                staying.add(id(param))
+                continue
+            nbytes = sum(self.state.slots[i].nbytes for i in indices)
+            if not windows or windows[-1][2] + nbytes > plan.step_window_bytes:
+                windows.append(([], set(), 0))
+            slots, params, held = windows[-1]
+            windows[-1] = (slots + indices, params | {id(param)}, held + nbytes)
+        self._step_windows = [w[0] for w in windows]
+        self._window_params = [w[1] for w in windows]
+        if self._window_params:
+            self._window_params[-1] |= staying
 
     def _install(self, plan: Plan) -> None:
         self.plan = plan
@@ -1307,6 +1420,7 @@ class BlockOffload:
         moving = self.state.planned_bytes(HOST) + self.state.planned_bytes(SSD)
         # The plan's bound counts this state as gone from the GPU: it must leave.
         assert moving >= plan.state_out_bytes, (plan.state_out_bytes, moving)
+        self._set_step_windows(plan)
 
     def _state_tensors_all(self) -> list[torch.Tensor]:
         """Every movable state tensor, largest first, whether it is on the GPU now or not: those

@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -304,6 +304,24 @@ class StateExecutor:
                 self._restore(index)
         for slot in self.slots:
             self._join(slot)
+        self.stats.step_wait_s += time.perf_counter() - started
+
+    def step_in_windows(self, windows: list[list[int]], step: Callable[[int], None]) -> None:
+        """A windowed optimizer step over the slots in `windows` (lists of slot indices): window
+        k's tensors come back (the next window's restore is issued before window k is stepped,
+        so that it overlaps), `step(k)` runs, and they go out again, but the last window's, which
+        stay for the caller's own step (they leave with `after_step`)."""
+        started = time.perf_counter()
+        for k, window in enumerate(windows):
+            for index in (window if k == 0 else []) + (windows[k + 1] if k + 1 < len(windows) else []):
+                if not self.slots[index].issued:
+                    self._restore(index)
+            for index in window:
+                self._join(self.slots[index])
+            if k + 1 == len(windows):
+                break
+            step(k)
+            self._move_out(window)
         self.stats.step_wait_s += time.perf_counter() - started
 
     def _join(self, slot: _StateSlot) -> None:
