@@ -436,6 +436,8 @@ def test_the_step_runs_in_windows_where_it_cannot_hold_all_the_state(monkeypatch
         losses = train(model, optimizer, batches(steps, rows=ROWS))
         hook.remove()
         moved = run.state.planned_bytes(HOST)
+        with pytest.raises(ValueError, match="closure"):
+            optimizer.step(lambda: 0.0)
     assert losses == reference
     assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
     plan = run.plan

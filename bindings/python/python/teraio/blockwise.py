@@ -1040,6 +1040,11 @@ class BlockOffload:
         self._marks["backward_end"] = mark(self.device)
         started = time.perf_counter()
         if self._step_windows:
+            if any(a is not None for a in args[1:]) or kwargs.get("closure") is not None:
+                raise ValueError(
+                    "teraio.offload: optimizer.step(closure) is not supported where the step runs in "
+                    "windows (the optimizer state does not fit the budget all at once)"
+                )
             self._step_in_windows(optimizer)
         else:
             self.state.before_step()
