@@ -1416,11 +1416,7 @@ class BlockOffload:
             if moved >= plan.state_out_bytes:
                 break
             count += 1
-            moved += (
-                tensor.untyped_storage().nbytes()
-                if tensor.untyped_storage().nbytes()
-                else self._slot_bytes(tensor)
-            )
+            moved += self._slot_bytes(tensor)
         self._set_state_moves(tensors, host_left, count, plan.state_restore_at)
         moving = self.state.planned_bytes(HOST) + self.state.planned_bytes(SSD)
         # The plan's bound counts this state as gone from the GPU: it must leave.
@@ -1439,10 +1435,11 @@ class BlockOffload:
         return sorted(known + rest, key=lambda t: -self._slot_bytes(t))
 
     def _slot_bytes(self, tensor: torch.Tensor) -> int:
-        for slot in self.state.slots:
-            if slot.tensor is tensor:
-                return slot.nbytes
-        return int(tensor.untyped_storage().nbytes())
+        """A state tensor's bytes: its storage's, or, moved out (its storage empty), its slot's."""
+        nbytes = int(tensor.untyped_storage().nbytes())
+        if nbytes:
+            return nbytes
+        return next(slot.nbytes for slot in self.state.slots if slot.tensor is tensor)
 
     def _check_plan(self) -> None:
         """After a planned iteration: a peak within half the reserve of the budget checkpoints one
