@@ -345,6 +345,16 @@ def test_the_trial_keeps_the_faster_of_the_plan_and_checkpointing(monkeypatch: A
     assert (moved == 0) == (winner == "checkpoint"), report
 
 
+def _measuring_moves_as_if_peaked(run: Any, fb_peak: int) -> None:
+    """After step 0: the measuring iterations' state moves as if its forward and backward had
+    peaked at `fb_peak` (on CUDA the allocator says it; a CPU run has no such figure)."""
+    run._fb_peak = fb_peak
+    run._state_moves_set = False
+    run.state.close()
+    run._state_all_out()
+    run.state.after_step(defer=True)
+
+
 def test_measuring_moves_only_the_state_that_does_not_fit() -> None:
     # Step 0's forward and backward "peaked" (on CUDA the allocator says it) 1 byte more than one
     # state tensor below the budget with all of the state: the two largest tensors leave.
@@ -354,15 +364,9 @@ def test_measuring_moves_only_the_state_that_does_not_fit() -> None:
     data = batches(4, rows=ROWS)
     with run:
         losses = train(model, optimizer, data[:1])
-        tensors = run._state_tensors()
-        total = sum(t.untyped_storage().nbytes() for t in tensors)
-        largest = tensors[0].untyped_storage().nbytes()
-        run._fb_peak = (1 << 30) - total + largest + 1
-        run._state_moves_set = False
-        run.state.close()
-        run._state_all_out()
-        assert [slot.nbytes for slot in run.state.slots] == [largest, tensors[1].untyped_storage().nbytes()]
-        run.state.after_step(defer=True)
+        sizes = [t.untyped_storage().nbytes() for t in run._state_tensors()]
+        _measuring_moves_as_if_peaked(run, (1 << 30) - sum(sizes) + sizes[0] + 1)
+        assert [slot.nbytes for slot in run.state.slots] == sizes[:2]
         losses += train(model, optimizer, data[1:])
     assert losses == reference
     assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
@@ -388,12 +392,8 @@ def test_a_plan_moves_more_state_than_the_measuring_iterations_did(monkeypatch: 
     with run:
         losses = train(model, optimizer, data[:1])
         tensors = run._state_tensors()
-        run._fb_peak = (1 << 30) - sum(t.untyped_storage().nbytes() for t in tensors) + 1
-        run._state_moves_set = False
-        run.state.close()
-        run._state_all_out()
+        _measuring_moves_as_if_peaked(run, (1 << 30) - sum(t.untyped_storage().nbytes() for t in tensors) + 1)
         assert len(run.state.slots) == 1 < len(tensors)
-        run.state.after_step(defer=True)
         losses += train(model, optimizer, data[1:])
         assert planned and run.state.planned_bytes(HOST) == planned[0] > run.state.slots[0].nbytes
     assert losses == reference
