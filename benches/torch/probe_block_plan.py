@@ -9,7 +9,9 @@ an optional torch.profiler timeline of one step.
 state resident), `ckpt-state` (every block recomputed, all optimizer state to host memory between
 steps, back at the step), `no-state` (the fastest plan that moves no optimizer state), `no-host`
 (the fastest that copies no activations), `layout:r13k3` (in block order: 13 recomputed, then 3
-kept; letters h host, r recomputed, s selective, k kept; no optimizer state moved). `--no-guard`:
+kept; letters h host, r recomputed, s selective, k kept; with the optimizer state it needs moved,
+as the planner would move it; each forced plan also prints the measured times and every "c
+recomputed, the rest kept" layout's prediction). `--no-guard`:
 the plan stays even where it measures slower than checkpointing (and no memory replan). Per step
 it prints the wall time, the allocator's retries and device allocations, and the block runtime's
 phase times; with `--profile-step` the GPU's busy time per stream, its longest idle gaps on the
@@ -42,25 +44,91 @@ def forced_choose(kind: str) -> Any:
     real = bw.choose
 
     def choose(
-        measured: Any, link: Any, limit: int, state_sizes: list[int], host: int, has_store: bool
+        measured: Any,
+        link: Any,
+        limit: int,
+        state_sizes: list[int],
+        host: int,
+        has_store: bool,
+        step_window: int = 0,
+        step_held: int = 0,
     ) -> Any:
         n = len(measured.blocks)
+        print_predictions(measured, link, limit, state_sizes, host, has_store, step_window, step_held)
+        if kind == "auto":
+            return real(measured, link, limit, state_sizes, host, has_store, step_window, step_held)
         if kind == "ckpt":
             plan = bw.Plan([bw.RECOMPUTE] * n)
         elif kind == "ckpt-state":
             plan = bw.Plan([bw.RECOMPUTE] * n, state_host_bytes=sum(state_sizes))
         elif kind == "no-state":
-            return real(measured, link, limit, [], host, False)
+            return real(measured, link, limit, [], host, False, step_window, step_held)
         elif kind == "no-host":
-            return real(measured, link, limit, state_sizes, 0, has_store)
+            return real(measured, link, limit, state_sizes, 0, has_store, step_window, step_held)
         elif kind.startswith("layout:"):
-            plan = bw.Plan(parse_layout(kind.removeprefix("layout:"), n))
+            actions = parse_layout(kind.removeprefix("layout:"), n)
+            fitted = bw.fit_layout(
+                measured, link, limit, actions, 1, state_sizes, host, has_store, step_window, step_held
+            )
+            if fitted is None:
+                print(f"  layout {kind}: does not fit even with the state moved; run without moving state")
+            plan = fitted or bw.Plan(actions)
         else:
             raise ValueError(kind)
-        plan.predicted_ms, plan.predicted_peak_bytes = bw.predict(measured, plan, link)
+        if not plan.predicted_ms:
+            plan.predicted_ms, plan.predicted_peak_bytes = bw.predict(measured, plan, link)
+        print(
+            f"  forced plan: predicted {plan.predicted_ms:.1f} ms, bound "
+            f"{plan.predicted_peak_bytes / 2**30:.2f} GiB, state out {plan.state_out_bytes / 2**30:.2f} GiB, "
+            f"restore at {plan.state_restore_at}, step window {plan.step_window_bytes / 2**30:.2f} GiB",
+            flush=True,
+        )
         return plan, []
 
     return choose
+
+
+def print_predictions(
+    measured: Any,
+    link: Any,
+    limit: int,
+    state_sizes: list[int],
+    host: int,
+    has_store: bool,
+    step_window: int,
+    step_held: int,
+) -> None:
+    """The measured times the plan is made of, and each "c recomputed, the rest kept" layout's
+    prediction with the state it must move (no host or selective blocks)."""
+    from teraio import blockwise as bw
+
+    print(
+        f"  measured: checkpoint-all {measured.checkpoint_all_ms:.1f} ms (pre {measured.pre_forward_ms:.1f}, "
+        f"head {measured.head_backward_ms:.1f}, tail {measured.tail_backward_ms:.1f}, "
+        f"step {measured.step_ms:.1f}); peak {measured.peak_bytes / 2**30:.2f} GiB, step peak "
+        f"{measured.step_peak_bytes / 2**30:.2f} GiB, state {measured.state_bytes / 2**30:.2f} GiB, "
+        f"limit {limit / 2**30:.2f} GiB; link d2h {link.d2h / 1e9:.1f} h2d {link.h2d / 1e9:.1f} GB/s",
+        flush=True,
+    )
+    for block in measured.blocks:
+        print(
+            f"    {block.name}: saved {block.saved_bytes / 2**20:.0f} MiB, forward {block.forward_ms:.2f}, "
+            f"recompute {block.recompute_ms:.2f}, backward {block.backward_ms:.2f} ms"
+        )
+    n = len(measured.blocks)
+    for recomputed in range(n + 1):
+        actions = [bw.RECOMPUTE] * recomputed + [bw.KEEP] * (n - recomputed)
+        plan = bw.fit_layout(
+            measured, link, limit, actions, 1, state_sizes, host, has_store, step_window, step_held
+        )
+        if plan is None:
+            continue
+        print(
+            f"    r{recomputed}k{n - recomputed}: predicted {plan.predicted_ms:.1f} ms, bound "
+            f"{plan.predicted_peak_bytes / 2**30:.2f} GiB, state out {plan.state_out_bytes / 2**30:.2f} GiB, "
+            f"restore at {plan.state_restore_at}",
+            flush=True,
+        )
 
 
 def parse_layout(spec: str, blocks: int) -> list[str]:
@@ -162,6 +230,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--plan", default="auto", help="see the module doc")
     parser.add_argument("--no-guard", action="store_true")
+    parser.add_argument("--whole-model", default="auto", choices=("auto", "on", "off"))
     parser.add_argument("--profile-step", type=int, default=-1)
     parser.add_argument("--out-dir", default="")
     parser.add_argument(
@@ -181,8 +250,7 @@ def main() -> None:
     model = build_model(args.family, "autocast", device, tiny=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batches = make_batches(args.steps, args.batch, args.seq, model.config.vocab_size)
-    if args.plan != "auto":
-        bw.choose = forced_choose(args.plan)
+    bw.choose = forced_choose(args.plan)
     directory = tempfile.mkdtemp(prefix="teraio-probe-", dir="/root")
     store = teraio.Store.create(
         [os.path.join(directory, "dev0")], file_size_bytes=16 << 30, durable=False, force=True
@@ -191,7 +259,9 @@ def main() -> None:
     peaks = StepPeak()
     run: Any = None
     try:
-        with teraio.offload(model, optimizer, store=store, gpu_memory=args.cap_bytes) as run:
+        with teraio.offload(
+            model, optimizer, store=store, gpu_memory=args.cap_bytes, whole_model=args.whole_model
+        ) as run:
             if args.no_guard:
                 run._check_plan = lambda: None
             before = torch.cuda.memory_stats()

@@ -107,6 +107,12 @@ def test_a_windowed_step_fits_below_the_step_with_all_the_state() -> None:
     # Where the step fits with all the state, it is not windowed.
     plan, _ = bw.choose(measured, Link(1e12, 1e12), 13 * GB, [GB // 2] * 8, 1 << 50, False, GB // 2)
     assert plan is not None and plan.step_window_bytes == 0
+    # Windows held as measured (one parameter's 1 GB window and two of 0.5 GB), not three of
+    # the largest: 3.5 GB leave the GPU, not 4 GB.
+    plan, _ = bw.choose(measured, Link(1e12, 1e12), 10 * GB, [GB // 2] * 8, 1 << 50, False, GB // 2, 2 * GB)
+    assert plan is not None and plan.step_held_bytes == 2 * GB
+    assert bw.step_bound(measured, plan) == measured.step_peak_bytes - plan.state_out_bytes + 2 * GB
+    assert plan.predicted_peak_bytes <= 10 * GB
 
 
 def _with_selective(measured: Measurement, kept: int, recompute_ms: float) -> Measurement:
@@ -449,6 +455,55 @@ def test_the_step_runs_in_windows_where_it_cannot_hold_all_the_state(monkeypatch
     assert moved >= plan.state_out_bytes
     # Each moved tensor leaves once an iteration (the last window when the next forward starts).
     assert out_by_step[-1] - out_by_step[-2] == moved
+
+
+@pytest.mark.parametrize("room", ["all", "parameters"])
+def test_the_first_step_creates_the_state_in_windows_and_moves_out_what_cannot_stay(
+    monkeypatch: Any, room: str
+) -> None:
+    # AdamW creates all of its state (twice the weights) in the first step, before any plan.
+    # teraio steps it a window of parameters at a time: where the budget holds parameters and
+    # gradients but not the state, each window's new state leaves at once and the measuring
+    # steps run in windows too; where it holds everything, nothing moves in the first step.
+    # Either way training is exact.
+    _trial_goes_to(monkeypatch, "plan")
+    steps = 6
+    reference, state = _reference(steps)
+    model, optimizer = make(layers=LAYERS, hidden=HIDDEN)
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    budget = 3 * weights if room == "parameters" else 100 * weights
+    seen: list[tuple[int, int, int]] = []  # (resident state, bytes out so far, windows) per step
+    run = teraio.offload(
+        model, optimizer, gpu_memory=budget, granularity="block", whole_model="off", reserve=0, min_bytes=0
+    )
+
+    def at_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+        resident = sum(
+            v.untyped_storage().nbytes() for s in optimizer.state.values() for v in s.values() if v.dim()
+        )
+        seen.append((resident, run.state.stats.offloaded_bytes[HOST], len(run._step_windows)))
+
+    with run:
+        hook = optimizer.register_step_pre_hook(at_step)  # runs after teraio's own
+        losses = train(model, optimizer, batches(steps, rows=ROWS))
+        hook.remove()
+    assert losses == reference
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+    # The step with all the state, estimated from the windows: parameters, gradients, the state
+    # (no temporaries on a CPU "device").
+    all_state = sum(v.untyped_storage().nbytes() for s in optimizer.state.values() for v in s.values())
+    assert run._step_peak_estimate == 2 * weights + all_state
+    if room == "parameters":
+        # Step 0: windows' state left as it was made until what stays fits beside the parameters
+        # and gradients (counted before the last window makes its own).
+        assert 0 < seen[0][0] <= budget - 2 * weights and seen[0][1] > 0
+        # The measuring steps run in windows, and so does the plan's.
+        assert seen[1][2] > 1 and seen[2][2] > 1
+        assert run.plan is not None and run.plan.step_window_bytes > 0
+        assert max(resident for resident, _, _ in seen[1:]) <= budget - 2 * weights
+    else:
+        assert seen[0][1] == 0  # nothing left in the first step
+        assert seen[1][2] == 0  # nor does any measuring step run in windows
 
 
 def test_a_report_in_the_middle_of_the_trial_counts_the_plan_side(monkeypatch: Any) -> None:

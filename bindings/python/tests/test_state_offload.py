@@ -124,3 +124,29 @@ def test_parameters_between_the_passes_are_exact(tier: str, store: teraio.Store)
     for param in model.parameters():  # every parameter holds its memory again
         assert param.untyped_storage().nbytes() == param.numel() * param.element_size()
     train(model, optimizer, _data()[:1])
+
+
+@pytest.mark.parametrize("tier", ["host", "ssd"])
+def test_a_new_plan_keeps_what_stays_moved_out_and_brings_back_the_rest(
+    tier: str, store: teraio.Store
+) -> None:
+    # Switching plans must not bring back state both plans move (where the state cannot all be on
+    # the device at once, that would not fit); what the new plan no longer moves comes back exact.
+    from teraio.state import Move, StateExecutor
+
+    tensors = [torch.randn(1000 + i) for i in range(3)]
+    originals = [t.clone() for t in tensors]
+    executor = StateExecutor(torch.device("cpu"), store=store)
+    executor.set_plan([Move(tensors[0], tier, None), Move(tensors[1], tier, None)])
+    executor.after_step()
+    assert [t.untyped_storage().nbytes() for t in tensors[:2]] == [0, 0]
+    executor.set_plan([Move(tensors[1], tier, None), Move(tensors[2], tier, None)])
+    assert torch.equal(tensors[0], originals[0])  # no longer moved: back
+    assert tensors[1].untyped_storage().nbytes() == 0  # moved by both: still out
+    assert tensors[2].untyped_storage().nbytes() > 0
+    executor.before_step()
+    assert all(torch.equal(t, o) for t, o in zip(tensors, originals))
+    executor.after_step()
+    executor.close()
+    assert all(torch.equal(t, o) for t, o in zip(tensors, originals))
+    assert executor.slots == []

@@ -168,9 +168,11 @@ class Plan:
     #: The copy window of HOST blocks, in blocks' worth (`WINDOW_BLOCKS`).
     window_blocks: int = 1
     #: 0: the moved state comes back whole for the step. Else the step runs in windows of about
-    #: this many bytes of moved state (one parameter's at least), each back, stepped and out
-    #: again in turn: for a budget the step with all the state cannot fit.
+    #: this many bytes of moved state (a parameter's own where it holds more), each back, stepped
+    #: and out again in turn: for a budget the step with all the state cannot fit.
     step_window_bytes: int = 0
+    #: The most bytes of windows the windowed step holds at once (`STEP_WINDOWS_HELD` of them).
+    step_held_bytes: int = 0
 
     @property
     def state_out_bytes(self) -> int:
@@ -313,7 +315,7 @@ def step_bound(measured: Measurement, plan: Plan) -> int:
     but the windows it holds (its temporaries counted whole, as measured)."""
     if not plan.step_window_bytes:
         return measured.step_peak_bytes
-    held = STEP_WINDOWS_HELD * plan.step_window_bytes
+    held = plan.step_held_bytes or STEP_WINDOWS_HELD * plan.step_window_bytes
     return min(measured.step_peak_bytes, measured.step_peak_bytes - plan.state_out_bytes + held)
 
 
@@ -349,6 +351,40 @@ def _move_state(plan: Plan, need: int, state_sizes: list[int], host_left: int, h
     return moved >= need
 
 
+def fit_layout(
+    measured: Measurement,
+    link: Link,
+    limit_bytes: int,
+    actions: list[str],
+    window: int,
+    state_sizes: list[int],
+    host_left: int,
+    has_store: bool,
+    step_window: int,
+    step_held: int = 0,
+) -> Optional[Plan]:
+    """The plan running `actions` with the optimizer state it must move to fit `limit_bytes`,
+    predicted; None where moving all it may does not make it fit. `step_window`/`step_held`:
+    a windowed step's window and what its windows hold at once (`choose`)."""
+    plan = Plan(list(actions), window_blocks=window)
+    need = peak_bound(measured, plan) - limit_bytes
+    if step_window and measured.step_peak_bytes > limit_bytes:
+        # The step cannot take all the state back: it runs in windows, and the state moved must
+        # make room for the windows it holds.
+        plan.step_window_bytes = step_window
+        plan.step_held_bytes = step_held or STEP_WINDOWS_HELD * step_window
+        need = max(need, measured.step_peak_bytes - limit_bytes + plan.step_held_bytes)
+    if need > 0 and not _move_state(plan, need, state_sizes, host_left, has_store):
+        return None
+    # A windowed step brings the state back itself; else where backward frees room.
+    if not plan.step_window_bytes:
+        plan.state_restore_at = _restore_position(measured, plan, limit_bytes)
+    plan.predicted_ms, plan.predicted_peak_bytes = predict(measured, plan, link)
+    if plan.predicted_peak_bytes > limit_bytes:
+        return None
+    return plan
+
+
 def _best_layout(
     measured: Measurement,
     link: Link,
@@ -360,6 +396,7 @@ def _best_layout(
     with_selective: bool,
     best: Optional[Plan],
     step_window: int,
+    step_held: int,
 ) -> Optional[Plan]:
     """`best`, or a faster layout with `hosted` host blocks that fits (`choose`)."""
     n = len(measured.blocks)
@@ -369,30 +406,29 @@ def _best_layout(
             actions = (
                 [HOST] * hosted + [RECOMPUTE] * recomputed + [SELECTIVE] * chosen + [KEEP] * (left - chosen)
             )
-            plan = Plan(actions, window_blocks=window)
             compute = measured.checkpoint_all_ms + sum(
                 recompute_ms(b, a) - b.recompute_ms + added_forward_ms(b, a)
                 for b, a in zip(measured.blocks, actions)
             )
             if best is not None and compute >= best.predicted_ms - 1e-9:
                 break
-            need = peak_bound(measured, plan) - limit_bytes
-            if step_window and measured.step_peak_bytes > limit_bytes:
-                # The step cannot take all the state back: it runs in windows, and the state
-                # moved must make room for the windows it holds.
-                plan.step_window_bytes = step_window
-                need = max(need, measured.step_peak_bytes - limit_bytes + STEP_WINDOWS_HELD * step_window)
-            if need > 0 and not _move_state(plan, need, state_sizes, host_left, has_store):
-                continue
-            # A windowed step brings the state back itself; else where backward frees room.
-            if not plan.step_window_bytes:
-                plan.state_restore_at = _restore_position(measured, plan, limit_bytes)
-            plan.predicted_ms, plan.predicted_peak_bytes = predict(measured, plan, link)
-            if plan.predicted_peak_bytes > limit_bytes:
+            plan = fit_layout(
+                measured,
+                link,
+                limit_bytes,
+                actions,
+                window,
+                state_sizes,
+                host_left,
+                has_store,
+                step_window,
+                step_held,
+            )
+            if plan is None:
                 continue
             if best is None or plan.predicted_ms < best.predicted_ms - 1e-9:
                 best = plan
-            if need <= 0:
+            if not plan.state_out_bytes:
                 break
     return best
 
@@ -405,6 +441,7 @@ def choose(
     host_bytes: int,
     has_store: bool,
     step_window: int = 0,
+    step_held: int = 0,
 ) -> tuple[Optional[Plan], list[dict[str, Any]]]:
     """The fastest layout that fits `limit_bytes` (None if none does), and a summary per block
     count tried. `state_sizes`: the movable optimizer-state tensors' bytes (largest first);
@@ -435,6 +472,7 @@ def choose(
                 with_selective,
                 best,
                 step_window,
+                step_held,
             )
             tried.append(
                 {
@@ -761,6 +799,42 @@ def _size(value: Optional[int]) -> str:
     return "-" if value is None else format_bytes(value)
 
 
+def _param_bytes(tensor: torch.Tensor) -> int:
+    """A tensor's storage bytes on this rank (a DTensor's local shard)."""
+    return int(sharded.local_tensor(tensor).untyped_storage().nbytes())
+
+
+@dataclass
+class _Creation:
+    """The first step stepped in windows (`BlockOffload._create_state_in_windows`): what it held
+    besides the optimizer state (`base`: parameters, gradients), the parameter bytes stepped, the
+    state created, the largest temporaries of a window and the most per parameter byte."""
+
+    base: int
+    stepped: int = 0
+    created: int = 0
+    temporaries: int = 0
+    temporaries_per_byte: float = 0.0
+
+    def add(self, param_bytes: int, state_bytes: int, temporaries: int) -> None:
+        temporaries = max(0, temporaries)
+        self.stepped += param_bytes
+        self.created += state_bytes
+        self.temporaries = max(self.temporaries, temporaries)
+        if param_bytes:
+            self.temporaries_per_byte = max(self.temporaries_per_byte, temporaries / param_bytes)
+
+    def to_come(self, total_param_bytes: int) -> int:
+        """The state still to be created (at the state per parameter byte so far) and one more
+        window's temporaries."""
+        left = total_param_bytes - self.stepped
+        return self.created * left // max(1, self.stepped) + self.temporaries
+
+    def step_peak(self, state_bytes: int) -> int:
+        """The step with all `state_bytes` of state on the device and every parameter at once."""
+        return self.base + state_bytes + int(self.temporaries_per_byte * self.stepped)
+
+
 class BlockOffload:
     """`teraio.offload` with the block plan (see the module docstring); same use:
 
@@ -863,6 +937,12 @@ class BlockOffload:
         self._step_windows: list[list[int]] = []
         self._window_params: list[set[int]] = []
         self._hidden_grads: dict[torch.Tensor, torch.Tensor] = {}
+        # The first step stepped in windows (`_create_state_in_windows`): its accounting, the
+        # window the caller's step steps with the bytes allocated before it, and the step with
+        # all the state estimated from it (None: not estimated).
+        self._creation = _Creation(0)
+        self._creating_last: Optional[tuple[list[torch.Tensor], int]] = None
+        self._step_peak_estimate: Optional[int] = None
         # Counters (block runtime, state executor) when the iterations counted from a step began:
         # {step: (stats, state stats)}, for the plan's first step and the trial's end.
         self._stats_at: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
@@ -1039,12 +1119,21 @@ class BlockOffload:
             torch.cuda.reset_peak_memory_stats(self.device)
         self._marks["backward_end"] = mark(self.device)
         started = time.perf_counter()
-        if self._step_windows:
+        creating = self.plan is None and self._creates_state(optimizer)
+        if self.plan is None and not creating:
+            self._set_step_windows(self._measuring_window())
+        if self._step_windows or creating:
             if any(a is not None for a in args[1:]) or kwargs.get("closure") is not None:
-                raise ValueError(
-                    "teraio.offload: optimizer.step(closure) is not supported where the step runs in "
-                    "windows (the optimizer state does not fit the budget all at once)"
-                )
+                if creating:
+                    creating = False  # the caller's step creates it all at once, as without teraio
+                else:
+                    raise ValueError(
+                        "teraio.offload: optimizer.step(closure) is not supported where the step runs "
+                        "in windows (the optimizer state does not fit the budget all at once)"
+                    )
+        if creating:
+            self._create_state_in_windows(optimizer)
+        elif self._step_windows:
             self._step_in_windows(optimizer)
         else:
             self.state.before_step()
@@ -1056,26 +1145,145 @@ class BlockOffload:
         hooks, each with only its parameters' gradients visible (an optimizer skips parameters
         without one, and updates each parameter from its own gradient and state alone); the
         caller's step then steps the last window and the parameters whose state stays."""
+        self._hide_grads(optimizer)
         raw = type(optimizer).step.__wrapped__
+
+        def step(window: int) -> None:
+            self._show_grads(self._window_params[window])
+            raw(optimizer)
+
+        self.state.step_in_windows(self._step_windows, step)
+        self._show_grads(self._window_params[-1])
+
+    def _hide_grads(self, optimizer: Any) -> None:
+        """Takes every gradient aside (`_after_step` puts them back as the loop left them)."""
         self._hidden_grads = {
             p: p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None
         }
 
-        def show(window: int) -> None:
-            visible = self._window_params[window]
-            for param, grad in self._hidden_grads.items():
-                param.grad = grad if id(param) in visible else None
+    def _show_grads(self, visible: set[int]) -> None:
+        for param, grad in self._hidden_grads.items():
+            param.grad = grad if id(param) in visible else None
 
-        def step(window: int) -> None:
-            show(window)
+    def _creates_state(self, optimizer: Any) -> bool:
+        """Whether this step creates optimizer state (a parameter with a gradient and no state
+        yet: the first step) and may do so window by window (the optimizer's step can be called
+        without its hooks, and the plan may move state)."""
+        if (
+            not self.options.offload_optimizer_state
+            or getattr(type(optimizer).step, "__wrapped__", None) is None
+        ):
+            return False
+        return any(
+            p.grad is not None and not optimizer.state.get(p)
+            for group in optimizer.param_groups
+            for p in group["params"]
+        )
+
+    def _allocated(self) -> int:
+        """Bytes allocated on the device (on a CPU "device": parameters, gradients and the state
+        on it, as `_make_plan` models them)."""
+        if self.cuda:
+            return int(torch.cuda.memory_allocated(self.device))
+        return 2 * sharded.parameter_bytes(self.model)[1] + self._resident_state_bytes()
+
+    def _resident_state_bytes(self) -> int:
+        """The optimizer state's bytes on the device now (moved-out tensors have empty storages)."""
+        seen: set[int] = set()
+        total = 0
+        for state in self.optimizer.state.values():
+            for value in state.values():
+                value = sharded.local_tensor(value)
+                if not isinstance(value, torch.Tensor) or value.device != self.device:
+                    continue
+                storage = value.untyped_storage()
+                if storage.nbytes() and storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    total += int(storage.nbytes())
+        return total
+
+    def _all_state_bytes(self) -> int:
+        """The optimizer state's bytes, on the device or moved out."""
+        away = sum(slot.nbytes for slot in self.state.slots if not slot.resident)
+        return self._resident_state_bytes() + away
+
+    def _create_state_in_windows(self, optimizer: Any) -> None:
+        """The first step, where the optimizer creates its state (AdamW: twice the parameters'
+        bytes, all at once, before any plan: FSDP2 at half its peak ran out of memory there):
+        stepped in windows of parameters (a sixteenth of their bytes; a larger one alone),
+        each window's new state moved out right away where keeping it leaves no room for the
+        state still to come (projected from the state per parameter byte so far) and the step's
+        temporaries. It also estimates the step with all the state on the device
+        (`_step_peak_estimate`, in `_finish_creation`). The caller's step steps the last window."""
+        self._hide_grads(optimizer)
+        raw = type(optimizer).step.__wrapped__
+        params = list(self._hidden_grads)
+        sizes = [_param_bytes(p) for p in params]
+        total = sum(sizes)
+        window = max(1, total // 16)
+        windows: list[list[torch.Tensor]] = [[]]
+        held = 0
+        for param, nbytes in zip(params, sizes):
+            if windows[-1] and held + nbytes > window:
+                windows.append([])
+                held = 0
+            windows[-1].append(param)
+            held += nbytes
+        limit = self.gpu_memory_bytes - self.reserve_bytes
+        self._creation = _Creation(self._allocated() - self._resident_state_bytes())
+        host_left = self.host_memory_bytes
+        for members in windows[:-1]:
+            self._show_grads({id(p) for p in members})
+            before = self._allocated()
+            if self.cuda:
+                torch.cuda.reset_peak_memory_stats(self.device)
             raw(optimizer)
+            mine = self._creation_window_done(members, before)
+            if mine and self._allocated() + self._creation.to_come(total) > limit:
+                moves = host_then_store(mine, host_left, self.store is not None)
+                host_left -= sum(_pinned_size(_param_bytes(m.tensor)) for m in moves if m.tier == HOST)
+                self.state.take_out(moves)
+        self._show_grads({id(p) for p in windows[-1]})
+        self._creating_last = (windows[-1], self._allocated())
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
 
-        self.state.step_in_windows(self._step_windows, step)
-        show(len(self._step_windows) - 1)
+    def _creation_window_done(self, members: list[torch.Tensor], before: int) -> list[torch.Tensor]:
+        """After one window of the first step (`before`: allocated bytes as it began): its new
+        state, counted with its temporaries (its peak beyond `before` and that state)."""
+        after = self._allocated()
+        peak = int(torch.cuda.max_memory_allocated(self.device)) if self.cuda else after
+        mine = movable_state(self.optimizer, self.device, self.options.min_bytes, members)
+        new = sum(map(_param_bytes, mine))
+        self._creation.add(sum(map(_param_bytes, members)), new, peak - before - new)
+        return mine
+
+    def _finish_creation(self) -> None:
+        """After the caller's step stepped the first step's last window: the step with all the
+        state on the device, estimated as what it held besides the state, all of the state, and
+        its temporaries scaled up from the windows' (`_step_peak_estimate`)."""
+        assert self._creating_last is not None
+        members, before = self._creating_last
+        self._creating_last = None
+        self._creation_window_done(members, before)
+        self._step_peak_estimate = self._creation.step_peak(self._all_state_bytes())
+
+    def _measuring_window(self) -> int:
+        """The window of a measuring iteration's step: where the step with all the state would
+        not fit (`_step_peak_estimate` from the first step), the plan's window over the state that
+        moves; else 0 (the step takes all of its state back)."""
+        estimate = self._step_peak_estimate
+        if estimate is None or not self.state.slots:
+            return 0
+        if estimate <= self.gpu_memory_bytes - self.reserve_bytes:
+            return 0
+        return self._step_window([slot.tensor for slot in self.state.slots])[0]
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._marks["end"] = mark(self.device)
         started = time.perf_counter()
+        if self._creating_last is not None:
+            self._finish_creation()
         for param, grad in self._hidden_grads.items():  # as the loop left them
             param.grad = grad
         self._hidden_grads = {}
@@ -1261,7 +1469,11 @@ class BlockOffload:
         measured.step_ms = _ms(marks["step"], marks["end"])
         if self.cuda:
             measured.peak_bytes = getattr(self, "_fb_peak", 0)
+            # A step run in windows did not hold all the state: the first step's estimate.
             measured.step_peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
+            if self._step_windows:
+                assert self._step_peak_estimate is not None
+                measured.step_peak_bytes = self._step_peak_estimate
             if self.reserve_auto:
                 self._reserve_from_allocator()
 
@@ -1275,44 +1487,49 @@ class BlockOffload:
         """Before the plan: the optimizer state the measuring iterations cannot hold leaves the
         GPU between steps (host, then store), largest tensors first: on CUDA as much as step 0's
         forward and backward (every block checkpointed) plus all of the state exceed the budget
-        by (none where it fits: the measuring iterations then run as checkpointing runs, copying
-        nothing); on a CPU "device", with no allocator to measure, all of it. State in flight
-        while measuring slows the measured iterations (Llama 1.2B: 414 ms measured for 316)."""
+        by, or more where the step with all the state exceeds it by more (less its windows: the
+        measuring steps then run in windows, `_measuring_window`); none where both fit (the
+        measuring iterations then run as checkpointing runs, copying nothing; state the first
+        step moved out comes back). On a CPU "device", with no allocator to measure, all of it.
+        State in flight while measuring slows the measured iterations (Llama 1.2B: 414 ms
+        measured for 316)."""
         if self._state_moves_set or not self.options.offload_optimizer_state:
             return
-        tensors = self._state_tensors()
+        tensors = self._state_tensors_all()
         if not tensors:
             return
         self._state_moves_set = True
         count = len(tensors)
         fb_peak = getattr(self, "_fb_peak", None)
         if fb_peak is not None:
-            over = (
-                fb_peak
-                + sum(t.untyped_storage().nbytes() for t in tensors)
-                - (self.gpu_memory_bytes - self.reserve_bytes)
-            )
+            sizes = [self._slot_bytes(t) for t in tensors]
+            limit = self.gpu_memory_bytes - self.reserve_bytes
+            over = fb_peak + sum(sizes) - limit
+            estimate = self._step_peak_estimate
+            if estimate is not None and estimate > limit:
+                over = max(over, estimate - limit + self._step_window(tensors)[1])
             count = 0
             while over > 0 and count < len(tensors):
-                over -= tensors[count].untyped_storage().nbytes()
+                over -= sizes[count]
                 count += 1
-            if count == 0:
+            if count == 0 and not self.state.slots:
                 return
         self._set_state_moves(tensors, self.host_memory_bytes, count, None)
 
     def _set_state_moves(
         self, tensors: list[torch.Tensor], host_left: int, count: int, restore_at: Optional[int]
     ) -> None:
-        self.state.close()
-        self.state.set_plan(host_then_store(tensors[:count], host_left, self.store is not None, restore_at))
+        moving = tensors[:count]
+        sizes = [self._slot_bytes(t) for t in moving]
+        self.state.set_plan(host_then_store(moving, host_left, self.store is not None, restore_at, sizes))
 
     def _make_plan(self) -> None:
         measured = self.measured
         # Every state tensor is on the GPU at the step's end (its move out waits for the next
         # forward). Those that stayed on it while measuring are in the measured peaks.
-        tensors = self._state_tensors() if self.options.offload_optimizer_state else []
+        tensors = self._state_tensors_all() if self.options.offload_optimizer_state else []
         moved = {id(slot.tensor) for slot in self.state.slots}
-        sizes = [t.untyped_storage().nbytes() for t in tensors]
+        sizes = [self._slot_bytes(t) for t in tensors]
         measured.state_bytes = sum(sizes)
         if self.cuda:
             measured.peak_bytes -= sum(size for t, size in zip(tensors, sizes) if id(t) not in moved)
@@ -1321,12 +1538,7 @@ class BlockOffload:
             # No allocator to ask: parameters, gradients and the state that does not move stay;
             # the step holds all of the state.
             persistent = 2 * sharded.parameter_bytes(self.model)[1]
-            all_state = sum(
-                sharded.local_tensor(v).untyped_storage().nbytes()
-                for state in self.optimizer.state.values()
-                for v in state.values()
-                if isinstance(v, torch.Tensor)
-            )
+            all_state = self._all_state_bytes()
             measured.peak_bytes = persistent + all_state - measured.state_bytes
             measured.step_peak_bytes = persistent + all_state
         limit = self.gpu_memory_bytes - self.reserve_bytes
@@ -1337,7 +1549,7 @@ class BlockOffload:
             sizes,
             self.host_memory_bytes,
             self.store is not None,
-            self._step_window(tensors),
+            *self._step_window(tensors),
         )
         if plan is None:
             from .runtime import NoPlanFitsError
@@ -1367,22 +1579,26 @@ class BlockOffload:
                 found.append((param, [movable[i] for i in ids if i in movable]))
         return found
 
-    def _step_window(self, tensors: list[torch.Tensor]) -> int:
-        """The window of a windowed step: a sixteenth of the movable state, and at least the
-        largest parameter's (its tensors are stepped together); 0 where the optimizer's step
-        cannot be called without its hooks (a windowed step is not offered)."""
+    def _step_window(self, tensors: list[torch.Tensor]) -> tuple[int, int]:
+        """A windowed step over `tensors`: its window, a sixteenth of their bytes (a parameter
+        with more state is a window of its own: its tensors are stepped together), and the most
+        its `STEP_WINDOWS_HELD` largest windows hold; (0, 0) where the optimizer's step cannot be
+        called without its hooks (a windowed step is not offered). Held counts each window
+        whole, not a multiple of the largest: Llama's tied embedding has 2 GB of AdamW state,
+        a sixth of all, and three windows of that did not fit FSDP2 at half its peak."""
         if getattr(type(self.optimizer).step, "__wrapped__", None) is None or not tensors:
-            return 0
-        nbytes = [
-            sum(t.untyped_storage().nbytes() for t in mine) for _, mine in self._state_by_param(tensors)
-        ]
-        return max(max(nbytes, default=0), sum(nbytes) // 16)
+            return 0, 0
+        nbytes = [sum(map(self._slot_bytes, mine)) for _, mine in self._state_by_param(tensors)]
+        window = max(1, sum(nbytes) // 16)
+        largest = sorted((max(window, n) for n in nbytes), reverse=True)[:STEP_WINDOWS_HELD]
+        return window, min(sum(nbytes), sum(largest))
 
-    def _set_step_windows(self, plan: Plan) -> None:
-        """The windowed step's windows over the state slots the plan moves, in the optimizer's
-        parameter order; parameters whose state stays are stepped with the last window."""
+    def _set_step_windows(self, window_bytes: int) -> None:
+        """The windowed step's windows of about `window_bytes` (0: none) over the state slots the
+        plan moves, in the optimizer's parameter order; parameters whose state stays are stepped
+        with the last window."""
         self._step_windows, self._window_params = [], []
-        if not plan.step_window_bytes:
+        if not window_bytes:
             return
         slot_of = {id(slot.tensor): index for index, slot in enumerate(self.state.slots)}
         windows: list[tuple[list[int], set[int], int]] = []
@@ -1393,7 +1609,7 @@ class BlockOffload:
                 staying.add(id(param))
                 continue
             nbytes = sum(self.state.slots[i].nbytes for i in indices)
-            if not windows or windows[-1][2] + nbytes > plan.step_window_bytes:
+            if not windows or windows[-1][2] + nbytes > window_bytes:
                 windows.append(([], set(), 0))
             slots, params, held = windows[-1]
             windows[-1] = (slots + indices, params | {id(param)}, held + nbytes)
@@ -1421,7 +1637,7 @@ class BlockOffload:
         moving = self.state.planned_bytes(HOST) + self.state.planned_bytes(SSD)
         # The plan's bound counts this state as gone from the GPU: it must leave.
         assert moving >= plan.state_out_bytes, (plan.state_out_bytes, moving)
-        self._set_step_windows(plan)
+        self._set_step_windows(plan.step_window_bytes)
 
     def _state_tensors_all(self) -> list[torch.Tensor]:
         """Every movable state tensor, largest first, whether it is on the GPU now or not: those

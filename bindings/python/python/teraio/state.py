@@ -73,13 +73,17 @@ class Move:
 
 
 def movable_state(
-    optimizer: torch.optim.Optimizer, device: torch.device, min_bytes: int
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    min_bytes: int,
+    params: Optional[list[torch.Tensor]] = None,
 ) -> list[torch.Tensor]:
     """The optimizer-state tensors a plan may move, in the optimizer's order: on `device` (a
-    DTensor's local shard), of at least `min_bytes`, one per storage."""
+    DTensor's local shard), of at least `min_bytes`, one per storage; of `params` only if given."""
     found: list[torch.Tensor] = []
     seen: set[int] = set()
-    for state in optimizer.state.values():
+    states = optimizer.state.values() if params is None else [optimizer.state.get(p, {}) for p in params]
+    for state in states:
         for value in map(local_tensor, state.values()):
             if not isinstance(value, torch.Tensor) or value.device != device:
                 continue
@@ -92,13 +96,20 @@ def movable_state(
 
 
 def host_then_store(
-    tensors: list[torch.Tensor], host_bytes: int, has_store: bool, restore_event: Optional[int] = None
+    tensors: list[torch.Tensor],
+    host_bytes: int,
+    has_store: bool,
+    restore_event: Optional[int] = None,
+    sizes: Optional[list[int]] = None,
 ) -> list[Move]:
     """Moves between steps for `tensors`, in order: to pinned host memory while `host_bytes` holds
-    them, then to the store where there is one; the rest stay on the device."""
+    them, then to the store where there is one; the rest stay on the device. `sizes`: their bytes
+    (default: their storages'; one moved out already has an empty storage)."""
     moves = []
-    for tensor in tensors:
-        size = _pinned_size(tensor.untyped_storage().nbytes())
+    if sizes is None:
+        sizes = [int(t.untyped_storage().nbytes()) for t in tensors]
+    for tensor, nbytes in zip(tensors, sizes):
+        size = _pinned_size(nbytes)
         if size <= host_bytes:
             host_bytes -= size
             moves.append(Move(tensor, HOST, restore_event))
@@ -146,7 +157,7 @@ class StateExecutor:
         device: torch.device,
         *,
         store: Optional[Store] = None,
-        object_id_base: int = 1 << 41,  # SSD-tier objects: ids object_id_base + slot index
+        object_id_base: int = 1 << 41,  # SSD-tier objects: ids from object_id_base, one per slot made
         d2h_stream: Any = None,
         h2d_stream: Any = None,
     ) -> None:
@@ -154,6 +165,7 @@ class StateExecutor:
         self.cuda = device.type == "cuda"
         self.store = store
         self.object_id_base = object_id_base
+        self._next_object_id = object_id_base
         self.stats = StateStats()
         self.slots: list[_StateSlot] = []
         self.prefetch_at_event: dict[int, list[int]] = {}
@@ -170,16 +182,33 @@ class StateExecutor:
             self.h2d_stream = h2d_stream if h2d_stream is not None else torch.cuda.Stream(device)
 
     def set_plan(self, moves: list[Move]) -> None:
-        """Installs the moves (see `Move`)."""
+        """Installs the moves (see `Move`). A tensor the previous plan moved to the same tier keeps
+        its slot as it is (out stays out: a plan made where the state cannot all be on the GPU must
+        not bring it all back to switch); the previous plan's other tensors come back first."""
+        old = {id(slot.tensor): slot for slot in self.slots}
+        kept: dict[int, _StateSlot] = {}
+        for move in moves:
+            tensor = local_tensor(move.tensor)
+            tier = HOST if move.tier == SSD and self.store is None else move.tier
+            slot = old.get(id(tensor))
+            if slot is not None and slot.tier == tier:
+                kept[id(tensor)] = slot
+        self._drop([slot for slot in self.slots if id(slot.tensor) not in kept])
+        self._pending = [slot for slot in self._pending if id(slot.tensor) in kept]
         self.slots = []
         self.prefetch_at_event = {}
         self.release_at_event = {}
         self.wait_at_event = {}
         self._between_steps = [i for i, move in enumerate(moves) if move.release_event is None]
         for index, move in enumerate(moves):
-            tier = HOST if move.tier == SSD and self.store is None else move.tier
             # A DTensor (FSDP2) moves its local shard: the DTensor wraps that same tensor.
-            self.slots.append(_StateSlot(local_tensor(move.tensor), tier, self.object_id_base + index))
+            tensor = local_tensor(move.tensor)
+            slot = kept.get(id(tensor))
+            if slot is None:
+                tier = HOST if move.tier == SSD and self.store is None else move.tier
+                slot = _StateSlot(tensor, tier, self._next_object_id)
+                self._next_object_id += 1
+            self.slots.append(slot)
             for table, event in (
                 (self.prefetch_at_event, move.restore_event),
                 (self.release_at_event, move.release_event),
@@ -188,6 +217,38 @@ class StateExecutor:
                 if event is not None:
                     table.setdefault(event, []).append(index)
         self._action_events = {*self.prefetch_at_event, *self.release_at_event, *self.wait_at_event}
+        if not self._between_steps:
+            self._out_at_next_event = False
+
+    def take_out(self, moves: list[Move]) -> None:
+        """Adds between-steps moves for tensors the plan does not move yet (state an optimizer
+        creates window by window in its first step) and moves them out now."""
+        assert all(move.release_event is None and move.restore_event is None for move in moves)
+        assert not {id(local_tensor(m.tensor)) for m in moves} & {id(s.tensor) for s in self.slots}
+        indices = []
+        for move in moves:
+            tier = HOST if move.tier == SSD and self.store is None else move.tier
+            indices.append(len(self.slots))
+            self.slots.append(_StateSlot(local_tensor(move.tensor), tier, self._next_object_id))
+            self._next_object_id += 1
+        self._between_steps.extend(indices)
+        self._move_out(indices)
+
+    def _drop(self, slots: list[_StateSlot]) -> None:
+        """Brings `slots` back to the device, waits for them, and deletes their store objects."""
+        for slot in slots:
+            if not slot.resident:
+                slot.issued = False
+                self._restore_slot(slot)
+        for slot in slots:
+            self._join(slot)
+            if slot.put is not None:
+                slot.put.wait()
+                slot.put = None
+            if slot.tier == SSD and self.store is not None and not self.store.closed:
+                self.store.delete(slot.object_id)
+        if slots and self.cuda:
+            torch.cuda.current_stream(self.device).synchronize()
 
     def planned_bytes(self, tier: str) -> int:
         return sum(slot.nbytes for slot in self.slots if slot.tier == tier)
@@ -334,7 +395,9 @@ class StateExecutor:
             torch.cuda.current_stream(self.device).wait_event(restore)
 
     def _restore(self, index: int) -> None:
-        slot = self.slots[index]
+        self._restore_slot(self.slots[index])
+
+    def _restore_slot(self, slot: _StateSlot) -> None:
         slot.issued = True
         if slot.resident:
             return
@@ -421,22 +484,7 @@ class StateExecutor:
     def close(self) -> None:
         """Brings every state tensor back (the optimizer is usable without teraio afterwards) and
         deletes the executor's objects from the store."""
-        for index, slot in enumerate(self.slots):
-            if not slot.resident:
-                self._restore(index)
-        self.before_step()
-        if self.cuda:
-            torch.cuda.current_stream(self.device).synchronize()
-        for slot in self._pending:
-            if slot.put is not None:
-                slot.put.wait()
-        self._pending = []
-        if self.store is not None and not self.store.closed:
-            for slot in self.slots:
-                if slot.tier == SSD:
-                    self.store.delete(slot.object_id)
         self.set_plan([])
-        self._out_at_next_event = False
 
 
 def _index(device: torch.device) -> int:
