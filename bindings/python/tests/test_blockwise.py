@@ -6,6 +6,7 @@ TERAIO_TEST_DIR=$PWD/target/py-test-stores python -m pytest -q bindings/python/t
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import pytest
@@ -113,6 +114,13 @@ def test_a_windowed_step_fits_below_the_step_with_all_the_state() -> None:
     assert plan is not None and plan.step_held_bytes == 2 * GB
     assert bw.step_bound(measured, plan) == measured.step_peak_bytes - plan.state_out_bytes + 2 * GB
     assert plan.predicted_peak_bytes <= 10 * GB
+    # On a link where 3 GB cannot leave during forward (5 ms per GB, forward 9 ms), the windowed
+    # step still fits: its windows leave during the step, and only the last one in forward.
+    slow = Link(2e11, 2e11)
+    plan, _ = bw.choose(measured, slow, limit, [GB // 2] * 8, 1 << 50, False, GB // 2)
+    assert plan is not None and plan.step_window_bytes == GB // 2 and plan.predicted_peak_bytes <= limit
+    unwindowed = dataclasses.replace(plan, step_window_bytes=0, step_held_bytes=0)
+    assert bw.predict(measured, unwindowed, slow)[1] > limit  # all of it in forward: still there
 
 
 def _with_selective(measured: Measurement, kept: int, recompute_ms: float) -> Measurement:

@@ -218,7 +218,8 @@ def predict(measured: Measurement, plan: Plan, link: Link) -> tuple[float, int]:
     blocks that are not, plus what waiting for copies costs: forward waits while more than the
     window is in flight to the host, backward waits for a block whose prefetch (issued when the
     window has room, in the order backward needs them) has not arrived, the step waits for the
-    state's restore. The state's copy to the host goes first on the device-to-host queue.
+    state's restore. The state's copy to the host goes first on the device-to-host queue (a
+    windowed step's: only its last window, the others left during the step).
     Peak: the measured peak plus the kept blocks' bytes, the window (with any host block) and the
     state left on the GPU; the step's measured peak (all state back) is a floor.
     """
@@ -229,6 +230,9 @@ def predict(measured: Measurement, plan: Plan, link: Link) -> tuple[float, int]:
     # Forward.
     t = measured.pre_forward_ms
     state_out_ms = plan.state_host_bytes * ms_per_byte_d2h + plan.state_ssd_bytes * ssd_ms_per_byte
+    if plan.step_window_bytes and plan.state_out_bytes:
+        # A windowed step sends each window out after stepping it: only the last leaves in forward.
+        state_out_ms *= min(1.0, plan.step_window_bytes / plan.state_out_bytes)
     # The state's copies out are issued when forward reaches the first block.
     link_free = t + state_out_ms
     in_flight: deque[tuple[float, int]] = deque()
