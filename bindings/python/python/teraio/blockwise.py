@@ -803,9 +803,23 @@ def _size(value: Optional[int]) -> str:
     return "-" if value is None else format_bytes(value)
 
 
-def _param_bytes(tensor: torch.Tensor) -> int:
-    """A tensor's storage bytes on this rank (a DTensor's local shard)."""
+def _local_bytes(tensor: torch.Tensor) -> int:
+    """A tensor's storage bytes on this rank (a DTensor's local shard; 0 where moved out)."""
     return int(sharded.local_tensor(tensor).untyped_storage().nbytes())
+
+
+def _windows(sizes: list[int], target: int) -> list[list[int]]:
+    """Indices of `sizes` in order, grouped into windows of at most `target` bytes (one larger
+    item alone): a windowed step's windows."""
+    windows: list[list[int]] = []
+    held = 0
+    for index, nbytes in enumerate(sizes):
+        if not windows or held + nbytes > target:
+            windows.append([])
+            held = 0
+        windows[-1].append(index)
+        held += nbytes
+    return windows
 
 
 @dataclass
@@ -1123,18 +1137,16 @@ class BlockOffload:
             torch.cuda.reset_peak_memory_stats(self.device)
         self._marks["backward_end"] = mark(self.device)
         started = time.perf_counter()
-        creating = self.plan is None and self._creates_state(optimizer)
+        closure = any(a is not None for a in args[1:]) or kwargs.get("closure") is not None
+        # With a closure the caller's step creates the state all at once, as without teraio.
+        creating = self.plan is None and not closure and self._creates_state(optimizer)
         if self.plan is None and not creating:
             self._set_step_windows(self._measuring_window())
-        if self._step_windows or creating:
-            if any(a is not None for a in args[1:]) or kwargs.get("closure") is not None:
-                if creating:
-                    creating = False  # the caller's step creates it all at once, as without teraio
-                else:
-                    raise ValueError(
-                        "teraio.offload: optimizer.step(closure) is not supported where the step runs "
-                        "in windows (the optimizer state does not fit the budget all at once)"
-                    )
+        if self._step_windows and closure:
+            raise ValueError(
+                "teraio.offload: optimizer.step(closure) is not supported where the step runs "
+                "in windows (the optimizer state does not fit the budget all at once)"
+            )
         if creating:
             self._create_state_in_windows(optimizer)
         elif self._step_windows:
@@ -1150,7 +1162,8 @@ class BlockOffload:
         without one, and updates each parameter from its own gradient and state alone); the
         caller's step then steps the last window and the parameters whose state stays."""
         self._hide_grads(optimizer)
-        raw = type(optimizer).step.__wrapped__
+        raw = self._raw_step()
+        assert raw is not None
 
         def step(window: int) -> None:
             self._show_grads(self._window_params[window])
@@ -1169,14 +1182,16 @@ class BlockOffload:
         for param, grad in self._hidden_grads.items():
             param.grad = grad if id(param) in visible else None
 
+    def _raw_step(self) -> Optional[Callable[[Any], Any]]:
+        """The optimizer's step without its hooks (a windowed step calls it per window); None
+        where it cannot be had (a windowed step is not offered)."""
+        return getattr(type(self.optimizer).step, "__wrapped__", None)
+
     def _creates_state(self, optimizer: Any) -> bool:
         """Whether this step creates optimizer state (a parameter with a gradient and no state
         yet: the first step) and may do so window by window (the optimizer's step can be called
         without its hooks, and the plan may move state)."""
-        if (
-            not self.options.offload_optimizer_state
-            or getattr(type(optimizer).step, "__wrapped__", None) is None
-        ):
+        if not self.options.offload_optimizer_state or self._raw_step() is None:
             return False
         return any(
             p.grad is not None and not optimizer.state.get(p)
@@ -1193,18 +1208,7 @@ class BlockOffload:
 
     def _resident_state_bytes(self) -> int:
         """The optimizer state's bytes on the device now (moved-out tensors have empty storages)."""
-        seen: set[int] = set()
-        total = 0
-        for state in self.optimizer.state.values():
-            for value in state.values():
-                value = sharded.local_tensor(value)
-                if not isinstance(value, torch.Tensor) or value.device != self.device:
-                    continue
-                storage = value.untyped_storage()
-                if storage.nbytes() and storage.data_ptr() not in seen:
-                    seen.add(storage.data_ptr())
-                    total += int(storage.nbytes())
-        return total
+        return sum(map(_local_bytes, movable_state(self.optimizer, self.device, 1)))
 
     def _all_state_bytes(self) -> int:
         """The optimizer state's bytes, on the device or moved out."""
@@ -1220,19 +1224,12 @@ class BlockOffload:
         temporaries. It also estimates the step with all the state on the device
         (`_step_peak_estimate`, in `_finish_creation`). The caller's step steps the last window."""
         self._hide_grads(optimizer)
-        raw = type(optimizer).step.__wrapped__
+        raw = self._raw_step()
+        assert raw is not None
         params = list(self._hidden_grads)
-        sizes = [_param_bytes(p) for p in params]
+        sizes = [_local_bytes(p) for p in params]
         total = sum(sizes)
-        window = max(1, total // 16)
-        windows: list[list[torch.Tensor]] = [[]]
-        held = 0
-        for param, nbytes in zip(params, sizes):
-            if windows[-1] and held + nbytes > window:
-                windows.append([])
-                held = 0
-            windows[-1].append(param)
-            held += nbytes
+        windows = [[params[i] for i in w] for w in _windows(sizes, max(1, total // 16))] or [[]]
         limit = self.gpu_memory_bytes - self.reserve_bytes
         self._creation = _Creation(self._allocated() - self._resident_state_bytes())
         host_left = self.host_memory_bytes
@@ -1245,7 +1242,7 @@ class BlockOffload:
             mine = self._creation_window_done(members, before)
             if mine and self._allocated() + self._creation.to_come(total) > limit:
                 moves = host_then_store(mine, host_left, self.store is not None)
-                host_left -= sum(_pinned_size(_param_bytes(m.tensor)) for m in moves if m.tier == HOST)
+                host_left -= sum(_pinned_size(_local_bytes(m.tensor)) for m in moves if m.tier == HOST)
                 self.state.take_out(moves)
         self._show_grads({id(p) for p in windows[-1]})
         self._creating_last = (windows[-1], self._allocated())
@@ -1258,8 +1255,8 @@ class BlockOffload:
         after = self._allocated()
         peak = int(torch.cuda.max_memory_allocated(self.device)) if self.cuda else after
         mine = movable_state(self.optimizer, self.device, self.options.min_bytes, members)
-        new = sum(map(_param_bytes, mine))
-        self._creation.add(sum(map(_param_bytes, members)), new, peak - before - new)
+        new = sum(map(_local_bytes, mine))
+        self._creation.add(sum(map(_local_bytes, members)), new, peak - before - new)
         return mine
 
     def _finish_creation(self) -> None:
@@ -1590,7 +1587,7 @@ class BlockOffload:
         called without its hooks (a windowed step is not offered). Held counts each window
         whole, not a multiple of the largest: Llama's tied embedding has 2 GB of AdamW state,
         a sixth of all, and three windows of that did not fit FSDP2 at half its peak."""
-        if getattr(type(self.optimizer).step, "__wrapped__", None) is None or not tensors:
+        if self._raw_step() is None or not tensors:
             return 0, 0
         nbytes = [sum(map(self._slot_bytes, mine)) for _, mine in self._state_by_param(tensors)]
         window = max(1, sum(nbytes) // 16)
@@ -1605,20 +1602,17 @@ class BlockOffload:
         if not window_bytes:
             return
         slot_of = {id(slot.tensor): index for index, slot in enumerate(self.state.slots)}
-        windows: list[tuple[list[int], set[int], int]] = []
+        moving: list[tuple[int, list[int]]] = []  # (parameter id, its slots)
         staying: set[int] = set()
         for param, mine in self._state_by_param([slot.tensor for slot in self.state.slots]):
-            indices = [slot_of[id(t)] for t in mine]
-            if not indices:
+            if mine:
+                moving.append((id(param), [slot_of[id(t)] for t in mine]))
+            else:
                 staying.add(id(param))
-                continue
-            nbytes = sum(self.state.slots[i].nbytes for i in indices)
-            if not windows or windows[-1][2] + nbytes > window_bytes:
-                windows.append(([], set(), 0))
-            slots, params, held = windows[-1]
-            windows[-1] = (slots + indices, params | {id(param)}, held + nbytes)
-        self._step_windows = [w[0] for w in windows]
-        self._window_params = [w[1] for w in windows]
+        sizes = [sum(self.state.slots[i].nbytes for i in slots) for _, slots in moving]
+        for window in _windows(sizes, window_bytes):
+            self._step_windows.append([i for k in window for i in moving[k][1]])
+            self._window_params.append({moving[k][0] for k in window})
         if self._window_params:
             self._window_params[-1] |= staying
 
