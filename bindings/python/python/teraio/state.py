@@ -189,9 +189,8 @@ class StateExecutor:
         kept: dict[int, _StateSlot] = {}
         for move in moves:
             tensor = local_tensor(move.tensor)
-            tier = HOST if move.tier == SSD and self.store is None else move.tier
             slot = old.get(id(tensor))
-            if slot is not None and slot.tier == tier:
+            if slot is not None and slot.tier == self._tier(move):
                 kept[id(tensor)] = slot
         self._drop([slot for slot in self.slots if id(slot.tensor) not in kept])
         self._pending = [slot for slot in self._pending if id(slot.tensor) in kept]
@@ -201,14 +200,7 @@ class StateExecutor:
         self.wait_at_event = {}
         self._between_steps = [i for i, move in enumerate(moves) if move.release_event is None]
         for index, move in enumerate(moves):
-            # A DTensor (FSDP2) moves its local shard: the DTensor wraps that same tensor.
-            tensor = local_tensor(move.tensor)
-            slot = kept.get(id(tensor))
-            if slot is None:
-                tier = HOST if move.tier == SSD and self.store is None else move.tier
-                slot = _StateSlot(tensor, tier, self._next_object_id)
-                self._next_object_id += 1
-            self.slots.append(slot)
+            self.slots.append(kept.get(id(local_tensor(move.tensor))) or self._new_slot(move))
             for table, event in (
                 (self.prefetch_at_event, move.restore_event),
                 (self.release_at_event, move.release_event),
@@ -225,14 +217,20 @@ class StateExecutor:
         creates window by window in its first step) and moves them out now."""
         assert all(move.release_event is None and move.restore_event is None for move in moves)
         assert not {id(local_tensor(m.tensor)) for m in moves} & {id(s.tensor) for s in self.slots}
-        indices = []
-        for move in moves:
-            tier = HOST if move.tier == SSD and self.store is None else move.tier
-            indices.append(len(self.slots))
-            self.slots.append(_StateSlot(local_tensor(move.tensor), tier, self._next_object_id))
-            self._next_object_id += 1
+        indices = list(range(len(self.slots), len(self.slots) + len(moves)))
+        self.slots.extend(map(self._new_slot, moves))
         self._between_steps.extend(indices)
         self._move_out(indices)
+
+    def _tier(self, move: Move) -> str:
+        """Where `move` goes here: its tier, or host memory for the SSD tier without a store."""
+        return HOST if move.tier == SSD and self.store is None else move.tier
+
+    def _new_slot(self, move: Move) -> _StateSlot:
+        # A DTensor (FSDP2) moves its local shard: the DTensor wraps that same tensor.
+        slot = _StateSlot(local_tensor(move.tensor), self._tier(move), self._next_object_id)
+        self._next_object_id += 1
+        return slot
 
     def _drop(self, slots: list[_StateSlot]) -> None:
         """Brings `slots` back to the device, waits for them, and deletes their store objects."""
