@@ -16,7 +16,8 @@ the plan stays even where it measures slower than checkpointing (and no memory r
 it prints the wall time, the allocator's retries and device allocations, and the block runtime's
 phase times; with `--profile-step` the GPU's busy time per stream, its longest idle gaps on the
 compute stream with the host op that launched the work after each gap, and the host's costliest
-calls. `--peak-steps K ...`: the allocator records steps K; each one's peak is printed with the
+calls. On running out of memory it prints the allocator's free memory by stream, pool and segment
+(`print_segments`). `--peak-steps K ...`: the allocator records steps K; each one's peak is printed with the
 bytes live then by the Python line that allocated them (`StepPeak`); where one runs out of memory,
 its peak up to then, with the plan's bound and each block's counted bytes beside it.
 """
@@ -216,6 +217,55 @@ class StepPeak:
             print(f"  {nbytes / 2**20:10.1f} MiB  {where}", flush=True)
 
 
+def print_segments(title: str, top: int = 12) -> None:
+    """The allocator's memory not handed out, by segment: what a failed allocation could not use.
+    Per stream and pool: mapped bytes, allocated bytes, free blocks and the largest of them; then
+    the segments holding the most free bytes."""
+    segments = torch.cuda.memory._snapshot()["segments"]
+    by_pool: dict[tuple[int, str], list[int]] = {}
+    for segment in segments:
+        free = [b["size"] for b in segment["blocks"] if b["state"] == "inactive"]
+        row = by_pool.setdefault((segment["stream"], segment["segment_type"]), [0, 0, 0, 0, 0, 0])
+        row[0] += 1
+        row[1] += segment["total_size"]
+        row[2] += segment["allocated_size"]
+        row[3] += sum(free)
+        row[4] += len(free)
+        row[5] = max([row[5], *free])
+    stats = torch.cuda.memory_stats()
+    keys = ("reserved_bytes", "allocated_bytes", "active_bytes", "inactive_split_bytes")
+    print(
+        f"== allocator at {title}: "
+        + ", ".join(
+            f"{k} {stats.get(k + '.all.current', 0) / 2**30:.2f} GiB "
+            f"(peak {stats.get(k + '.all.peak', 0) / 2**30:.2f})"
+            for k in keys
+        ),
+        flush=True,
+    )
+    for (stream, pool), row in sorted(by_pool.items()):
+        print(
+            f"  stream {stream:#x} {pool}: {row[0]} segments, {row[1] / 2**30:.2f} GiB mapped, "
+            f"{row[2] / 2**30:.2f} GiB allocated, {row[3] / 2**30:.2f} GiB free in {row[4]} blocks "
+            f"(largest {row[5] / 2**20:.1f} MiB)",
+            flush=True,
+        )
+    ranked = sorted(segments, key=lambda s: s["total_size"] - s["allocated_size"], reverse=True)
+    for segment in ranked[:top]:
+        blocks = segment["blocks"]
+        print(
+            f"  segment {segment['address']:#x} stream {segment['stream']:#x} {segment['segment_type']}: "
+            f"{segment['total_size'] / 2**20:.1f} MiB, {segment['allocated_size'] / 2**20:.1f} allocated, "
+            f"{len(blocks)} blocks, free sizes MiB "
+            + str(
+                sorted(
+                    (round(b["size"] / 2**20, 1) for b in blocks if b["state"] == "inactive"), reverse=True
+                )[:12]
+            ),
+            flush=True,
+        )
+
+
 def main() -> None:
     import teraio
     from teraio import blockwise as bw
@@ -232,6 +282,8 @@ def main() -> None:
     parser.add_argument("--no-guard", action="store_true")
     parser.add_argument("--whole-model", default="auto", choices=("auto", "on", "off"))
     parser.add_argument("--profile-step", type=int, default=-1)
+    parser.add_argument("--segments", action="store_true", help="print_segments after every step")
+    parser.add_argument("--reserve", default="auto", help="teraio.offload's reserve (a size or auto)")
     parser.add_argument("--out-dir", default="")
     parser.add_argument(
         "--peak-steps",
@@ -258,9 +310,22 @@ def main() -> None:
     print(f"== {args.family} cap {args.cap_bytes / 2**30:.2f} GiB plan {args.plan} guard {not args.no_guard}")
     peaks = StepPeak()
     run: Any = None
+
+    def on_out_of_memory(device: int, asked: int, allocated: int, free: int) -> None:
+        step = run.step if run is not None else "-"
+        print_segments(f"a failed allocation of {asked / 2**30:.2f} GiB in step {step}")
+
+    # Called by the allocator when it fails, with its lock released, before the error unwinds
+    # (the memory visualizer's documented way to snapshot at the failure).
+    torch._C._cuda_attach_out_of_memory_observer(on_out_of_memory)
     try:
         with teraio.offload(
-            model, optimizer, store=store, gpu_memory=args.cap_bytes, whole_model=args.whole_model
+            model,
+            optimizer,
+            store=store,
+            gpu_memory=args.cap_bytes,
+            whole_model=args.whole_model,
+            reserve=args.reserve,
         ) as run:
             if args.no_guard:
                 run._check_plan = lambda: None
@@ -295,6 +360,8 @@ def main() -> None:
                     )
                 }
                 before = stats
+                if args.segments:
+                    print_segments(f"the end of step {step}", top=3)
                 run._collect(wait=True)
                 phases = run._iterations[-1] if run._iterations else {}
                 hook = run._hook_s_at_end

@@ -514,6 +514,34 @@ def test_the_first_step_creates_the_state_in_windows_and_moves_out_what_cannot_s
         assert seen[1][2] == 0  # nor does any measuring step run in windows
 
 
+def test_host_blocks_copies_back_are_freed_before_the_step(monkeypatch: Any) -> None:
+    # The step's peak is measured without host blocks: their copies back, which backward has
+    # used, must not still be held when it runs (on the H100 they were, 2 GiB over the bound).
+    _force(monkeypatch, HOST)
+    _trial_goes_to(monkeypatch, "plan")
+    model, optimizer = make(layers=LAYERS, hidden=HIDDEN)
+    run = teraio.offload(
+        model,
+        optimizer,
+        granularity="block",
+        reserve=0,
+        min_bytes=0,
+        gpu_memory="1GiB",
+        host_link_bandwidth="1000GB/s",
+    )
+    held: list[int] = []
+
+    def at_step(*_: Any) -> None:  # registered after teraio's own: runs after it
+        held.append(sum(slot.gpu is not None for slots in run.mover.slots.values() for _, slot in slots))
+
+    with run:
+        hook = optimizer.register_step_pre_hook(at_step)
+        train(model, optimizer, batches(6, rows=ROWS))
+        hook.remove()
+    assert run.report().bytes_per_iteration["prefetched"]["host"] > 0  # host blocks came back
+    assert held == [0] * 6, held
+
+
 def test_a_report_in_the_middle_of_the_trial_counts_the_plan_side(monkeypatch: Any) -> None:
     _force(monkeypatch, HOST)
     _trial_goes_to(monkeypatch, "plan")

@@ -697,6 +697,8 @@ class _HostMover:
         return view
 
     def end_iteration(self) -> None:
+        """Forgets this iteration's saved tensors, and with them their copies back on the device
+        (called once backward is done, before the step)."""
         self.slots = {}
         self._seen = {}
 
@@ -1137,6 +1139,9 @@ class BlockOffload:
             torch.cuda.reset_peak_memory_stats(self.device)
         self._marks["backward_end"] = mark(self.device)
         started = time.perf_counter()
+        # Backward has used every copy back of a host block: freed now, not after the step, whose
+        # peak (measured with no host blocks) does not count them.
+        self.mover.end_iteration()
         closure = any(a is not None for a in args[1:]) or kwargs.get("closure") is not None
         # With a closure the caller's step creates the state all at once, as without teraio.
         creating = self.plan is None and not closure and self._creates_state(optimizer)
@@ -1314,7 +1319,6 @@ class BlockOffload:
         # Out when the next forward reaches its first block (`issue_deferred_out`), after the
         # copy the training loop makes next (`loss.item()`).
         self.state.after_step(defer=True)
-        self.mover.end_iteration()
         self.stats.hook_s += time.perf_counter() - started
         self._hook_s_at_end.append(self.stats.hook_s)
         self._step_times_ms.append((time.perf_counter() - self._started) * 1e3)
