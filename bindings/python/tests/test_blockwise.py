@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 
 import teraio  # noqa: E402
 from teraio import blockwise as bw  # noqa: E402
+from teraio import machine  # noqa: E402
 from teraio.blockwise import HOST, KEEP, RECOMPUTE, SELECTIVE, BlockCost, Link, Measurement, Plan  # noqa: E402
 from tiny import batches, make, train  # noqa: E402
 
@@ -540,6 +541,21 @@ def test_host_blocks_copies_back_are_freed_before_the_step(monkeypatch: Any) -> 
         hook.remove()
     assert run.report().bytes_per_iteration["prefetched"]["host"] > 0  # host blocks came back
     assert held == [0] * 6, held
+
+
+def test_the_reserve_covers_what_the_allocator_could_not_release_before_the_head() -> None:
+    # With expandable segments the allocator counts no split blocks: the reserve comes from what
+    # it could not release right before the head (measured on CUDA; set here).
+    model, optimizer = make(layers=LAYERS, hidden=HIDDEN)
+    run = teraio.offload(model, optimizer, granularity="block", gpu_memory="8GiB")
+    assert isinstance(run, bw.BlockOffload) and run.reserve_auto
+    run._fb_split_peak = 0
+    run._unreleasable = 1 << 30
+    run.step = 2
+    run._reserve_from_allocator()
+    expected = machine.reserve_from_allocator(8 << 30, 1 << 30, 0, min_share=bw.RESERVE_MIN_SHARE)
+    assert run.reserve_bytes == expected > (8 << 30) * bw.RESERVE_MIN_SHARE
+    assert "could not release" in run.machine["reserve"]
 
 
 def test_a_report_in_the_middle_of_the_trial_counts_the_plan_side(monkeypatch: Any) -> None:

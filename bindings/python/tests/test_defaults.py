@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+from typing import Any
 
 import pytest
 
@@ -151,6 +152,18 @@ def test_reserve_from_the_allocators_slack() -> None:
     assert machine.reserve_from_allocator(20 * gib, 13 * gib, 10 * gib) == expected
     # Never more than half the budget.
     assert machine.reserve_from_allocator(4 * gib, 10 * gib, 1 * gib) == 2 * gib
+
+
+def test_unreleasable_memory_is_counted_after_the_allocator_releases_what_it_can(monkeypatch: Any) -> None:
+    # A fake allocator: 10 GiB reserved, 6 allocated; releasing its cache leaves 7 reserved (with
+    # expandable segments: pages partly used by live blocks). Read before the release, the cache
+    # would count as unreleasable.
+    gib = 1 << 30
+    reserved = [10 * gib]
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: reserved.__setitem__(0, 7 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved[0])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 6 * gib)
+    assert machine.unreleasable_bytes(torch.device("cuda", 0)) == 1 * gib
 
 
 def test_options_object_and_keywords() -> None:

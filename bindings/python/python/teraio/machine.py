@@ -107,6 +107,16 @@ def reserve_from_allocator(
     return min(wanted, gpu_memory_bytes // 2)
 
 
+def unreleasable_bytes(device: torch.device) -> int:
+    """GPU memory the caching allocator holds and could not give back now: reserved minus
+    allocated once it has released every free block it can (`torch.cuda.empty_cache`, what a
+    failing allocation does before it gives up). With expandable segments that is the partly
+    used pages around live blocks, which `inactive_split_bytes` does not count (it stays 0
+    there); without them, the free parts of split segments. Synchronizes the device."""
+    torch.cuda.empty_cache()
+    return max(0, torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
 def measure_link(device: torch.device, nbytes: int = LINK_PROBE_BYTES) -> tuple[float, float]:
     """Pinned host -> device and device -> host copy bandwidth (bytes/s), best of three each;
     on a CPU device, a host memory copy."""
