@@ -279,9 +279,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         import teraio
 
         store, store_dir = make_store(args)
-        result["arguments"] = "defaults"
-        # As a user writes it: the store and the memory to fit in, nothing tuned.
-        outer = teraio.offload(model, optimizer, store=store, gpu_memory=cap)
+        # As a user writes it: the store and the memory to fit in, nothing tuned (or whole-model
+        # mode forced, to compare with what the default chooses).
+        result["arguments"] = (
+            "defaults" if args.whole_model == "auto" else f"whole_model={args.whole_model!r}"
+        )
+        outer = teraio.offload(model, optimizer, store=store, gpu_memory=cap, whole_model=args.whole_model)
         handle = outer
 
     autocast: Callable[[], Any] = contextlib.nullcontext
@@ -407,7 +410,15 @@ class Table:
         #: (family, mode) -> the largest cap fraction at which it ran out of memory.
         self.oom_at: dict[tuple[str, str], float] = {}
 
-    def capped(self, family: str, mode: str, ideal_peak: int, fraction: float) -> dict[str, Any]:
+    def capped(
+        self,
+        family: str,
+        mode: str,
+        ideal_peak: int,
+        fraction: float,
+        extra: tuple[str, ...] = (),
+        tag: str = "",
+    ) -> dict[str, Any]:
         """A row at `fraction` of the ideal peak. A baseline that ran out of memory at a larger
         cap is not run again at a smaller one (teraio always is)."""
         cap = int(fraction * ideal_peak)
@@ -417,7 +428,7 @@ class Table:
                 f"{family}-{self.args.dtype}-{mode}-{round(100 * fraction)}",
                 {**self.base(family, mode, cap, fraction), "oom": True, "oom_at_larger_cap": larger},
             )
-        result = self.row(family, mode, cap, fraction)
+        result = self.row(family, mode, cap, fraction, tag=tag, extra=extra)
         if result.get("oom"):
             self.oom_at[(family, mode)] = max(fraction, self.oom_at.get((family, mode), 0.0))
         return result
@@ -450,6 +461,7 @@ class Table:
         cap: Optional[int] = None,
         fraction: Optional[float] = None,
         tag: str = "",
+        extra: tuple[str, ...] = (),
     ) -> dict[str, Any]:
         args = self.args
         label = f"{family}-{args.dtype}-{mode}" + (f"-{round(100 * fraction)}" if fraction else "") + tag
@@ -461,7 +473,7 @@ class Table:
                 "skipped": f"out of time ({self.elapsed():.0f} s of {args.deadline_s:.0f} used)",
             }
         else:
-            command = run_args(args, family, mode)
+            command = run_args(args, family, mode) + list(extra)
             if cap is not None:
                 command += ["--cap-bytes", str(cap), "--cap-fraction", str(fraction)]
             log_path = os.path.join(args.out_dir, label + ".log")
@@ -514,6 +526,7 @@ def table_main(args: argparse.Namespace) -> int:
     fractions = [float(f) for f in args.fractions.split(",") if f]
     modes = [m for m in args.modes.split(",") if m]
     late = [m for m in args.late_modes.split(",") if m in modes]
+    whole_at = {float(f) for f in args.whole_model_at.split(",") if f}
     for name in families:
         if name not in FAMILIES:
             raise SystemExit(f"unknown family {name!r}: one of {', '.join(FAMILIES)}")
@@ -538,6 +551,10 @@ def table_main(args: argparse.Namespace) -> int:
             for mode in modes:
                 if mode not in late:
                     table.capped(family, mode, caps[family], fraction)
+            if fraction in whole_at:
+                table.capped(
+                    family, "teraio", caps[family], fraction, ("--whole-model", "on"), "-whole-model"
+                )
     for family in families:
         if family not in caps:
             continue
@@ -579,6 +596,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     one.add_argument("--mode", choices=MODES, required=True)
     one.add_argument("--cap-bytes", type=int, default=0, help="set_per_process_memory_fraction, bytes")
     one.add_argument("--cap-fraction", type=float, default=None, help="the cap's share of the ideal peak")
+    one.add_argument(
+        "--whole-model", choices=("auto", "on", "off"), default="auto", help="teraio mode's option"
+    )
 
     many = commands.add_parser("table", parents=[common], help="the whole table, one process per row")
     many.add_argument("--families", default="llama,qwen2")
@@ -590,6 +610,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         help="modes run after every family's other rows (slow: they pin all activations)",
     )
     many.add_argument("--ideal-runs", type=int, default=2)
+    many.add_argument(
+        "--whole-model-at", default="", help="fractions with one more teraio row, whole_model='on'"
+    )
     many.add_argument("--out-dir", required=True)
     many.add_argument("--deadline-s", type=float, default=480.0, help="no row starts after this")
     many.add_argument("--timeout-s", type=float, default=120.0, help="limit per row")

@@ -9,7 +9,8 @@
 #                             #   checkpointing and teraio (default arguments) rows (~9 min).
 #                             #   FAMILIES=llama FLAGSHIP=0: the second family; DTYPE=bf16: bf16
 #                             #   weights; MODES=save_on_cpu,torchtune: only those after the ideal;
-#                             #   STEPS (8) and WARMUP (3): steps per row, and those left out of its time
+#                             #   STEPS (8) and WARMUP (3): steps per row, and those left out of its time;
+#                             #   WHOLE_AT=0.5: one more teraio row there with whole_model='on'
 #   run-gpu.sh flagship       # the fp32 0.85B Llama at half its ideal peak: ideal, teraio with the
 #                             #   machine's measured figures and with default arguments, HF
 #                             #   checkpointing; batch 8 with teraio (~6 min)
@@ -142,7 +143,8 @@ regime)
   deadline=${DEADLINE:-$([ "${FLAGSHIP:-1}" = 1 ] && echo 350 || echo 480)}
   timeout $((deadline + 45)) python3 $B/bench_regime.py table --families "${FAMILIES:-qwen2}" \
     --dtype "${DTYPE:-autocast}" --modes "${MODES:-teraio,hf_ckpt,sac,save_on_cpu,torchtune}" \
-    --fractions 0.65,0.5 --steps "${STEPS:-8}" --warmup "${WARMUP:-3}" --store-dir /root/teraio-regime \
+    --fractions 0.65,0.5 --whole-model-at "${WHOLE_AT:-}" --steps "${STEPS:-8}" --warmup "${WARMUP:-3}" \
+    --store-dir /root/teraio-regime \
     --deadline-s "$deadline" --out-dir "$OUT/regime" 2>&1 | grep -E '^\[|^==' | tee "$OUT/regime-progress.log"
   cp "$OUT/regime/results.jsonl" "$OUT/results.jsonl"
   if [ "${FLAGSHIP:-1}" = 1 ]; then

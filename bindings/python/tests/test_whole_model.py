@@ -13,7 +13,13 @@ from teraio import capacity as cp
 from teraio import ids
 from teraio.blockwise import BlockOffload
 from teraio.tiers import HostTier
-from teraio.whole_model import RECORDED_ITERATION, WHOLE_MODEL_SHARE, ModelOffload, needs_whole_model
+from teraio.whole_model import (
+    RECORDED_ITERATION,
+    WHOLE_MODEL_SHARE,
+    WHOLE_MODEL_WEIGHTS_SHARE,
+    ModelOffload,
+    needs_whole_model,
+)
 from tiny import batches, make, train
 
 STEPS = 4
@@ -198,7 +204,12 @@ def test_model_trains_on_after_exit(store: teraio.Store) -> None:
 def test_auto_switches_on_when_the_state_does_not_fit() -> None:
     model, optimizer = make()
     state = sum(p.numel() * 4 for p in model.parameters()) * 4  # params + grads + 2 AdamW tensors
-    assert needs_whole_model(model, optimizer, int(state / WHOLE_MODEL_SHARE) - 1024)
+    weights = state // 2  # params + grads
+    # Everything over its share, and parameters + gradients over theirs: whole-model.
+    assert needs_whole_model(model, optimizer, int(weights / WHOLE_MODEL_WEIGHTS_SHARE) - 1024)
+    # Everything over its share, parameters + gradients not: the block plan moves the state.
+    budget = int(weights / WHOLE_MODEL_WEIGHTS_SHARE) + 1024
+    assert state > WHOLE_MODEL_SHARE * budget and not needs_whole_model(model, optimizer, budget)
     assert not needs_whole_model(model, optimizer, int(state / WHOLE_MODEL_SHARE) + 1024)
     with teraio.offload(model, optimizer, gpu_memory=state * 4, host_memory=1 << 30) as run:
         assert isinstance(run, BlockOffload)  # activation offload, at the grain of its blocks

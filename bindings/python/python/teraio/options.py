@@ -43,7 +43,8 @@ class OffloadOptions:
             from a profiled iteration by the lifetime planner (the options below marked "tensor").
         recompute: per-tensor recomputation of cheap saved activations: "auto", "on", "off".
         whole_model: "auto" (default: on when the parameters, gradients and optimizer state
-            exceed `whole_model.WHOLE_MODEL_SHARE` of `gpu_memory`), "on" or "off". In whole-model
+            exceed `whole_model.WHOLE_MODEL_SHARE` of `gpu_memory` and the parameters and
+            gradients `WHOLE_MODEL_WEIGHTS_SHARE`), "on" or "off". In whole-model
             mode parameters, gradients and optimizer state live in host memory (up to
             `host_memory`) and on the store, and come to the GPU only while used (docs/python.md,
             "Whole-model offload").
