@@ -88,7 +88,8 @@ WHOLE_MODEL_SHARE = 0.7
 #: them on the GPU and moves the optimizer state out between steps, stepping it in windows where
 #: it cannot all come back. On the H100 at half of the no-offload peak (bf16 autocast, SDPA,
 #: batch 4 x 2048), where parameters and gradients took 39% (Qwen2 1.5B) and 42% (Llama 1.2B) of
-#: the budget, the block plan ran at 521 and 435 ms/iter, whole-model mode at 782 and 793.
+#: the budget, the block plan ran at 578 and 434 ms/iter, whole-model mode at 882 and 767 in the
+#: same runs (benches/results/2026-11-25-h100/regime-block-plan-50-*).
 WHOLE_MODEL_WEIGHTS_SHARE = 0.45
 
 #: Default step window: this share of the GPU budget (parameter + gradient + state bytes).
