@@ -210,6 +210,19 @@ def _trial_goes_to(monkeypatch: Any, winner: str) -> None:
     monkeypatch.setattr(bw.BlockOffload, "_recent_ms", best)
 
 
+def _times_are(monkeypatch: Any, recompute_ms: float) -> None:
+    """The plan is chosen as if every block's recomputation took `recompute_ms` (a busy CPU's
+    measured times vary more than the choices they decide)."""
+    real = bw.choose
+
+    def choose(measured: Measurement, *args: Any) -> Any:
+        for block in measured.blocks:
+            block.recompute_ms = recompute_ms
+        return real(measured, *args)
+
+    monkeypatch.setattr(bw, "choose", choose)
+
+
 def _force(monkeypatch: Any, action: str) -> None:
     """Every block gets `action`, whatever the measured times say (they vary on a busy CPU)."""
 
@@ -274,6 +287,7 @@ def test_optimizer_state_leaves_where_that_keeps_more_blocks(
     monkeypatch: Any, store: Any, with_store: bool
 ) -> None:
     _trial_goes_to(monkeypatch, "plan")
+    _times_are(monkeypatch, recompute_ms=5.0)
     rows, steps = 512, 10
     model, optimizer = make(layers=LAYERS, hidden=HIDDEN)
     reference = train(model, optimizer, batches(steps, rows=rows))
