@@ -572,6 +572,22 @@ def test_the_reserve_covers_what_the_allocator_could_not_release_before_the_head
     assert "could not release" in run.machine["reserve"]
 
 
+def test_the_head_is_the_lesser_of_the_two_measuring_iterations(monkeypatch: Any) -> None:
+    # Iteration 1's head can be slowed by what step 0 left to copy out: iteration 2 times it again.
+    take_times = bw.BlockOffload._take_times
+    heads: list[float] = []
+
+    def slow_head(self: bw.BlockOffload) -> None:
+        take_times(self)
+        self.measured.head_backward_ms = 1e6  # as if iteration 1's head had stalled
+        heads.append(self.measured.head_backward_ms)
+
+    monkeypatch.setattr(bw.BlockOffload, "_take_times", slow_head)
+    _, _, run = _run(4, gpu_memory="1GiB")
+    assert heads == [1e6]
+    assert 0 < run.measured.head_backward_ms < 1e6
+
+
 def test_a_report_in_the_middle_of_the_trial_counts_the_plan_side(monkeypatch: Any) -> None:
     _force(monkeypatch, HOST)
     _trial_goes_to(monkeypatch, "plan")
