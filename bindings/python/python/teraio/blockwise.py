@@ -1147,6 +1147,12 @@ class BlockOffload:
         # Backward has used every copy back of a host block: freed now, not after the step, whose
         # peak (measured with no host blocks) does not count them.
         self.mover.end_iteration()
+        if self.cuda and self.plan is None and self.step == 2:
+            # Unreleasable memory again, once backward has allocated the gradients among what it
+            # freed (iteration 2 times nothing from here on): the reserve covers the larger.
+            self._unreleasable = max(
+                getattr(self, "_unreleasable", 0), machine.unreleasable_bytes(self.device)
+            )
         closure = any(a is not None for a in args[1:]) or kwargs.get("closure") is not None
         # With a closure the caller's step creates the state all at once, as without teraio.
         creating = self.plan is None and not closure and self._creates_state(optimizer)
@@ -1399,7 +1405,8 @@ class BlockOffload:
         split blocks it holds but cannot hand out whole; reserved minus allocated would count the
         cache the warm-up's state and step left, which a planned iteration reuses), the larger of
         iterations 1 and 2 (whose selective probes allocate as selective blocks do), or what the
-        allocator could not release right before iteration 1's head (`machine.unreleasable_bytes`;
+        allocator could not release right before iteration 1's head or at iteration 2's end of
+        backward, the larger (`machine.unreleasable_bytes`;
         with expandable segments it counts no split blocks, and on the H100 a planned iteration
         ran out of memory at the head's 4.6 GiB with 1.1 GiB of them, over a 0.9 GiB reserve)."""
         split = getattr(self, "_fb_split_peak", 0)
@@ -1410,7 +1417,7 @@ class BlockOffload:
             self.reserve_bytes = reserve
             self.machine["reserve"] = (
                 f"from the allocator: {format_bytes(split)} of split blocks at most, "
-                f"{format_bytes(unreleasable)} it could not release before the head"
+                f"{format_bytes(unreleasable)} it could not release (before the head, after backward)"
             )
 
     def _take_selective(self, probes: list[int]) -> None:
