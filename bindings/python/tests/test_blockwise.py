@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any
+import weakref
+from typing import Any, Optional
 
 import pytest
 
@@ -18,6 +19,7 @@ from teraio import blockwise as bw  # noqa: E402
 from teraio import machine  # noqa: E402
 from teraio.blockwise import HOST, KEEP, RECOMPUTE, SELECTIVE, BlockCost, Link, Measurement, Plan  # noqa: E402
 from tiny import batches, make, train  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 GB = 10**9
 
@@ -280,6 +282,68 @@ def test_trains_bitwise_with_each_action(
     per_iteration = run._host_ms()
     assert len(per_iteration) == report.planned_steps and min(per_iteration) >= 0
     assert report.host_ms_per_iteration["hooks"] <= max(per_iteration)
+
+
+class _WeightCasts(TorchDispatchMode):
+    """Weak references to the low-precision copies autocast makes of the given parameters."""
+
+    def __init__(self, parameters: Any) -> None:
+        super().__init__()
+        self.pointers = {p.data_ptr() for p in parameters}
+        self.copies: list[Any] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in self.pointers:
+            self.copies.append(weakref.ref(out))
+        return out
+
+    def alive(self) -> int:
+        return sum(ref() is not None for ref in self.copies)
+
+
+@pytest.mark.parametrize("action", [RECOMPUTE, HOST, SELECTIVE, KEEP])
+def test_blocks_that_do_not_keep_their_activations_leave_no_weight_copies_in_autocasts_cache(
+    monkeypatch: Any, action: str
+) -> None:
+    """Autocast caches each fp32 weight's bf16 copy to the end of its region, past the head where
+    the iteration peaks; a recomputed, selective or host block must not leave them there (a kept
+    block saves them for its backward). Training stays bitwise equal to training without teraio."""
+    _trial_goes_to(monkeypatch, "plan")
+    _force(monkeypatch, action)
+    steps = 10  # 3 measuring, 3 + 3 in the trial, 1 with the plan
+
+    def train_autocast(model: Any, optimizer: Any, casts: Optional[_WeightCasts] = None) -> list[float]:
+        losses = []
+        for i, x in enumerate(batches(steps, rows=256)):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                if casts is not None and i == steps - 1:  # a planned iteration
+                    with casts:
+                        loss = model(x)
+                    held = casts.alive()
+                else:
+                    loss = model(x)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        if casts is not None:
+            casts.held = held
+        return losses
+
+    model, optimizer = make(layers=LAYERS, hidden=HIDDEN)
+    reference = train_autocast(model, optimizer)
+    model, optimizer = make(layers=LAYERS, hidden=HIDDEN)
+    casts = _WeightCasts([p for layer in model.layers for p in layer.parameters() if p.dim() == 2])
+    run = teraio.offload(
+        model, optimizer, granularity="block", gpu_memory="1GiB", reserve=0, min_bytes=0, whole_model="off"
+    )
+    with run:
+        losses = train_autocast(model, optimizer, casts)
+    assert losses == reference
+    assert set(run.report().actions.values()) == {action}
+    assert len(casts.copies) == 2 * LAYERS  # each block's two weights, cast once each
+    assert casts.held == (2 * LAYERS if action == KEEP else 0)
 
 
 @pytest.mark.parametrize("with_store", [False, True])

@@ -64,7 +64,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from . import ids, machine, selective, sharded
-from .blocks import find_blocks
+from .blocks import autocast_cache_off, find_blocks
 from .executor import HOST, SSD, _flat_bytes, _pinned_size, copy_on_stream
 from .machine import Link
 from .options import OffloadOptions
@@ -1027,17 +1027,19 @@ class BlockOffload:
             held = measuring and self.step == 2 and self.cuda
             if held:
                 allocated = torch.cuda.memory_allocated(self.device)
-            if action == RECOMPUTE:
-                with set_checkpoint_early_stop(not measuring or self.step >= 2):
-                    out = checkpoint(body, *args, use_reentrant=False, **kwargs)
-            elif action == SELECTIVE:
-                out = selective.run(body, *args, **kwargs)
-            elif action == HOST:
-                self.mover.begin_block(index)
-                with torch.autograd.graph.saved_tensors_hooks(self.mover.pack, self.mover.unpack):
-                    out = body(*args, **kwargs)
-            else:
+            if action == KEEP:
                 out = body(*args, **kwargs)
+            else:
+                with autocast_cache_off():
+                    if action == RECOMPUTE:
+                        with set_checkpoint_early_stop(not measuring or self.step >= 2):
+                            out = checkpoint(body, *args, use_reentrant=False, **kwargs)
+                    elif action == SELECTIVE:
+                        out = selective.run(body, *args, **kwargs)
+                    else:
+                        self.mover.begin_block(index)
+                        with torch.autograd.graph.saved_tensors_hooks(self.mover.pack, self.mover.unpack):
+                            out = body(*args, **kwargs)
             if timing:
                 self._block_marks["forward"].append((index, start, mark(self.device)))
             if measuring and self.step == 1 and self.cuda and index == len(self.blocks) - 1:
