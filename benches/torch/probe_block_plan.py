@@ -215,6 +215,22 @@ class StepPeak:
         print(f"== {title}: peak {peak / 2**30:.2f} GiB at the allocation from {asking}", flush=True)
         for where, nbytes in sorted(totals.items(), key=lambda kv: -kv[1])[:top]:
             print(f"  {nbytes / 2**20:10.1f} MiB  {where}", flush=True)
+        # The allocator's own work in the step: pages mapped and unmapped (an unmap mid-step is a
+        # retry: it released cached blocks, after synchronizing, to satisfy an allocation).
+        allocated, shown = 0, 0
+        for index, event in enumerate(trace):
+            if event["action"] == "alloc":
+                allocated += event["size"]
+            elif event["action"] == "free_completed":
+                allocated -= event["size"]
+            elif event["action"] != "free_requested" and shown < 40:
+                shown += 1
+                print(
+                    f"  event {index}/{len(trace)} {event['action']} {event['size'] / 2**20:.1f} MiB "
+                    f"(allocated then {allocated / 2**30:.2f} GiB more than before the step) "
+                    f"from {_where(event.get('frames', []))}",
+                    flush=True,
+                )
 
 
 def print_segments(title: str, top: int = 12) -> None:

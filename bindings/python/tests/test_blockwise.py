@@ -636,6 +636,32 @@ def test_the_reserve_covers_what_the_allocator_could_not_release_before_the_head
     assert "could not release" in run.machine["reserve"]
 
 
+def test_an_iteration_in_which_the_allocator_retried_checkpoints_one_more_block(monkeypatch: Any) -> None:
+    # Every block fits (kept); then planned iterations report allocator retries (counted on CUDA,
+    # set here): one retry after the first iteration of a layout checkpoints one more block.
+    _trial_goes_to(monkeypatch, "plan")
+    _, _, run = _run(10, gpu_memory="1GiB")
+    assert run.actions == [KEEP] * LAYERS and run.settled_from is not None
+    run.cuda = True  # the check is CUDA's; nothing else in it touches the device once settled
+    run._peaks = [0]
+
+    def after_iteration(retried: bool) -> list[str]:
+        run._alloc_retries.append(run._alloc_retries[-1] + int(retried))
+        run._check_plan()
+        run.step += 1
+        return list(run.actions)
+
+    run._alloc_retries = [0]
+    run._layout_from = run.step  # this iteration is the first of its layout
+    assert after_iteration(retried=True) == [KEEP] * LAYERS  # the first of a layout may retry
+    assert after_iteration(retried=False) == [KEEP] * LAYERS
+    actions = after_iteration(retried=True)
+    assert actions.count(KEEP) == LAYERS - 1 and run.replans == 1
+    assert after_iteration(retried=True) == actions  # the new layout's first iteration
+    assert after_iteration(retried=False) == actions
+    assert after_iteration(retried=True).count(KEEP) == LAYERS - 2 and run.replans == 2
+
+
 def test_the_head_is_the_lesser_of_the_two_measuring_iterations(monkeypatch: Any) -> None:
     # Iteration 1's head can be slowed by what step 0 left to copy out: iteration 2 times it again.
     take_times = bw.BlockOffload._take_times
