@@ -1751,7 +1751,8 @@ class BlockOffload:
     def _allocator_retried(self) -> bool:
         """Whether the allocator retried in this iteration, which did not follow a change of the
         blocks' actions (the first iteration of a layout allocates into what the last one left
-        and may retry once; checkpointing every block did on the H100, then never again).
+        and may retry: on the H100, checkpointing every block retried in its first two planned
+        iterations, then never again, so a plan can lose a block to a transition).
 
         A retry is memory pressure the peak alone does not show: an allocation found no free
         range large enough, so the allocator synchronized every stream, released its cached
