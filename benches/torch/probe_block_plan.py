@@ -193,8 +193,12 @@ class StepPeak:
         trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
         torch.cuda.memory._record_memory_history(None)
         live: dict[int, tuple[int, str]] = {a: (n, "live before the step") for a, n in self._before.items()}
-        total = sum(n for n, _ in live.values())
+        total = before = sum(n for n, _ in live.values())
         peak, peak_at = total, -1
+        # The allocator's own work in the step: pages mapped and unmapped (an unmap mid-step is a
+        # retry: it released cached blocks, after synchronizing, to satisfy an allocation), with
+        # the bytes allocated beyond the step's start when it came.
+        segment_events: list[tuple[int, dict[str, Any], int]] = []
         for index, event in enumerate(trace):
             if event["action"] == "alloc":
                 total += event["size"]
@@ -202,6 +206,8 @@ class StepPeak:
                     peak, peak_at = total, index
             elif event["action"] == "free_completed":
                 total -= event["size"]
+            elif event["action"] != "free_requested":
+                segment_events.append((index, event, total - before))
         live_at_peak = dict(live)
         for event in trace[: peak_at + 1]:
             if event["action"] == "alloc":
@@ -215,22 +221,13 @@ class StepPeak:
         print(f"== {title}: peak {peak / 2**30:.2f} GiB at the allocation from {asking}", flush=True)
         for where, nbytes in sorted(totals.items(), key=lambda kv: -kv[1])[:top]:
             print(f"  {nbytes / 2**20:10.1f} MiB  {where}", flush=True)
-        # The allocator's own work in the step: pages mapped and unmapped (an unmap mid-step is a
-        # retry: it released cached blocks, after synchronizing, to satisfy an allocation).
-        allocated, shown = 0, 0
-        for index, event in enumerate(trace):
-            if event["action"] == "alloc":
-                allocated += event["size"]
-            elif event["action"] == "free_completed":
-                allocated -= event["size"]
-            elif event["action"] != "free_requested" and shown < 40:
-                shown += 1
-                print(
-                    f"  event {index}/{len(trace)} {event['action']} {event['size'] / 2**20:.1f} MiB "
-                    f"(allocated then {allocated / 2**30:.2f} GiB more than before the step) "
-                    f"from {_where(event.get('frames', []))}",
-                    flush=True,
-                )
+        for index, event, allocated in segment_events[:40]:
+            print(
+                f"  event {index}/{len(trace)} {event['action']} {event['size'] / 2**20:.1f} MiB "
+                f"(allocated then {allocated / 2**30:.2f} GiB more than before the step) "
+                f"from {_where(event.get('frames', []))}",
+                flush=True,
+            )
 
 
 def print_segments(title: str, top: int = 12) -> None:
