@@ -65,6 +65,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from . import ids, machine, selective, sharded
+from .head import LossHead
 from .blocks import autocast_cache_off, find_blocks
 from .executor import HOST, SSD, _flat_bytes, _pinned_size, copy_on_stream
 from .machine import Link
@@ -760,6 +761,8 @@ class BlockReport:
     #: blocks, its recomputation and added forward as shares of a whole block's, what it keeps as
     #: a share of what the block saves, and the factor the allocator's count put on step 0's.
     selective: dict[str, Any] = field(default_factory=dict)
+    #: How the loss ran (`teraio.head`).
+    loss_head: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -796,6 +799,7 @@ class BlockReport:
             f"  stalls: {self.stalls}",
             f"  choice: {self.choice}",
             f"  selective checkpointing as measured: {self.selective or 'not measured'}",
+            f"  loss head: {self.loss_head}",
             f"  machine: {self.machine}",
         ]
         if self.prediction_warning:
@@ -915,6 +919,7 @@ class BlockOffload:
             self.device, store=store, object_id_base=ids.base("optimizer_state"), **streams
         )
         self.measured = Measurement([BlockCost(name) for name, _ in self.blocks])
+        self.loss_head = LossHead(model) if options.loss_head == "chunked" else None
         self.plan: Optional[Plan] = None
         self.tried: list[dict[str, Any]] = []
         self.choice: dict[str, Any] = {}
@@ -989,6 +994,8 @@ class BlockOffload:
         for index, (_, module) in enumerate(self.blocks):
             self._originals.append(module.forward)
             module.forward = self._wrapped(index, module.forward)  # type: ignore[method-assign]
+        if self.loss_head is not None:
+            self.loss_head.__enter__()
         self._hooks.append(self.optimizer.register_step_pre_hook(self._before_step))
         self._hooks.append(self.optimizer.register_step_post_hook(self._after_step))
         self._peak = IterationPeak(self.model, self.device)
@@ -1004,6 +1011,8 @@ class BlockOffload:
             if "forward" in module.__dict__:
                 del module.__dict__["forward"]
         self._originals.clear()
+        if self.loss_head is not None:
+            self.loss_head.__exit__()
         self.mover.close()
         self.state.close()
 
@@ -1899,4 +1908,7 @@ class BlockOffload:
             choice=dict(self.choice, tried=len(self.tried)),
             host_peak_bytes=self.mover.peak_bytes,
             selective=dict(self.selective_measured),
+            loss_head=self.loss_head.describe()
+            if self.loss_head is not None
+            else "the model's own (loss_head='model')",
         )

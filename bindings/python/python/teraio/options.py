@@ -74,6 +74,9 @@ class OffloadOptions:
             estimate from raw profiled op times. None: on CUDA only.
         if_no_fit: "raise" (default: a clear error before the planned iterations when no plan
             fits the budget) or "run" (train anyway, waiting for transfers as needed).
+        loss_head: the block plan: "chunked" (default: a Hugging Face causal LM's loss runs as
+            `teraio.head.causal_lm_loss`, the same bits without the full-size fp32 copies of the
+            logits) or "model" (the model's own loss, as it is).
 
     Runtime:
         warmup_steps: iterations before the profiled one (None: 1, or 2 under DDP).
@@ -103,6 +106,7 @@ class OffloadOptions:
     op_time_scale: float = 1.0
     calibrate: Optional[bool] = False
     if_no_fit: str = "raise"
+    loss_head: str = "chunked"
     warmup_steps: Optional[int] = None
     min_bytes: int = 1 << 20
     max_inflight_bytes: Size = 2 << 30
@@ -120,6 +124,7 @@ class OffloadOptions:
             "whole_model": ("auto", "on", "off"),
             "tier_preference": ("auto", "host", "ssd"),
             "if_no_fit": ("raise", "run"),
+            "loss_head": ("chunked", "model"),
         }
         for name, allowed in choices.items():
             value = getattr(self, name)

@@ -1,0 +1,150 @@
+"""teraio.head: the causal-LM loss in chunks of rows, the same bits as the model's own."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import teraio
+from teraio import head
+
+CHUNKS = [None, 4 * 64 * 7, 4 * 64 * 1]  # one chunk; 7 rows (the last one short); one row
+
+
+def _logits(dtype: torch.dtype, rows: int = 50, vocab: int = 64) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1)
+    return (torch.randn(rows, vocab, generator=generator) * 4).to(dtype).requires_grad_()
+
+
+def _targets(rows: int = 50, vocab: int = 64) -> torch.Tensor:
+    target = torch.randint(0, vocab, (rows,), generator=torch.Generator().manual_seed(2))
+    target[3:9] = -100
+    return target
+
+
+@pytest.mark.parametrize("chunk_bytes", CHUNKS)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cross_entropy_is_the_same_bits_as_torchs(
+    dtype: torch.dtype, reduction: str, chunk_bytes: Any
+) -> None:
+    logits, target = _logits(dtype), _targets()
+    expected = F.cross_entropy(logits.float(), target, reduction=reduction)
+    (expected_grad,) = torch.autograd.grad(expected * 1.3, logits)
+    loss = head.cross_entropy(logits, target, reduction=reduction, chunk_bytes=chunk_bytes)
+    (grad,) = torch.autograd.grad(loss * 1.3, logits)
+    assert loss.dtype == torch.float32 and torch.equal(loss, expected)
+    assert grad.dtype == dtype and torch.equal(grad, expected_grad)
+
+
+def test_every_row_ignored_is_nan_as_in_torch() -> None:
+    logits = _logits(torch.float32)
+    target = torch.full((50,), -100)
+    assert torch.isnan(head.cross_entropy(logits, target)) and torch.isnan(F.cross_entropy(logits, target))
+
+
+@pytest.mark.parametrize("chunk_bytes", CHUNKS)
+def test_causal_lm_loss_is_hugging_faces_bit_for_bit(monkeypatch: Any, chunk_bytes: Any) -> None:
+    loss_utils = pytest.importorskip("transformers.loss.loss_utils")
+    if chunk_bytes is not None:
+        monkeypatch.setattr(head, "CHUNK_BYTES", chunk_bytes)
+    logits = _logits(torch.bfloat16, rows=2 * 25).view(2, 25, 64).detach().requires_grad_()
+    labels = _targets().view(2, 25)
+    shifted = torch.roll(labels, -1, dims=1)
+    for kwargs in ({}, {"num_items_in_batch": torch.tensor(31)}, {"shift_labels": shifted}):
+        expected = loss_utils.ForCausalLMLoss(logits, labels, 64, **kwargs)
+        (expected_grad,) = torch.autograd.grad(expected, logits)
+        loss = head.causal_lm_loss(logits, labels, 64, **kwargs)
+        (grad,) = torch.autograd.grad(loss, logits)
+        assert torch.equal(loss, expected) and torch.equal(grad, expected_grad), kwargs
+
+
+class _LargestTensor(TorchDispatchMode):
+    """The most bytes any op's output held."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for value in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(value, torch.Tensor):
+                self.largest = max(self.largest, value.untyped_storage().nbytes())
+        return out
+
+
+def test_no_tensor_of_the_loss_is_larger_than_the_logits(monkeypatch: Any) -> None:
+    """The model's own loss makes fp32 copies of all the bf16 logits (twice their bytes);
+    teraio's makes none: its largest tensors are the logits' gradient and a chunk."""
+    loss_utils = pytest.importorskip("transformers.loss.loss_utils")
+    monkeypatch.setattr(head, "CHUNK_BYTES", 4 * 64 * 10)
+    logits = _logits(torch.bfloat16, rows=400).view(4, 100, 64).detach().requires_grad_()
+    labels = torch.randint(0, 64, (4, 100), generator=torch.Generator().manual_seed(3))
+    logits_bytes = logits.untyped_storage().nbytes()
+    sizes = {}
+    for name, loss_fn in (("model", loss_utils.ForCausalLMLoss), ("teraio", head.causal_lm_loss)):
+        with _LargestTensor() as largest:
+            loss = loss_fn(logits, labels, 64)
+            loss.backward()
+        sizes[name] = largest.largest
+        logits.grad = None
+    assert sizes["model"] >= 2 * logits_bytes
+    assert sizes["teraio"] <= logits_bytes
+
+
+def test_backward_twice_is_a_clear_error() -> None:
+    logits, target = _logits(torch.bfloat16), _targets()
+    loss = head.cross_entropy(logits, target)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="loss_head='model'"):
+        loss.backward()
+
+
+def test_bad_shapes_and_reductions_are_clear_errors() -> None:
+    logits, target = _logits(torch.float32), _targets()
+    with pytest.raises(ValueError, match="logits \\(rows, vocabulary\\)"):
+        head.cross_entropy(logits.view(5, 10, 64), target)
+    with pytest.raises(ValueError, match="reduction 'mean' or 'sum'"):
+        head.cross_entropy(logits, target, reduction="none")
+
+
+def _hf_causal_lm() -> torch.nn.Module:
+    from test_training import _hf_model
+
+    torch.manual_seed(0)
+    return _hf_model("qwen2")()
+
+
+def test_the_block_plan_runs_a_hugging_face_causal_lm_loss_as_teraios_and_gives_it_back() -> None:
+    loss_utils = pytest.importorskip("transformers.loss.loss_utils")
+    model = _hf_causal_lm()
+    optimizer = torch.optim.AdamW(model.parameters())
+    assert model.loss_function is loss_utils.ForCausalLMLoss
+    tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(4))
+    with teraio.offload(model, optimizer, gpu_memory="1GiB", whole_model="off") as run:
+        assert model.loss_function is head.causal_lm_loss
+        assert "_loss_function" not in model.model.__dict__  # the base model has no loss
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert model.loss_function is loss_utils.ForCausalLMLoss
+    assert "_loss_function" not in model.__dict__
+    assert "teraio.head" in run.report().loss_head
+
+    # A loss the user set is theirs: left as it is, and so is the model's with loss_head="model".
+    custom = lambda logits, labels, vocab_size, **kwargs: logits.float().mean()  # noqa: E731
+    model.loss_function = custom
+    with teraio.offload(model, optimizer, gpu_memory="1GiB", whole_model="off") as run:
+        assert model.loss_function is custom
+    assert model.loss_function is custom and "model's own" in run.report().loss_head
+    del model.__dict__["_loss_function"]
+    with teraio.offload(model, optimizer, gpu_memory="1GiB", whole_model="off", loss_head="model") as run:
+        assert model.loss_function is loss_utils.ForCausalLMLoss
+    assert "loss_head='model'" in run.report().loss_head
+    with pytest.raises(ValueError, match="loss_head must be one of"):
+        teraio.offload(model, optimizer, gpu_memory="1GiB", loss_head="fused")
