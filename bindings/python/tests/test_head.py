@@ -5,12 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import teraio
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-
-import teraio
 from teraio import head
+from torch.utils._python_dispatch import TorchDispatchMode
 
 CHUNKS = [None, 4 * 64 * 7, 4 * 64 * 1]  # one chunk; 7 rows (the last one short); one row
 

@@ -65,9 +65,9 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from . import ids, machine, selective, sharded
-from .head import LossHead
 from .blocks import autocast_cache_off, find_blocks
 from .executor import HOST, SSD, _flat_bytes, _pinned_size, copy_on_stream
+from .head import LossHead
 from .machine import Link
 from .options import OffloadOptions
 from .planning import format_bytes, parse_size
