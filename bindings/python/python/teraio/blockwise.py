@@ -943,7 +943,7 @@ class BlockOffload:
             self.device, store=store, object_id_base=ids.base("optimizer_state"), **streams
         )
         self.measured = Measurement([BlockCost(name) for name, _ in self.blocks])
-        self.loss_head = LossHead(model) if options.loss_head == "chunked" else None
+        self.loss_head = LossHead(model, enabled=options.loss_head == "chunked")
         self.plan: Optional[Plan] = None
         self.tried: list[dict[str, Any]] = []
         self.choice: dict[str, Any] = {}
@@ -1018,8 +1018,7 @@ class BlockOffload:
         for index, (_, module) in enumerate(self.blocks):
             self._originals.append(module.forward)
             module.forward = self._wrapped(index, module.forward)  # type: ignore[method-assign]
-        if self.loss_head is not None:
-            self.loss_head.__enter__()
+        self.loss_head.__enter__()
         self._hooks.append(self.optimizer.register_step_pre_hook(self._before_step))
         self._hooks.append(self.optimizer.register_step_post_hook(self._after_step))
         self._peak = IterationPeak(self.model, self.device)
@@ -1035,8 +1034,7 @@ class BlockOffload:
             if "forward" in module.__dict__:
                 del module.__dict__["forward"]
         self._originals.clear()
-        if self.loss_head is not None:
-            self.loss_head.__exit__()
+        self.loss_head.__exit__()
         self.mover.close()
         self.state.close()
 
@@ -1933,7 +1931,5 @@ class BlockOffload:
             choice=dict(self.choice, tried=len(self.tried)),
             host_peak_bytes=self.mover.peak_bytes,
             selective=dict(self.selective_measured),
-            loss_head=self.loss_head.describe()
-            if self.loss_head is not None
-            else "the model's own (loss_head='model')",
+            loss_head=self.loss_head.describe(),
         )

@@ -159,38 +159,36 @@ def causal_lm_loss(
     return loss
 
 
-def _hf_causal_lm_loss() -> Optional[Callable[..., Any]]:
-    """transformers' `ForCausalLMLoss` where transformers is loaded (never imported here)."""
-    module = sys.modules.get("transformers.loss.loss_utils")
-    return getattr(module, "ForCausalLMLoss", None)
-
-
-def _loss_of(module: torch.nn.Module) -> Optional[Callable[..., Any]]:
-    """The loss a Hugging Face model's `loss_function` returns, read as that property does but
-    without its warning for models that have none (a base model's `loss_type` is None)."""
+def _loss_of(module: torch.nn.Module, mapping: dict[str, Any]) -> Optional[Callable[..., Any]]:
+    """The loss a Hugging Face model's `loss_function` returns (`mapping`: transformers'
+    `LOSS_MAPPING`), read as that property does but without its warning for models that have
+    none (a base model's `loss_type` is None)."""
     if "_loss_function" in module.__dict__:
         return module.__dict__["_loss_function"]
-    mapping = getattr(sys.modules.get("transformers.loss.loss_utils"), "LOSS_MAPPING", {})
     loss_type = module.__dict__.get("loss_type")
     return mapping.get(loss_type) if isinstance(loss_type, str) else None
 
 
 class LossHead:
-    """While entered, the model's Hugging Face modules whose loss is `ForCausalLMLoss` compute it
-    with `causal_lm_loss` (through transformers' own `loss_function` setter); on exit each gets
-    back what it had. `replaced` names them (empty: the model's loss is not one this knows)."""
+    """While entered (and `enabled`: `loss_head="chunked"`), the model's Hugging Face modules
+    whose loss is `ForCausalLMLoss` compute it with `causal_lm_loss` (through transformers' own
+    `loss_function` setter); on exit each gets back what it had. `replaced` names them (empty:
+    disabled, or the model's loss is not one this knows). transformers is never imported here:
+    a model built with it has loaded it."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, enabled: bool = True) -> None:
         self.model = model
+        self.enabled = enabled
         self.replaced: list[str] = []
         self._restore: list[tuple[torch.nn.Module, Any]] = []
 
     def __enter__(self) -> LossHead:
-        hf_loss = _hf_causal_lm_loss()
-        if hf_loss is None:
+        loss_utils = sys.modules.get("transformers.loss.loss_utils")
+        if not self.enabled or loss_utils is None:
             return self
+        hf_loss, mapping = loss_utils.ForCausalLMLoss, loss_utils.LOSS_MAPPING
         for name, module in self.model.named_modules():
-            if _loss_of(module) is not hf_loss:
+            if _loss_of(module, mapping) is not hf_loss:
                 continue
             self._restore.append((module, module.__dict__.get("_loss_function", _UNSET)))
             module.loss_function = causal_lm_loss  # type: ignore[union-attr]
@@ -207,6 +205,8 @@ class LossHead:
 
     def describe(self) -> str:
         """For the report."""
+        if not self.enabled:
+            return "the model's own (loss_head='model')"
         if not self.replaced:
             return "the model's own (not a Hugging Face causal-LM loss)"
         return (
