@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import resource
@@ -461,7 +462,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(str(report), flush=True)
         with contextlib.suppress(Exception):
             result["predicted_ms_by_devices"] = predictions_by_devices(outer, args.store_devices)
+        if args.record_out:
+            save_record(outer, args.record_out)
     return result
+
+
+def save_record(run: Any, path: str) -> None:
+    """The recorded iteration (trace, schedule, its GPU span) and the bandwidths the runtime
+    planned with, as JSON: to replay it again elsewhere (`ScheduleRecord.replay`)."""
+    record = run.recorder.result() if hasattr(run, "recorder") else None
+    if record is None:
+        print(f"no recorded iteration to save to {path}", flush=True)
+        return
+    with open(path, "w") as f:
+        json.dump({"record": dataclasses.asdict(record), "link": dataclasses.asdict(run.link)}, f)
 
 
 #: Device counts the array table predicts from each row's recorded iteration.
@@ -790,6 +804,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     common.add_argument(
         "--trace-dir", default=None, help="where --profile-step's trace goes (default: work dir)"
+    )
+    common.add_argument(
+        "--record-out", default=None, help="teraio rows: write the recorded iteration here (JSON)"
     )
 
     one = commands.add_parser("run", parents=[common], help="one mode in this process")

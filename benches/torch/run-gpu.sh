@@ -283,7 +283,7 @@ sweep)
       rm -rf /dev/shm/teraio-array
       timeout 170 python3 $B/bench_capacity.py run --mode "${MODE:-teraio_ssd}" --steps "${STEPS:-8}" --warmup "${WARMUP:-2}" \
         --ssd-host-memory 16GiB --store-devices "$n" --store-gib 16 --emulate 6.5GB/s@20us \
-        --work-dir /dev/shm/teraio-array --time-budget-s 150 > "$OUT/array-$n.log" 2>&1
+        --work-dir /dev/shm/teraio-array --time-budget-s 150 --record-out "$OUT/record-$n.json" > "$OUT/array-$n.log" 2>&1
       grep '^RESULT' "$OUT/array-$n.log" | cut -c8- | sed "s/^{/{\"devices\": $n, /" >> "$OUT/results.jsonl"
       grep -v '^RESULT' "$OUT/array-$n.log" | tail -12
       rm -rf /dev/shm/teraio-array

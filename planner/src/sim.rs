@@ -186,6 +186,24 @@ impl Channel {
         }
     }
 
+    /// Moves the running transfer (if any) at `rate_bytes_per_s` from `now_us` on: what it moved
+    /// so far at the old rate is kept, the rest (and any latency not yet paid) ends later or
+    /// sooner.
+    fn set_rate(&mut self, now_us: f64, rate_bytes_per_s: f64) {
+        if rate_bytes_per_s == self.rate_bytes_per_s {
+            return;
+        }
+        if let Some((end_us, _, mut transfer)) = self.busy {
+            let data_begin_us = end_us - transfer.remaining_bytes as f64 / self.rate_bytes_per_s * 1e6;
+            let moved = ((now_us - data_begin_us).max(0.0) * 1e-6 * self.rate_bytes_per_s) as u64;
+            transfer.remaining_bytes = transfer.remaining_bytes.saturating_sub(moved).max(1);
+            let resume_us = data_begin_us.max(now_us);
+            let end_us = resume_us + transfer.remaining_bytes as f64 / rate_bytes_per_s * 1e6;
+            self.busy = Some((end_us, resume_us, transfer));
+        }
+        self.rate_bytes_per_s = rate_bytes_per_s;
+    }
+
     /// Makes a queued transfer of `tensor` urgent.
     fn promote(&mut self, tensor: u32) {
         if self.queue.iter().any(|Reverse(t)| t.tensor == tensor && t.not_urgent) {
@@ -288,7 +306,12 @@ impl Simulator<'_> {
     /// while the other runs, and when both are idle the more urgent head goes first.
     fn kick(&mut self, channel: usize) {
         let now = self.now_us;
-        if !(self.hardware.ssd_shared && channel < 2) {
+        if channel >= 2 {
+            self.channels[channel].start_next(now);
+            self.rate_host_link();
+            return;
+        }
+        if !self.hardware.ssd_shared {
             self.channels[channel].start_next(now);
             return;
         }
@@ -306,6 +329,22 @@ impl Simulator<'_> {
             _ => channel,
         };
         self.channels[first].start_next(now);
+    }
+
+    /// Gives each host-link direction its rate for what runs now: the duplex rate
+    /// (`Hardware::host_link_duplex_bytes_per_s`) while both directions move data, else the
+    /// one-way rate.
+    fn rate_host_link(&mut self) {
+        let one_way = self.hardware.host_link_bytes_per_s;
+        let both_busy = self.channels[2].busy.is_some() && self.channels[3].busy.is_some();
+        let rate = match self.hardware.host_link_duplex_bytes_per_s {
+            Some(duplex) if both_busy => duplex,
+            _ => one_way,
+        };
+        let now = self.now_us;
+        for channel in &mut self.channels[2..] {
+            channel.set_rate(now, rate);
+        }
     }
 
     fn next_completion(&self) -> Option<(f64, usize)> {

@@ -197,18 +197,18 @@ def _probe_rank_main(rank: int, init_file: str, out_dir: str, store_root: str) -
         calls: list[tuple[str, float, float]] = []
 
         def probe(kind: str, rate: float) -> Any:
-            def run(*_: Any) -> tuple[float, float]:
+            def run(*_: Any) -> Any:
                 started = time.monotonic()
                 time.sleep(0.3)  # long enough for the two ranks' probes to overlap, if they run together
                 calls.append((kind, started, time.monotonic()))
-                return rate, rate
+                return (rate, rate, rate) if kind == "link" else (rate, rate)
 
             return run
 
         try:
             suffix = f" x{WORLD} ranks"
             if rank == 0:
-                cached = {"links": {"cpu" + suffix: {"d2h": 1.0, "h2d": 1.0}}}
+                cached = {"links": {"cpu" + suffix: {"d2h": 1.0, "h2d": 1.0, "duplex": 1.0}}}
                 cached.update({"ssd_write" + suffix: 1.0, "ssd_read" + suffix: 1.0})
                 pathlib.Path(machine.cache_path(store)).write_text(json.dumps(cached))
             measured = machine.resolve_bandwidths(

@@ -86,9 +86,9 @@ def test_bandwidths_measured_once_and_cached_with_the_store(
 ) -> None:
     calls = {"link": 0, "store": 0}
 
-    def fake_link(device: torch.device) -> tuple[float, float]:
+    def fake_link(device: torch.device) -> tuple[float, float, float]:
         calls["link"] += 1
-        return 20e9, 30e9
+        return 20e9, 30e9, 15e9
 
     def fake_store(store: object, cuda: bool) -> tuple[float, float]:
         calls["store"] += 1
@@ -104,6 +104,7 @@ def test_bandwidths_measured_once_and_cached_with_the_store(
     # The block plan reads the same cache.
     block = teraio.offload(model, optimizer, store=store, gpu_memory=1 << 30)
     assert block.link.d2h == pytest.approx(machine.PLAN_SHARE * runs[0].machine["link_d2h_bytes_per_s"])
+    assert block.link.duplex == pytest.approx(machine.PLAN_SHARE * 15e9)
     assert calls == {"link": 1, "store": 1}
     for run in runs:
         assert run.host_link_bandwidth == pytest.approx(machine.PLAN_SHARE * 20e9)
@@ -126,6 +127,15 @@ def test_bandwidths_measured_once_and_cached_with_the_store(
     )
     assert run.host_link_bandwidth == "5GB/s" and run.ssd_shared is False
     assert calls == {"link": 1, "store": 1}
+    # A link cached before the duplex figure existed is measured again (once); the store is not.
+    cache = json.loads(path.read_text())
+    for figures in cache["links"].values():
+        del figures["duplex"]
+    path.write_text(json.dumps(cache))
+    for _ in range(2):
+        block = teraio.offload(model, optimizer, store=store, gpu_memory=1 << 30)
+        assert block.link.duplex == pytest.approx(machine.PLAN_SHARE * 15e9)
+    assert calls == {"link": 2, "store": 1}
 
 
 def test_host_memory_is_bounded_by_what_the_machine_has(tmp_path: pathlib.Path) -> None:

@@ -4,6 +4,7 @@ and on the store, exact against training without offload."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any, Optional
 
 import pytest
@@ -495,6 +496,27 @@ def test_the_recorded_iteration_holds_every_transfer_and_replays_at_other_bandwi
     assert fast is not None and fast["iteration_ms"] == pytest.approx(fast["compute_ms"], rel=0.02, abs=0.2)
     slow = run.predict(ssd_bandwidth="1MB/s")
     assert slow is not None and slow["iteration_ms"] >= slow["ssd_read_bytes"] / 1e6 * 1e3
+    # The link each way while both directions move data: the measured figure, and its ratio to
+    # the one-way rate for a link given to `predict`.
+    assert run.link.duplex is not None
+    planned = min(run.link.d2h, run.link.h2d)
+    assert report.prediction["host_link_duplex_bytes_per_s"] == pytest.approx(min(run.link.duplex, planned))
+    assert fast["host_link_duplex_bytes_per_s"] == pytest.approx(
+        min(run.link.duplex, planned) / planned * 1e18
+    )
+    # The default path's step reads a window's state while it writes the last one's: a slower
+    # duplex rate makes it slower, at a link that needs the ops' time for the bytes it carries
+    # (ops of 1 ms each: the same replay on every run, whatever the CPU's timing of the record
+    # was). The step in backward's writes overlap nothing its ops wait for at that rate.
+    if step_in_backward:
+        return
+    ops = [{**op, "duration_us": 1000.0} for op in record.trace["ops"]]
+    timed = dataclasses.replace(record, trace={**record.trace, "ops": ops})
+    moved = sum(fast[f"{tier}_{way}_bytes"] for tier in ("host", "ssd") for way in ("read", "written"))
+    link = moved / (len(ops) * 1e-3)
+    at = dict(host_link_bytes_per_s=link, ssd_read_bytes_per_s=1e18, ssd_write_bytes_per_s=1e18)
+    alone, shared = timed.replay(**at), timed.replay(**at, host_link_duplex_bytes_per_s=link / 4)
+    assert shared["iteration_time_us"] > alone["iteration_time_us"]
 
 
 def test_no_prediction_before_the_recorded_iteration(store: teraio.Store) -> None:

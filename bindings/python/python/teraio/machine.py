@@ -1,7 +1,8 @@
 """What the machine offers, measured or bounded, for `teraio.offload`'s "auto" settings.
 
 - **Host link** (`measure_link`): pinned host <-> device copies of `LINK_PROBE_BYTES`, best of
-  three each way.
+  three each way alone, and each way with both directions copying at once (a PCIe link gives
+  each direction less then; the whole-model prediction's replay uses it).
 - **Store** (`measure_store`): the engine writes and reads `STORE_PROBE_BYTES` from pinned memory
   in `STORE_PROBE_OBJECT_BYTES` objects (then deletes them).
 - Both are measured once and cached in a small JSON file keyed by the store's UUID (and the GPU's
@@ -24,6 +25,7 @@ disk with other work (the data loader, the allocator), which a quiet probe does 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -63,6 +65,8 @@ class Link:
     ssd_read: float = 1.0
     ssd_write: float = 1.0
     ssd_shared: bool = False
+    #: Each way while both directions copy at once (None: not measured, taken as `d2h`/`h2d`).
+    duplex: Optional[float] = None
 
 
 @dataclass
@@ -71,6 +75,7 @@ class Measured:
 
     link_d2h: Optional[float] = None
     link_h2d: Optional[float] = None
+    link_duplex: Optional[float] = None
     ssd_write: Optional[float] = None
     ssd_read: Optional[float] = None
     source: str = ""
@@ -117,28 +122,33 @@ def unreleasable_bytes(device: torch.device) -> int:
     return max(0, torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
 
 
-def measure_link(device: torch.device, nbytes: int = LINK_PROBE_BYTES) -> tuple[float, float]:
-    """Pinned host -> device and device -> host copy bandwidth (bytes/s), best of three each;
-    on a CPU device, a host memory copy."""
+def measure_link(device: torch.device, nbytes: int = LINK_PROBE_BYTES) -> tuple[float, float, float]:
+    """Copy bandwidth in bytes/s, best of three each: pinned device -> host alone, host -> device
+    alone, and each way while both copy at once (on two CUDA streams); on a CPU device, host
+    memory copies (the two "at once" one after the other)."""
     cuda = device.type == "cuda"
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    rates = []
-    for direction in ("d2h", "h2d"):
+    hosts = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
+    devs = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
+    streams = [torch.cuda.Stream(device) for _ in range(2)] if cuda else [None, None]
+
+    def copies(directions: tuple[str, ...]) -> float:
         best = 0.0
         for _ in range(3):
             if cuda:
                 torch.cuda.synchronize(device)
             started = time.perf_counter()
-            if direction == "d2h":
-                host.copy_(dev, non_blocking=cuda)
-            else:
-                dev.copy_(host, non_blocking=cuda)
+            for index, direction in enumerate(directions):
+                with torch.cuda.stream(streams[index]) if cuda else contextlib.nullcontext():
+                    if direction == "d2h":
+                        hosts[index].copy_(devs[index], non_blocking=cuda)
+                    else:
+                        devs[index].copy_(hosts[index], non_blocking=cuda)
             if cuda:
                 torch.cuda.synchronize(device)
             best = max(best, nbytes / max(time.perf_counter() - started, 1e-9))
-        rates.append(best)
-    return rates[0], rates[1]
+        return best
+
+    return copies(("d2h",)), copies(("h2d",)), copies(("d2h", "h2d"))
 
 
 def measure_store(store: Any, cuda: bool) -> tuple[float, float]:
@@ -215,7 +225,7 @@ def resolve_bandwidths(
     *,
     want_link: bool,
     want_store: bool,
-    link_probe: Optional[Callable[[torch.device], tuple[float, float]]] = None,
+    link_probe: Optional[Callable[[torch.device], tuple[float, float, float]]] = None,
     store_probe: Optional[Callable[[Any, bool], tuple[float, float]]] = None,
 ) -> Measured:
     """The link's and the store's bandwidth: from the store's cache where it has them, else
@@ -239,19 +249,23 @@ def resolve_bandwidths(
     links = cache.setdefault("links", {})
     link_key = _device_name(device) + group.suffix
     write_key, read_key = "ssd_write" + group.suffix, "ssd_read" + group.suffix
+    # A link cached before the duplex figure was measured is measured again.
+    link_cached = "duplex" in links.get(link_key, {})
     probe_link, probe_store = group.agree(
-        (want_link and link_key not in links, want_store and write_key not in cache)
+        (want_link and not link_cached, want_store and write_key not in cache)
     )
     sources = []
     if want_link:
         if probe_link:
             group.barrier()
-            d2h, h2d = link_probe(device)
-            links[link_key] = {"d2h": d2h, "h2d": h2d}
+            d2h, h2d, duplex = link_probe(device)
+            links[link_key] = {"d2h": d2h, "h2d": h2d, "duplex": duplex}
             sources.append("link measured" + group.suffix)
         else:
             sources.append("link cached")
-        measured.link_d2h, measured.link_h2d = float(links[link_key]["d2h"]), float(links[link_key]["h2d"])
+        figures = links[link_key]
+        measured.link_d2h, measured.link_h2d = float(figures["d2h"]), float(figures["h2d"])
+        measured.link_duplex = float(figures["duplex"])
     if want_store:
         if probe_store:
             group.barrier()
@@ -284,9 +298,12 @@ def resolve_link(device: torch.device, store: Any, options: Any, notes: dict[str
     notes["measured"] = measured.source
     if want:
         assert measured.link_d2h is not None and measured.link_h2d is not None
+        assert measured.link_duplex is not None
         d2h, h2d = PLAN_SHARE * measured.link_d2h, PLAN_SHARE * measured.link_h2d
+        duplex: Optional[float] = PLAN_SHARE * measured.link_duplex
     else:
         d2h = h2d = given(options.host_link_bandwidth)
+        duplex = None
     ssd_read = ssd_write = 1.0
     shared = bool(options.ssd_shared) if options.ssd_shared is not None else measured.ssd_read is not None
     if store is not None:
@@ -299,5 +316,12 @@ def resolve_link(device: torch.device, store: Any, options: Any, notes: dict[str
             if measured.ssd_write
             else given(write or options.ssd_bandwidth, 6.5e9)
         )
-    notes.update({"link_d2h_bytes_per_s": d2h, "link_h2d_bytes_per_s": h2d, "ssd_read_bytes_per_s": ssd_read})
-    return Link(d2h, h2d, ssd_read, ssd_write, shared)
+    notes.update(
+        {
+            "link_d2h_bytes_per_s": d2h,
+            "link_h2d_bytes_per_s": h2d,
+            "link_duplex_bytes_per_s": duplex,
+            "ssd_read_bytes_per_s": ssd_read,
+        }
+    )
+    return Link(d2h, h2d, ssd_read, ssd_write, shared, duplex)

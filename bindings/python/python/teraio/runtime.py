@@ -265,6 +265,7 @@ class offload:
             self.host_link_bandwidth: Union[float, str] = share * min(measured.link_d2h, measured.link_h2d)
             self.machine["link_d2h_bytes_per_s"] = measured.link_d2h
             self.machine["link_h2d_bytes_per_s"] = measured.link_h2d
+            self.machine["link_duplex_bytes_per_s"] = measured.link_duplex
         else:
             self.host_link_bandwidth = options.host_link_bandwidth
         ssd_measured = False

@@ -68,13 +68,17 @@ class ScheduleRecord:
         ssd_read_bytes_per_s: float,
         ssd_write_bytes_per_s: float,
         ssd_shared: bool = False,
+        host_link_duplex_bytes_per_s: Optional[float] = None,
     ) -> dict[str, Any]:
         """The simulator's report (planner/src/sim.rs `SimReport`) for this schedule at these
-        bandwidths; SSD transfers also take the host link (the store's bounce path)."""
+        bandwidths; SSD transfers also take the host link (the store's bounce path), each way
+        at `host_link_duplex_bytes_per_s` while both directions move data (None: the one-way
+        rate)."""
         hardware = {
             "gpu_capacity_bytes": UNBOUNDED_BYTES,
             "host_capacity_bytes": UNBOUNDED_BYTES,
             "host_link_bytes_per_s": host_link_bytes_per_s,
+            "host_link_duplex_bytes_per_s": host_link_duplex_bytes_per_s,
             "host_latency_us": HOST_LATENCY_US,
             "ssd_read_bytes_per_s": ssd_read_bytes_per_s,
             "ssd_write_bytes_per_s": ssd_write_bytes_per_s,

@@ -231,7 +231,8 @@ class WholeModelReport:
                 f"{RECORDED_ITERATION + 1}: GPU work {p['compute_ms']:.1f} ms, waits "
                 f"{p['stall_ms']:.1f} ms), measured {ms}: {self.prediction_error_percent:+.1f}%; "
                 f"that iteration ran {p['recorded_span_ms']:.1f} ms, "
-                f"{p['recorded_waits_ms']:.1f} ms of it waits"
+                f"{p['recorded_waits_ms']:.1f} ms of it waits; host link {_rate(p['host_link_bytes_per_s'])} "
+                f"one way, {_rate(p['host_link_duplex_bytes_per_s'])} each way both at once"
             )
         lines.extend(f"  WARNING: {w}" for w in self.warnings)
         if self.host_ms_per_iteration and self.measured_iteration_ms:
@@ -1241,13 +1242,17 @@ class ModelOffload:
     ) -> Optional[dict[str, Any]]:
         """The recorded iteration (`RECORDED_ITERATION`) replayed in the simulator at the planned
         bandwidths (`self.link`), or at those given (bytes/s or text such as "4x6.5GB/s": what
-        more SSDs or another link would do to this schedule). None before that iteration ran.
-        Returns the replay's figures in ms and bytes, with the bandwidths assumed."""
+        more SSDs or another link would do to this schedule). The link moves each way at its
+        duplex rate while both directions are busy: the measured one, or for a link given here
+        the measured ratio of duplex to one way. None before that iteration ran. Returns the
+        replay's figures in ms and bytes, with the bandwidths assumed."""
         record = self.recorder.result()
         if record is None:
             return None
-        link = min(self.link.d2h, self.link.h2d)
-        link = link if host_link_bandwidth is None else parse_bandwidth(host_link_bandwidth)
+        planned = min(self.link.d2h, self.link.h2d)
+        link = planned if host_link_bandwidth is None else parse_bandwidth(host_link_bandwidth)
+        # Both directions at once: the measured share of the one-way rate, at any link.
+        duplex = None if self.link.duplex is None else min(self.link.duplex, planned) * link / planned
         read = self.link.ssd_read if ssd_bandwidth is None else parse_bandwidth(ssd_bandwidth)
         write = self.link.ssd_write if ssd_bandwidth is None else read
         write = write if ssd_write_bandwidth is None else parse_bandwidth(ssd_write_bandwidth)
@@ -1256,6 +1261,7 @@ class ModelOffload:
             ssd_read_bytes_per_s=read,
             ssd_write_bytes_per_s=write,
             ssd_shared=self.link.ssd_shared,
+            host_link_duplex_bytes_per_s=duplex,
         )
         return {
             "iteration_ms": sim["iteration_time_us"] / 1e3,
@@ -1272,6 +1278,7 @@ class ModelOffload:
             "demand_fetches": sim["demand_fetches"],
             "unmodelled_transfers": record.unmodelled_transfers,
             "host_link_bytes_per_s": link,
+            "host_link_duplex_bytes_per_s": duplex,
             "ssd_read_bytes_per_s": read,
             "ssd_write_bytes_per_s": write,
             "ssd_shared": self.link.ssd_shared,
@@ -1382,6 +1389,10 @@ def _scale(tensor: torch.Tensor, coef: torch.Tensor, foreach: Optional[bool]) ->
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+def _rate(bytes_per_s: Optional[float]) -> str:
+    return "the same" if bytes_per_s is None else f"{bytes_per_s / 1e9:.1f} GB/s"
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
