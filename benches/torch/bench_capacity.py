@@ -549,6 +549,8 @@ def run_command(args: argparse.Namespace, mode: str) -> list[str]:
         if value is not None:
             command += ["--" + flag.replace("_", "-"), str(value)]
     command += ["--zero-offload-stage", str(args.zero_offload_stage)]
+    if args.record_out and mode in TERAIO_MODES:  # a directory in a table: one record per row
+        command += ["--record-out", os.path.join(args.record_out, f"record-{mode}.json")]
     if args.cap_gib_given:
         command += ["--cap-gib", str(args.cap_gib)]
     if args.tiny:
@@ -806,7 +808,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         "--trace-dir", default=None, help="where --profile-step's trace goes (default: work dir)"
     )
     common.add_argument(
-        "--record-out", default=None, help="teraio rows: write the recorded iteration here (JSON)"
+        "--record-out",
+        default=None,
+        help="teraio rows: write the recorded iteration here (JSON; for a table, a directory)",
     )
 
     one = commands.add_parser("run", parents=[common], help="one mode in this process")

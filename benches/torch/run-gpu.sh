@@ -252,7 +252,7 @@ capacity)
     --out-dir "$OUT/capacity" --deadline-s $((deadline - SECONDS)) --timeout-s $((deadline - SECONDS)) \
     --teraio-timeout-s $((deadline - SECONDS)) ${REFERENCE:+--reference-from "$REFERENCE"} \
     ${PROFILE_STEP:+--profile-step "$PROFILE_STEP"} ${ZI_STEPS:+--zero-infinity-steps "$ZI_STEPS"} \
-    ${TERAIO_OPTIONS:+--teraio-options "$TERAIO_OPTIONS"} \
+    ${TERAIO_OPTIONS:+--teraio-options "$TERAIO_OPTIONS"} --record-out "$OUT" \
     2>&1 | tee "$OUT/capacity.log"
   rm -rf /root/teraio-capacity
   cp "$OUT/capacity/results.jsonl" "$OUT/results.jsonl"
