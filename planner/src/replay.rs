@@ -6,7 +6,9 @@
 //! transfers it issued before each op. [`plan_from_schedule`] turns the transfers into a plan
 //! (each departure paired with the read that brings the tensor back, wrapping into the next
 //! iteration where the tensor starts the iteration on its tier) and [`replay`] runs it through
-//! [`crate::sim::simulate`]: the same channel, latency and link model as every other prediction.
+//! [`crate::sim::simulate`]: the same channel, latency and link model as every other prediction,
+//! with the runtime's rule for a tensor needed again while its write runs: the read waits for
+//! the write (`SimConfig::reads_wait_for_writes`), where the planner's executor would keep it.
 
 use std::collections::HashMap;
 
@@ -20,6 +22,12 @@ use crate::trace::Trace;
 
 /// The policy name replayed plans carry.
 pub const REPLAY_POLICY: &str = "replayed schedule";
+
+/// Iterations a replay runs back to back (the last is reported): where a tier cannot keep up,
+/// its backlog grows over the first iterations, and the last must show the steady state. On
+/// the H100 a record whose store writes took longer than the iteration's GPU work settled at
+/// the third.
+pub const REPLAY_ITERATIONS: u32 = 4;
 
 /// One transfer the runtime issued: before op `op` (the op count: after the last op, which is
 /// before the next iteration's first), `kind` of tensor `tensor_id` to or from `tier` (offload:
@@ -138,7 +146,8 @@ pub fn replay(trace: &Trace, transfers: &[Issued], hardware: &Hardware) -> Resul
     trace.validate()?;
     hardware.validate()?;
     let plan = plan_from_schedule(trace, transfers, hardware.gpu_capacity_bytes)?;
-    simulate(trace, hardware, Policy::Planned(&plan), SimConfig::default())
+    let config = SimConfig { iterations: REPLAY_ITERATIONS, reads_wait_for_writes: true };
+    simulate(trace, hardware, Policy::Planned(&plan), config)
 }
 
 #[cfg(test)]
@@ -281,6 +290,32 @@ mod tests {
         let report = replay(&trace, &transfers, &duplex).unwrap();
         // 500 (g's read alone) + 10 + 1500 (w's read) + 10 + 20000.
         assert!((report.iteration_time_us - 22020.0).abs() < 1.0, "{}", report.iteration_time_us);
+    }
+
+    #[test]
+    fn a_read_of_a_tensor_whose_write_runs_waits_for_the_write() {
+        // w is written back before op 2 (1000 us at 1 GB/s) and read again before op 0 of the
+        // next iteration, 100 us later: the read waits for the write, then takes its 1000 us.
+        let transfers = [issued(0, ActionKind::Prefetch), issued(2, ActionKind::Offload)];
+        let trace = Trace {
+            ops: vec![
+                Op { name: "forward".into(), duration_us: 100.0, layer: None, phase: Phase::Other },
+                Op { name: "step".into(), duration_us: 100.0, layer: None, phase: Phase::Other },
+                Op { name: "other".into(), duration_us: 100.0, layer: None, phase: Phase::Other },
+            ],
+            ..trace()
+        };
+        let report = replay(&trace, &transfers, &hardware(1e9)).unwrap();
+        assert_eq!(report.host_read_bytes, 1_000_000, "the tensor must be read back, not kept");
+        assert_eq!(report.host_written_bytes, 1_000_000);
+        // Each iteration: op 2 (100 us, the write's first 100 us), the write's other 900 us, the
+        // read (1000 us), ops 0 and 1.
+        assert!((report.iteration_time_us - 2200.0).abs() < 1.0, "{}", report.iteration_time_us);
+        // The planner's executor keeps it instead: no read, no wait.
+        let plan = plan_from_schedule(&trace, &transfers, 1 << 40).unwrap();
+        let kept = simulate(&trace, &hardware(1e9), Policy::Planned(&plan), SimConfig::default()).unwrap();
+        assert_eq!(kept.host_read_bytes, 0);
+        assert!(kept.iteration_time_us < 1000.0, "{}", kept.iteration_time_us);
     }
 
     #[test]

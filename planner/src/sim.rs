@@ -88,11 +88,16 @@ pub struct SimReport {
 pub struct SimConfig {
     /// Iterations replayed back to back; the last is reported (default 2).
     pub iterations: u32,
+    /// A tensor needed again while its write runs waits for the write, then is read back, as
+    /// whole-model offload's tiers do (a read of an object waits for its write in flight).
+    /// False (the default, the planner's executor): the write is cancelled and the tensor
+    /// stays on the GPU.
+    pub reads_wait_for_writes: bool,
 }
 
 impl Default for SimConfig {
     fn default() -> Self {
-        SimConfig { iterations: 2 }
+        SimConfig { iterations: 2, reads_wait_for_writes: false }
     }
 }
 
@@ -127,6 +132,9 @@ struct TensorState {
     deadline: u64,
     urgent: bool,
     last_used_seq: u64,
+    /// Needed again while its write runs (`SimConfig::reads_wait_for_writes`): read back once
+    /// the write is done.
+    read_after_write: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -243,6 +251,8 @@ struct Simulator<'a> {
     sequence: u64,
     /// Global index of the op being run (iteration × ops + op).
     global_op: u64,
+    /// `SimConfig::reads_wait_for_writes`.
+    reads_wait_for_writes: bool,
     report: SimReport,
     measuring: bool,
     iteration_start_us: f64,
@@ -401,6 +411,10 @@ impl Simulator<'_> {
                     }
                     let used = self.gpu_used_bytes - size;
                     self.set_gpu_used(used);
+                    if state.read_after_write {
+                        self.tensors[tensor].read_after_write = false;
+                        self.prefetch(transfer.tensor, state.urgent, state.deadline);
+                    }
                 }
             } else if tier == Tier::Host {
                 // The tensor was freed while being written: its host copy is not kept.
@@ -513,6 +527,11 @@ impl Simulator<'_> {
                     self.waiting.push_back(tensor);
                 }
                 self.serve_waiting();
+            }
+            Place::Writing(_) if self.reads_wait_for_writes => {
+                state.read_after_write = true;
+                state.urgent |= urgent;
+                state.deadline = deadline;
             }
             Place::Writing(_) => state.cancel_offload = true,
             _ => {}
@@ -661,6 +680,11 @@ impl Simulator<'_> {
                         self.kick(c);
                     }
                 }
+                Place::Writing(_) if self.reads_wait_for_writes => {
+                    state.read_after_write = true;
+                    state.urgent = true;
+                    state.deadline = self.global_op;
+                }
                 Place::Writing(_) => state.cancel_offload = true,
                 Place::Gpu | Place::Unallocated => {}
             }
@@ -669,7 +693,12 @@ impl Simulator<'_> {
         loop {
             self.serve_waiting();
             let resident = uses.iter().all(|&(tensor, _)| {
-                matches!(self.tensors[tensor as usize].place, Place::Gpu | Place::Writing(_) | Place::Unallocated)
+                let state = &self.tensors[tensor as usize];
+                match state.place {
+                    Place::Gpu | Place::Unallocated => true,
+                    Place::Writing(_) => !state.read_after_write,
+                    _ => false,
+                }
             });
             let fits = self.gpu_used_bytes + allocation_bytes <= self.capacity_bytes;
             if resident && fits {
@@ -745,6 +774,7 @@ impl Simulator<'_> {
                 self.waiting.retain(|&t| t != tensor);
             }
             state.place = Place::Unallocated;
+            state.read_after_write = false;
             state.ssd_copy_valid = false;
             state.host_copy_valid = false;
             if on_gpu {
@@ -812,6 +842,7 @@ pub fn simulate(trace: &Trace, hardware: &Hardware, policy: Policy<'_>, config: 
                 deadline: 0,
                 urgent: false,
                 last_used_seq: 0,
+                read_after_write: false,
             };
             trace.tensors.len()
         ],
@@ -824,6 +855,7 @@ pub fn simulate(trace: &Trace, hardware: &Hardware, policy: Policy<'_>, config: 
         seq: 0,
         sequence: 0,
         global_op: 0,
+        reads_wait_for_writes: config.reads_wait_for_writes,
         report: SimReport {
             policy: policy_name,
             outcome: Outcome::Completed,
