@@ -342,7 +342,8 @@ def index_markdown(root: Path) -> str:
             "|---|---|---|---:|---:|---:|---|",
         ]
         for name, text in sorted(descriptions(folder).items()):
-            records = load([str(folder / name)])
+            # Archives (recorded iterations and the like) hold no RESULT lines.
+            records = [] if name.endswith((".tgz", ".gz")) else load([str(folder / name)])
             rows = [key_figures(r) for r in records] or [["-"] * 5]
             for i, figures in enumerate(rows):
                 first = [f"`{name}`", cell(text)] if i == 0 else ["", ""]
