@@ -13,7 +13,6 @@ import torch
 from teraio import capacity as cp
 from teraio import ids
 from teraio.blockwise import BlockOffload
-from teraio.schedule_record import ScheduleRecorder
 from teraio.tiers import HostTier
 from teraio.whole_model import (
     RECORDED_ITERATION,
@@ -531,30 +530,3 @@ def test_no_prediction_before_the_recorded_iteration(store: teraio.Store) -> Non
     report = run.report()
     assert report.predicted_iteration_ms is None and run.predict() is None
     assert "predicted: none" in str(report)
-
-
-def test_a_store_read_counts_before_the_op_running_when_the_engine_starts_it() -> None:
-    # The store's reads start once the GPU has passed their point and the host polls: the
-    # record places each where it started, or after the last op if the record ended first.
-    recorder = ScheduleRecorder(torch.device("cpu"))
-    recorder.start()
-    recorder.begin("a")
-    recorder.use("w", "w", "parameter", 8)
-    recorder.use("v", "v", "parameter", 8)
-    started_late = recorder.read_started_later("w", "ssd")
-    not_started = recorder.read_started_later("v", "ssd")
-    assert started_late is not None and not_started is not None
-    recorder.begin("b")
-    recorder.wait()  # the runtime waits after b: that wait starts the read, before op c
-    started_late()
-    started_late()  # a second call records nothing more
-    recorder.begin("c")
-    recorder.finish()
-    not_started()  # after the record: nothing
-    assert [(op, key, kind) for op, key, kind, _, _ in recorder._transfers] == [
-        (2, "w", "prefetch"),
-        (3, "v", "prefetch"),
-    ]
-    recorder.start()
-    recorder.finish()
-    assert recorder.read_started_later("w", "ssd") is None  # outside a record

@@ -11,10 +11,7 @@ planner/src/replay.rs) at the machine's bandwidths, or at others (`ScheduleRecor
 - tensors: what the ops used (a parameter, its gradient, each optimizer-state tensor), read or
   written, with their sizes;
 - transfers: each read, write and drop the runtime issued, before the op that followed it (one
-  issued while an op runs counts before the next op: the replay issues it a little late). A
-  store read counts where the engine started it (`read_started_later`): it waits for the GPU
-  to pass the point where its memory was allocated, and for the host to poll or wait, which can
-  be ops after it was issued.
+  issued while an op runs counts before the next op: the replay issues it a little late).
 
 Only tensors that moved are recorded: a parameter kept on the GPU takes no link time.
 """
@@ -23,7 +20,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Optional
+from typing import Any, Hashable, Optional
 
 import torch
 
@@ -113,13 +110,10 @@ class ScheduleRecorder:
         # tracked between records too; and which of them were written during the record.
         self._owed: dict[Hashable, str] = {}
         self._written: set[Hashable] = set()
-        # Reads issued in the record that have not started yet: [key, tier] each.
-        self._not_started: list[list[Any]] = []
 
     def start(self) -> None:
         self.recording, self._finished, self._record = True, False, None
         self._ops, self._tensors, self._transfers, self._written = [], {}, [], set()
-        self._not_started = []
 
     def wait(self) -> None:
         """The runtime is about to wait for transfers: the running op ends here."""
@@ -146,22 +140,6 @@ class ScheduleRecorder:
 
     def read(self, key: Hashable, tier: str) -> None:
         self._issue(key, PREFETCH, tier)
-
-    def read_started_later(self, key: Hashable, tier: str) -> Optional[Callable[[], None]]:
-        """A read whose transfer starts later than it is issued: it counts before the op running
-        when the returned callback is called (or after the last op if it has not started when
-        the record ends). None outside a record."""
-        if not self.recording:
-            return None
-        pending = [key, tier]
-        self._not_started.append(pending)
-
-        def started() -> None:
-            if any(p is pending for p in self._not_started):
-                self._not_started = [p for p in self._not_started if p is not pending]
-                self._issue(key, PREFETCH, tier)
-
-        return started
 
     def wrote(self, key: Hashable, tier: str, leaves: bool = True) -> None:
         """A write of `key` to `tier` was issued; `leaves`: its GPU memory goes with it (else it
@@ -202,9 +180,6 @@ class ScheduleRecorder:
         write still running) depart after it."""
         if self.recording:
             self.wait()
-            for key, tier in self._not_started:
-                self._issue(key, PREFETCH, tier)
-            self._not_started = []
             for key in self._written:
                 self._issue(key, OFFLOAD, self._owed[key])
             self.recording, self._finished = False, True

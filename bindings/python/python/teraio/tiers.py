@@ -226,41 +226,29 @@ class HostTier:
 class _Gated:
     """An engine transfer that may start only once the compute stream passed `event`."""
 
-    __slots__ = ("start", "event", "handle", "owner", "on_start")
+    __slots__ = ("start", "event", "handle", "owner")
 
-    def __init__(
-        self,
-        start: Callable[[], Any],
-        event: Any,
-        owner: torch.Tensor,
-        on_start: Optional[Callable[[], None]] = None,
-    ) -> None:
+    def __init__(self, start: Callable[[], Any], event: Any, owner: torch.Tensor) -> None:
         self.start = start
         self.event = event
         self.handle: Any = None
         self.owner = owner  # the GPU memory, alive until the engine is done with it
-        self.on_start = on_start  # told when the engine transfer starts (the schedule record)
 
     def poll(self) -> bool:
         """Starts the transfer if it may; True once it is done."""
         if self.handle is None:
             if self.event is not None and not self.event.query():
                 return False
-            self._begin()
+            self.handle = self.start()
         return bool(self.handle.is_done())
 
     def wait(self) -> None:
         if self.handle is None:
             if self.event is not None:
                 self.event.synchronize()
-            self._begin()
+            self.handle = self.start()
         self.handle.wait()
         self.owner = None  # type: ignore[assignment]
-
-    def _begin(self) -> None:
-        self.handle = self.start()
-        if self.on_start is not None:
-            self.on_start()
 
 
 class SsdTier:
@@ -292,12 +280,11 @@ class SsdTier:
         self._written[key] = gated
         return Transfer(source.numel(), gated.poll, gated.wait)
 
-    def read(self, key: Any, target: torch.Tensor, on_start: Optional[Callable[[], None]] = None) -> Transfer:
+    def read(self, key: Any, target: torch.Tensor) -> Transfer:
         """Reads the key's object into `target` (flat bytes) once the compute stream has passed
-        this point (the allocator may have handed out memory that queued work still uses) and a
-        poll or a wait finds it so; `on_start` is called then."""
+        this point (the allocator may have handed out memory that queued work still uses)."""
         self._wait_written(key)  # the read needs the object as last written
-        gated = self._gated(self.ids[key], target, self.native.get_device, self.native.get_address, on_start)
+        gated = self._gated(self.ids[key], target, self.native.get_device, self.native.get_address)
         return Transfer(target.numel(), gated.poll, gated.wait)
 
     def _wait_written(self, key: Any) -> None:
@@ -306,12 +293,7 @@ class SsdTier:
             previous.wait()
 
     def _gated(
-        self,
-        object_id: int,
-        memory: torch.Tensor,
-        on_device: Callable[..., Any],
-        on_host: Callable[..., Any],
-        on_start: Optional[Callable[[], None]] = None,
+        self, object_id: int, memory: torch.Tensor, on_device: Callable[..., Any], on_host: Callable[..., Any]
     ) -> _Gated:
         """An engine transfer of `memory` (flat bytes) that starts once the compute stream has
         passed this point: the GPU path for CUDA memory, the host path otherwise."""
@@ -330,7 +312,7 @@ class SsdTier:
             def start() -> Any:
                 return on_host(object_id, address, nbytes, memory)
 
-        gated = _Gated(start, event, memory, on_start)
+        gated = _Gated(start, event, memory)
         self._in_flight.append(gated)
         gated.poll()
         return gated

@@ -699,11 +699,8 @@ class ModelOffload:
     def _read_into(self, slot: _Slot, kind: Any, target: torch.Tensor) -> Transfer:
         tier = self._tier(slot, kind)
         self._counts.add("in", tier.name, kind, target.numel())
-        key = (kind, slot.index)
-        if tier.name == SSD:  # the engine starts it later: recorded when it does
-            return tier.read(key, target, on_start=self.recorder.read_started_later(key, tier.name))
-        self.recorder.read(key, tier.name)
-        return tier.read(key, target)
+        self.recorder.read((kind, slot.index), tier.name)
+        return tier.read((kind, slot.index), target)
 
     def _record_use(self, slot: _Slot, kind: Any, write: bool = False) -> None:
         """The running op used `kind` of the parameter (for the recorded iteration)."""
