@@ -217,52 +217,10 @@ mod tests {
         assert!(plan.migrations.iter().any(|m| m.offloaded_at_start && m.offload_op == 0 && m.prefetch_op == 0));
     }
 
-    #[test]
-    fn a_read_and_a_write_at_once_share_the_link_at_its_duplex_rate() {
-        // Two 1 MB weights: g written before op 1 while w is read for it (both at once), w
-        // dropped again, g read back for the next iteration's op 0 (alone).
-        let op = |name: &str, duration_us: f64| Op { name: name.into(), duration_us, layer: None, phase: Phase::Other };
-        let weight = |id: u64, op: u32, access: Access| Tensor {
-            id,
-            name: format!("t{id}"),
-            size_bytes: 1_000_000,
-            kind: TensorKind::Weight,
-            alloc_op: None,
-            free_op: None,
-            uses: vec![TensorUse { op, access }],
-        };
-        let trace = Trace {
-            format_version: FORMAT_VERSION,
-            description: "duplex".into(),
-            gpu_capacity_bytes: 1 << 40,
-            ops: vec![op("a", 10.0), op("b", 10.0), op("c", 5000.0)],
-            tensors: vec![weight(7, 1, Access::Read), weight(8, 0, Access::Write)],
-        };
-        let transfers = [
-            Issued { op: 1, tensor_id: 8, kind: ActionKind::Offload, tier: Tier::Host },
-            issued(1, ActionKind::Prefetch),
-            issued(2, ActionKind::Drop),
-            Issued { op: 3, tensor_id: 8, kind: ActionKind::Prefetch, tier: Tier::Host },
-        ];
-        // At 1 GB/s each way: the read before op 0 (1000 us), op 0, the read for op 1 (1000 us),
-        // ops 1 and 2.
-        let one_way = replay(&trace, &transfers, &hardware(1e9)).unwrap();
-        assert!((one_way.iteration_time_us - 7020.0).abs() < 1.0, "{}", one_way.iteration_time_us);
-        // Both directions at once at 0.5 GB/s each: op 1's read takes 2000 us; the read alone
-        // before op 0 still goes at the one-way rate.
-        let duplex = Hardware { host_link_duplex_bytes_per_s: Some(0.5e9), ..hardware(1e9) };
-        let shared = replay(&trace, &transfers, &duplex).unwrap();
-        assert!((shared.iteration_time_us - 8020.0).abs() < 1.0, "{}", shared.iteration_time_us);
-        // The write ends with the read: once it is done, nothing changes the read's rate back.
-        let as_fast = Hardware { host_link_duplex_bytes_per_s: Some(1e9), ..hardware(1e9) };
-        let same = replay(&trace, &transfers, &as_fast).unwrap();
-        assert!((same.iteration_time_us - one_way.iteration_time_us).abs() < 1e-6);
-    }
-
-    #[test]
-    fn a_transfer_alone_goes_back_to_the_one_way_rate_when_the_other_direction_ends() {
-        // Read 1 MB while a 0.5 MB write runs: both at 0.5 GB/s until the write ends (1000 us,
-        // 0.5 MB read), then the read's other 0.5 MB at 1 GB/s (500 us).
+    /// Weights g (`write_bytes`) and w (1 MB): g written before op 1 while w is read for it
+    /// (both at once), w dropped again, g read back for the next iteration's op 0 (alone); ops
+    /// of 10, 10 and `last_op_us` us.
+    fn read_during_write(write_bytes: u64, last_op_us: f64) -> (Trace, [Issued; 4]) {
         let op = |name: &str, duration_us: f64| Op { name: name.into(), duration_us, layer: None, phase: Phase::Other };
         let weight = |id: u64, size_bytes: u64, op: u32, access: Access| Tensor {
             id,
@@ -275,10 +233,10 @@ mod tests {
         };
         let trace = Trace {
             format_version: FORMAT_VERSION,
-            description: "duplex, then one way".into(),
+            description: "a read during a write".into(),
             gpu_capacity_bytes: 1 << 40,
-            ops: vec![op("a", 10.0), op("b", 10.0), op("c", 20000.0)],
-            tensors: vec![weight(7, 1_000_000, 1, Access::Read), weight(8, 500_000, 0, Access::Write)],
+            ops: vec![op("a", 10.0), op("b", 10.0), op("c", last_op_us)],
+            tensors: vec![weight(7, 1_000_000, 1, Access::Read), weight(8, write_bytes, 0, Access::Write)],
         };
         let transfers = [
             Issued { op: 1, tensor_id: 8, kind: ActionKind::Offload, tier: Tier::Host },
@@ -286,6 +244,32 @@ mod tests {
             issued(2, ActionKind::Drop),
             Issued { op: 3, tensor_id: 8, kind: ActionKind::Prefetch, tier: Tier::Host },
         ];
+        (trace, transfers)
+    }
+
+    #[test]
+    fn a_read_and_a_write_at_once_share_the_link_at_its_duplex_rate() {
+        let (trace, transfers) = read_during_write(1_000_000, 5000.0);
+        // At 1 GB/s each way: g's read before op 0 (1000 us), op 0, w's read for op 1 (1000 us),
+        // ops 1 and 2.
+        let one_way = replay(&trace, &transfers, &hardware(1e9)).unwrap();
+        assert!((one_way.iteration_time_us - 7020.0).abs() < 1.0, "{}", one_way.iteration_time_us);
+        // Both directions at once at 0.5 GB/s each: w's read takes 2000 us; g's read alone
+        // before op 0 still goes at the one-way rate.
+        let duplex = Hardware { host_link_duplex_bytes_per_s: Some(0.5e9), ..hardware(1e9) };
+        let shared = replay(&trace, &transfers, &duplex).unwrap();
+        assert!((shared.iteration_time_us - 8020.0).abs() < 1.0, "{}", shared.iteration_time_us);
+        // A duplex rate equal to the one-way rate changes nothing.
+        let as_fast = Hardware { host_link_duplex_bytes_per_s: Some(1e9), ..hardware(1e9) };
+        let same = replay(&trace, &transfers, &as_fast).unwrap();
+        assert!((same.iteration_time_us - one_way.iteration_time_us).abs() < 1e-6);
+    }
+
+    #[test]
+    fn a_transfer_alone_goes_back_to_the_one_way_rate_when_the_other_direction_ends() {
+        // w's 1 MB read while g's 0.5 MB write runs: both at 0.5 GB/s until the write ends
+        // (1000 us, 0.5 MB read), then the read's other 0.5 MB at 1 GB/s (500 us).
+        let (trace, transfers) = read_during_write(500_000, 20000.0);
         let duplex = Hardware { host_link_duplex_bytes_per_s: Some(0.5e9), ..hardware(1e9) };
         let report = replay(&trace, &transfers, &duplex).unwrap();
         // 500 (g's read alone) + 10 + 1500 (w's read) + 10 + 20000.
