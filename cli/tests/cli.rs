@@ -36,8 +36,17 @@ fn one_line_error(cmd: &mut Command, code: i32) -> String {
 const SMALL: [&str; 8] =
     ["--data-size", "32MiB", "--object-size", "8MiB", "--no-progress", "--json", "--runtime", "300ms"];
 
+/// `SMALL` with a byte budget instead of a time limit: the same number of ops on a loaded machine
+/// (300 ms let a busy CI machine finish a mixed run before its first read).
+const SMALL_SIZED: [&str; 8] =
+    ["--data-size", "32MiB", "--object-size", "8MiB", "--no-progress", "--json", "--size", "256MiB"];
+
 fn bench_json(targets: &[String], extra: &[&str]) -> Value {
-    let out = teraio().arg("bench").args(targets).args(SMALL).args(extra).output().expect("runs");
+    bench_json_from(&SMALL, targets, extra)
+}
+
+fn bench_json_from(base: &[&str], targets: &[String], extra: &[&str]) -> Value {
+    let out = teraio().arg("bench").args(targets).args(base).args(extra).output().expect("runs");
     assert!(out.status.success(), "bench failed: {}", String::from_utf8_lossy(&out.stderr));
     serde_json::from_slice(&out.stdout).expect("bench --json prints JSON")
 }
@@ -73,7 +82,7 @@ fn bench_every_mode_verifies_what_it_reads() {
         ("randwrite", false, true),
         ("randrw", true, true),
     ] {
-        let v = bench_json(&targets, &["--rw", mode, "--verify", "--force", "--queue-depth", "8"]);
+        let v = bench_json_from(&SMALL_SIZED, &targets, &["--rw", mode, "--verify", "--force", "--queue-depth", "8"]);
         let r = &v["report"];
         assert_eq!(r["workload"]["verify"], true);
         assert_eq!(r["object_get"]["ops"].as_u64().unwrap() > 0, reads, "{mode}: reads");
