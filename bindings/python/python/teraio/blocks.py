@@ -95,9 +95,9 @@ def autocast_cache_off() -> Iterator[None]:
     The cache holds each block's bf16 copy of its fp32 weights to the end of the user's autocast
     region, the loss included. A kept block saves those copies for its backward anyway; a
     recomputed block casts again when it recomputes, so its cached copies are dead weight through
-    the forward (2 GB for a 1.5B model with 21 of 28 blocks recomputed), and a block on the host
+    the forward (gigabytes for a 1.5B model with most blocks recomputed), and a block on the host
     would copy out what the cache still holds on the GPU. (Where the iteration peaks in the head's
-    backward, after the region, the peak does not change: Qwen2 1.5B on the H100.) Each weight is cast once
+    backward, after the region has ended, the peak does not change.) Each weight is cast once
     per block either way, so nothing else changes (`torch.utils.checkpoint` recomputes with the
     cache setting of the forward). The flag is autocast's own, global to every device type, as
     `torch.autocast(cache_enabled=False)` sets it."""

@@ -43,8 +43,9 @@ checkpointed) plus all of the state fits the budget, so that the measuring itera
 planned ones do; else it leaves the GPU between steps (as in the tensor plan), so that they need no
 more memory than checkpointing with the state away. Its copies out are issued when the next forward
 reaches the first block, not at the end of the step: copies in one direction run in the order they
-were issued, whatever their stream, and issued at the step they held up the training loop's
-`loss.item()` until all of them were done (122 ms for 7 GB on the H100).
+were issued, whatever their stream, and issued at the step they would hold up the training
+loop's `loss.item()` until all of them were done (gigabytes of state: a stall of the order of
+100 ms).
 """
 
 from __future__ import annotations
@@ -87,8 +88,8 @@ SELECTIVE = "selective"
 SELECTIVE_PROBES = (1, 2)
 #: The allocator's split blocks around what selective blocks keep, as a share of it, counted in
 #: their bound: their kept tensors are allocated among the forward's temporaries and pin the
-#: segments they sit in. On the H100, Llama 1.2B with 7 selective blocks (2.9 GB kept) ran out of
-#: memory at the head with 738 MiB reserved but unallocated, while two probes showed none.
+#: segments they sit in. The probes alone show none: with several selective blocks, the head can
+#: run out of memory with hundreds of MiB reserved but unallocated around what they keep.
 SELECTIVE_SPLIT_SHARE = 0.25
 
 #: Saved bytes each copy direction may have in flight, in blocks' worth (the largest block): the
@@ -499,10 +500,10 @@ def steady_block_times(measured: Measurement, probes: list[int]) -> None:
     class: the same ops on the same shapes); `probes` (selective in iteration 2: their spans are
     selective recomputation's) are left out of the recomputation's median and keep theirs. The
     measuring iterations stall where the allocator maps memory as they first grow, and a stall
-    lands in whichever block's span it falls: on the H100, Qwen2 1.5B's recomputations measured
-    2.04-2.07 ms for six blocks, 7.95-25.28 ms for five and 0.24-1.22 ms for four, in an iteration
-    that mapped memory 87 times (planned iterations: none), and the plan's prediction of
-    checkpointing every block came out 38% above its measurement. Block 0's backward is left as
+    lands in whichever block's span it falls: a few blocks' recomputations then measure several
+    times the steady figure and others a fraction of it, while planned iterations map no memory,
+    so summing the blocks as measured predicts checkpointing every block well above what it
+    takes. Block 0's backward is left as
     measured (its span holds the embedding's too: the tail takes the excess)."""
     blocks = measured.blocks
     if len(blocks) < 3:
@@ -1422,10 +1423,9 @@ class BlockOffload:
             cost.recompute_ms = max(0.0, _ms(trigger[i], trigger[i - 1]) - cost.backward_ms)
         forward_end = {i: b for i, _, b in self._block_marks["forward"]}
         if n - 1 in forward_end:
-            # Iteration 1's head can run slower than planned iterations' (it follows step 0, and
-            # the state that step left on the GPU leaves in its forward): 190 ms for Llama 1.2B
-            # at half its peak on the H100, where planned iterations took about 60. The head is
-            # the lesser of the two iterations'.
+            # Iteration 1's head can run several times slower than planned iterations' (it
+            # follows step 0, and the state that step left on the GPU leaves in its forward).
+            # The head is the lesser of the two iterations'.
             head = _ms(forward_end[n - 1], trigger[n - 1])
             self.measured.head_backward_ms = min(self.measured.head_backward_ms, head)
         steady_block_times(self.measured, probes)
@@ -1444,8 +1444,9 @@ class BlockOffload:
         iterations 1 and 2 (whose selective probes allocate as selective blocks do), or what the
         allocator could not release right before iteration 1's head or at iteration 2's end of
         backward, the larger (`machine.unreleasable_bytes`;
-        with expandable segments it counts no split blocks, and on the H100 a planned iteration
-        ran out of memory at the head's 4.6 GiB with 1.1 GiB of them, over a 0.9 GiB reserve)."""
+        with expandable segments it counts no split blocks, so a reserve without what the
+        allocator cannot release falls short, and a planned iteration runs out of memory at the
+        head's large allocation)."""
         split = getattr(self, "_fb_split_peak", 0)
         unreleasable = getattr(self, "_unreleasable", 0)
         slack = max(split, unreleasable)
@@ -1710,9 +1711,9 @@ class BlockOffload:
     def _state_tensors_all(self) -> list[torch.Tensor]:
         """Every movable state tensor, largest first, whether it is on the GPU now or not: those
         the executor moves already (out, their storage is empty) and the rest. The measuring
-        iterations may have moved only some; a plan that moves more must find the others (on
-        the H100 a Qwen2 plan that moved 2.46 GB got the 1.74 GB moved while measuring and ran
-        out of memory)."""
+        iterations may have moved only some; a plan that moves more must find the others (else
+        it moves only what measuring moved, its bound counts the rest as gone, and it runs out of
+        memory)."""
         known = [slot.tensor for slot in self.state.slots]
         ids = {id(t) for t in known}
         rest = [t for t in self._state_tensors() if id(t) not in ids]
@@ -1783,14 +1784,14 @@ class BlockOffload:
     def _allocator_retried(self) -> bool:
         """Whether the allocator retried in this iteration, which did not follow a change of the
         blocks' actions (the first iteration of a layout allocates into what the last one left
-        and may retry: on the H100, checkpointing every block retried in its first two planned
-        iterations, then never again, so a plan can lose a block to a transition).
+        and may retry: checkpointing every block can retry in its first planned iterations,
+        then never again, so a plan could lose a block to a transition).
 
         A retry is memory pressure the peak alone does not show: an allocation found no free
         range large enough, so the allocator synchronized every stream, released its cached
-        blocks and mapped anew. On the H100, Qwen2 1.5B at 65% of its peak with 7 blocks kept
-        peaked 2.1 GiB under the budget, yet retried at every head (its 4.6 GiB logits), and ran
-        397 ms against 368 with every block checkpointed."""
+        blocks and mapped anew. A plan whose peak is gigabytes under the budget can still retry
+        at every head (its logits are one large allocation that no free range fits), and then
+        runs slower than checkpointing every block, which does not retry."""
         counts = self._alloc_retries
         if len(counts) < 2 or self.step < self._layout_from + 1:
             return False

@@ -21,8 +21,10 @@ A prefetch the plan did not issue in time is issued on demand; that and any wait
 read are counted as stalls, and the result is still exact.
 
 SSD tier: the device-to-host copy lands in a pinned buffer, then the engine writes it
-(`Store.put_address`, asynchronous); reads come back into a pinned buffer and are copied up. When
-the engine's GPU path lands, `_CudaMover.to_tier`/`from_tier` are the seam to replace.
+(`Store.put_address`, asynchronous); reads come back into a pinned buffer and are copied up. The
+engine's GPU path (`put_device`/`get_device`) exists and the whole-model runtime's SSD tier
+(`tiers.SsdTier`) uses it; this executor does not yet, so its SSD bytes are staged in pinned
+host memory here (`SSD_STAGING_BYTES`).
 
 Recomputation (`teraio.recompute`): a saved tensor the plan marks "recompute" is not copied at
 all; the executor keeps the handles of its sources (earlier saves, parameters, captured module
@@ -55,15 +57,16 @@ SSD = "ssd"
 RECOMPUTE = "recompute"
 
 
-#: Prefetches are copied in pieces of this size (64 MiB: 1.2 ms at 55 GB/s; each piece costs
-#: about 10 us to issue).
+#: Prefetches are copied in pieces of this size (64 MiB: about a millisecond on a PCIe 5 x16
+#: link, against about 10 us of host time to issue each piece).
 PREFETCH_CHUNK_BYTES = 64 << 20
 
 
 #: Pinned host memory staging SSD writes at most (beyond it a save waits for the disk).
 SSD_STAGING_BYTES = 4 << 30
 
-#: Prefetches at least this large (about 5 ms at 55 GB/s) let later, more urgent ones go first.
+#: Prefetches at least this large (several milliseconds of link time) let later, more urgent
+#: ones go first.
 PULL_BEHIND_MIN_BYTES = 256 << 20
 #: GPU memory left free besides a prefetch issued before its planned event (the allocator's
 #: fragmentation and copies in flight, which measured peaks show above the plan).
@@ -337,7 +340,8 @@ class ActivationExecutor:
         the save/unpack events the plan expects per iteration (checked at each iteration's end).
 
         Host buffers come from PyTorch's caching pinned allocator: the planned iterations reuse
-        the blocks the warm-up iterations pinned (pinning memory is slow: about 1 GB/s), and a
+        the blocks the warm-up iterations pinned (pinning memory is slow: far slower than the
+        copies it serves), and a
         block is reused only after the copies that use it are done (the allocator records events).
         """
         self.decisions = decisions

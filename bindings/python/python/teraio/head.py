@@ -4,8 +4,8 @@ With a 128K-152K vocabulary the loss head allocates the iteration's largest tens
 Face's causal-LM loss (`ForCausalLMLoss`) upcasts the logits to fp32 (4.6 GiB for Qwen2's 151936
 at 4 x 2048 tokens), `cross_entropy` saves their fp32 log-softmax, and its backward holds three
 fp32 tensors of that size at once (the log-softmax, nll_loss's gradient and log_softmax's) next to
-the logits' gradient. On the H100 that is about 14.6 of the 33.1 GiB at which Qwen2 1.5B peaks
-with every block checkpointed (benches/results/2026-11-25-h100/probe-65-allocator-retry.log).
+the logits' gradient. For a 1.5B model with such a vocabulary that is a large share of the
+iteration's peak when every block is checkpointed.
 
 `teraio.offload` replaces a Hugging Face model's `ForCausalLMLoss` with `causal_lm_loss` (the
 same label shift and reduction) for as long as it runs (`LossHead`). That loss runs the kernels

@@ -5,7 +5,7 @@ tensors, parameters, a module's inputs such as an attention mask) need not be ke
 executor drops it at the save and runs the op again when backward asks for it. On a link-bound
 iteration this takes bytes off the link; the classic case is eager attention's softmax (1 GiB per
 layer at batch 4 x 2048, remade from the saved query and key in a few milliseconds where moving it
-out and back takes about 40 ms at 55 GB/s).
+out and back over a PCIe link takes tens of milliseconds).
 
 What the profiler records (`Producer`): for each tensor a forward op made, the op and its
 arguments, tensors as (record, dtype, shape, strides, offset) views of a storage, never the

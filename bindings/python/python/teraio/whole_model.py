@@ -86,10 +86,9 @@ from .timing import IterationPeak
 WHOLE_MODEL_SHARE = 0.7
 #: ...and parameters + gradients alone exceed this share. Below it the block plan trains: it keeps
 #: them on the GPU and moves the optimizer state out between steps, stepping it in windows where
-#: it cannot all come back. On the H100 at half of the no-offload peak (bf16 autocast, SDPA,
-#: batch 4 x 2048), where parameters and gradients took 39% (Qwen2 1.5B) and 42% (Llama 1.2B) of
-#: the budget, the block plan ran at 578 and 434 ms/iter, whole-model mode at 882 and 767 in the
-#: same runs (benches/results/2026-11-25-h100/regime-block-plan-50-*).
+#: it cannot all come back. Where parameters and gradients take about 40% of the budget, the
+#: block plan trains markedly faster than whole-model mode, which moves the parameters and
+#: gradients over the link every iteration (docs/benchmarks.md, "Training as users train").
 WHOLE_MODEL_WEIGHTS_SHARE = 0.45
 
 #: Default step window: this share of the GPU budget (parameter + gradient + state bytes).
@@ -812,8 +811,8 @@ class ModelOffload:
         for compute to wait for). In backward with the step there, also those of the optimizer
         state of unit `current`'s parameters and of the horizon's, up to `pull_forward_bytes` of
         state (twice the parameters' bytes under Adam: read ahead for the whole parameter
-        horizon, it ran out of memory at pull_forward_bytes=3GiB on the H100; counted with the
-        parameters' bytes, it left the parameter reads behind)."""
+        horizon, it runs out of memory at a few GiB of `pull_forward_bytes`; counted with the
+        parameters' bytes, it leaves the parameter reads behind)."""
         horizon = self._horizon()
         for unit in horizon:
             with self.host.batched():
@@ -1204,8 +1203,8 @@ class ModelOffload:
         for good, largest first: each saves its reads in forward, recomputation and the step,
         and its write after it. After the first, room is also kept for what it had not done yet
         (the step in backward's state reads: no state existed before its step); the second did
-        all of it, so its own peak is the measure (on the H100 the first alone left a third of
-        the budget unused)."""
+        all of it, so its own peak is the measure (the first alone can leave much of the
+        budget unused)."""
         if not self.cuda:
             return
         peak = int(torch.cuda.max_memory_allocated(self.device))
@@ -1267,7 +1266,7 @@ class ModelOffload:
         )
         # The recorded iteration's wall time outside its GPU span: the loop's own host time
         # between iterations (optimizer.step()'s return, zero_grad, the next batch, launching the
-        # first op), which no bandwidth changes; about 40 ms per iteration on the H100.
+        # first op), which no bandwidth changes.
         wall_ms = self._step_times_ms[RECORDED_ITERATION]
         outside_ms = max(0.0, wall_ms - record.span_ms)
         return {
