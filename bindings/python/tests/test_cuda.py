@@ -315,3 +315,25 @@ def test_loss_head_is_the_same_bits_as_torchs_on_cuda(dtype: Any) -> None:
     (grad,) = torch.autograd.grad(loss, logits)
     assert torch.equal(loss, expected)
     assert torch.equal(grad, expected_grad)
+
+
+def test_registered_buffers_pin_exactly_their_bytes_and_give_them_back() -> None:
+    from teraio.pinned import PAGE_BYTES, RegisteredBuffer
+
+    before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    sizes = [1, PAGE_BYTES - 1, 9 << 20, 37_748_736]  # a 3072 x 3072 fp32 weight is 36 MiB
+    buffers = [RegisteredBuffer(n) for n in sizes]
+    assert [b.tensor.numel() for b in buffers] == sizes
+    assert all(b.tensor.is_pinned() for b in buffers)
+    # Not from torch's pinned allocator (which rounds up to a power of two and keeps blocks).
+    assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) == before
+    source = torch.arange(sizes[-1], dtype=torch.uint8, device=DEVICE)
+    buffers[-1].tensor.copy_(source, non_blocking=True)
+    back = torch.empty_like(source)
+    back.copy_(buffers[-1].tensor, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(back, source)
+    for buffer in buffers:
+        buffer.release()
+        buffer.release()  # once only
+        assert buffer.tensor.numel() == 0

@@ -140,14 +140,42 @@ def test_bandwidths_measured_once_and_cached_with_the_store(
 
 def test_host_memory_is_bounded_by_what_the_machine_has(tmp_path: pathlib.Path) -> None:
     meminfo = tmp_path / "meminfo"
-    meminfo.write_text("MemTotal:       100000 kB\nMemAvailable:    8000000 kB\n")
-    available = machine.available_host_bytes(str(meminfo))
-    assert available == 8000000 * 1024
-    assert machine.default_host_memory(available) == int(available * machine.HOST_MEMORY_SHARE)
+    gib = 1 << 30
+    # A small machine: the floor of the margin applies.
+    meminfo.write_text(f"MemTotal:       {24 * gib // 1024} kB\nMemAvailable:   {20 * gib // 1024} kB\n")
+    available, total = machine.available_host_bytes(str(meminfo)), machine.total_host_bytes(str(meminfo))
+    assert (available, total) == (20 * gib, 24 * gib)
+    assert machine.default_host_memory(available, total) == 20 * gib - machine.HOST_MEMORY_MARGIN_BYTES
+    # A large one: a share of MemTotal stays free, and ranks on the host split the rest.
+    big = 1000 * gib
+    share = int(big * machine.HOST_MEMORY_MARGIN_SHARE)
+    assert share > machine.HOST_MEMORY_MARGIN_BYTES
+    assert machine.default_host_memory(big, big) == big - share
+    assert machine.default_host_memory(big, big, ranks=4) == (big - share) // 4
+    # Less available than the margin: nothing is pinned; unreadable: a fixed 4 GiB.
+    assert machine.default_host_memory(gib, 2 * gib) == 0
+    assert machine.default_host_memory(None) == 4 * gib
     model, optimizer = make()
     run = teraio.offload(model, optimizer, gpu_memory=1 << 30, host_link_bandwidth="10GB/s")
     real = machine.available_host_bytes()
-    assert real is not None and 0 < run.host_memory_bytes <= real * machine.HOST_MEMORY_SHARE + 1
+    assert real is not None and 0 <= run.host_memory_bytes <= real - machine.HOST_MEMORY_MARGIN_BYTES
+
+
+def test_host_memory_above_what_the_machine_has_is_refused_at_start() -> None:
+    model, optimizer = make()
+    real = machine.available_host_bytes()
+    assert real is not None
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="more than this machine has available"):
+        teraio.offload(model, optimizer, gpu_memory=1 << 30, host_memory=real + (1 << 30))
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_ranks_on_this_host_follow_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    assert machine.ranks_on_this_host() == 3
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert machine.ranks_on_this_host() == 1  # no process group in this test
 
 
 def test_reserve_from_the_allocators_slack() -> None:

@@ -243,6 +243,46 @@ def test_pinned_host_memory_never_exceeds_its_cap() -> None:
     assert tier.used_bytes == 600
 
 
+def test_a_released_key_gives_its_bytes_back() -> None:
+    tier = HostTier(torch.device("cpu"), 1000)
+    tier.write("a", torch.arange(600, dtype=torch.int32).to(torch.uint8))
+    tier.reserve("b", 300)
+    back = torch.empty(600, dtype=torch.uint8)
+    tier.read_to_host("a", back)
+    tier.release("a")
+    assert torch.equal(back, torch.arange(600, dtype=torch.int32).to(torch.uint8))
+    assert (tier.used_bytes, tier.peak_bytes, list(tier.buffers)) == (300, 900, ["b"])
+    tier.reserve("c", 700)  # the cap counts what is held now
+    tier.release("missing")  # nothing held: nothing to do
+    tier.close()
+    assert tier.used_bytes == 0
+
+
+def test_state_left_in_cpu_memory_is_held_once(store: teraio.Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the state does not fit back on the device at exit, it moves into CPU memory one
+    tensor at a time, each tier copy given back as soon as it is read: host memory never holds
+    the whole state twice (pinned and pageable)."""
+    data = batches(STEPS, rows=ROWS)
+    reference = _reference(make, data)
+    monkeypatch.setattr(ModelOffload, "_fits_back", lambda self: False)
+    held: list[int] = []
+    release = HostTier.release
+
+    def counted(tier: HostTier, key: Any) -> None:
+        release(tier, key)
+        held.append(tier.used_bytes)
+
+    monkeypatch.setattr(HostTier, "release", counted)
+    model, optimizer = make()
+    with pytest.warns(UserWarning, match="left in CPU memory"):
+        with teraio.offload(model, optimizer, store=store, gpu_memory=4096, host_memory=1 << 30) as run:
+            losses = train(model, optimizer, data)
+    _assert_same(reference, (model, optimizer, losses))
+    assert run.returned_to == "cpu"
+    # Every host key was given back, one at a time, before the tier closed.
+    assert len(held) > 3 and held == sorted(held, reverse=True) and held[-1] == 0
+
+
 def test_capacity_plan_moves_the_least_used_bytes_to_the_store() -> None:
     sizes = [cp.SlotSize(f"p{i}", 100, 100, 200) for i in range(4)]
     plan = cp.place(sizes, host_capacity_bytes=1000, ssd_capacity_bytes=10_000, window_bytes=800)

@@ -15,7 +15,9 @@
   at the same time (`_GroupProbe`), and the figures are cached under the group's size. This is
   the one collective teraio issues, once, when `teraio.offload` starts; every rank must start it
   with the same options (the same code does).
-- **Host memory**: `HOST_MEMORY_SHARE` of MemAvailable (/proc/meminfo) at the start.
+- **Host memory** (`default_host_memory`): MemAvailable (/proc/meminfo) at the start less a
+  margin (`HOST_MEMORY_MARGIN_BYTES`, or `HOST_MEMORY_MARGIN_SHARE` of MemTotal where that is
+  more), shared by the ranks on the host.
 - **Reserve**: from the allocator's own behaviour in the profiled iteration
   (`reserve_from_allocator`).
 
@@ -34,12 +36,15 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .pinned import RegisteredBuffer
 from .planning import _bandwidth
 
-#: Share of MemAvailable the runtime pins at most by default (the rest stays for the data
-#: loader, the page cache the store's files use, and the process itself; PyTorch's caching
-#: pinned allocator also keeps freed blocks, so what it holds can exceed what is in use).
-HOST_MEMORY_SHARE = 0.3
+#: What "auto" host memory leaves of MemAvailable: the process's own memory beyond what the
+#: runtime pins (the CUDA context, libraries, the Python heap: 1.5-2 GiB in a transformers
+#: training process), data loader workers, the page cache and the rest of the machine. The larger
+#: of the two. The runtime's pinned memory is its tiers' bytes, to a page (`tiers.RegisteredBuffer`).
+HOST_MEMORY_MARGIN_BYTES = 8 << 30
+HOST_MEMORY_MARGIN_SHARE = 0.1
 #: Share of a measured bandwidth the planner assumes.
 PLAN_SHARE = 0.9
 LINK_PROBE_BYTES = 256 << 20
@@ -83,21 +88,45 @@ class Measured:
 
 def available_host_bytes(meminfo: str = "/proc/meminfo") -> Optional[int]:
     """MemAvailable, bytes (None where the file is missing)."""
+    return _meminfo(meminfo).get("MemAvailable")
+
+
+def total_host_bytes(meminfo: str = "/proc/meminfo") -> Optional[int]:
+    """MemTotal, bytes (None where the file is missing)."""
+    return _meminfo(meminfo).get("MemTotal")
+
+
+def _meminfo(path: str) -> dict[str, int]:
     try:
-        with open(meminfo) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+        with open(path) as f:
+            return {
+                name: int(rest.split()[0]) * 1024
+                for name, _, rest in (line.partition(":") for line in f)
+                if name in ("MemTotal", "MemAvailable")
+            }
     except OSError:
-        return None
-    return None
+        return {}
 
 
-def default_host_memory(available: Optional[int]) -> int:
-    """`HOST_MEMORY_SHARE` of the available host memory (4 GiB where it cannot be read)."""
+def default_host_memory(available: Optional[int], total: Optional[int] = None, ranks: int = 1) -> int:
+    """What "auto" pins at most: MemAvailable less the margin (`HOST_MEMORY_MARGIN_BYTES`, or
+    `HOST_MEMORY_MARGIN_SHARE` of MemTotal where that is more), split evenly between `ranks`
+    processes on the host; 4 GiB where MemAvailable cannot be read."""
     if available is None:
         return 4 << 30
-    return int(available * HOST_MEMORY_SHARE)
+    margin = max(HOST_MEMORY_MARGIN_BYTES, int((total or available) * HOST_MEMORY_MARGIN_SHARE))
+    return max(0, available - margin) // max(1, ranks)
+
+
+def ranks_on_this_host() -> int:
+    """Processes of this job on this host: torchrun's LOCAL_WORLD_SIZE, else the process group's
+    size (every rank taken as local: the safe side), else 1."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local and local.isdigit() and int(local) > 0:
+        return int(local)
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def reserve_from_allocator(
@@ -127,7 +156,8 @@ def measure_link(device: torch.device, nbytes: int = LINK_PROBE_BYTES) -> tuple[
     alone, and each way while both copy at once (on two CUDA streams); on a CPU device, host
     memory copies (the two "at once" one after the other)."""
     cuda = device.type == "cuda"
-    hosts = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
+    pinned = [RegisteredBuffer(nbytes) for _ in range(2)] if cuda else []
+    hosts = [b.tensor for b in pinned] if cuda else [torch.empty(nbytes, dtype=torch.uint8) for _ in range(2)]
     devs = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
     streams = [torch.cuda.Stream(device) for _ in range(2)] if cuda else [None, None]
 
@@ -148,7 +178,11 @@ def measure_link(device: torch.device, nbytes: int = LINK_PROBE_BYTES) -> tuple[
             best = max(best, nbytes / max(time.perf_counter() - started, 1e-9))
         return best
 
-    return copies(("d2h",)), copies(("h2d",)), copies(("d2h", "h2d"))
+    try:
+        return copies(("d2h",)), copies(("h2d",)), copies(("d2h", "h2d"))
+    finally:
+        for buffer in pinned:  # every copy was waited for
+            buffer.release()
 
 
 def measure_store(store: Any, cuda: bool) -> tuple[float, float]:
@@ -158,7 +192,14 @@ def measure_store(store: Any, cuda: bool) -> tuple[float, float]:
     total = max(4 << 20, min(STORE_PROBE_BYTES, free // 4))
     object_bytes = min(STORE_PROBE_OBJECT_BYTES, total)
     count = max(1, total // object_bytes)
-    buffers = [torch.empty(object_bytes, dtype=torch.uint8, pin_memory=cuda).fill_(i) for i in range(count)]
+    pinned = [RegisteredBuffer(object_bytes) for _ in range(count)] if cuda else []
+    buffers = (
+        [b.tensor for b in pinned]
+        if cuda
+        else [torch.empty(object_bytes, dtype=torch.uint8) for _ in range(count)]
+    )
+    for i, buffer in enumerate(buffers):
+        buffer.fill_(i)
     ids = [PROBE_OBJECT_BASE + i for i in range(count)]
     try:
         started = time.perf_counter()
@@ -172,6 +213,8 @@ def measure_store(store: Any, cuda: bool) -> tuple[float, float]:
     finally:
         for object_id in ids:
             store.delete(object_id)
+        for buffer in pinned:  # every transfer was waited for
+            buffer.release()
     return write, read
 
 

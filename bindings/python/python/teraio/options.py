@@ -21,8 +21,9 @@ class OffloadOptions:
     """Settings of `teraio.offload` (see docs/python.md, "`teraio.offload`").
 
     Machine (measured or bounded when "auto"):
-        host_memory: pinned host memory the runtime may hold ("auto": `machine.HOST_MEMORY_SHARE`
-            of MemAvailable at the start).
+        host_memory: pinned host memory the runtime may hold ("auto": MemAvailable at the start
+            less a margin, split between the ranks on the host: `machine.default_host_memory`);
+            more than MemAvailable is refused.
         ssd_bandwidth / ssd_write_bandwidth: the store's read / write bandwidth the planner
             assumes ("auto": measured once per store through the engine, cached next to its
             first device, times `machine.PLAN_SHARE`).

@@ -1041,11 +1041,22 @@ def _gpu_budget(device: torch.device, gpu_memory: Optional[Union[int, str]]) -> 
 
 def _host_memory(options: OffloadOptions) -> tuple[int, dict[str, Any]]:
     """Pinned host memory the runtime may hold, and where the figure came from."""
+    available = machine.available_host_bytes()
     if options.host_memory == "auto":
-        available = machine.available_host_bytes()
-        share = f"{machine.HOST_MEMORY_SHARE:.0%} of MemAvailable ({(available or 0) / 2**30:.1f} GiB)"
-        return machine.default_host_memory(available), {"host_memory": share}
-    return parse_size(options.host_memory), {"host_memory": "given"}
+        ranks = machine.ranks_on_this_host()
+        chosen = machine.default_host_memory(available, machine.total_host_bytes(), ranks)
+        note = f"MemAvailable ({(available or 0) / 2**30:.1f} GiB) less a margin" + (
+            f", over {ranks} ranks on this host" if ranks > 1 else ""
+        )
+        return chosen, {"host_memory": note}
+    given = parse_size(options.host_memory)
+    if available is not None and given > available:
+        raise ValueError(
+            f"host_memory={options.host_memory!r} ({format_bytes(given)}) is more than this machine has "
+            f"available ({format_bytes(available)} MemAvailable): pinning it would end in the "
+            'kernel\'s out-of-memory killer; pass less, or "auto"'
+        )
+    return given, {"host_memory": "given"}
 
 
 def _refuse_compiled(model: torch.nn.Module) -> None:

@@ -5,7 +5,9 @@ caller. Both tiers take and fill flat byte views of GPU storage (`flat_bytes`), 
 and return a `Transfer` that says when the copy is done and makes compute wait for it:
 
 - `HostTier`: pinned host buffers, one per key, allocated when a key is first written and capped
-  at `capacity_bytes` (an error past it, never a silent overflow); copies run on their own CUDA
+  at `capacity_bytes` (an error past it, never a silent overflow). Each is sized to the key's
+  bytes (to a page: `RegisteredBuffer`), not by torch's pinned allocator, which rounds every
+  block up to a power of two; so the host memory a tier pins is its bytes. Copies run on their own CUDA
   streams after the compute work queued so far, and compute waits for a read on the GPU
   (`wait_event`), not on the host. Copies asked for inside `batched()` are issued together at its
   end, one stream ordering and one event per direction for all of them: the whole-model runtime
@@ -32,6 +34,7 @@ import torch
 
 from .executor import HOST, SSD, copies_on_stream
 from .executor import _flat_bytes as flat_bytes
+from .pinned import RegisteredBuffer
 from .state import _index
 from .store import Store
 
@@ -106,6 +109,8 @@ class HostTier:
         self.used_bytes = 0
         self.peak_bytes = 0  # the most it held (kept after `close`)
         self.buffers: dict[Any, torch.Tensor] = {}
+        # The pinned memory behind each buffer (CUDA only).
+        self._pinned: dict[Any, RegisteredBuffer] = {}
         # The last write of each key: a read of the key is queued after it.
         self._written: dict[Any, Any] = {}
         # Inside `batched()`: (key, GPU tensor, host buffer) copies not issued yet, and their group.
@@ -127,7 +132,11 @@ class HostTier:
                 f"teraio host tier: {nbytes} more bytes would exceed its cap of {self.capacity_bytes} "
                 f"({self.used_bytes} in use)"
             )
-        self.buffers[key] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+        if self.cuda:
+            self._pinned[key] = RegisteredBuffer(nbytes)
+            self.buffers[key] = self._pinned[key].tensor
+        else:
+            self.buffers[key] = torch.empty(nbytes, dtype=torch.uint8)
         self.used_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
 
@@ -213,14 +222,33 @@ class HostTier:
         """Forgets the key's bytes (its buffer stays allocated for the next write)."""
         self._written.pop(key, None)
 
+    def release(self, key: Any) -> None:
+        """Gives the key's buffer back (its bytes are gone): where the caller has copied them
+        elsewhere, so that the tier's memory and the copy's are not both held at once."""
+        if key not in self.buffers:
+            return
+        self._settle()
+        self._written.pop(key, None)
+        self.used_bytes -= self.buffers.pop(key).numel()
+        pinned = self._pinned.pop(key, None)
+        if pinned is not None:
+            pinned.release()
+
     def close(self) -> None:
+        self._settle()
+        for pinned in self._pinned.values():
+            pinned.release()
+        self._pinned.clear()
+        self.buffers.clear()
+        self._written.clear()
+        self.used_bytes = 0
+
+    def _settle(self) -> None:
+        """Issues what is queued and waits for every copy (before memory goes back)."""
         self.flush()
         if self.cuda:
             self.d2h.synchronize()
             self.h2d.synchronize()
-        self.buffers.clear()
-        self._written.clear()
-        self.used_bytes = 0
 
 
 class _Gated:

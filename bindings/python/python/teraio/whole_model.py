@@ -673,6 +673,9 @@ class ModelOffload:
             slot.grad_held = False
         elif param.grad is not None:
             param.grad = param.grad.cpu()
+        # Its host tier copies go now, so that host memory never holds the state twice.
+        for kind in (cp.PARAMETER, cp.GRADIENT, *((cp.STATE, name) for name in state)):
+            self.host.release((kind, slot.index))
 
     # -- tiers ---------------------------------------------------------------------------------
 
