@@ -500,6 +500,8 @@ impl Store {
         dict.set_item("object_bytes", info.object_bytes)?;
         dict.set_item("backend", &info.backend)?;
         dict.set_item("backend_reason", &info.backend_reason)?;
+        dict.set_item("checkpoint_slot_bytes", info.checkpoint_slot_bytes)?;
+        dict.set_item("table_bytes", info.table_bytes)?;
         let mut devices = Vec::new();
         for device in &info.devices {
             let d = PyDict::new(py);

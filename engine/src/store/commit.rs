@@ -18,6 +18,7 @@ use crate::layout::superblock::Superblock;
 use crate::layout::table::{ObjectRecord, TableChange};
 use crate::queue::{Priority, Request};
 use std::collections::HashMap;
+use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, SyncSender};
 use std::sync::Arc;
 
@@ -126,26 +127,36 @@ impl Shared {
     /// checkpoint. First every device's superblocks move to the next store epoch, which the
     /// checkpoint records: a device put back from a copy older than this is then found at open.
     pub(crate) fn checkpoint(&self, journal: &mut JournalState) -> Result<()> {
+        self.checkpoint_with(journal, &[])
+    }
+
+    /// `checkpoint` of the table with `changes` applied on top (not yet applied in memory): once
+    /// its header is durable, the checkpoint commits them, with no journal batch. That is how a
+    /// batch commits when the ring has no room for it, so a batch that shrinks the table commits
+    /// even when the table before it would not fit a slot (a store filled by a release that did
+    /// not hold the table to a slot).
+    fn checkpoint_with(&self, journal: &mut JournalState, changes: &[TableChange]) -> Result<()> {
         let epoch = journal.epoch + 1;
-        super::identity::write_epoch(self, epoch)?;
-        journal.epoch = epoch;
         let bytes = {
             let table = self.table.read().expect("table");
-            let mut objects: Vec<&Arc<Object>> = table.values().collect();
-            objects.sort_by_key(|o| o.record.id);
-            encode_checkpoint(
-                &journal.store,
-                journal.generation + 1,
-                epoch,
-                objects.iter().map(|o| &o.record),
-                journal.block_size,
-            )
+            let mut records: std::collections::BTreeMap<u64, &ObjectRecord> =
+                table.values().map(|o| (o.record.id, &o.record)).collect();
+            for change in changes {
+                match change {
+                    TableChange::Put(r) => records.insert(r.id, r),
+                    TableChange::Delete { id } => records.remove(id),
+                };
+            }
+            let payload_bytes: u64 = records.values().map(|r| r.encoded_bytes()).sum();
+            let needed = checkpoint_bytes(payload_bytes, journal.block_size);
+            if needed > journal.slot_bytes {
+                return Err(Error::TableFull { detail: table_full_detail(needed, journal.slot_bytes, records.len()) });
+            }
+            encode_checkpoint(&journal.store, journal.generation + 1, epoch, records.into_values(), journal.block_size)
         };
-        if bytes.len() as u64 > journal.slot_bytes {
-            return Err(Error::TableFull {
-                detail: format!("a checkpoint needs {} bytes, a slot holds {}", bytes.len(), journal.slot_bytes),
-            });
-        }
+        debug_assert!(bytes.len() as u64 <= journal.slot_bytes);
+        super::identity::write_epoch(self, epoch)?;
+        journal.epoch = epoch;
         let offset = journal.slot_offset(journal.generation + 1);
         let block = journal.block_size as usize;
         if bytes.len() > block {
@@ -159,6 +170,23 @@ impl Shared {
         journal.position = 0;
         Ok(())
     }
+}
+
+/// Bytes of a checkpoint whose records take `payload_bytes`: header and payload, padded.
+pub(crate) fn checkpoint_bytes(payload_bytes: u64, block_size: u64) -> u64 {
+    crate::layout::codec::round_up(HEADER_BYTES as u64 + payload_bytes, block_size)
+}
+
+/// What a `TableFull` error says when the table would outgrow a checkpoint slot: the limit, and
+/// what frees room in it.
+fn table_full_detail(needed_bytes: u64, slot_bytes: u64, objects: usize) -> String {
+    format!(
+        "a checkpoint of the table would need {needed_bytes} bytes with {objects} object(s), and a checkpoint slot \
+         holds {slot_bytes}. The limit is the table (object count and caller metadata), not data space: delete \
+         objects or put them again with less caller metadata (deletes and overwrites that shrink the table always \
+         succeed), or copy the objects into a store formatted with larger checkpoint slots \
+         (`teraio format --checkpoint-slot-bytes`, FormatConfig::checkpoint_slot_bytes)"
+    )
 }
 
 /// The commit thread: group commit until the channel closes, then a final checkpoint.
@@ -189,6 +217,16 @@ fn commit_batch(shared: &Arc<Shared>, journal: &mut JournalState, messages: Vec<
     let mut flush_mask = 0u64;
     let mut size = HEADER_BYTES;
     let mut leftover = Vec::new();
+    // The table's record bytes as this batch leaves it: a put that would grow it past what a
+    // checkpoint slot holds fails, so every checkpoint fits and deletes can always commit.
+    let mut table_bytes = shared.table_bytes.load(Ordering::Relaxed);
+    let mut batch_records: HashMap<u64, u64> = HashMap::new();
+    let record_bytes_now = |batch_records: &HashMap<u64, u64>, id: u64| -> u64 {
+        batch_records
+            .get(&id)
+            .copied()
+            .unwrap_or_else(|| shared.table.read().expect("table").get(&id).map_or(0, |o| o.record.encoded_bytes()))
+    };
     for m in messages {
         if size > batch_limit {
             leftover.push(m);
@@ -206,11 +244,30 @@ fn commit_batch(shared: &Arc<Shared>, journal: &mut JournalState, messages: Vec<
                     shared.finish_op(
                         &op,
                         Err(Error::TableFull {
-                            detail: format!("one object record needs {} journal bytes", e.bytes.len()),
+                            detail: format!(
+                                "this object's record needs {} journal bytes and one journal batch holds at most {} \
+                                 (half the journal); put it with less caller metadata, or copy the objects into a \
+                                 store formatted with a larger journal (FormatConfig::journal_bytes)",
+                                e.bytes.len(),
+                                batch_limit - HEADER_BYTES
+                            ),
                         }),
                     );
                     continue;
                 }
+                let TableChange::Put(record) = &change else { unreachable!("a put's change") };
+                let (before, after) = (record_bytes_now(&batch_records, record.id), record.encoded_bytes());
+                let grown = table_bytes - before + after;
+                let needed = checkpoint_bytes(grown, journal.block_size);
+                if after > before && needed > journal.slot_bytes {
+                    object.lock().expect("put object").take();
+                    let objects = shared.table.read().expect("table").len() + usize::from(before == 0);
+                    let detail = table_full_detail(needed, journal.slot_bytes, objects);
+                    shared.finish_op(&op, Err(Error::TableFull { detail }));
+                    continue;
+                }
+                table_bytes = grown;
+                batch_records.insert(record.id, after);
                 size += e.bytes.len();
                 if shared.config.durable {
                     flush_mask |= op.devices_written.load(std::sync::atomic::Ordering::Relaxed);
@@ -222,6 +279,8 @@ fn commit_batch(shared: &Arc<Shared>, journal: &mut JournalState, messages: Vec<
                 let in_batch = changes.iter().any(|c| matches!(c, TableChange::Put(r) if r.id == id));
                 if in_batch || shared.table.read().expect("table").contains_key(&id) {
                     size += 9;
+                    table_bytes -= record_bytes_now(&batch_records, id);
+                    batch_records.insert(id, 0);
                     changes.push(TableChange::Delete { id });
                 }
                 deletes.push((id, reply));
@@ -258,6 +317,7 @@ fn commit_batch(shared: &Arc<Shared>, journal: &mut JournalState, messages: Vec<
                 }
             }
             drop(replaced);
+            shared.table_bytes.store(table_bytes, Ordering::Relaxed);
             for op in &puts {
                 shared.finish_op(op, Ok(()));
             }
@@ -305,9 +365,8 @@ fn write_batch(shared: &Shared, journal: &mut JournalState, changes: &[TableChan
         journal.block_size,
     );
     if journal.position + bytes.len() as u64 > journal.journal_bytes {
-        shared.checkpoint(journal)?;
-        // The checkpoint advanced the generation: re-encode for it.
-        return write_batch(shared, journal, changes, 0);
+        // No room in the ring: the next checkpoint, with this batch applied, commits it.
+        return shared.checkpoint_with(journal, changes);
     }
     shared.write_metadata(journal.journal_offset() + journal.position, &bytes)?;
     if shared.config.durable {

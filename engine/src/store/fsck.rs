@@ -73,6 +73,21 @@ impl Store {
         self.check().map(|(report, _)| report)
     }
 
+    /// A note once the table takes 90% or more of a checkpoint slot: a full table is a limit of
+    /// the format (puts that add objects or metadata fail), not damage.
+    fn table_fullness_note(&self) -> Option<String> {
+        let info = self.info();
+        let percent = info.table_bytes * 100 / info.checkpoint_slot_bytes;
+        (percent >= 90).then(|| {
+            format!(
+                "the object table is {percent}% full: a checkpoint of it takes {} of the {} bytes a checkpoint slot \
+                 holds; puts that add objects or caller metadata fail with a table-full error once it is full \
+                 (deletes and shrinking overwrites still succeed)",
+                info.table_bytes, info.checkpoint_slot_bytes
+            )
+        })
+    }
+
     /// `fsck`, and which of its problems a writer's open and a checkpoint would fix.
     fn check(&self) -> Result<(FsckReport, Fixable)> {
         let mut report = FsckReport::default();
@@ -93,6 +108,7 @@ impl Store {
         report.problems.extend(fixable.superblock_copies.iter().cloned());
         report.problems.extend(self.shared.recovery.problems.iter().cloned());
         report.notes.extend(self.shared.recovery.notes.iter().cloned());
+        report.notes.extend(self.table_fullness_note());
         let objects: Vec<Arc<Object>> = self.shared.table.read().expect("table").values().cloned().collect();
         let g = &self.shared.geometry;
         for o in objects {

@@ -33,6 +33,10 @@ pub struct StoreInfo {
     pub backend_reason: String,
     pub checkpoint_slot_bytes: u64,
     pub journal_bytes: u64,
+    /// Bytes a checkpoint of the table takes now. The table is full when it reaches
+    /// `checkpoint_slot_bytes`: then puts that add objects or metadata fail with `TableFull`
+    /// (deletes and shrinking overwrites still succeed).
+    pub table_bytes: u64,
 }
 
 impl Store {
@@ -72,6 +76,10 @@ impl Store {
             backend_reason: self.shared.backend_choice.reason.clone(),
             checkpoint_slot_bytes: sb0.checkpoint_slot_bytes,
             journal_bytes: sb0.journal_bytes,
+            table_bytes: super::commit::checkpoint_bytes(
+                self.shared.table_bytes.load(std::sync::atomic::Ordering::Relaxed),
+                g.block_size,
+            ),
         }
     }
 

@@ -20,7 +20,7 @@ use crate::layout::SUPERBLOCK_BYTES;
 use crate::queue::DeviceQueue;
 use crate::stats::OpCounters;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock};
 
 impl Store {
@@ -84,9 +84,12 @@ impl Store {
         let su = config.stripe_unit_bytes;
         let data_align = block.max(su.min(MIB));
         let dev0_bytes = round_down(devices[0].size_bytes, SUPERBLOCK_BYTES);
-        let default_meta = round_up((dev0_bytes / 128).clamp(MIB, 256 * MIB), block);
-        let slot_bytes = config.checkpoint_slot_bytes.unwrap_or(default_meta);
-        let journal_bytes = config.journal_bytes.unwrap_or(slot_bytes);
+        let default_journal = round_up((dev0_bytes / 128).clamp(MIB, 256 * MIB), block);
+        let total_bytes: u64 = devices.iter().map(|d| d.size_bytes).sum();
+        let slot_bytes = config.checkpoint_slot_bytes.unwrap_or_else(|| {
+            default_slot_bytes(default_journal, total_bytes, su, config.max_meta_bytes, block, dev0_bytes)
+        });
+        let journal_bytes = config.journal_bytes.unwrap_or(default_journal);
         let uuid = *uuid::Uuid::new_v4().as_bytes();
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
         let mut superblocks = Vec::new();
@@ -196,6 +199,7 @@ impl Store {
             commit::recover(&members.devices[0], &members.superblocks[0], &geometry, &mut recovery)?;
         identity::check_recorded_epoch(&members, journal.epoch)?;
         let identity::Members { devices, mut superblocks } = members;
+        let table_bytes: u64 = records.iter().map(|r| r.encoded_bytes()).sum();
         let allocators: Allocators = Arc::new(Mutex::new(
             superblocks
                 .iter()
@@ -252,6 +256,7 @@ impl Store {
             closed: AtomicBool::new(false),
             read_only: access == Access::Reader,
             recovery,
+            table_bytes: AtomicU64::new(table_bytes),
         });
         let s = shared.clone();
         let dispatcher = std::thread::Builder::new()
@@ -306,6 +311,25 @@ impl Store {
 pub struct StoreInfoAtFormat {
     pub uuid: String,
     pub superblocks: Vec<Superblock>,
+}
+
+/// The default checkpoint slot: room for one object with `max_meta_bytes` of caller metadata per
+/// stripe unit of the devices' space, so that objects of a stripe unit or more fill the data area
+/// before the table; at least `journal_bytes` (device 0's size / 128, at least 1 MiB), at most
+/// 256 MiB and an eighth of device 0.
+fn default_slot_bytes(
+    journal_bytes: u64,
+    total_bytes: u64,
+    stripe_unit: u64,
+    max_meta_bytes: u64,
+    block: u64,
+    dev0_bytes: u64,
+) -> u64 {
+    let objects = total_bytes / stripe_unit;
+    let table =
+        commit::checkpoint_bytes(objects * crate::layout::table::ObjectRecord::one_unit_bytes(max_meta_bytes), block);
+    let most = round_down((dev0_bytes / 8).min(256 * MIB), block).max(journal_bytes);
+    round_up(table, block).clamp(journal_bytes, most)
 }
 
 fn check_device_list(paths: &[PathBuf]) -> Result<()> {
