@@ -53,9 +53,10 @@ pub struct InfoArgs {
     pub json: bool,
 }
 
-/// `teraio fsck DEVICE...`: exit code 0 when the store is sound (or, with `--repair`, when
-/// everything found was repaired), 1 when anything is wrong (including a store that cannot be
-/// opened because it is damaged), 2 for bad input. Writes nothing without `--repair`.
+/// `teraio fsck DEVICE...`: exit code 0 when no problem is found (or, with `--repair`, when
+/// everything found was repaired; notes may come with it, e.g. objects a writer changed while
+/// they were checked), 1 when anything is wrong (including a store that cannot be opened because
+/// it is damaged), 2 for bad input. Writes nothing without `--repair`.
 #[derive(Args, Debug, Clone)]
 pub struct FsckArgs {
     /// Every device of the store, in any order.
