@@ -502,6 +502,9 @@ impl Store {
         dict.set_item("backend_reason", &info.backend_reason)?;
         dict.set_item("checkpoint_slot_bytes", info.checkpoint_slot_bytes)?;
         dict.set_item("table_bytes", info.table_bytes)?;
+        dict.set_item("recovery_problems", &info.recovery_problems)?;
+        dict.set_item("recovery_notes", &info.recovery_notes)?;
+        dict.set_item("repairs_at_open", &info.repairs_at_open)?;
         let mut devices = Vec::new();
         for device in &info.devices {
             let d = PyDict::new(py);

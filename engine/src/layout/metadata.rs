@@ -169,6 +169,19 @@ pub fn decode_batch_header(block: &[u8], store: &[u8; 16]) -> Option<BatchHeader
     (header_crc(store, &block[..8 + 8 * 2 + 4 * 3 + 8]) == stored_crc).then_some(h)
 }
 
+/// Whether `block` holds the header of batch `sequence` of `generation` whose checksum fails:
+/// at least two of its magic, generation and sequence fields are those expected. One flipped bit
+/// breaks at most one of them, while the rest of a ring (zeros, older batches' payloads, an
+/// older generation's header) matches at most one by chance.
+pub fn is_damaged_batch_header(block: &[u8], generation: u64, sequence: u64) -> bool {
+    if block.len() < HEADER_BYTES {
+        return false;
+    }
+    let field = |at: usize| u64::from_le_bytes(block[at..at + 8].try_into().expect("8 bytes"));
+    let matches = [block[..8] == JOURNAL_MAGIC, field(8) == generation, field(16) == sequence];
+    matches.iter().filter(|&&m| m).count() >= 2
+}
+
 /// Decodes a batch's changes; `None` where the payload is torn (its checksum fails).
 pub fn decode_batch_payload(header: &BatchHeader, payload: &[u8], device_count: u16) -> Option<Vec<TableChange>> {
     if payload.len() != header.payload_bytes as usize || crc32c::crc32c(payload) != header.payload_crc {

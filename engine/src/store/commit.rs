@@ -12,7 +12,7 @@ use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::layout::metadata::{
     decode_batch_header, decode_batch_payload, decode_checkpoint_header, decode_checkpoint_payload, encode_batch,
-    encode_checkpoint, HEADER_BYTES,
+    encode_checkpoint, is_damaged_batch_header, HEADER_BYTES,
 };
 use crate::layout::superblock::Superblock;
 use crate::layout::table::{ObjectRecord, TableChange};
@@ -383,6 +383,17 @@ pub(crate) const RESTORE_DEVICE0: &str =
 /// Where to see the rest: open stops at the first damage, fsck lists all (fsck's own report drops it).
 pub(crate) const FSCK_HINT: &str = "; `teraio fsck` lists every damaged part and writes nothing";
 
+/// Why replay stopped where it did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stop {
+    /// Zeros or an older generation's bytes: the end of the log.
+    End,
+    /// A batch that was started there but does not check out: torn, or damaged.
+    Unreadable,
+    /// The expected batch's header, damaged (its identity intact, its checksum failing).
+    DamagedHeader,
+}
+
 /// What recovery saw besides the table: damage it recovered from without loss (problems for
 /// fsck) and the harmless remains of interrupted writes (notes).
 #[derive(Debug, Clone, Default)]
@@ -503,14 +514,22 @@ pub(crate) fn recover(
     // Replay this generation's batches in sequence up to the first that does not check out.
     let journal_start = sb0.metadata_start + 2 * sb0.checkpoint_slot_bytes;
     let batch_generation = generation + 1;
-    let stop: Option<(String, bool)> = loop {
+    let stop: Option<(String, Stop)> = loop {
         if journal.position + block > journal.journal_bytes {
             break None;
         }
         let head = read(journal_start + journal.position, block)?;
         let Some(h) = decode_batch_header(&head, &sb0.store_uuid) else {
-            // Zeros, a torn header or the middle of an older batch: nothing to tell them apart by.
-            break Some(("no valid batch header".into(), false));
+            if is_damaged_batch_header(&head, batch_generation, journal.sequence) {
+                break Some((
+                    "its header is damaged: its magic, generation and sequence are there but its checksum \
+                             fails"
+                        .into(),
+                    Stop::DamagedHeader,
+                ));
+            }
+            // Zeros, or the middle of an older batch: the end of the log.
+            break Some(("no valid batch header".into(), Stop::End));
         };
         if h.generation > batch_generation && journal.position == 0 {
             return Err(Error::CorruptMetadata {
@@ -523,20 +542,20 @@ pub(crate) fn recover(
         }
         if h.generation != batch_generation {
             // A batch of an older generation: what the ring held before the last checkpoint.
-            break Some(("the ring holds an older generation's batch there".into(), false));
+            break Some(("the ring holds an older generation's batch there".into(), Stop::End));
         }
         if h.sequence != journal.sequence {
-            break Some((format!("a batch header with sequence {} stands there", h.sequence), true));
+            break Some((format!("a batch header with sequence {} stands there", h.sequence), Stop::Unreadable));
         }
         let total = h.padded_bytes(block);
         if journal.position + total > journal.journal_bytes {
-            break Some((format!("the batch claims {} bytes, past the end of the ring", total), true));
+            break Some((format!("the batch claims {} bytes, past the end of the ring", total), Stop::Unreadable));
         }
         let bytes = if total == block { head } else { read(journal_start + journal.position, total)? };
         let Some(changes) =
             decode_batch_payload(&h, &bytes[HEADER_BYTES..HEADER_BYTES + h.payload_bytes as usize], sb0.device_count)
         else {
-            break Some(("its payload does not check out".into(), true));
+            break Some(("its payload does not check out".into(), Stop::Unreadable));
         };
         for change in changes {
             match change {
@@ -571,12 +590,21 @@ pub(crate) fn recover(
                 ),
             });
         }
-        if written {
-            findings.notes.push(format!(
-                "{path}: the journal ends in an incomplete batch {} at offset {at} ({reason}): an interrupted write, \
-                 never acknowledged, ignored",
+        match written {
+            Stop::End => {}
+            // A header sector is written whole: one whose identity survived is damage.
+            Stop::DamagedHeader => findings.problems.push(format!(
+                "{path}: the last journal batch {} at offset {at} is damaged ({reason}): it was written whole, so it \
+                 may have held acknowledged puts and deletes, and they are not in the store; {RESTORE_DEVICE0} if \
+                 they matter (a writer's next batch overwrites it)",
                 journal.sequence
-            ));
+            )),
+            Stop::Unreadable => findings.notes.push(format!(
+                "{path}: the journal ends in batch {} at offset {at}, which does not check out ({reason}): a write \
+                 interrupted by a crash (then not yet acknowledged), or damage to the last batch (then it may have held \
+                 acknowledged puts and deletes); the two cannot be told apart, and its changes are not in the store",
+                journal.sequence
+            )),
         }
     }
     let mut records: Vec<ObjectRecord> = table.into_values().collect();

@@ -43,15 +43,11 @@ impl Fixable {
     }
 
     /// Fixes these problems as a writer (none may hold the store); returns one line per repair.
-    /// A writer's open rewrites both superblock copies of every device from the good one
-    /// (`identity::write_epoch_at_open`); a checkpoint replaces a damaged newest one.
+    /// A writer's open does both: it rewrites both superblock copies of every device from the
+    /// good one, and writes a new checkpoint over a damaged newest one (`repairs_at_open`).
     fn repair(&self, paths: &[impl AsRef<Path>], config: OpenConfig) -> Result<Vec<String>> {
-        let mut repairs: Vec<String> = self.superblock_copies.iter().map(|p| format!("rewrote {p}")).collect();
         let store = Store::open(paths, config)?;
-        if self.checkpoint {
-            store.checkpoint()?;
-            repairs.push("wrote a new checkpoint in place of the damaged newest one".into());
-        }
+        let repairs = store.info().repairs_at_open;
         store.close()?;
         Ok(repairs)
     }
@@ -113,7 +109,13 @@ impl Store {
             checkpoint: self.shared.recovery.checkpoint_damaged,
         };
         report.problems.extend(fixable.superblock_copies.iter().cloned());
-        report.problems.extend(self.shared.recovery.problems.iter().cloned());
+        if self.shared.read_only {
+            report.problems.extend(self.shared.recovery.problems.iter().cloned());
+        } else {
+            // A writer's open has repaired what it could (`repairs_at_open`) and written since:
+            // what it found is history here, not the state on disk.
+            report.notes.extend(self.shared.recovery.problems.iter().map(|p| format!("found at open: {p}")));
+        }
         report.notes.extend(self.shared.recovery.notes.iter().cloned());
         report.notes.extend(self.table_fullness_note());
         let objects: Vec<Arc<Object>> = self.shared.table.read().expect("table").values().cloned().collect();

@@ -74,6 +74,8 @@ pub(crate) struct Shared {
     /// Bytes the table's records take in a checkpoint; kept by the commit thread, which holds
     /// it to what a checkpoint slot fits.
     pub table_bytes: AtomicU64,
+    /// What a writer's open repaired (damaged superblock copies, a damaged newest checkpoint).
+    pub repairs_at_open: Mutex<Vec<String>>,
 }
 
 /// A striped tensor-object store. Cheap to share between threads (`&Store` is enough for every op).

@@ -208,11 +208,15 @@ impl Store {
         ));
         let table = commit::claim(records, &allocators)
             .map_err(|e| commit::with_advice(e, &devices[0].path.display().to_string()))?;
+        let mut repairs = Vec::new();
         if access == Access::Writer {
-            // Everything checked: from here on this writer's changes carry a new epoch.
+            // Everything checked: from here on this writer's changes carry a new epoch. Writing it
+            // rewrites both superblock copies of every device, a damaged one from the good one.
+            let damaged_copies = identity::copy_problems(&devices);
             let epoch = identity::next_epoch(&superblocks, journal.epoch);
             identity::write_epoch_at_open(&devices, &mut superblocks, epoch)?;
             journal.epoch = epoch;
+            repairs.extend(damaged_copies.iter().map(|p| format!("rewrote {p}")));
         }
 
         let choice = backend::choose(config.backend, &config.uring)?;
@@ -257,6 +261,7 @@ impl Store {
             read_only: access == Access::Reader,
             recovery,
             table_bytes: AtomicU64::new(table_bytes),
+            repairs_at_open: Mutex::new(Vec::new()),
         });
         let s = shared.clone();
         let dispatcher = std::thread::Builder::new()
@@ -268,7 +273,21 @@ impl Store {
             .name("teraio-commit".into())
             .spawn(move || commit::run_commit(s, commit_rx, journal))
             .map_err(|e| Error::io("starting the commit thread", e))?;
-        Ok(Store { shared, dispatcher: Some(dispatcher), committer: Some(committer) })
+        let store = Store { shared, dispatcher: Some(dispatcher), committer: Some(committer) };
+        if access == Access::Writer && store.shared.recovery.checkpoint_damaged {
+            // Recovered from the older checkpoint: a new one, over the damaged one, before any
+            // batch, so that two good checkpoints stand again.
+            store.checkpoint()?;
+            repairs.push("wrote a new checkpoint in place of the damaged newest one".into());
+        }
+        for repair in &repairs {
+            tracing::warn!(repair = %repair, "repaired at open");
+        }
+        for problem in &store.shared.recovery.problems {
+            tracing::warn!(problem = %problem, "found at open");
+        }
+        *store.shared.repairs_at_open.lock().expect("repairs") = repairs;
+        Ok(store)
     }
 
     /// Waits for every op, writes a final checkpoint and stops the engine's threads. Dropping the
