@@ -41,6 +41,58 @@ fn writer_child() {
     std::process::exit(0);
 }
 
+/// With 2100 bytes of metadata each put is one 4 KiB journal batch, so a 512 KiB journal region
+/// holds 128 of them: 300 puts checkpoint twice (after puts 128 and 256, each journal region used
+/// in turn) and journal 43 more after the last checkpoint.
+const WRAPPING_PUTS: u64 = 300;
+
+fn wrapping_meta(id: u64) -> Vec<u8> {
+    vec![id as u8; 2100]
+}
+
+#[test]
+#[ignore = "run by the tests below as their child"]
+fn wrapping_writer_child() {
+    let Some(dir) = std::env::var_os("TERAIO_INTEGRITY_DIR").map(PathBuf::from) else { return };
+    let store = Store::open(&device_paths(&dir, 2), config()).expect("child open");
+    for id in 0..WRAPPING_PUTS {
+        store.put_blocking(id, &object(id), &wrapping_meta(id)).unwrap();
+    }
+    std::process::exit(0);
+}
+
+/// A store whose writer put `WRAPPING_PUTS` objects, checkpointing as the journal filled, and
+/// went away with puts journaled since its last checkpoint.
+fn crashed_wrapped_store() -> TempDevices {
+    let devices = TempDevices::new(2, 16 << 20);
+    Store::format(&devices.paths, &small_format()).unwrap();
+    let status = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "wrapping_writer_child", "--ignored", "--nocapture", "--test-threads", "1"])
+        .env("TERAIO_INTEGRITY_DIR", devices.dir.path())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    devices
+}
+
+/// Offset and generation of the newest checkpoint: the slot whose header names the higher
+/// generation.
+fn newest_checkpoint(device0: &Path) -> (u64, u64) {
+    let bytes = std::fs::read(device0).unwrap();
+    let generation_at = |at: usize| u64::from_le_bytes(bytes[at + 8..at + 16].try_into().unwrap());
+    let slots = [4096u64, 4096 + MIB];
+    let newest = slots.into_iter().max_by_key(|&at| generation_at(at as usize)).unwrap();
+    (newest, generation_at(newest as usize))
+}
+
+fn assert_wrapped_objects(store: &Store) {
+    assert_eq!(store.info().object_count as u64, WRAPPING_PUTS);
+    for id in 0..WRAPPING_PUTS {
+        assert_eq!(store.get_to_vec(id).unwrap(), object(id), "object {id}");
+        assert_eq!(store.stat(id).unwrap().meta, wrapping_meta(id), "object {id}");
+    }
+}
+
 fn device_paths(dir: &Path, count: usize) -> Vec<PathBuf> {
     (0..count).map(|i| dir.join(format!("dev{i}"))).collect()
 }
@@ -323,6 +375,78 @@ fn a_damaged_newest_checkpoint_is_reported_and_repaired() {
     assert_eq!(store.get_to_vec(1).unwrap(), data);
 }
 
+/// After a crash with puts journaled since the last checkpoint, and the journal wrapped twice,
+/// one flipped byte in the newest checkpoint (its payload, or its header's magic, generation or
+/// checksum) loses nothing: the open recovers from the older checkpoint, the journal after it
+/// and the journal after the damaged one; fsck reports the damage (not clean), writes nothing,
+/// and `--repair` (a writer's open) writes a new checkpoint and says so.
+#[test]
+fn a_damaged_newest_checkpoint_after_a_crash_loses_nothing() {
+    for (byte, what) in [(64 + 100, "payload"), (3, "magic"), (9, "generation"), (45, "header checksum")] {
+        let devices = crashed_wrapped_store();
+        let (at, generation) = newest_checkpoint(&devices.paths[0]);
+        assert_eq!(generation, 3, "two checkpoints after format's");
+        flip_byte(&devices.paths[0], at + byte);
+        let before = snapshot(&devices.paths);
+        let report = Store::fsck_paths(&devices.paths, config(), false).unwrap();
+        assert_eq!(report.problems.len(), 1, "{what}: {:?}", report.problems);
+        let problem = &report.problems[0];
+        assert!(
+            problem.contains("newest checkpoint") && problem.contains("recovered without loss"),
+            "{what}: {problem}"
+        );
+        assert_eq!(report.objects_checked, WRAPPING_PUTS, "{what}");
+        assert!(snapshot(&devices.paths) == before, "{what}: fsck without repair wrote to the store");
+        {
+            let reader = Store::open_read_only(&devices.paths, config()).unwrap();
+            assert_wrapped_objects(&reader);
+        }
+
+        if byte == 9 {
+            // fsck --repair: the repair is the writer's open.
+            let report = Store::fsck_paths(&devices.paths, config(), true).unwrap();
+            assert!(report.is_clean(), "{what}: {:?}", report.problems);
+            assert!(report.repairs.iter().any(|r| r.contains("new checkpoint")), "{what}: {:?}", report.repairs);
+        }
+        let store = Store::open(&devices.paths, config()).unwrap();
+        assert_wrapped_objects(&store);
+        if byte != 9 {
+            let info = store.info();
+            assert!(info.repairs_at_open.iter().any(|r| r.contains("new checkpoint")), "{what}: {info:?}");
+            assert!(info.recovery_problems.iter().any(|p| p.contains("newest checkpoint")), "{what}: {info:?}");
+        }
+        // The store goes on, and the next open finds nothing wrong.
+        store.put_blocking(WRAPPING_PUTS, &object(1), b"").unwrap();
+        store.close().unwrap();
+        let report = Store::fsck_paths(&devices.paths, config(), false).unwrap();
+        assert!(report.is_clean(), "{what}: {:?}", report.problems);
+        assert_eq!(report.objects_checked, WRAPPING_PUTS + 1, "{what}");
+    }
+}
+
+/// A closed store (its last checkpoint holds everything) with the newest checkpoint's header
+/// flipped: the older checkpoint and its journal still recover everything, but the damage is a
+/// problem (fsck exits 1), not a clean store with a note.
+#[test]
+fn a_damaged_newest_checkpoint_header_of_a_closed_store_is_a_problem() {
+    let devices = TempDevices::new(1, 16 << 20);
+    let data = random_bytes(50_000, 2);
+    {
+        let store = create(&devices, BackendKind::Auto);
+        store.put_blocking(1, &data, b"").unwrap();
+        store.close().unwrap(); // checkpoint generation 2 -> slot 0, at 4096
+    }
+    flip_byte(&devices.paths[0], 4096 + 20); // its record count
+    let report = Store::fsck_paths(&devices.paths, config(), false).unwrap();
+    assert!(!report.is_clean(), "{report:?}");
+    assert!(report.problems[0].contains("newest checkpoint's header"), "{:?}", report.problems);
+    assert_eq!(report.objects_checked, 1);
+    let report = Store::fsck_paths(&devices.paths, config(), true).unwrap();
+    assert!(report.is_clean(), "{:?}", report.problems);
+    let store = Store::open_read_only(&devices.paths, config()).unwrap();
+    assert_eq!(store.get_to_vec(1).unwrap(), data);
+}
+
 #[test]
 fn a_reader_opens_beside_the_writer_and_writes_nothing() {
     let devices = TempDevices::new(2, 16 << 20);
@@ -424,4 +548,49 @@ fn a_short_or_wiped_member_device_is_named() {
 
     std::fs::write(&devices.paths[1], &full).unwrap();
     Store::open(&devices.paths, config()).unwrap().close().unwrap();
+}
+
+/// Rewrites both superblock copies of every device as format version 2 (the same superblock
+/// layout; version 2 keeps one journal region for every generation).
+fn make_version_2(paths: &[PathBuf]) {
+    use teraio_engine::layout::superblock::Superblock;
+    for path in paths {
+        let bytes = std::fs::read(path).unwrap();
+        let mut sb = Superblock::decode(&bytes[..4096], path).unwrap();
+        assert_eq!(sb.format_version, 3);
+        sb.format_version = 2;
+        let encoded = sb.encode();
+        write_at(path, 0, &encoded);
+        write_at(path, sb.backup_offset(), &encoded);
+    }
+}
+
+#[test]
+fn a_format_version_2_store_still_opens_and_works() {
+    let devices = TempDevices::new(2, 16 << 20);
+    create(&devices, BackendKind::Auto).close().unwrap();
+    make_version_2(&devices.paths);
+    // Enough puts to fill its one journal region and checkpoint, then a reopen.
+    {
+        let store = Store::open(&devices.paths, config()).unwrap();
+        assert_eq!(store.info().format_version, 2);
+        for id in 0..WRAPPING_PUTS {
+            store.put_blocking(id, &object(id), &wrapping_meta(id)).unwrap();
+        }
+        for id in (0..WRAPPING_PUTS).step_by(3) {
+            assert!(store.delete(id).unwrap());
+        }
+    }
+    let store = Store::open(&devices.paths, config()).unwrap();
+    assert_eq!(store.info().format_version, 2, "a writer's open keeps the version");
+    for id in 0..WRAPPING_PUTS {
+        if id % 3 == 0 {
+            assert!(store.stat(id).is_none(), "object {id}");
+        } else {
+            assert_eq!(store.get_to_vec(id).unwrap(), object(id), "object {id}");
+        }
+    }
+    drop(store);
+    let report = Store::fsck_paths(&devices.paths, config(), false).unwrap();
+    assert!(report.is_clean(), "{:?}", report.problems);
 }

@@ -44,6 +44,10 @@ pub(crate) struct JournalState {
     pub epoch: u64,
     /// The store uuid, which every header's crc covers.
     pub store: [u8; 16],
+    /// Format version 3 and later: the batches of each generation go in their own half of the
+    /// ring (`region`), so the batches after the older checkpoint outlive the newer one's
+    /// writing. Version 2: one region, the whole ring, for every generation.
+    pub split: bool,
 }
 
 impl JournalState {
@@ -52,6 +56,26 @@ impl JournalState {
     }
     fn journal_offset(&self) -> u64 {
         self.metadata_start + 2 * self.slot_bytes
+    }
+
+    /// Where the batches of `batch_generation` go: (offset in the ring, bytes).
+    pub(crate) fn region(&self, batch_generation: u64) -> (u64, u64) {
+        if self.split {
+            let half = crate::layout::codec::round_down(self.journal_bytes / 2, self.block_size);
+            ((batch_generation % 2) * half, half)
+        } else {
+            (0, self.journal_bytes)
+        }
+    }
+
+    /// The most bytes one batch may take before padding: it must fit its region (or, for
+    /// format version 2, half the ring).
+    fn batch_limit(&self) -> usize {
+        if self.split {
+            self.region(0).1 as usize
+        } else {
+            (self.journal_bytes / 2).max(self.block_size) as usize
+        }
     }
 }
 
@@ -131,10 +155,8 @@ impl Shared {
     }
 
     /// `checkpoint` of the table with `changes` applied on top (not yet applied in memory): once
-    /// its header is durable, the checkpoint commits them, with no journal batch. That is how a
-    /// batch commits when the ring has no room for it, so a batch that shrinks the table commits
-    /// even when the table before it would not fit a slot (a store filled by a release that did
-    /// not hold the table to a slot).
+    /// its header is durable, the checkpoint commits them, with no journal batch (format version
+    /// 2, whose journal after the older checkpoint does not outlive a new one anyway).
     fn checkpoint_with(&self, journal: &mut JournalState, changes: &[TableChange]) -> Result<()> {
         let epoch = journal.epoch + 1;
         let bytes = {
@@ -191,7 +213,7 @@ fn table_full_detail(needed_bytes: u64, slot_bytes: u64, objects: usize) -> Stri
 
 /// The commit thread: group commit until the channel closes, then a final checkpoint.
 pub(crate) fn run_commit(shared: Arc<Shared>, rx: Receiver<CommitMsg>, mut journal: JournalState) {
-    let batch_limit = (journal.journal_bytes / 2).max(journal.block_size) as usize;
+    let batch_limit = journal.batch_limit();
     while let Ok(first) = rx.recv() {
         let mut messages = vec![first];
         while messages.len() < 4096 {
@@ -364,11 +386,21 @@ fn write_batch(shared: &Shared, journal: &mut JournalState, changes: &[TableChan
         changes,
         journal.block_size,
     );
-    if journal.position + bytes.len() as u64 > journal.journal_bytes {
-        // No room in the ring: the next checkpoint, with this batch applied, commits it.
+    let (base, region_bytes) = journal.region(journal.generation + 1);
+    if journal.position + bytes.len() as u64 > region_bytes {
+        if journal.split {
+            // No room in the region: checkpoint the table as it is (it fits: puts are held to
+            // the slot), then journal the batch after the new checkpoint. Every change is in a
+            // journal region, so recovery from the older checkpoint finds it too.
+            shared.checkpoint(journal)?;
+            return write_batch(shared, journal, changes, 0);
+        }
+        // Format version 2: the next checkpoint, with this batch applied, commits it, so that a
+        // batch that shrinks the table commits even when the table before it would not fit a
+        // slot (a store filled by a release that did not hold the table to a slot).
         return shared.checkpoint_with(journal, changes);
     }
-    shared.write_metadata(journal.journal_offset() + journal.position, &bytes)?;
+    shared.write_metadata(journal.journal_offset() + base + journal.position, &bytes)?;
     if shared.config.durable {
         shared.flush_devices(1)?;
     }
@@ -430,6 +462,7 @@ pub(crate) fn recover(
         position: 0,
         epoch: 0,
         store: sb0.store_uuid,
+        split: sb0.format_version >= 3,
     };
     let read = |offset: u64, len: u64| -> Result<AlignedBuf> {
         let mut buf = AlignedBuf::new(len as usize, block as usize)?;
@@ -438,6 +471,7 @@ pub(crate) fn recover(
     };
     // Newest checkpoint whose header and payload both check out.
     let mut candidates = Vec::new();
+    let mut unreadable_slots = Vec::new();
     for slot in 0..2u64 {
         let offset = sb0.metadata_start + slot * sb0.checkpoint_slot_bytes;
         let header_block = read(offset, block)?;
@@ -453,10 +487,8 @@ pub(crate) fn recover(
                 h.generation, h.payload_bytes
             )),
             None if header_block.iter().all(|&b| b == 0) => {}
-            None => findings.notes.push(format!(
-                "{path}: checkpoint slot {slot} (offset {offset}) holds no valid header (an interrupted \
-                 checkpoint write, or damage to a checkpoint no longer needed)"
-            )),
+            // Said once the chosen checkpoint tells whether this was the newer one.
+            None => unreadable_slots.push((slot, offset)),
         }
     }
     candidates.sort_by_key(|(h, _, _)| std::cmp::Reverse(h.generation));
@@ -502,95 +534,75 @@ pub(crate) fn recover(
         });
     };
     let generation = header.generation;
-    if findings.checkpoint_damaged {
-        findings.problems.last_mut().expect("just pushed").push_str(&format!(
-            "; recovered from generation {generation} and its journal (a new checkpoint replaces it)"
-        ));
-    }
     journal.generation = generation;
     journal.epoch = header.epoch;
     let mut table: HashMap<u64, ObjectRecord> = records.into_iter().map(|r| (r.id, r)).collect();
+    let slot_damage = newest_slot_damage(&read, sb0, generation, &path)?;
+    for (slot, offset) in unreadable_slots {
+        if slot != (generation + 1) % 2 || slot_damage.is_none() {
+            findings.notes.push(format!(
+                "{path}: checkpoint slot {slot} (offset {offset}) holds no valid header (an interrupted \
+                 checkpoint write, or damage to a checkpoint no longer needed)"
+            ));
+        }
+    }
 
-    // Replay this generation's batches in sequence up to the first that does not check out.
-    let journal_start = sb0.metadata_start + 2 * sb0.checkpoint_slot_bytes;
-    let batch_generation = generation + 1;
-    let stop: Option<(String, Stop)> = loop {
-        if journal.position + block > journal.journal_bytes {
-            break None;
-        }
-        let head = read(journal_start + journal.position, block)?;
-        let Some(h) = decode_batch_header(&head, &sb0.store_uuid) else {
-            if is_damaged_batch_header(&head, batch_generation, journal.sequence) {
-                break Some((
-                    "its header is damaged: its magic, generation and sequence are there but its checksum \
-                             fails"
-                        .into(),
-                    Stop::DamagedHeader,
-                ));
-            }
-            // Zeros, or the middle of an older batch: the end of the log.
-            break Some(("no valid batch header".into(), Stop::End));
-        };
-        if h.generation > batch_generation && journal.position == 0 {
-            return Err(Error::CorruptMetadata {
-                detail: format!(
-                    "device 0 ({path}): the journal follows checkpoint generation {} but only generation {generation} \
-                     is readable, so the newest checkpoint is lost; {RESTORE_DEVICE0}{FSCK_HINT}",
-                    h.generation - 1
-                ),
-            });
-        }
-        if h.generation != batch_generation {
-            // A batch of an older generation: what the ring held before the last checkpoint.
-            break Some(("the ring holds an older generation's batch there".into(), Stop::End));
-        }
-        if h.sequence != journal.sequence {
-            break Some((format!("a batch header with sequence {} stands there", h.sequence), Stop::Unreadable));
-        }
-        let total = h.padded_bytes(block);
-        if journal.position + total > journal.journal_bytes {
-            break Some((format!("the batch claims {} bytes, past the end of the ring", total), Stop::Unreadable));
-        }
-        let bytes = if total == block { head } else { read(journal_start + journal.position, total)? };
-        let Some(changes) =
-            decode_batch_payload(&h, &bytes[HEADER_BYTES..HEADER_BYTES + h.payload_bytes as usize], sb0.device_count)
-        else {
-            break Some(("its payload does not check out".into(), Stop::Unreadable));
-        };
-        for change in changes {
-            match change {
-                TableChange::Put(r) => {
-                    table.insert(r.id, r);
-                }
-                TableChange::Delete { id } => {
-                    table.remove(&id);
-                }
+    // Replay the batches that follow the chosen checkpoint, in sequence, up to the first that
+    // does not check out.
+    let mut replay = Replay { device0, sb0, path: &path, table: &mut table, journal: &mut journal };
+    let mut stop = replay.generation(generation + 1)?;
+    // With a journal region per generation, the batches after a newer checkpoint that cannot be
+    // read are still there: replay them too (that checkpoint held exactly the table replayed so
+    // far, since it was written once every batch before it was durable).
+    let lost_newer = journal.split
+        && find_later_batch(device0, sb0, journal.region(generation + 2), 0, generation + 2, u64::MAX)?.is_some();
+    let mut replay = Replay { device0, sb0, path: &path, table: &mut table, journal: &mut journal };
+    if lost_newer {
+        if let Some((reason, kind, at)) = &stop {
+            if *kind != Stop::End {
+                return Err(Error::CorruptMetadata {
+                    detail: format!(
+                        "device 0 ({path}): journal batch {} of generation {} at offset {at} is damaged ({reason}), \
+                         and batches of generation {} follow it: skipping it would silently lose acknowledged puts \
+                         and deletes, so the store was not opened and nothing was written; {RESTORE_DEVICE0}{FSCK_HINT}",
+                        replay.journal.sequence,
+                        generation + 1,
+                        generation + 2
+                    ),
+                });
             }
         }
-        journal.epoch = journal.epoch.max(h.epoch);
-        journal.position += total;
-        journal.sequence += 1;
-    };
-    if let Some((reason, written)) = stop {
-        let at = journal_start + journal.position;
-        if let Some((later_offset, later)) =
-            find_later_batch(device0, sb0, journal.position, batch_generation, journal.sequence)?
-        {
-            // `later` at the stop itself is a batch of this generation out of sequence.
-            return Err(Error::CorruptMetadata {
-                detail: format!(
-                    "device 0 ({path}): journal batch {} of generation {batch_generation} at offset {at} is damaged \
-                     ({reason}), yet the valid batch {} of generation {} follows at offset {}: skipping the damaged \
-                     batch would silently lose acknowledged puts and deletes, so the store was not opened and \
-                     nothing was written; {RESTORE_DEVICE0}{FSCK_HINT}",
-                    journal.sequence,
-                    later.sequence,
-                    later.generation,
-                    journal_start + later_offset
-                ),
-            });
+        stop = replay.generation(generation + 2)?;
+    }
+    if lost_newer || slot_damage.is_some() || findings.checkpoint_damaged {
+        let what = if findings.checkpoint_damaged {
+            // Its payload: said by the choice of checkpoint above.
+            findings.problems.pop().expect("the damaged newest checkpoint's problem")
+        } else if let Some(damage) = slot_damage {
+            damage
+        } else {
+            format!("{path}: the newest checkpoint, generation {}, is unreadable", generation + 1)
+        };
+        let replayed = if lost_newer {
+            format!("the journal after it and the journal after generation {}", generation + 1)
+        } else {
+            "the journal after it".into()
+        };
+        findings.problems.push(format!(
+            "{what}; recovered without loss from generation {generation} and {replayed} (a writer's open, or fsck \
+             --repair, writes a new checkpoint over it)"
+        ));
+        findings.checkpoint_damaged = true;
+        if lost_newer {
+            // The next checkpoint goes over the damaged slot, with a generation of its own, before
+            // any batch: a batch now would land in the region of the batches just replayed.
+            journal.generation = generation + 2;
+            journal.sequence = 0;
+            journal.position = journal.region(generation + 3).1;
         }
-        match written {
+    }
+    if let Some((reason, kind, at)) = stop {
+        match kind {
             Stop::End => {}
             // A header sector is written whole: one whose identity survived is damage.
             Stop::DamagedHeader => findings.problems.push(format!(
@@ -615,25 +627,171 @@ pub(crate) fn recover(
     Ok((records, journal))
 }
 
-/// The first valid batch header at or after `from` in the ring that belongs to `generation` or a
-/// newer one, skipping a header of `generation` at `from` itself only when it carries the
-/// expected sequence (then it is the batch that failed). Reads the ring in large pieces.
+/// The checkpoint slot that would hold generation `chosen + 1`, when it holds a damaged header
+/// that is that newer checkpoint's (its generation field says so; a header is written whole, so
+/// this is damage, not an interrupted write): the problem line. A header left by the checkpoint
+/// before `chosen`, or zeros, is none.
+fn newest_slot_damage(
+    read: &dyn Fn(u64, u64) -> Result<AlignedBuf>,
+    sb0: &Superblock,
+    chosen: u64,
+    path: &str,
+) -> Result<Option<String>> {
+    let slot = (chosen + 1) % 2;
+    let offset = sb0.metadata_start + slot * sb0.checkpoint_slot_bytes;
+    let header = read(offset, sb0.block_size as u64)?;
+    if decode_checkpoint_header(&header, &sb0.store_uuid).is_some() {
+        return Ok(None);
+    }
+    let generation_field = u64::from_le_bytes(header[8..16].try_into().expect("8 bytes"));
+    let magic_ok = header[..8] == crate::layout::metadata::CHECKPOINT_MAGIC;
+    Ok((generation_field == chosen + 1 || (magic_ok && generation_field != chosen.wrapping_sub(1))).then(|| {
+        format!(
+            "{path}: the newest checkpoint's header in slot {slot} (offset {offset}) is damaged (its checksum \
+             fails; it names generation {generation_field})"
+        )
+    }))
+}
+
+/// Replays one generation's journal batches into a table.
+struct Replay<'a> {
+    device0: &'a Device,
+    sb0: &'a Superblock,
+    path: &'a str,
+    table: &'a mut HashMap<u64, ObjectRecord>,
+    journal: &'a mut JournalState,
+}
+
+impl Replay<'_> {
+    /// Replays the batches of `batch_generation` from the start of its journal region, in
+    /// sequence, until one does not check out; `journal` ends after the last one replayed. A
+    /// damaged batch with a valid one of this generation (or a newer one) after it in the region
+    /// is an error; otherwise returns why replay stopped (`None`: at the region's end).
+    fn generation(&mut self, batch_generation: u64) -> Result<Option<(String, Stop, u64)>> {
+        let (sb0, path) = (self.sb0, self.path);
+        let block = sb0.block_size as u64;
+        let journal_start = sb0.metadata_start + 2 * sb0.checkpoint_slot_bytes;
+        let (base, region_bytes) = self.journal.region(batch_generation);
+        self.journal.position = 0;
+        self.journal.sequence = 0;
+        let read = |offset: u64, len: u64| -> Result<AlignedBuf> {
+            let mut buf = AlignedBuf::new(len as usize, block as usize)?;
+            self.device0.read_exact_at(&mut buf, offset)?;
+            Ok(buf)
+        };
+        let stop: Option<(String, Stop)> = loop {
+            let position = self.journal.position;
+            if position + block > region_bytes {
+                break None;
+            }
+            let head = read(journal_start + base + position, block)?;
+            let Some(h) = decode_batch_header(&head, &sb0.store_uuid) else {
+                if is_damaged_batch_header(&head, batch_generation, self.journal.sequence) {
+                    break Some((
+                        "its header is damaged: its magic, generation and sequence are there but its checksum fails"
+                            .into(),
+                        Stop::DamagedHeader,
+                    ));
+                }
+                // Zeros, or the middle of an older batch: the end of the log.
+                break Some(("no valid batch header".into(), Stop::End));
+            };
+            if h.generation > batch_generation && position == 0 {
+                return Err(Error::CorruptMetadata {
+                    detail: format!(
+                        "device 0 ({path}): the journal follows checkpoint generation {} but only generation {} is \
+                         readable, so the newest checkpoint is lost{}; {RESTORE_DEVICE0}{FSCK_HINT}",
+                        h.generation - 1,
+                        batch_generation - 1,
+                        if self.journal.split {
+                            ""
+                        } else {
+                            " (a store of format version 2 keeps one journal region for every generation; version 3 \
+                             keeps the journal after the older checkpoint too, and recovers from this)"
+                        }
+                    ),
+                });
+            }
+            if h.generation != batch_generation {
+                // A batch of an older generation: what the region held before.
+                break Some(("the ring holds an older generation's batch there".into(), Stop::End));
+            }
+            if h.sequence != self.journal.sequence {
+                break Some((format!("a batch header with sequence {} stands there", h.sequence), Stop::Unreadable));
+            }
+            let total = h.padded_bytes(block);
+            if position + total > region_bytes {
+                break Some((format!("the batch claims {total} bytes, past the end of its region"), Stop::Unreadable));
+            }
+            let bytes = if total == block { head } else { read(journal_start + base + position, total)? };
+            let payload = &bytes[HEADER_BYTES..HEADER_BYTES + h.payload_bytes as usize];
+            let Some(changes) = decode_batch_payload(&h, payload, sb0.device_count) else {
+                break Some(("its payload does not check out".into(), Stop::Unreadable));
+            };
+            for change in changes {
+                match change {
+                    TableChange::Put(r) => {
+                        self.table.insert(r.id, r);
+                    }
+                    TableChange::Delete { id } => {
+                        self.table.remove(&id);
+                    }
+                }
+            }
+            self.journal.epoch = self.journal.epoch.max(h.epoch);
+            self.journal.position += total;
+            self.journal.sequence += 1;
+        };
+        let Some((reason, kind)) = stop else { return Ok(None) };
+        let at = journal_start + base + self.journal.position;
+        let later = find_later_batch(
+            self.device0,
+            sb0,
+            (base, region_bytes),
+            self.journal.position,
+            batch_generation,
+            self.journal.sequence,
+        )?;
+        if let Some((later_offset, later)) = later {
+            // `later` at the stop itself is a batch of this generation out of sequence.
+            return Err(Error::CorruptMetadata {
+                detail: format!(
+                    "device 0 ({path}): journal batch {} of generation {batch_generation} at offset {at} is damaged \
+                     ({reason}), yet the valid batch {} of generation {} follows at offset {}: skipping the damaged \
+                     batch would silently lose acknowledged puts and deletes, so the store was not opened and \
+                     nothing was written; {RESTORE_DEVICE0}{FSCK_HINT}",
+                    self.journal.sequence,
+                    later.sequence,
+                    later.generation,
+                    journal_start + base + later_offset
+                ),
+            });
+        }
+        Ok(Some((reason, kind, at)))
+    }
+}
+
+/// The first valid batch header at or after `from` in the journal region `(base, bytes)` that
+/// belongs to `generation` or a newer one, skipping a header of `generation` at `from` itself
+/// only when it carries the expected `sequence` (then it is the batch that failed). Offsets are
+/// within the region. Reads it in large pieces.
 fn find_later_batch(
     device0: &Device,
     sb0: &Superblock,
+    (base, region_bytes): (u64, u64),
     from: u64,
     generation: u64,
     sequence: u64,
 ) -> Result<Option<(u64, crate::layout::metadata::BatchHeader)>> {
     const PIECE: u64 = 4 << 20;
-    let (block, journal_bytes) = (sb0.block_size as u64, sb0.journal_bytes);
-    let journal_start = sb0.metadata_start + 2 * sb0.checkpoint_slot_bytes;
+    let block = sb0.block_size as u64;
+    let region_start = sb0.metadata_start + 2 * sb0.checkpoint_slot_bytes + base;
     let piece = crate::layout::codec::round_down(PIECE, block).max(block);
     let mut at = from;
-    while at + block <= journal_bytes {
-        let len = piece.min(crate::layout::codec::round_down(journal_bytes - at, block));
+    while at + block <= region_bytes {
+        let len = piece.min(crate::layout::codec::round_down(region_bytes - at, block));
         let mut buf = AlignedBuf::new(len as usize, block as usize)?;
-        device0.read_exact_at(&mut buf, journal_start + at)?;
+        device0.read_exact_at(&mut buf, region_start + at)?;
         for (i, b) in buf.chunks_exact(block as usize).enumerate() {
             let offset = at + i as u64 * block;
             let Some(h) = decode_batch_header(b, &sb0.store_uuid) else { continue };

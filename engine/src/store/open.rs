@@ -128,7 +128,9 @@ impl Store {
         let sb0 = &superblocks[0];
         let zero = AlignedBuf::new(block as usize, block as usize)?;
         devices[0].write_all_at(&zero, sb0.metadata_start)?;
+        // Both halves of the journal ring (one per generation parity, docs/format.md).
         devices[0].write_all_at(&zero, sb0.metadata_start + 2 * slot_bytes)?;
+        devices[0].write_all_at(&zero, sb0.metadata_start + 2 * slot_bytes + round_down(journal_bytes / 2, block))?;
         let empty = encode_checkpoint(&uuid, 1, 1, std::iter::empty(), block);
         let mut buf = AlignedBuf::new(empty.len(), block as usize)?;
         buf.copy_from_slice(&empty);
