@@ -594,3 +594,28 @@ fn a_format_version_2_store_still_opens_and_works() {
     let report = Store::fsck_paths(&devices.paths, config(), false).unwrap();
     assert!(report.is_clean(), "{:?}", report.problems);
 }
+
+/// A writer's open that rewrites a damaged superblock copy says so: in `info().repairs_at_open`
+/// (a log line too), and fsck finds nothing left.
+#[test]
+fn a_writers_open_reports_what_it_repaired() {
+    let devices = TempDevices::new(2, 16 << 20);
+    create(&devices, BackendKind::Auto).close().unwrap();
+    let dev1 = &devices.paths[1];
+    let size = std::fs::metadata(dev1).unwrap().len();
+    flip_byte(dev1, size - 4096 + 40);
+    {
+        // A read-only open repairs nothing, and says nothing was repaired.
+        let reader = Store::open_read_only(&devices.paths, config()).unwrap();
+        assert!(reader.info().repairs_at_open.is_empty());
+    }
+    let store = Store::open(&devices.paths, config()).unwrap();
+    let repairs = store.info().repairs_at_open;
+    assert_eq!(repairs.len(), 1, "{repairs:?}");
+    assert!(repairs[0].contains("rewrote") && repairs[0].contains("backup superblock"), "{repairs:?}");
+    assert!(repairs[0].contains(&dev1.display().to_string()), "{repairs:?}");
+    store.close().unwrap();
+    assert!(Store::fsck_paths(&devices.paths, config(), false).unwrap().is_clean());
+    let store = Store::open(&devices.paths, config()).unwrap();
+    assert!(store.info().repairs_at_open.is_empty(), "nothing left to repair");
+}

@@ -247,6 +247,27 @@ mod tests {
         assert!(decode_batch_payload(&h, &torn, 1).is_none());
     }
 
+    #[test]
+    fn a_damaged_batch_header_is_known_by_its_identity() {
+        let bytes = encode_batch(&STORE, 5, 9, 2, &[TableChange::Delete { id: 1 }], 4096);
+        assert!(decode_batch_header(&bytes, &STORE).is_some());
+        // One flipped bit anywhere in the crc-covered header leaves two of magic, generation and
+        // sequence: the header is known as batch 9 of generation 5, damaged.
+        for byte in 0..48 {
+            for bit in 0..8 {
+                let mut flipped = bytes.clone();
+                flipped[byte] ^= 1 << bit;
+                if decode_batch_header(&flipped, &STORE).is_none() {
+                    assert!(is_damaged_batch_header(&flipped, 5, 9), "byte {byte} bit {bit}");
+                }
+            }
+        }
+        // Another batch's header, zeros and payload bytes are not.
+        assert!(!is_damaged_batch_header(&bytes, 6, 10));
+        assert!(!is_damaged_batch_header(&[0u8; 4096], 5, 9));
+        assert!(!is_damaged_batch_header(&bytes[64..], 5, 9));
+    }
+
     proptest::proptest! {
         #[test]
         fn arbitrary_headers_never_panic(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..200)) {
