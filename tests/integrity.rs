@@ -43,7 +43,7 @@ fn writer_child() {
 
 /// With 2100 bytes of metadata each put is one 4 KiB journal batch, so a 512 KiB journal region
 /// holds 128 of them: 300 puts checkpoint twice (after puts 128 and 256, each journal region used
-/// in turn) and journal 43 more after the last checkpoint.
+/// in turn) and journal 44 more after the last checkpoint.
 const WRAPPING_PUTS: u64 = 300;
 
 fn wrapping_meta(id: u64) -> Vec<u8> {
@@ -395,6 +395,8 @@ fn a_damaged_newest_checkpoint_after_a_crash_loses_nothing() {
             problem.contains("newest checkpoint") && problem.contains("recovered without loss"),
             "{what}: {problem}"
         );
+        // The puts after the damaged checkpoint came from its generation's journal region.
+        assert!(problem.contains("the journal after generation 3"), "{what}: {problem}");
         assert_eq!(report.objects_checked, WRAPPING_PUTS, "{what}");
         assert!(snapshot(&devices.paths) == before, "{what}: fsck without repair wrote to the store");
         {

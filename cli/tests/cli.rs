@@ -242,7 +242,15 @@ fn format_info_fsck_round_trip_and_damage_is_found() {
     assert_eq!(info["devices"].as_array().unwrap().len(), 2);
     assert_eq!(info["object_count"], 4);
     assert!(info["free_bytes"].as_u64().unwrap() > 0);
-    teraio().arg("info").args(&targets).assert().success().stdout(predicate::str::contains("largest free"));
+    // The table's checkpoint: a header block and the 4 records, well inside a slot.
+    let (table, slot) = (info["table_bytes"].as_u64().unwrap(), info["checkpoint_slot_bytes"].as_u64().unwrap());
+    assert!(table >= 4096 && table < slot, "table {table} of a {slot}-byte slot");
+    teraio()
+        .arg("info")
+        .args(&targets)
+        .assert()
+        .success()
+        .stdout(predicate::str::contains("largest free").and(predicate::str::contains("% full")));
     teraio().arg("fsck").args(&targets).assert().code(0).stdout(predicate::str::contains("clean: 4 object(s)"));
 
     // Damage data on device 1 (its data area starts at 1 MiB) and fsck must say so.

@@ -288,6 +288,9 @@ impl Store {
         for problem in &store.shared.recovery.problems {
             tracing::warn!(problem = %problem, "found at open");
         }
+        for note in &store.shared.recovery.notes {
+            tracing::info!(note = %note, "found at open");
+        }
         *store.shared.repairs_at_open.lock().expect("repairs") = repairs;
         Ok(store)
     }
