@@ -472,9 +472,11 @@ pub(crate) fn recover(
     // Newest checkpoint whose header and payload both check out.
     let mut candidates = Vec::new();
     let mut unreadable_slots = Vec::new();
+    let mut slot_headers = Vec::with_capacity(2);
     for slot in 0..2u64 {
         let offset = sb0.metadata_start + slot * sb0.checkpoint_slot_bytes;
         let header_block = read(offset, block)?;
+        slot_headers.push(header_block[..HEADER_BYTES].to_vec());
         match decode_checkpoint_header(&header_block, &sb0.store_uuid) {
             Some(h)
                 if h.generation % 2 == slot && HEADER_BYTES as u64 + h.payload_bytes <= sb0.checkpoint_slot_bytes =>
@@ -573,6 +575,21 @@ pub(crate) fn recover(
             }
         }
         stop = replay.generation(generation + 2)?;
+    }
+    // A reader beside a writer may have read the slots just before the writer's next
+    // checkpoint, and then a journal region the writer went on to fill: if a slot header changed
+    // meanwhile, the store moved on while it was read, which is no damage (`open_read_only`
+    // looks again). A writer's open holds the store alone: its slots never change here.
+    for (slot, before) in slot_headers.iter().enumerate() {
+        let offset = sb0.metadata_start + slot as u64 * sb0.checkpoint_slot_bytes;
+        if read(offset, block)?[..HEADER_BYTES] != before[..] {
+            return Err(Error::CorruptMetadata {
+                detail: format!(
+                    "device 0 ({path}): checkpoint slot {slot} changed while the metadata was read (a writer \
+                     holds the store and wrote a checkpoint); read it again"
+                ),
+            });
+        }
     }
     if lost_newer || slot_damage.is_some() || findings.checkpoint_damaged {
         let what = if findings.checkpoint_damaged {

@@ -164,7 +164,9 @@ impl Store {
         loop {
             match Store::open_with(paths, config.clone(), Access::Reader) {
                 // A writer may be between the writes of a superblock or a journal batch: look again.
-                Err(Error::CorruptMetadata { .. } | Error::CorruptSuperblock { .. }) if attempts < 3 => {
+                Err(Error::CorruptMetadata { .. } | Error::CorruptSuperblock { .. })
+                    if attempts < READ_ONLY_OPEN_ATTEMPTS =>
+                {
                     attempts += 1;
                     std::thread::sleep(std::time::Duration::from_millis(50));
                 }
@@ -329,6 +331,10 @@ impl Store {
         Ok(())
     }
 }
+
+/// How many times a read-only open looks again when the metadata it read did not fit together:
+/// beside a busy writer, a checkpoint or journal write may land while it reads.
+const READ_ONLY_OPEN_ATTEMPTS: u32 = 10;
 
 /// What `format` reports.
 #[derive(Debug, Clone)]

@@ -222,7 +222,10 @@ class Store:
         return self._native.list()
 
     def info(self) -> dict[str, Any]:
-        """Layout, devices and backend of the store."""
+        """Layout, devices and backend of the store; how full its object table is
+        (`table_bytes` of `checkpoint_slot_bytes`: once full, puts that add objects or metadata
+        raise NoSpaceError while deletes still succeed); and what the open found and repaired
+        (`recovery_problems`, `recovery_notes`, `repairs_at_open`: lists of lines)."""
         return self._native.info()
 
     def stats(self) -> dict[str, Any]:
