@@ -582,3 +582,24 @@ fn flip_one_bit(path: &Path, offset: u64) {
     f.write_all(&b).unwrap();
     f.sync_all().unwrap();
 }
+
+#[test]
+fn fsck_exits_1_for_a_damaged_newest_checkpoint_header_and_repair_fixes_it() {
+    let tmp = scratch();
+    let targets = paths(tmp.path(), 1);
+    teraio().arg("format").args(&targets).args(["--file-size", "16MiB"]).assert().success();
+    let store = teraio_engine::Store::open(&targets, teraio_engine::OpenConfig::default()).unwrap();
+    store.put_blocking(1, &seeded_bytes(50_000, 3), b"").unwrap();
+    store.close().unwrap(); // checkpoint generation 2 -> slot 0, right after the superblock
+    flip_one_bit(Path::new(&targets[0]), 4096 + 20); // its record count: the header's checksum fails
+    let out = teraio().arg("fsck").args(&targets).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    assert!(stdout.contains("problem:") && stdout.contains("newest checkpoint"), "{stdout}");
+    assert!(stdout.contains("DAMAGED: 1 object(s)"), "{stdout}");
+    let out = teraio().args(["fsck", "--repair"]).args(&targets).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}");
+    assert!(stdout.contains("repaired:") && stdout.contains("new checkpoint"), "{stdout}");
+    teraio().arg("fsck").args(&targets).assert().code(0).stdout(predicate::str::contains("clean: 1 object(s)"));
+}
