@@ -155,8 +155,7 @@ impl Shared {
     }
 
     /// `checkpoint` of the table with `changes` applied on top (not yet applied in memory): once
-    /// its header is durable, the checkpoint commits them, with no journal batch (format version
-    /// 2, whose journal after the older checkpoint does not outlive a new one anyway).
+    /// its header is durable, the checkpoint commits them.
     fn checkpoint_with(&self, journal: &mut JournalState, changes: &[TableChange]) -> Result<()> {
         let epoch = journal.epoch + 1;
         let bytes = {
@@ -388,17 +387,26 @@ fn write_batch(shared: &Shared, journal: &mut JournalState, changes: &[TableChan
     );
     let (base, region_bytes) = journal.region(journal.generation + 1);
     if journal.position + bytes.len() as u64 > region_bytes {
-        if journal.split {
-            // No room in the region: checkpoint the table as it is (it fits: puts are held to
-            // the slot), then journal the batch after the new checkpoint. Every change is in a
-            // journal region, so recovery from the older checkpoint finds it too.
-            shared.checkpoint(journal)?;
-            return write_batch(shared, journal, changes, 0);
+        // No room in the region: checkpoint the table as it is (it fits: puts are held to the
+        // slot), then journal the batch after the new checkpoint. Every change is journaled, so
+        // recovery from the older checkpoint finds it too, or (format version 2, whose one region
+        // the newer batches overwrite) refuses rather than lose it.
+        match shared.checkpoint(journal) {
+            Ok(()) => return write_batch(shared, journal, changes, 0),
+            Err(Error::TableFull { .. }) if !journal.split => {
+                // A version 2 store whose table outgrew a slot under a release that did not hold
+                // it to one: the checkpoint of the table with this batch applied commits it, so
+                // that deletes that bring the table under the slot commit. The batch is then
+                // journaled too (replaying it over that checkpoint changes nothing), so that a
+                // fallback to the older checkpoint sees the newer generation and refuses.
+                shared.checkpoint_with(journal, changes)?;
+                if let Err(e) = write_batch(shared, journal, changes, 0) {
+                    tracing::warn!(error = %e, "journaling a batch its checkpoint already holds failed");
+                }
+                return Ok(());
+            }
+            Err(e) => return Err(e),
         }
-        // Format version 2: the next checkpoint, with this batch applied, commits it, so that a
-        // batch that shrinks the table commits even when the table before it would not fit a
-        // slot (a store filled by a release that did not hold the table to a slot).
-        return shared.checkpoint_with(journal, changes);
     }
     shared.write_metadata(journal.journal_offset() + base + journal.position, &bytes)?;
     if shared.config.durable {
