@@ -621,3 +621,63 @@ fn a_writers_open_reports_what_it_repaired() {
     let store = Store::open(&devices.paths, config()).unwrap();
     assert!(store.info().repairs_at_open.is_empty(), "nothing left to repair");
 }
+
+/// A version 2 store as an earlier release could leave it: a table larger than a checkpoint slot
+/// (crafted here as journal batches of 256 more records, which fill the ring) and no room left
+/// in the journal. Single deletes cannot commit there and say how to proceed; `delete_many`
+/// commits deletes that bring the table under the slot, and then the store works again.
+#[test]
+fn a_version_2_store_over_its_table_limit_is_freed_by_delete_many() {
+    use teraio_engine::layout::metadata::encode_batch;
+    use teraio_engine::layout::superblock::Superblock;
+    use teraio_engine::layout::table::{ObjectRecord, TableChange};
+    let devices = TempDevices::new(1, 16 << 20);
+    create(&devices, BackendKind::Auto).close().unwrap();
+    make_version_2(&devices.paths);
+    let meta = vec![3u8; 3900]; // one record and its batch header fit one 4 KiB block
+    let mut stored = 0u64;
+    {
+        let store = Store::open(&devices.paths, config()).unwrap();
+        while store.put_blocking(stored, &[], &meta).is_ok() {
+            stored += 1;
+            assert!(stored < 1000, "the table never filled");
+        }
+    } // closed: a checkpoint holds them all, and the ring restarts
+    let dev0 = &devices.paths[0];
+    let (_, generation) = newest_checkpoint(dev0);
+    let sb = Superblock::decode(&std::fs::read(dev0).unwrap()[..4096], dev0).unwrap();
+    let crafted = JOURNAL_BYTES / 4096;
+    for sequence in 0..crafted {
+        let record = ObjectRecord {
+            id: 1000 + sequence,
+            len_bytes: 0,
+            meta: meta.clone(),
+            first_device: 0,
+            spread: 1,
+            extents: vec![],
+            unit_crcs: vec![],
+        };
+        let batch = encode_batch(&sb.store_uuid, generation + 1, sequence, sb.epoch, &[TableChange::Put(record)], 4096);
+        assert_eq!(batch.len(), 4096);
+        write_at(dev0, JOURNAL_START + sequence * 4096, &batch);
+    }
+
+    let store = Store::open(&devices.paths, config()).unwrap();
+    assert_eq!(store.info().object_count as u64, stored + crafted);
+    assert!(store.info().table_bytes > store.info().checkpoint_slot_bytes);
+    let err = store.delete(0).expect_err("a single delete cannot bring the table under the slot");
+    assert!(err.to_string().contains("delete_many"), "{err}");
+    assert!(store.stat(0).is_some(), "the failed delete changed nothing");
+    let ids: Vec<u64> = (1000..1000 + crafted).chain([0]).collect();
+    assert_eq!(store.delete_many(&ids).unwrap(), vec![true; ids.len()]);
+    assert!(store.info().table_bytes <= store.info().checkpoint_slot_bytes);
+    // Single deletes and puts work again.
+    assert!(store.delete(1).unwrap());
+    store.put_blocking(1, &[], &meta).unwrap();
+    drop(store);
+    let store = Store::open(&devices.paths, config()).unwrap();
+    assert_eq!(store.info().object_count as u64, stored - 1);
+    assert_eq!(store.stat(1).unwrap().meta, meta);
+    drop(store);
+    assert!(Store::fsck_paths(&devices.paths, config(), false).unwrap().is_clean());
+}

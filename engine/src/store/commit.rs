@@ -25,8 +25,83 @@ use std::sync::Arc;
 /// Messages to the commit thread.
 pub(crate) enum CommitMsg {
     Put(Arc<Op>),
-    Delete { id: u64, reply: SyncSender<Result<bool>> },
-    Checkpoint { reply: SyncSender<Result<()>> },
+    Delete {
+        id: u64,
+        reply: SyncSender<Result<bool>>,
+    },
+    /// Deletes committed in one batch (`Store::delete_many`): whether each existed.
+    DeleteMany {
+        ids: Vec<u64>,
+        reply: SyncSender<Result<Vec<bool>>>,
+    },
+    Checkpoint {
+        reply: SyncSender<Result<()>>,
+    },
+}
+
+/// Where the outcome of a delete request goes.
+enum DeleteReply {
+    One(SyncSender<Result<bool>>),
+    Many(SyncSender<Result<Vec<bool>>>),
+}
+
+impl DeleteReply {
+    /// Sends whether each id existed (`existed`), or the batch's error.
+    fn send(self, ids: &[u64], existed: Result<&HashMap<u64, bool>>) {
+        let of = |existed: &HashMap<u64, bool>, id: &u64| existed.get(id).copied().unwrap_or(false);
+        match self {
+            DeleteReply::One(reply) => {
+                let _ = reply.send(existed.map(|e| of(e, &ids[0])));
+            }
+            DeleteReply::Many(reply) => {
+                let _ = reply.send(existed.map(|e| ids.iter().map(|id| of(e, id)).collect()));
+            }
+        }
+    }
+}
+
+/// The most ids one `delete_many` may name: one batch of them must fit a journal region (each
+/// delete takes 9 bytes), for a journal of `journal_bytes` with blocks of `block_size`.
+pub(crate) fn delete_many_limit(journal_bytes: u64, block_size: u64) -> usize {
+    let region = crate::layout::codec::round_down(journal_bytes / 2, block_size);
+    (region.saturating_sub(HEADER_BYTES as u64) / 9) as usize
+}
+
+impl super::Store {
+    /// Deletes the objects `ids` durably, in one journal batch; returns whether each existed.
+    /// A store whose table outgrew a checkpoint slot under an earlier release (format version 2)
+    /// commits deletes only as a batch that brings the table under the slot: this is how to make
+    /// one. At most `delete_many_limit` ids (half the journal / 9 bytes) in one call.
+    pub fn delete_many(&self, ids: &[u64]) -> Result<Vec<bool>> {
+        if self.shared.read_only {
+            return Err(Error::InvalidConfig(
+                "the store is open read-only (for inspection); open it with Store::open to change it".into(),
+            ));
+        }
+        let sb0 = &self.shared.superblocks[0];
+        let limit = delete_many_limit(sb0.journal_bytes, sb0.block_size as u64);
+        if ids.len() > limit {
+            return Err(Error::InvalidConfig(format!(
+                "delete_many takes at most {limit} ids (one journal batch of this store), not {}; split the call",
+                ids.len()
+            )));
+        }
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        if self.shared.closed.load(Ordering::Acquire) {
+            return Err(Error::Closed);
+        }
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let message = CommitMsg::DeleteMany { ids: ids.to_vec(), reply: tx };
+        let sent = self.shared.commit_tx.lock().expect("commit").as_ref().map(|c| c.send(message));
+        if !matches!(sent, Some(Ok(()))) {
+            return Err(Error::Closed);
+        }
+        let existed = rx.recv().map_err(|_| Error::Closed)??;
+        self.shared.op_counters.lock().expect("op counters").deletes += existed.iter().filter(|&&e| e).count() as u64;
+        Ok(existed)
+    }
 }
 
 /// Where the metadata lives on device 0 and where the journal stands.
@@ -233,7 +308,7 @@ pub(crate) fn run_commit(shared: Arc<Shared>, rx: Receiver<CommitMsg>, mut journ
 fn commit_batch(shared: &Arc<Shared>, journal: &mut JournalState, messages: Vec<CommitMsg>, batch_limit: usize) {
     let mut changes: Vec<TableChange> = Vec::new();
     let mut puts: Vec<Arc<Op>> = Vec::new();
-    let mut deletes: Vec<(u64, SyncSender<Result<bool>>)> = Vec::new();
+    let mut deletes: Vec<(Vec<u64>, DeleteReply)> = Vec::new();
     let mut checkpoints = Vec::new();
     let mut flush_mask = 0u64;
     let mut size = HEADER_BYTES;
@@ -249,7 +324,12 @@ fn commit_batch(shared: &Arc<Shared>, journal: &mut JournalState, messages: Vec<
             .unwrap_or_else(|| shared.table.read().expect("table").get(&id).map_or(0, |o| o.record.encoded_bytes()))
     };
     for m in messages {
-        if size > batch_limit {
+        let delete_bytes = match &m {
+            CommitMsg::DeleteMany { ids, .. } => 9 * ids.len(),
+            _ => 0,
+        };
+        // A batch of many deletes starts a batch of its own when it would not fit this one.
+        if size > batch_limit || (size > HEADER_BYTES && size + delete_bytes > batch_limit) {
             leftover.push(m);
             continue;
         }
@@ -296,15 +376,22 @@ fn commit_batch(shared: &Arc<Shared>, journal: &mut JournalState, messages: Vec<
                 changes.push(change);
                 puts.push(op);
             }
-            CommitMsg::Delete { id, reply } => {
-                let in_batch = changes.iter().any(|c| matches!(c, TableChange::Put(r) if r.id == id));
-                if in_batch || shared.table.read().expect("table").contains_key(&id) {
-                    size += 9;
-                    table_bytes -= record_bytes_now(&batch_records, id);
-                    batch_records.insert(id, 0);
-                    changes.push(TableChange::Delete { id });
+            CommitMsg::Delete { .. } | CommitMsg::DeleteMany { .. } => {
+                let (ids, reply) = match m {
+                    CommitMsg::Delete { id, reply } => (vec![id], DeleteReply::One(reply)),
+                    CommitMsg::DeleteMany { ids, reply } => (ids, DeleteReply::Many(reply)),
+                    _ => unreachable!("a delete"),
+                };
+                for &id in &ids {
+                    let in_batch = changes.iter().any(|c| matches!(c, TableChange::Put(r) if r.id == id));
+                    if in_batch || shared.table.read().expect("table").contains_key(&id) {
+                        size += 9;
+                        table_bytes -= record_bytes_now(&batch_records, id);
+                        batch_records.insert(id, 0);
+                        changes.push(TableChange::Delete { id });
+                    }
                 }
-                deletes.push((id, reply));
+                deletes.push((ids, reply));
             }
             CommitMsg::Checkpoint { reply } => checkpoints.push(reply),
         }
@@ -342,8 +429,8 @@ fn commit_batch(shared: &Arc<Shared>, journal: &mut JournalState, messages: Vec<
             for op in &puts {
                 shared.finish_op(op, Ok(()));
             }
-            for (id, reply) in deletes {
-                let _ = reply.send(Ok(existed.get(&id).copied().unwrap_or(false)));
+            for (ids, reply) in deletes {
+                reply.send(&ids, Ok(&existed));
             }
             if !checkpoints.is_empty() {
                 let r = shared.checkpoint(journal);
@@ -359,8 +446,8 @@ fn commit_batch(shared: &Arc<Shared>, journal: &mut JournalState, messages: Vec<
                 object.lock().expect("put object").take();
                 shared.finish_op(op, Err(e.clone()));
             }
-            for (_, reply) in deletes {
-                let _ = reply.send(Err(e.clone()));
+            for (ids, reply) in deletes {
+                reply.send(&ids, Err(e.clone()));
             }
             for reply in checkpoints {
                 let _ = reply.send(Err(e.clone()));
@@ -399,7 +486,16 @@ fn write_batch(shared: &Shared, journal: &mut JournalState, changes: &[TableChan
                 // that deletes that bring the table under the slot commit. The batch is then
                 // journaled too (replaying it over that checkpoint changes nothing), so that a
                 // fallback to the older checkpoint sees the newer generation and refuses.
-                shared.checkpoint_with(journal, changes)?;
+                shared.checkpoint_with(journal, changes).map_err(|e| match e {
+                    Error::TableFull { detail } => Error::TableFull {
+                        detail: format!(
+                            "{detail}. This store's table already exceeds a slot (filled by an earlier release) and its \
+                             journal is full: deletes commit only as a batch that brings the table under the slot, so \
+                             delete enough objects in one call (Store::delete_many)"
+                        ),
+                    },
+                    other => other,
+                })?;
                 if let Err(e) = write_batch(shared, journal, changes, 0) {
                     tracing::warn!(error = %e, "journaling a batch its checkpoint already holds failed");
                 }
