@@ -473,6 +473,13 @@ impl Store {
         py.allow_threads(|| store.delete(id)).map_err(to_py_err)
     }
 
+    /// Deletes objects `ids` in one journal batch; returns whether each existed.
+    fn delete_many(&self, py: Python<'_>, ids: Vec<ObjectId>) -> PyResult<Vec<bool>> {
+        let ids: Vec<u64> = ids.into_iter().map(|id| id.0).collect();
+        let store = self.store()?;
+        py.allow_threads(|| store.delete_many(&ids)).map_err(to_py_err)
+    }
+
     /// Object metadata as a dict (`id`, `len_bytes`, `meta`, `devices`, `extent_count`), or None.
     fn stat<'py>(&self, py: Python<'py>, id: ObjectId) -> PyResult<Option<Bound<'py, PyDict>>> {
         let id = id.0;

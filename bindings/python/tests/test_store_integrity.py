@@ -54,3 +54,16 @@ def test_info_reports_what_the_open_repaired(store_dir: pathlib.Path) -> None:
     store = teraio.Store.open(paths)
     assert store.info()["repairs_at_open"] == []
     store.close()
+
+
+def test_delete_many_deletes_in_one_call_and_checks_its_ids(store: teraio.Store) -> None:
+    for object_id in range(3):
+        store.put(object_id, b"x" * 100)
+    assert store.delete_many([0, 2, 99]) == [True, True, False]
+    assert store.stat(0) is None and store.stat(1) is not None and store.stat(2) is None
+    assert store.delete_many([]) == []
+    with pytest.raises(teraio.InvalidArgumentError, match="object id"):
+        store.delete_many([1, -1])
+    assert store.stat(1) is not None, "a refused call deleted nothing"
+    with pytest.raises(teraio.InvalidArgumentError, match="at most"):
+        store.delete_many(range(1 << 20))

@@ -213,6 +213,12 @@ class Store:
         """Deletes the object; returns whether it existed."""
         return self._native.delete(object_id)
 
+    def delete_many(self, object_ids: Sequence[int]) -> list[bool]:
+        """Deletes the objects in one journal batch; returns whether each existed. A store whose
+        object table outgrew a checkpoint slot under an earlier release commits deletes only as
+        a batch that brings the table under the slot (its NoSpaceError says so): this makes one."""
+        return self._native.delete_many(list(object_ids))
+
     def stat(self, object_id: int) -> Optional[dict[str, Any]]:
         """The object's `id`, `len_bytes`, `meta`, `devices`, `extent_count`, or None."""
         return self._native.stat(object_id)
