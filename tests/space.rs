@@ -90,3 +90,62 @@ fn scattered_free_space_gets_the_right_advice_and_an_exact_largest_size() {
     let over = vec![1u8; largest_placeable_bytes as usize + 4096];
     assert!(matches!(store.put(1 << 42, over, b"", Priority::Normal).err(), Some(Error::NoSpace { .. })));
 }
+
+#[test]
+fn a_full_object_table_refuses_growth_but_never_wedges() {
+    // The reported case: 3 x 64 MiB with default options, small objects with 4 KiB of metadata
+    // each. The table fills long before the data area; puts that grow it fail with a table-full
+    // error naming the limit, and deletes and shrinking overwrites go on succeeding, also across
+    // journal wraps and a reopen.
+    let devices = TempDevices::new(3, 64 * MIB);
+    let store = Store::create(&devices.paths, &FormatConfig::default(), fast_config()).unwrap();
+    let meta = vec![0x5au8; 4096];
+    let data = random_bytes(4096, 10);
+    let mut stored = 0u64;
+    let err = loop {
+        assert!(stored < 2048, "the table never filled");
+        match store.put(stored, data.clone(), &meta, Priority::Normal).and_then(|t| t.wait()) {
+            Ok(_) => stored += 1,
+            Err(e) => break e,
+        }
+    };
+    let Error::TableFull { .. } = err else { panic!("expected a table-full error, got {err}") };
+    let message = err.to_string();
+    assert!(message.contains("the object table is full"), "{message}");
+    assert!(message.contains("checkpoint slot"), "{message}");
+    assert!(message.contains("not data space"), "{message}");
+    let info = store.info();
+    assert!(info.table_bytes <= info.checkpoint_slot_bytes, "{} > {}", info.table_bytes, info.checkpoint_slot_bytes);
+    assert!(info.table_bytes + 4096 + 64 > info.checkpoint_slot_bytes, "full well before the slot: {info:?}");
+    let free: u64 = info.devices.iter().map(|d| d.free_bytes).sum();
+    assert!(free > 100 * MIB, "data space is not the limit here: {free}");
+    assert_eq!(info.object_count as u64, stored);
+    // fsck calls the table full, and nothing damaged.
+    let report = store.fsck().unwrap();
+    assert!(report.is_clean(), "{:?}", report.problems);
+    assert!(report.notes.iter().any(|n| n.contains("object table is") && n.contains("% full")), "{:?}", report.notes);
+
+    // Shrinking overwrites and deletes always commit: hundreds of them, so that the journal
+    // fills and is checkpointed many times over while the table stays full.
+    for round in 0..3u64 {
+        for id in 0..stored {
+            store.put_blocking(id, &data, &meta[..(round as usize + 1) * 8]).unwrap();
+        }
+        for id in 0..stored {
+            store.put_blocking(id, &data, &meta).unwrap_or_else(|e| panic!("round {round}, id {id}: {e}"));
+        }
+    }
+    for id in 0..stored / 2 {
+        assert!(store.delete(id).unwrap());
+    }
+    // Room again: new objects fit.
+    store.put_blocking(1 << 40, &data, &meta).unwrap();
+    drop(store);
+    let store = Store::open(&devices.paths, fast_config()).unwrap();
+    assert_eq!(store.info().object_count as u64, stored - stored / 2 + 1);
+    assert_eq!(store.get_to_vec(stored - 1).unwrap(), data);
+    for id in stored / 2..stored {
+        assert!(store.delete(id).unwrap());
+    }
+    assert_eq!(store.info().object_count, 1);
+}

@@ -26,6 +26,11 @@ pub struct FormatArgs {
     /// Create missing device files with this size.
     #[arg(long, value_parser = size_arg)]
     pub file_size: Option<u64>,
+    /// Bytes of each of the two checkpoint slots on device 0: a checkpoint of the whole object
+    /// table must fit one, so this bounds the object count and caller metadata. Default: room
+    /// for one object with 4 KiB of metadata per stripe unit of space (at least 1 MiB).
+    #[arg(long, value_parser = size_arg)]
+    pub checkpoint_slot_bytes: Option<u64>,
     /// Overwrite devices that hold data (a teraio store, a file system, anything non-zero).
     #[arg(long)]
     pub force: bool,
@@ -48,9 +53,10 @@ pub struct InfoArgs {
     pub json: bool,
 }
 
-/// `teraio fsck DEVICE...`: exit code 0 when the store is sound (or, with `--repair`, when
-/// everything found was repaired), 1 when anything is wrong (including a store that cannot be
-/// opened because it is damaged), 2 for bad input. Writes nothing without `--repair`.
+/// `teraio fsck DEVICE...`: exit code 0 when no problem is found (or, with `--repair`, when
+/// everything found was repaired; notes may come with it, e.g. objects a writer changed while
+/// they were checked), 1 when anything is wrong (including a store that cannot be opened because
+/// it is damaged), 2 for bad input. Writes nothing without `--repair`.
 #[derive(Args, Debug, Clone)]
 pub struct FsckArgs {
     /// Every device of the store, in any order.
@@ -76,6 +82,7 @@ pub fn format(args: &FormatArgs) -> CliResult<()> {
         block_size: args.block_size,
         checksums: !args.no_checksums,
         create_file_bytes: args.file_size,
+        checkpoint_slot_bytes: args.checkpoint_slot_bytes,
         force: args.force,
         ..FormatConfig::default()
     };
@@ -121,6 +128,17 @@ pub fn info(args: &InfoArgs) -> CliResult<()> {
         "metadata     checkpoint slots 2 x {}, journal {} (on device 0)",
         format_bytes(json.checkpoint_slot_bytes),
         format_bytes(json.journal_bytes)
+    );
+    println!(
+        "table        {} of {} a checkpoint slot holds ({}% full{})",
+        format_bytes(json.table_bytes),
+        format_bytes(json.checkpoint_slot_bytes),
+        json.table_bytes * 100 / json.checkpoint_slot_bytes,
+        if json.table_bytes * 100 / json.checkpoint_slot_bytes >= 90 {
+            "; when full, puts that add objects or metadata fail while deletes still succeed"
+        } else {
+            ""
+        }
     );
     println!("backend      {} ({})", json.backend, json.backend_reason);
     println!(
@@ -245,6 +263,8 @@ struct InfoJson {
     backend_reason: String,
     checkpoint_slot_bytes: u64,
     journal_bytes: u64,
+    /// Bytes a checkpoint of the object table takes now; full at `checkpoint_slot_bytes`.
+    table_bytes: u64,
     data_bytes: u64,
     free_bytes: u64,
     object_count: usize,
@@ -286,6 +306,7 @@ impl InfoJson {
             backend_reason: info.backend_reason.clone(),
             checkpoint_slot_bytes: info.checkpoint_slot_bytes,
             journal_bytes: info.journal_bytes,
+            table_bytes: info.table_bytes,
             data_bytes: info.devices.iter().map(|d| d.data_bytes).sum(),
             free_bytes: info.devices.iter().map(|d| d.free_bytes).sum(),
             object_count: info.object_count,

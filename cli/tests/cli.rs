@@ -242,7 +242,15 @@ fn format_info_fsck_round_trip_and_damage_is_found() {
     assert_eq!(info["devices"].as_array().unwrap().len(), 2);
     assert_eq!(info["object_count"], 4);
     assert!(info["free_bytes"].as_u64().unwrap() > 0);
-    teraio().arg("info").args(&targets).assert().success().stdout(predicate::str::contains("largest free"));
+    // The table's checkpoint: a header block and the 4 records, well inside a slot.
+    let (table, slot) = (info["table_bytes"].as_u64().unwrap(), info["checkpoint_slot_bytes"].as_u64().unwrap());
+    assert!(table >= 4096 && table < slot, "table {table} of a {slot}-byte slot");
+    teraio()
+        .arg("info")
+        .args(&targets)
+        .assert()
+        .success()
+        .stdout(predicate::str::contains("largest free").and(predicate::str::contains("% full")));
     teraio().arg("fsck").args(&targets).assert().code(0).stdout(predicate::str::contains("clean: 4 object(s)"));
 
     // Damage data on device 1 (its data area starts at 1 MiB) and fsck must say so.
@@ -481,4 +489,117 @@ fn interrupted_bench_removes_its_temporary_store() {
     assert!(stderr.contains("interrupted"), "{stderr}");
     assert!(started.elapsed().as_secs() < 30, "the run must stop soon after the signal");
     assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0, "the temporary store must be removed");
+}
+
+/// A small xorshift generator: seeded bytes and sizes without a dependency.
+fn xorshift(state: &mut u64) -> u64 {
+    *state ^= *state << 13;
+    *state ^= *state >> 7;
+    *state ^= *state << 17;
+    *state
+}
+
+fn seeded_bytes(len: usize, seed: u64) -> Vec<u8> {
+    let mut state = seed | 1;
+    (0..len).map(|_| xorshift(&mut state) as u8).collect()
+}
+
+#[test]
+fn fsck_beside_a_busy_writer_reports_only_real_damage() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    let tmp = scratch();
+    let targets = paths(tmp.path(), 2);
+    teraio().arg("format").args(&targets).args(["--file-size", "64MiB"]).assert().success();
+    let config = teraio_engine::OpenConfig { durable: false, ..Default::default() };
+    let writer = teraio_engine::Store::open(&targets, config).unwrap();
+    // One object the writer never touches, with bytes found nowhere else on the devices.
+    let kept = seeded_bytes(256 << 10, 0xfeed);
+    writer.put_blocking(1000, &kept, b"kept").unwrap();
+    let stop = AtomicBool::new(false);
+    let writer_ops = AtomicU64::new(0);
+    let fsck_runs = 6;
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            // Overwrites and deletes of 24 ids with sizes of 4 KiB .. 1 MiB, reusing the same
+            // blocks over and over, until the fsck runs are done (or a bound is reached).
+            let mut state = 0x1234_5678u64;
+            for i in 0..1_000_000u64 {
+                if stop.load(Ordering::Relaxed) {
+                    break;
+                }
+                let id = xorshift(&mut state) % 24;
+                if i % 5 == 4 {
+                    writer.delete(id).unwrap();
+                } else {
+                    let len = 4096 + (xorshift(&mut state) % (1 << 20)) as usize;
+                    writer.put_blocking(id, &seeded_bytes(len, i + 1), b"").unwrap();
+                }
+                writer_ops.fetch_add(1, Ordering::Relaxed);
+            }
+        });
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let ops_before = writer_ops.load(Ordering::Relaxed);
+            for run in 0..fsck_runs {
+                let out = teraio().arg("fsck").args(&targets).output().unwrap();
+                let stdout = String::from_utf8_lossy(&out.stdout);
+                assert_eq!(out.status.code(), Some(0), "run {run}: {stdout}{}", String::from_utf8_lossy(&out.stderr));
+                assert!(!stdout.contains("problem:"), "run {run}: {stdout}");
+            }
+            assert!(writer_ops.load(Ordering::Relaxed) > ops_before, "the writer made no change during the checks");
+
+            // A real flipped bit in the kept object, while the writer goes on: reported, and
+            // nothing else is.
+            let device = targets.iter().find_map(|t| {
+                let bytes = std::fs::read(t).unwrap();
+                bytes.windows(64).position(|w| w == &kept[..64]).map(|at| (t.clone(), at as u64))
+            });
+            let (path, at) = device.expect("the kept object's bytes on a device");
+            flip_one_bit(Path::new(&path), at + 5000);
+            let out = teraio().arg("fsck").args(&targets).output().unwrap();
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            assert_eq!(out.status.code(), Some(1), "{stdout}");
+            let problems: Vec<&str> = stdout.lines().filter(|l| l.starts_with("problem:")).collect();
+            assert_eq!(problems.len(), 1, "{stdout}");
+            assert!(problems[0].contains("checksum mismatch in object 1000"), "{stdout}");
+        }));
+        stop.store(true, Ordering::Relaxed);
+        if let Err(panic) = result {
+            std::panic::resume_unwind(panic);
+        }
+    });
+    writer.close().unwrap();
+}
+
+/// Flips one bit of a device file durably, as failing media would.
+fn flip_one_bit(path: &Path, offset: u64) {
+    use std::io::{Read, Seek, SeekFrom, Write};
+    let mut f = std::fs::OpenOptions::new().read(true).write(true).open(path).unwrap();
+    let mut b = [0u8; 1];
+    f.seek(SeekFrom::Start(offset)).unwrap();
+    f.read_exact(&mut b).unwrap();
+    b[0] ^= 0x10;
+    f.seek(SeekFrom::Start(offset)).unwrap();
+    f.write_all(&b).unwrap();
+    f.sync_all().unwrap();
+}
+
+#[test]
+fn fsck_exits_1_for_a_damaged_newest_checkpoint_header_and_repair_fixes_it() {
+    let tmp = scratch();
+    let targets = paths(tmp.path(), 1);
+    teraio().arg("format").args(&targets).args(["--file-size", "16MiB"]).assert().success();
+    let store = teraio_engine::Store::open(&targets, teraio_engine::OpenConfig::default()).unwrap();
+    store.put_blocking(1, &seeded_bytes(50_000, 3), b"").unwrap();
+    store.close().unwrap(); // checkpoint generation 2 -> slot 0, right after the superblock
+    flip_one_bit(Path::new(&targets[0]), 4096 + 20); // its record count: the header's checksum fails
+    let out = teraio().arg("fsck").args(&targets).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    assert!(stdout.contains("problem:") && stdout.contains("newest checkpoint"), "{stdout}");
+    assert!(stdout.contains("DAMAGED: 1 object(s)"), "{stdout}");
+    let out = teraio().args(["fsck", "--repair"]).args(&targets).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}");
+    assert!(stdout.contains("repaired:") && stdout.contains("new checkpoint"), "{stdout}");
+    teraio().arg("fsck").args(&targets).assert().code(0).stdout(predicate::str::contains("clean: 1 object(s)"));
 }

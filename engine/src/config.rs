@@ -24,10 +24,13 @@ pub struct FormatConfig {
     pub checksums: bool,
     /// Largest caller metadata blob per object. Default 4096 (at most 65535).
     pub max_meta_bytes: u64,
-    /// Bytes of each checkpoint slot (the table must fit). Default: device 0's size / 128,
-    /// clamped to 1 MiB..=256 MiB.
+    /// Bytes of each checkpoint slot: a checkpoint of the whole table must fit one, so this
+    /// bounds the object count and caller metadata (puts past it fail with `TableFull`).
+    /// Default: room for one object with `max_meta_bytes` of metadata per stripe unit of all
+    /// devices' space, at least the journal's default size and at most 256 MiB and device 0's
+    /// size / 8.
     pub checkpoint_slot_bytes: Option<u64>,
-    /// Bytes of the journal ring. Default: the same as a checkpoint slot.
+    /// Bytes of the journal ring. Default: device 0's size / 128, clamped to 1 MiB..=256 MiB.
     pub journal_bytes: Option<u64>,
     /// Create missing device files with this size (regular files only). Default: None (they must exist).
     pub create_file_bytes: Option<u64>,

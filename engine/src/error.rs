@@ -55,7 +55,9 @@ pub enum Error {
     #[error("{}", no_space_message(*needed_bytes, *free_bytes, *largest_placeable_bytes))]
     NoSpace { needed_bytes: u64, free_bytes: u64, largest_placeable_bytes: u64 },
 
-    #[error("the object table is full ({detail}); delete objects or format with a larger metadata area")]
+    /// The object table (not data space) has no room for a put: `detail` says which limit and
+    /// what frees room.
+    #[error("the object table is full: {detail}")]
     TableFull { detail: String },
 
     #[error("object {id} not found")]

@@ -176,7 +176,7 @@ pub const STORE_OPTIONS: &[StoreOption] = &[
         optional: true,
         default: OptionValue::Unset,
         c_field: Some("checkpoint_slot_bytes"),
-        doc: "Bytes of each checkpoint slot; unset: device 0's size / 128, clamped to 1 MiB..=256 MiB.",
+        doc: "Bytes of each checkpoint slot (a checkpoint of the whole object table must fit one); unset: room for one object with max_meta_bytes of metadata per stripe unit of all devices, at least the journal's default, at most 256 MiB and device 0's size / 8.",
         apply: |c, v| {
             c.format.checkpoint_slot_bytes = optional_bytes("checkpoint_slot_bytes", v)?;
             Ok(())
@@ -189,7 +189,7 @@ pub const STORE_OPTIONS: &[StoreOption] = &[
         optional: true,
         default: OptionValue::Unset,
         c_field: Some("journal_bytes"),
-        doc: "Bytes of the journal ring; unset: the size of a checkpoint slot.",
+        doc: "Bytes of the journal ring; unset: device 0's size / 128, clamped to 1 MiB..=256 MiB.",
         apply: |c, v| {
             c.format.journal_bytes = optional_bytes("journal_bytes", v)?;
             Ok(())

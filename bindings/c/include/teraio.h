@@ -136,11 +136,11 @@ typedef struct teraio_format_options {
      */
     uint64_t create_file_bytes;
     /**
-     * Bytes of each checkpoint slot; 0: device 0's size / 128, clamped to 1 MiB..=256 MiB.
+     * Bytes of each checkpoint slot (a checkpoint of the whole object table must fit one); 0: room for one object with max_meta_bytes of metadata per stripe unit of all devices, at least the journal's default, at most 256 MiB and device 0's size / 8.
      */
     uint64_t checkpoint_slot_bytes;
     /**
-     * Bytes of the journal ring; 0: the same as a checkpoint slot.
+     * Bytes of the journal ring; 0: device 0's size / 128, clamped to 1 MiB..=256 MiB.
      */
     uint64_t journal_bytes;
     /**

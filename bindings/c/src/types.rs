@@ -46,9 +46,9 @@ pub struct teraio_format_options {
     /// Create missing device files of this many bytes (regular files only); 0: devices must
     /// exist. Default 0.
     pub create_file_bytes: u64,
-    /// Bytes of each checkpoint slot; 0: device 0's size / 128, clamped to 1 MiB..=256 MiB.
+    /// Bytes of each checkpoint slot (a checkpoint of the whole object table must fit one); 0: room for one object with max_meta_bytes of metadata per stripe unit of all devices, at least the journal's default, at most 256 MiB and device 0's size / 8.
     pub checkpoint_slot_bytes: u64,
-    /// Bytes of the journal ring; 0: the same as a checkpoint slot.
+    /// Bytes of the journal ring; 0: device 0's size / 128, clamped to 1 MiB..=256 MiB.
     pub journal_bytes: u64,
     /// Nonzero: keep a crc32c per stripe unit. Default 1.
     pub checksums: u32,

@@ -473,6 +473,13 @@ impl Store {
         py.allow_threads(|| store.delete(id)).map_err(to_py_err)
     }
 
+    /// Deletes objects `ids` in one journal batch; returns whether each existed.
+    fn delete_many(&self, py: Python<'_>, ids: Vec<ObjectId>) -> PyResult<Vec<bool>> {
+        let ids: Vec<u64> = ids.into_iter().map(|id| id.0).collect();
+        let store = self.store()?;
+        py.allow_threads(|| store.delete_many(&ids)).map_err(to_py_err)
+    }
+
     /// Object metadata as a dict (`id`, `len_bytes`, `meta`, `devices`, `extent_count`), or None.
     fn stat<'py>(&self, py: Python<'py>, id: ObjectId) -> PyResult<Option<Bound<'py, PyDict>>> {
         let id = id.0;
@@ -500,6 +507,11 @@ impl Store {
         dict.set_item("object_bytes", info.object_bytes)?;
         dict.set_item("backend", &info.backend)?;
         dict.set_item("backend_reason", &info.backend_reason)?;
+        dict.set_item("checkpoint_slot_bytes", info.checkpoint_slot_bytes)?;
+        dict.set_item("table_bytes", info.table_bytes)?;
+        dict.set_item("recovery_problems", &info.recovery_problems)?;
+        dict.set_item("recovery_notes", &info.recovery_notes)?;
+        dict.set_item("repairs_at_open", &info.repairs_at_open)?;
         let mut devices = Vec::new();
         for device in &info.devices {
             let d = PyDict::new(py);

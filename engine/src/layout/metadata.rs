@@ -169,6 +169,19 @@ pub fn decode_batch_header(block: &[u8], store: &[u8; 16]) -> Option<BatchHeader
     (header_crc(store, &block[..8 + 8 * 2 + 4 * 3 + 8]) == stored_crc).then_some(h)
 }
 
+/// Whether `block` holds the header of batch `sequence` of `generation` whose checksum fails:
+/// at least two of its magic, generation and sequence fields are those expected. One flipped bit
+/// breaks at most one of them, while the rest of a ring (zeros, older batches' payloads, an
+/// older generation's header) matches at most one by chance.
+pub fn is_damaged_batch_header(block: &[u8], generation: u64, sequence: u64) -> bool {
+    if block.len() < HEADER_BYTES {
+        return false;
+    }
+    let field = |at: usize| u64::from_le_bytes(block[at..at + 8].try_into().expect("8 bytes"));
+    let matches = [block[..8] == JOURNAL_MAGIC, field(8) == generation, field(16) == sequence];
+    matches.iter().filter(|&&m| m).count() >= 2
+}
+
 /// Decodes a batch's changes; `None` where the payload is torn (its checksum fails).
 pub fn decode_batch_payload(header: &BatchHeader, payload: &[u8], device_count: u16) -> Option<Vec<TableChange>> {
     if payload.len() != header.payload_bytes as usize || crc32c::crc32c(payload) != header.payload_crc {
@@ -232,6 +245,27 @@ mod tests {
         let mut torn = payload.to_vec();
         torn[0] ^= 1;
         assert!(decode_batch_payload(&h, &torn, 1).is_none());
+    }
+
+    #[test]
+    fn a_damaged_batch_header_is_known_by_its_identity() {
+        let bytes = encode_batch(&STORE, 5, 9, 2, &[TableChange::Delete { id: 1 }], 4096);
+        assert!(decode_batch_header(&bytes, &STORE).is_some());
+        // One flipped bit anywhere in the crc-covered header leaves two of magic, generation and
+        // sequence: the header is known as batch 9 of generation 5, damaged.
+        for byte in 0..48 {
+            for bit in 0..8 {
+                let mut flipped = bytes.clone();
+                flipped[byte] ^= 1 << bit;
+                if decode_batch_header(&flipped, &STORE).is_none() {
+                    assert!(is_damaged_batch_header(&flipped, 5, 9), "byte {byte} bit {bit}");
+                }
+            }
+        }
+        // Another batch's header, zeros and payload bytes are not.
+        assert!(!is_damaged_batch_header(&bytes, 6, 10));
+        assert!(!is_damaged_batch_header(&[0u8; 4096], 5, 9));
+        assert!(!is_damaged_batch_header(&bytes[64..], 5, 9));
     }
 
     proptest::proptest! {

@@ -9,8 +9,11 @@ use std::path::Path;
 
 /// "TERAIOSB": the first eight bytes of every teraio device.
 pub const MAGIC: [u8; 8] = *b"TERAIOSB";
-/// The on-disk format version this build writes and reads.
-pub const FORMAT_VERSION: u32 = 2;
+/// The on-disk format version this build writes.
+pub const FORMAT_VERSION: u32 = 3;
+/// The oldest version this build opens: version 2 has the same superblock and records, and one
+/// journal region for every generation (docs/format.md, Journal).
+pub const OLDEST_OPENED_VERSION: u32 = 2;
 /// Bytes of the encoded fields (the rest of the 4 KiB block is zero).
 const ENCODED_BYTES: usize = 8 + 4 + 4 + 16 + 2 + 2 + 4 + 4 + 8 * 9 + 4;
 /// Bytes of the encoded fields of a version 1 superblock (no epoch), to recognise old stores.
@@ -105,7 +108,7 @@ impl Superblock {
             });
         }
         let mut d = Decoder::new(&block[12..], "superblock");
-        if format_version != FORMAT_VERSION {
+        if !(OLDEST_OPENED_VERSION..=FORMAT_VERSION).contains(&format_version) {
             return Err(Error::UnsupportedVersion {
                 path: path.to_path_buf(),
                 found: format_version,
@@ -257,6 +260,12 @@ mod tests {
         let mut sb = sample();
         sb.format_version = 99;
         assert!(matches!(Superblock::decode(&sb.encode(), Path::new("x")), Err(Error::UnsupportedVersion { .. })));
+    }
+
+    #[test]
+    fn version_2_still_opens() {
+        let sb = Superblock { format_version: 2, ..sample() };
+        assert_eq!(Superblock::decode(&sb.encode(), Path::new("x")).unwrap().format_version, 2);
     }
 
     proptest::proptest! {

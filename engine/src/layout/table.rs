@@ -28,7 +28,27 @@ pub struct ObjectRecord {
     pub unit_crcs: Vec<u32>,
 }
 
+/// Bytes of a record's fixed fields (id, length, meta length, first device, spread, extent and
+/// crc counts), without its metadata, extents and crcs.
+const RECORD_FIXED_BYTES: u64 = 8 + 8 + 2 + 2 + 2 + 4 + 4;
+/// Bytes one extent takes in a record.
+const EXTENT_BYTES: u64 = 2 + 8 + 8;
+
 impl ObjectRecord {
+    /// Bytes `encode` writes for this record: what it adds to a checkpoint.
+    pub fn encoded_bytes(&self) -> u64 {
+        RECORD_FIXED_BYTES
+            + self.meta.len() as u64
+            + EXTENT_BYTES * self.extents.len() as u64
+            + 4 * self.unit_crcs.len() as u64
+    }
+
+    /// Bytes of the record of a one-extent, one-unit object with `meta_bytes` of caller metadata:
+    /// the smallest record of an object that holds data (what format sizes the table by).
+    pub fn one_unit_bytes(meta_bytes: u64) -> u64 {
+        RECORD_FIXED_BYTES + meta_bytes + EXTENT_BYTES + 4
+    }
+
     pub fn encode(&self, e: &mut Encoder) {
         e.u64(self.id);
         e.u64(self.len_bytes);
@@ -145,6 +165,17 @@ mod tests {
             assert_eq!(&TableChange::decode(&mut d, 4).unwrap(), c);
         }
         assert_eq!(d.remaining(), 0);
+    }
+
+    #[test]
+    fn encoded_bytes_is_what_encode_writes() {
+        for r in [sample(3), ObjectRecord { meta: vec![7; 4096], extents: vec![], unit_crcs: vec![], ..sample(4) }] {
+            let mut e = Encoder::default();
+            r.encode(&mut e);
+            assert_eq!(e.bytes.len() as u64, r.encoded_bytes());
+        }
+        let one = ObjectRecord { extents: sample(1).extents[..1].to_vec(), unit_crcs: vec![9], ..sample(1) };
+        assert_eq!(one.encoded_bytes(), ObjectRecord::one_unit_bytes(one.meta.len() as u64));
     }
 
     #[test]

@@ -33,6 +33,18 @@ pub struct StoreInfo {
     pub backend_reason: String,
     pub checkpoint_slot_bytes: u64,
     pub journal_bytes: u64,
+    /// Bytes a checkpoint of the table takes now. The table is full when it reaches
+    /// `checkpoint_slot_bytes`: then puts that add objects or metadata fail with `TableFull`
+    /// (deletes and shrinking overwrites still succeed).
+    pub table_bytes: u64,
+    /// What the open found damaged in the metadata and recovered around, one line each (the
+    /// lines `fsck` reports as problems; e.g. a damaged last journal batch that was dropped).
+    pub recovery_problems: Vec<String>,
+    /// The harmless remains of interrupted writes the open found, one line each.
+    pub recovery_notes: Vec<String>,
+    /// What a writer's open repaired, one line each: a damaged superblock copy rewritten from the
+    /// good one, a new checkpoint written in place of a damaged newest one. Also logged.
+    pub repairs_at_open: Vec<String>,
 }
 
 impl Store {
@@ -72,6 +84,13 @@ impl Store {
             backend_reason: self.shared.backend_choice.reason.clone(),
             checkpoint_slot_bytes: sb0.checkpoint_slot_bytes,
             journal_bytes: sb0.journal_bytes,
+            table_bytes: super::commit::checkpoint_bytes(
+                self.shared.table_bytes.load(std::sync::atomic::Ordering::Relaxed),
+                g.block_size,
+            ),
+            recovery_problems: self.shared.recovery.problems.clone(),
+            recovery_notes: self.shared.recovery.notes.clone(),
+            repairs_at_open: self.shared.repairs_at_open.lock().expect("repairs").clone(),
         }
     }
 

@@ -37,7 +37,7 @@ use commit::CommitMsg;
 use dispatch::DispatchState;
 use object::{Allocators, Geometry, Object};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicUsize};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Condvar, Mutex, RwLock};
 use std::thread::JoinHandle;
@@ -71,6 +71,11 @@ pub(crate) struct Shared {
     pub read_only: bool,
     /// What recovery at open found besides the table (reported by `fsck`).
     pub recovery: commit::Findings,
+    /// Bytes the table's records take in a checkpoint; kept by the commit thread, which holds
+    /// it to what a checkpoint slot fits.
+    pub table_bytes: AtomicU64,
+    /// What a writer's open repaired (damaged superblock copies, a damaged newest checkpoint).
+    pub repairs_at_open: Mutex<Vec<String>>,
 }
 
 /// A striped tensor-object store. Cheap to share between threads (`&Store` is enough for every op).

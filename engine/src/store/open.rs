@@ -20,7 +20,7 @@ use crate::layout::SUPERBLOCK_BYTES;
 use crate::queue::DeviceQueue;
 use crate::stats::OpCounters;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, RwLock};
 
 impl Store {
@@ -84,9 +84,12 @@ impl Store {
         let su = config.stripe_unit_bytes;
         let data_align = block.max(su.min(MIB));
         let dev0_bytes = round_down(devices[0].size_bytes, SUPERBLOCK_BYTES);
-        let default_meta = round_up((dev0_bytes / 128).clamp(MIB, 256 * MIB), block);
-        let slot_bytes = config.checkpoint_slot_bytes.unwrap_or(default_meta);
-        let journal_bytes = config.journal_bytes.unwrap_or(slot_bytes);
+        let default_journal = round_up((dev0_bytes / 128).clamp(MIB, 256 * MIB), block);
+        let total_bytes: u64 = devices.iter().map(|d| d.size_bytes).sum();
+        let slot_bytes = config.checkpoint_slot_bytes.unwrap_or_else(|| {
+            default_slot_bytes(default_journal, total_bytes, su, config.max_meta_bytes, block, dev0_bytes)
+        });
+        let journal_bytes = config.journal_bytes.unwrap_or(default_journal);
         let uuid = *uuid::Uuid::new_v4().as_bytes();
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
         let mut superblocks = Vec::new();
@@ -125,7 +128,9 @@ impl Store {
         let sb0 = &superblocks[0];
         let zero = AlignedBuf::new(block as usize, block as usize)?;
         devices[0].write_all_at(&zero, sb0.metadata_start)?;
+        // Both halves of the journal ring (one per generation parity, docs/format.md).
         devices[0].write_all_at(&zero, sb0.metadata_start + 2 * slot_bytes)?;
+        devices[0].write_all_at(&zero, sb0.metadata_start + 2 * slot_bytes + round_down(journal_bytes / 2, block))?;
         let empty = encode_checkpoint(&uuid, 1, 1, std::iter::empty(), block);
         let mut buf = AlignedBuf::new(empty.len(), block as usize)?;
         buf.copy_from_slice(&empty);
@@ -159,7 +164,9 @@ impl Store {
         loop {
             match Store::open_with(paths, config.clone(), Access::Reader) {
                 // A writer may be between the writes of a superblock or a journal batch: look again.
-                Err(Error::CorruptMetadata { .. } | Error::CorruptSuperblock { .. }) if attempts < 3 => {
+                Err(Error::CorruptMetadata { .. } | Error::CorruptSuperblock { .. })
+                    if attempts < READ_ONLY_OPEN_ATTEMPTS =>
+                {
                     attempts += 1;
                     std::thread::sleep(std::time::Duration::from_millis(50));
                 }
@@ -196,6 +203,7 @@ impl Store {
             commit::recover(&members.devices[0], &members.superblocks[0], &geometry, &mut recovery)?;
         identity::check_recorded_epoch(&members, journal.epoch)?;
         let identity::Members { devices, mut superblocks } = members;
+        let table_bytes: u64 = records.iter().map(|r| r.encoded_bytes()).sum();
         let allocators: Allocators = Arc::new(Mutex::new(
             superblocks
                 .iter()
@@ -204,11 +212,15 @@ impl Store {
         ));
         let table = commit::claim(records, &allocators)
             .map_err(|e| commit::with_advice(e, &devices[0].path.display().to_string()))?;
+        let mut repairs = Vec::new();
         if access == Access::Writer {
-            // Everything checked: from here on this writer's changes carry a new epoch.
+            // Everything checked: from here on this writer's changes carry a new epoch. Writing it
+            // rewrites both superblock copies of every device, a damaged one from the good one.
+            let damaged_copies = identity::copy_problems(&devices);
             let epoch = identity::next_epoch(&superblocks, journal.epoch);
             identity::write_epoch_at_open(&devices, &mut superblocks, epoch)?;
             journal.epoch = epoch;
+            repairs.extend(damaged_copies.iter().map(|p| format!("rewrote {p}")));
         }
 
         let choice = backend::choose(config.backend, &config.uring)?;
@@ -252,6 +264,8 @@ impl Store {
             closed: AtomicBool::new(false),
             read_only: access == Access::Reader,
             recovery,
+            table_bytes: AtomicU64::new(table_bytes),
+            repairs_at_open: Mutex::new(Vec::new()),
         });
         let s = shared.clone();
         let dispatcher = std::thread::Builder::new()
@@ -263,7 +277,24 @@ impl Store {
             .name("teraio-commit".into())
             .spawn(move || commit::run_commit(s, commit_rx, journal))
             .map_err(|e| Error::io("starting the commit thread", e))?;
-        Ok(Store { shared, dispatcher: Some(dispatcher), committer: Some(committer) })
+        let store = Store { shared, dispatcher: Some(dispatcher), committer: Some(committer) };
+        if access == Access::Writer && store.shared.recovery.checkpoint_damaged {
+            // Recovered from the older checkpoint: a new one, over the damaged one, before any
+            // batch, so that two good checkpoints stand again.
+            store.checkpoint()?;
+            repairs.push("wrote a new checkpoint in place of the damaged newest one".into());
+        }
+        for repair in &repairs {
+            tracing::warn!(repair = %repair, "repaired at open");
+        }
+        for problem in &store.shared.recovery.problems {
+            tracing::warn!(problem = %problem, "found at open");
+        }
+        for note in &store.shared.recovery.notes {
+            tracing::info!(note = %note, "found at open");
+        }
+        *store.shared.repairs_at_open.lock().expect("repairs") = repairs;
+        Ok(store)
     }
 
     /// Waits for every op, writes a final checkpoint and stops the engine's threads. Dropping the
@@ -301,11 +332,34 @@ impl Store {
     }
 }
 
+/// How many times a read-only open looks again when the metadata it read did not fit together:
+/// beside a busy writer, a checkpoint or journal write may land while it reads.
+const READ_ONLY_OPEN_ATTEMPTS: u32 = 10;
+
 /// What `format` reports.
 #[derive(Debug, Clone)]
 pub struct StoreInfoAtFormat {
     pub uuid: String,
     pub superblocks: Vec<Superblock>,
+}
+
+/// The default checkpoint slot: room for one object with `max_meta_bytes` of caller metadata per
+/// stripe unit of the devices' space, so that objects of a stripe unit or more fill the data area
+/// before the table; at least `journal_bytes` (device 0's size / 128, at least 1 MiB), at most
+/// 256 MiB and an eighth of device 0.
+fn default_slot_bytes(
+    journal_bytes: u64,
+    total_bytes: u64,
+    stripe_unit: u64,
+    max_meta_bytes: u64,
+    block: u64,
+    dev0_bytes: u64,
+) -> u64 {
+    let objects = total_bytes / stripe_unit;
+    let table =
+        commit::checkpoint_bytes(objects * crate::layout::table::ObjectRecord::one_unit_bytes(max_meta_bytes), block);
+    let most = round_down((dev0_bytes / 8).min(256 * MIB), block).max(journal_bytes);
+    round_up(table, block).clamp(journal_bytes, most)
 }
 
 fn check_device_list(paths: &[PathBuf]) -> Result<()> {

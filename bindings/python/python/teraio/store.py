@@ -213,6 +213,12 @@ class Store:
         """Deletes the object; returns whether it existed."""
         return self._native.delete(object_id)
 
+    def delete_many(self, object_ids: Sequence[int]) -> list[bool]:
+        """Deletes the objects in one journal batch; returns whether each existed. A store whose
+        object table outgrew a checkpoint slot under an earlier release commits deletes only as
+        a batch that brings the table under the slot (its NoSpaceError says so): this makes one."""
+        return self._native.delete_many(list(object_ids))
+
     def stat(self, object_id: int) -> Optional[dict[str, Any]]:
         """The object's `id`, `len_bytes`, `meta`, `devices`, `extent_count`, or None."""
         return self._native.stat(object_id)
@@ -222,7 +228,10 @@ class Store:
         return self._native.list()
 
     def info(self) -> dict[str, Any]:
-        """Layout, devices and backend of the store."""
+        """Layout, devices and backend of the store; how full its object table is
+        (`table_bytes` of `checkpoint_slot_bytes`: once full, puts that add objects or metadata
+        raise NoSpaceError while deletes still succeed); and what the open found and repaired
+        (`recovery_problems`, `recovery_notes`, `repairs_at_open`: lists of lines)."""
         return self._native.info()
 
     def stats(self) -> dict[str, Any]:
