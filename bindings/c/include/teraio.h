@@ -456,6 +456,27 @@ enum teraio_status teraio_open(const char *const *paths,
                                struct teraio_store **out_store);
 
 /**
+ * Opens the existing store whose devices are `paths[0..path_count]` read-only: beside a writer
+ * that may hold it (under a shared lock), writing and repairing nothing. Gets, `teraio_stat`,
+ * `teraio_get_meta` and `teraio_get_stats` work; `teraio_put`, `teraio_delete` and their async
+ * forms fail with `INVALID_ARGUMENT` and a message saying the store is read-only. Of a store a
+ * writer is changing, the handle sees the objects as they were at one moment during the open.
+ * `options` may be NULL for the defaults (`durable` means nothing here).
+ *
+ * On success `*out_store` is a new handle; on failure it is left unchanged.
+ * Errors: as `teraio_open` (`LOCKED` only while a format holds the devices).
+ * Ownership: as `teraio_create`. Threads: as `teraio_create`; any number of read-only handles
+ * may be open on one store at once.
+ *
+ * # Safety
+ * As `teraio_create`.
+ */
+enum teraio_status teraio_open_read_only(const char *const *paths,
+                                         size_t path_count,
+                                         const struct teraio_open_options *options,
+                                         struct teraio_store **out_store);
+
+/**
  * Closes the store: waits for every put and get in flight, writes a final checkpoint, stops
  * the engine's threads and releases the devices (another open may then take them). The
  * status says whether that went cleanly.
@@ -522,9 +543,9 @@ enum teraio_status teraio_put(struct teraio_store *store,
  * (`buf` NULL with a length), `IO`, `CORRUPT`.
  * Ownership: `buf` is written during the call only. Memory: host memory (GPU memory:
  * `teraio_get_gpu`).
- * Threads: safe. If another thread replaces the object meanwhile, the bytes are one whole
- * version, but `*out_len` is the length seen just before the read was queued (a put of the same
- * id landing in between can make them differ; do not race puts and gets of one id).
+ * Threads: safe. If another thread replaces or deletes the object meanwhile, the call returns
+ * one version whole (the one current when the read was queued) and `*out_len` is that
+ * version's length, or `NOT_FOUND`.
  *
  * # Safety
  * `buf` must be valid for writes of `buf_len` bytes; `out_len` NULL or valid for a write.
