@@ -9,6 +9,7 @@
 //! each is a piece in flight, so the in-flight byte budget bounds them.
 
 use crate::error::{Error, Result};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -28,6 +29,8 @@ type Job = Box<dyn FnOnce() + Send>;
 pub(crate) struct Verifiers {
     to_threads: Mutex<Option<Sender<Job>>>,
     threads: Vec<JoinHandle<()>>,
+    /// Jobs handed over so far (for tests: a checked get's long pieces must come here).
+    jobs_handed_over: AtomicU64,
 }
 
 impl Verifiers {
@@ -50,12 +53,13 @@ impl Verifiers {
                     .map_err(|e| Error::io("starting a verify thread", e))
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Verifiers { to_threads: Mutex::new(Some(tx)), threads })
+        Ok(Verifiers { to_threads: Mutex::new(Some(tx)), threads, jobs_handed_over: AtomicU64::new(0) })
     }
 
     /// Runs `job` on a verify thread (on this thread if they have stopped, which happens only
     /// once the store has no op left).
     pub fn run(&self, job: impl FnOnce() + Send + 'static) {
+        self.jobs_handed_over.fetch_add(1, Ordering::Relaxed);
         let job: Job = Box::new(job);
         let unsent = match self.to_threads.lock().expect("verify sender").as_ref() {
             Some(tx) => tx.send(job).err().map(|e| e.0),
@@ -95,7 +99,40 @@ impl Drop for Verifiers {
 #[cfg(test)]
 mod tests {
     use super::Verifiers;
+    use crate::config::{FormatConfig, OpenConfig, MIB};
+    use crate::store::Store;
+    use std::sync::atomic::Ordering;
     use std::sync::mpsc::channel;
+
+    /// A checked get's pieces over `VERIFY_ON_WORKER_MAX_BYTES` are finished on the verify
+    /// threads (the device worker only reaps them); unchecked gets and puts never go there.
+    #[test]
+    fn checked_gets_hand_their_long_pieces_to_the_verify_threads() {
+        let dir = tempfile::tempdir().unwrap();
+        let paths = [dir.path().join("d0")];
+        let format = FormatConfig {
+            create_file_bytes: Some(64 * MIB),
+            direct_io: false,
+            stripe_unit_bytes: 64 << 10,
+            ..Default::default()
+        };
+        let open = OpenConfig { direct_io: false, durable: false, max_io_bytes: 64 << 10, ..Default::default() };
+        let data: Vec<u8> = (0..MIB as usize).map(|i| (i * 13 % 251) as u8).collect();
+        let handed = |store: &Store| store.shared.verifiers.jobs_handed_over.load(Ordering::Relaxed);
+        {
+            let store = Store::create(&paths, &format, open.clone()).unwrap();
+            store.put_blocking(1, &data, b"").unwrap();
+            assert_eq!(handed(&store), 0, "puts never go to the verify threads");
+            assert_eq!(store.get_to_vec(1).unwrap(), data);
+            // 1 MiB in 64 KiB pieces: all 16 are checked there.
+            assert_eq!(handed(&store), 16);
+            store.close().unwrap();
+        }
+        let store = Store::open(&paths, OpenConfig { verify_checksums: false, ..open }).unwrap();
+        assert_eq!(store.get_to_vec(1).unwrap(), data);
+        assert_eq!(handed(&store), 0, "unchecked gets finish on the device worker");
+        store.close().unwrap();
+    }
 
     #[test]
     fn jobs_run_on_the_verify_threads_and_all_run_before_drop_returns() {
