@@ -638,8 +638,9 @@ enum teraio_status teraio_put_async(struct teraio_store *store,
                                     struct teraio_ticket **out_ticket);
 
 /**
- * Starts reading the whole of object `id` into `buf[0..buf_len]` (see `teraio_get`; use
- * `teraio_stat` for the length) and returns at once with a ticket in `*out_ticket`.
+ * Starts reading the whole of object `id` into `buf[0..buf_len]` (see `teraio_get`) and returns
+ * at once with a ticket in `*out_ticket`; `teraio_ticket_object_len` gives the length of the
+ * version it reads.
  * `NOT_FOUND` and `BUFFER_TOO_SMALL` are returned here, with no ticket made.
  *
  * Ownership: `buf` must stay valid, and must not be read or written, until the ticket is
@@ -687,6 +688,22 @@ enum teraio_status teraio_get_range_async(struct teraio_store *store,
  * `out_done` must be valid for a write.
  */
 enum teraio_status teraio_ticket_poll(struct teraio_ticket *ticket, bool *out_done);
+
+/**
+ * Sets `*out_len` to the length of the object version a get's ticket reads. A get fixes that
+ * version when it is queued and returns its bytes alone, even if another thread replaces the
+ * object meanwhile; a whole-object get (`teraio_get_async`) into a longer buffer fills this
+ * many leading bytes. Known as soon as the ticket exists; call it before `teraio_ticket_wait`,
+ * which releases the ticket.
+ *
+ * Errors: `BAD_HANDLE` (not a live ticket), `INVALID_ARGUMENT` (`out_len` NULL, or the ticket
+ * is a put's).
+ * Threads: safe from any thread, also while another thread waits on the ticket.
+ *
+ * # Safety
+ * `out_len` must be valid for a write.
+ */
+enum teraio_status teraio_ticket_object_len(struct teraio_ticket *ticket, uint64_t *out_len);
 
 /**
  * Waits until the ticket's op has finished, releases the ticket, and returns the op's

@@ -803,8 +803,9 @@ pub unsafe extern "C" fn teraio_put_async(
     })
 }
 
-/// Starts reading the whole of object `id` into `buf[0..buf_len]` (see `teraio_get`; use
-/// `teraio_stat` for the length) and returns at once with a ticket in `*out_ticket`.
+/// Starts reading the whole of object `id` into `buf[0..buf_len]` (see `teraio_get`) and returns
+/// at once with a ticket in `*out_ticket`; `teraio_ticket_object_len` gives the length of the
+/// version it reads.
 /// `NOT_FOUND` and `BUFFER_TOO_SMALL` are returned here, with no ticket made.
 ///
 /// Ownership: `buf` must stay valid, and must not be read or written, until the ticket is
@@ -881,6 +882,35 @@ pub unsafe extern "C" fn teraio_ticket_poll(ticket: *mut teraio_ticket, out_done
             .ok_or_else(|| Failure::new(TERAIO_ERR_BAD_HANDLE, bad_handle("ticket", ticket)))?;
         // SAFETY: checked non-NULL; caller contract.
         unsafe { out_done.write(entry.ticket.is_done()) };
+        Ok(())
+    })
+}
+
+/// Sets `*out_len` to the length of the object version a get's ticket reads. A get fixes that
+/// version when it is queued and returns its bytes alone, even if another thread replaces the
+/// object meanwhile; a whole-object get (`teraio_get_async`) into a longer buffer fills this
+/// many leading bytes. Known as soon as the ticket exists; call it before `teraio_ticket_wait`,
+/// which releases the ticket.
+///
+/// Errors: `BAD_HANDLE` (not a live ticket), `INVALID_ARGUMENT` (`out_len` NULL, or the ticket
+/// is a put's).
+/// Threads: safe from any thread, also while another thread waits on the ticket.
+///
+/// # Safety
+/// `out_len` must be valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn teraio_ticket_object_len(ticket: *mut teraio_ticket, out_len: *mut u64) -> teraio_status {
+    guard(|| {
+        require_out(out_len, "out_len")?;
+        let entry = TICKETS
+            .get(ticket as usize)
+            .ok_or_else(|| Failure::new(TERAIO_ERR_BAD_HANDLE, bad_handle("ticket", ticket)))?;
+        let len = entry
+            .ticket
+            .object_len_bytes()
+            .ok_or_else(|| invalid("the ticket is a put's; only a get reads a version"))?;
+        // SAFETY: checked non-NULL; caller contract.
+        unsafe { out_len.write(len) };
         Ok(())
     })
 }

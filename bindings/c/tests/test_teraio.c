@@ -438,8 +438,30 @@ static void test_get_under_overwrite(teraio_store *store) {
         CHECK(wrong == 0);
         if (wrong) break;
     }
+    /* The async get's ticket says which version's length it reads. */
+    for (int i = 0; i < 100; i++) {
+        teraio_ticket *ticket = NULL;
+        uint64_t got = 0;
+        EXPECT(teraio_get_async(store, 6161, buf, LONG_LEN + 4096, TERAIO_PRIORITY_NORMAL, &ticket), TERAIO_OK);
+        EXPECT(teraio_ticket_object_len(ticket, &got), TERAIO_OK);
+        EXPECT(teraio_ticket_wait(ticket), TERAIO_OK);
+        CHECK(got == SHORT_LEN || got == LONG_LEN);
+        unsigned char fill = got == SHORT_LEN ? 0xf7 : 0x95;
+        size_t wrong = 0;
+        for (size_t j = 0; j < got && j < LONG_LEN; j++) wrong += buf[j] != fill;
+        CHECK(wrong == 0);
+        if (wrong) break;
+    }
     overwrite_stop = 1;
     pthread_join(writer, NULL);
+    /* A put's ticket reads no version; a dead ticket is refused. */
+    teraio_ticket *put = NULL;
+    EXPECT(teraio_put_async(store, 6162, buf, 10, NULL, 0, TERAIO_PRIORITY_NORMAL, &put), TERAIO_OK);
+    uint64_t len = 0;
+    EXPECT(teraio_ticket_object_len(put, &len), TERAIO_ERR_INVALID_ARGUMENT);
+    EXPECT(teraio_ticket_object_len(put, NULL), TERAIO_ERR_INVALID_ARGUMENT);
+    EXPECT(teraio_ticket_wait(put), TERAIO_OK);
+    EXPECT(teraio_ticket_object_len(put, &len), TERAIO_ERR_BAD_HANDLE);
     free(buf);
 }
 
