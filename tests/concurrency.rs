@@ -143,3 +143,105 @@ fn bounce_memory_stays_inside_its_pool_under_a_large_unaligned_load() {
     assert!(grown < (128 << 20) + (32 << 20), "RSS grew by {} MiB", grown >> 20);
     assert!(out[..] == unaligned[..]);
 }
+
+/// The two versions the overwrite tests alternate: a short one and a long one, each one byte
+/// value throughout, so any mix of them (or zero padding) shows.
+fn short_version() -> Vec<u8> {
+    vec![0xf7; 1000]
+}
+
+fn long_version() -> Vec<u8> {
+    vec![0x95; 1 << 20]
+}
+
+/// Overwrites object 1 with the short and the long version in turn until `stop` is set (or an
+/// iteration bound is reached, so a broken reader cannot make the test run forever).
+fn overwrite_until(store: Arc<Store>, stop: Arc<std::sync::atomic::AtomicBool>) -> std::thread::JoinHandle<u64> {
+    std::thread::spawn(move || {
+        let (short, long) = (short_version(), long_version());
+        let mut puts = 0u64;
+        while !stop.load(Ordering::Acquire) && puts < 1_000_000 {
+            let data = if puts.is_multiple_of(2) { &short } else { &long };
+            store.put_blocking(1, data, b"").unwrap();
+            puts += 1;
+        }
+        puts
+    })
+}
+
+/// A store of one device, without flushes (the puts are only there to race the reads).
+fn overwrite_store(devices: &TempDevices) -> Arc<Store> {
+    let open = teraio_engine::OpenConfig { durable: false, ..open_config(BackendKind::Auto) };
+    Arc::new(Store::create(&devices.paths, &small_format(), open).unwrap())
+}
+
+/// Every whole-object get returns one version whole, while another thread overwrites the object
+/// with a shorter and a longer one: never the length of one with the bytes of the other (zero
+/// padded), never "buffer too small" because the object grew between its length lookup and its
+/// read. `get_to_vec` sizes its buffer from the version it reads; a get into a buffer longer
+/// than the object reports the length of the version it read.
+#[test]
+fn whole_gets_under_concurrent_overwrite_return_one_version() {
+    let devices = TempDevices::new(1, 64 << 20);
+    let store = overwrite_store(&devices);
+    let (short, long) = (short_version(), long_version());
+    store.put_blocking(1, &short, b"").unwrap();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = overwrite_until(store.clone(), stop.clone());
+    let reads = 3000;
+    let mut seen = [0u64; 2];
+    for i in 0..reads {
+        if i % 2 == 0 {
+            let data = store.get_to_vec(1).unwrap();
+            assert!(
+                data == short || data == long,
+                "get_to_vec: {} bytes, first {:#x}, last {:#x}",
+                data.len(),
+                data[0],
+                data[data.len() - 1]
+            );
+            seen[(data.len() == long.len()) as usize] += 1;
+        } else {
+            // A buffer that fits either version: the ticket says which length was read.
+            let ticket = store.get(1, vec![0u8; long.len() + 4096], Priority::Normal).unwrap();
+            let len = ticket.object_len_bytes().expect("a get knows its version's length") as usize;
+            let buf = ticket.wait().unwrap();
+            let data = &buf[..len];
+            assert!(data == short || data == long, "get: {len} bytes, first {:#x}, last {:#x}", data[0], data[len - 1]);
+            assert!(buf[len..].iter().all(|&b| b == 0), "bytes past the version read were written");
+        }
+    }
+    stop.store(true, Ordering::Release);
+    let puts = writer.join().unwrap();
+    println!("{reads} gets ({} short, {} long among get_to_vec) beside {puts} overwrites", seen[0], seen[1]);
+    assert!(puts >= 2, "the writer overwrote the object while the gets ran");
+}
+
+/// A ranged get reads its range of one version while another thread overwrites the object with
+/// versions of the same length but other bytes: never part of one and part of the other.
+#[test]
+fn ranged_gets_under_concurrent_overwrite_return_one_version() {
+    let devices = TempDevices::new(1, 64 << 20);
+    let store = overwrite_store(&devices);
+    let len = 300_000usize; // several stripe units (64 KiB) and pieces
+    store.put_blocking(1, &vec![1u8; len], b"").unwrap();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let (store, stop) = (store.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut puts = 0u64;
+            while !stop.load(Ordering::Acquire) && puts < 1_000_000 {
+                store.put_blocking(1, &vec![(puts % 250) as u8 + 2; len], b"").unwrap();
+                puts += 1;
+            }
+            puts
+        })
+    };
+    for i in 0..2000u64 {
+        let offset = (i * 7919) % 4096;
+        let part = store.get_range(1, offset, vec![0u8; len - 8192], Priority::Normal).unwrap().wait().unwrap();
+        assert!(part.iter().all(|&b| b == part[0]), "ranged get {i} mixes versions {:#x} and others", part[0]);
+    }
+    stop.store(true, Ordering::Release);
+    assert!(writer.join().unwrap() >= 2, "the writer overwrote the object while the gets ran");
+}

@@ -4,6 +4,8 @@
 #   benches/gpu/run-gpu.sh probe   # environment report + small round trips + tiny bench (~1 min)
 #   benches/gpu/run-gpu.sh full    # round trips 1 B .. 4 GiB on both paths + the 4 GiB benchmark
 #   benches/gpu/run-gpu.sh bench   # the 4 GiB benchmark alone
+#   benches/gpu/run-gpu.sh checksums   # bounce-path gets with checksums on and off against an
+#                                      # O_DIRECT -> pinned -> cudaMemcpy peer, 5 rounds of 4 GiB
 #
 # Expects the release binaries built elsewhere in $BIN (default target-gpubin: gpu_roundtrip,
 # gpu_bench) and the kvikio wheels in .whl/ (both carried by the device tool). Sets up cuFile's
@@ -53,6 +55,15 @@ if [ "$MODE" = probe ]; then
     RT_MAX=64MiB; BENCH_BYTES=256MiB
 else
     RT_MAX=4GiB; BENCH_BYTES=4GiB
+fi
+
+if [ "$MODE" = checksums ]; then
+    log "checksum pairs: bounce get, checksums on and off, against O_DIRECT -> pinned -> cudaMemcpy"
+    "$BIN/gpu_bench" "$WORK/bench.dev" --bytes "$BENCH_BYTES" --threads 8 --rounds "${ROUNDS:-5}" \
+        --checksum-pairs 2>&1 | tee "$OUT/checksum-pairs.log"
+    rc=${PIPESTATUS[0]}
+    rm -f "$WORK/bench.dev"
+    exit "$rc"
 fi
 
 RT="not run"

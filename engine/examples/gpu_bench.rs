@@ -16,8 +16,15 @@
 //!
 //! `--depths 8,32` also runs (a) with that many threads and teraio with that queue depth.
 //!
+//! `--checksum-pairs` measures instead what checking every get costs on the bounce path: one
+//! object put through the bounce path (so it has stripe-unit checksums), then per round, in
+//! turn: (e) O_DIRECT -> pinned host -> cudaMemcpy to the GPU with `--threads` threads (each
+//! reads `--io-bytes`, then copies it on its own stream and waits), teraio `get_gpu` on the
+//! bounce path with `verify_checksums` on, and with it off. It prints each round's on/off pair
+//! against the peer and the medians.
+//!
 //! Usage: gpu_bench FILE [--bytes 4GiB] [--threads 8] [--io-bytes 4MiB] [--rounds 3] [--depths 8]
-//!                  [--region-out PATH]
+//!                  [--region-out PATH] [--checksum-pairs]
 
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::sync::Arc;
@@ -171,15 +178,22 @@ fn main() -> Result<(), Failure> {
     let mut region_out = None;
     let mut rounds = 3usize;
     let mut depths = vec![8usize];
+    let mut checksum_pairs = false;
     let mut i = 2;
     while i < args.len() {
+        if args[i] == "--checksum-pairs" {
+            checksum_pairs = true;
+            i += 1;
+            continue;
+        }
+        let value = args.get(i + 1).ok_or_else(|| format!("{} takes a value", args[i]))?;
         match args[i].as_str() {
-            "--bytes" => bytes = parse_size(&args[i + 1])?,
-            "--threads" => threads = args[i + 1].parse()?,
-            "--io-bytes" => io = parse_size(&args[i + 1])?,
-            "--region-out" => region_out = Some(args[i + 1].clone()),
-            "--rounds" => rounds = args[i + 1].parse()?,
-            "--depths" => depths = args[i + 1].split(',').map(str::parse).collect::<Result<_, _>>()?,
+            "--bytes" => bytes = parse_size(value)?,
+            "--threads" => threads = value.parse()?,
+            "--io-bytes" => io = parse_size(value)?,
+            "--region-out" => region_out = Some(value.clone()),
+            "--rounds" => rounds = value.parse()?,
+            "--depths" => depths = value.split(',').map(str::parse).collect::<Result<_, _>>()?,
             other => return Err(format!("unknown argument {other}").into()),
         }
         i += 2;
@@ -231,6 +245,10 @@ fn main() -> Result<(), Failure> {
 
     let raw = std::fs::OpenOptions::new().read(true).write(true).custom_flags(libc::O_DIRECT).open(&file)?;
     let slot = |at: u64, t: usize| ((at / io) as usize % t) * io as usize;
+    if checksum_pairs {
+        let setup = ChecksumPairs { bytes, threads, io, rounds, region, open: open(GpuPath::Bounce, threads) };
+        return setup.run(&file, &raw, &pinned, &gpu_src, &gpu_dst, &host_data);
+    }
 
     let mut results = Rounds::default();
     let b1_io = bytes; // (b1): the whole transfer in one cuFile call, as a plain user would write it
@@ -354,4 +372,116 @@ fn main() -> Result<(), Failure> {
         println!("  path {r}");
     }
     Ok(())
+}
+
+/// `--checksum-pairs`: teraio's bounce-path get with checksums checked and not, against an
+/// O_DIRECT -> pinned -> cudaMemcpy peer, in one run (see the module doc).
+struct ChecksumPairs {
+    bytes: u64,
+    threads: usize,
+    io: u64,
+    rounds: usize,
+    /// Where the store's data area starts in the file (the peer reads what teraio put there).
+    region: u64,
+    /// The bounce-path store configuration at queue depth `threads`.
+    open: OpenConfig,
+}
+
+impl ChecksumPairs {
+    fn run(
+        &self,
+        file: &std::path::Path,
+        raw: &std::fs::File,
+        pinned: &PinnedHost,
+        gpu_src: &DeviceBuffer,
+        gpu_dst: &DeviceBuffer,
+        host_data: &[u8],
+    ) -> Result<(), Failure> {
+        let (bytes, threads, io) = (self.bytes, self.threads, self.io);
+        {
+            let store = Store::open(&[file], self.open.clone())?;
+            store.gpu_setup(0)?;
+            // SAFETY: gpu_src outlives the wait.
+            unsafe { store.put_gpu_raw(1, gpu_src.slice(0, bytes as usize), b"", Priority::Normal)? }.wait()?;
+            store.close()?;
+        }
+        let ctx = cuda::context(0)?;
+        // One stream and event per peer thread: worker t handles pieces t, t + threads, ...
+        let streams = (0..threads).map(|_| cuda::Stream::new(ctx)).collect::<Result<Vec<_>, _>>()?;
+        let events = (0..threads).map(|_| cuda::Event::new(ctx)).collect::<Result<Vec<_>, _>>()?;
+        let mut results = Rounds::default();
+        let mut check = vec![0u8; bytes as usize];
+        let mut pairs = Vec::new();
+        for _ in 0..self.rounds {
+            let peer = measure("e_read_odirect_pinned_memcpy", bytes, || {
+                parallel(threads, bytes, io, |at, n| {
+                    let worker = (at / io) as usize % threads;
+                    // SAFETY: each worker owns its slot of the pinned buffer.
+                    let slot = unsafe { pinned.slice_mut(worker * io as usize, n as usize) };
+                    raw.read_exact_at(slot, self.region + at).map_err(|e| e.to_string())?;
+                    ctx.make_current().map_err(|e| e.to_string())?;
+                    // SAFETY: the slot is pinned and stays untouched until the event is done;
+                    // the destination lies inside gpu_dst.
+                    unsafe {
+                        cuda::copy_to_device_async(gpu_dst.ptr() + at, slot.as_ptr(), n as usize, &streams[worker])
+                    }
+                    .map_err(|e| e.to_string())?;
+                    events[worker].record(&streams[worker]).map_err(|e| e.to_string())?;
+                    events[worker].synchronize().map_err(|e| e.to_string())
+                })
+            })?;
+            results.add(
+                "e_read_odirect_pinned_memcpy",
+                &format!("(e) read: O_DIRECT -> pinned -> cudaMemcpy, {threads} threads"),
+                peer,
+            );
+            let mut pair = [0.0f64; 2];
+            for (i, verify) in [true, false].into_iter().enumerate() {
+                let store = Store::open(&[file], OpenConfig { verify_checksums: verify, ..self.open.clone() })?;
+                let report = store.gpu_setup(0)?;
+                let on = if verify { "on" } else { "off" };
+                let name = format!("d_read_teraio_bounce_checksums_{on}");
+                let r = measure(&name, bytes, || {
+                    // SAFETY: gpu_dst outlives the wait.
+                    unsafe { store.get_gpu_raw(1, 0, gpu_dst.slice(0, bytes as usize), true, Priority::Normal)? }
+                        .wait()?;
+                    Ok(())
+                })?;
+                results.add(&name, &format!("(d) read: teraio get_gpu, bounce, checksums {on}"), r);
+                println!("  path {report}");
+                pair[i] = r.0;
+                gpu_dst.copy_to_host(0, &mut check)?;
+                if check != host_data {
+                    return Err(format!("teraio get with checksums {on} returned different bytes than were put").into());
+                }
+                store.close()?;
+            }
+            println!(
+                "PAIR peer {:.3} GB/s, checksums on {:.3} ({:.3}x), off {:.3} ({:.3}x)",
+                peer.0,
+                pair[0],
+                pair[0] / peer.0,
+                pair[1],
+                pair[1] / peer.0
+            );
+            pairs.push((pair[0] / peer.0, pair[1] / peer.0));
+        }
+        for Measurement(name, label, rounds) in &results.0 {
+            let (gbps, cores) = Rounds::median(rounds);
+            println!("RESULT {name} {gbps:.3} {cores:.3}");
+            let all: Vec<String> = rounds.iter().map(|r| format!("{:.2}", r.0)).collect();
+            println!("  {label:<52} {gbps:7.3} GB/s {cores:6.3} cores  rounds [{}]", all.join(" "));
+        }
+        let median = |mut v: Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        println!(
+            "checksum pairs over {} rounds: get on/peer median {:.3}x, off/peer median {:.3}x",
+            pairs.len(),
+            median(pairs.iter().map(|p| p.0).collect()),
+            median(pairs.iter().map(|p| p.1).collect())
+        );
+        Ok(())
+    }
 }

@@ -456,6 +456,27 @@ enum teraio_status teraio_open(const char *const *paths,
                                struct teraio_store **out_store);
 
 /**
+ * Opens the existing store whose devices are `paths[0..path_count]` read-only: beside a writer
+ * that may hold it (under a shared lock), writing and repairing nothing. Gets, `teraio_stat`,
+ * `teraio_get_meta` and `teraio_get_stats` work; `teraio_put`, `teraio_delete` and their async
+ * forms fail with `INVALID_ARGUMENT` and a message saying the store is read-only. Of a store a
+ * writer is changing, the handle sees the objects as they were at one moment during the open.
+ * `options` may be NULL for the defaults (`durable` means nothing here).
+ *
+ * On success `*out_store` is a new handle; on failure it is left unchanged.
+ * Errors: as `teraio_open` (`LOCKED` only while a format holds the devices).
+ * Ownership: as `teraio_create`. Threads: as `teraio_create`; any number of read-only handles
+ * may be open on one store at once.
+ *
+ * # Safety
+ * As `teraio_create`.
+ */
+enum teraio_status teraio_open_read_only(const char *const *paths,
+                                         size_t path_count,
+                                         const struct teraio_open_options *options,
+                                         struct teraio_store **out_store);
+
+/**
  * Closes the store: waits for every put and get in flight, writes a final checkpoint, stops
  * the engine's threads and releases the devices (another open may then take them). The
  * status says whether that went cleanly.
@@ -522,9 +543,9 @@ enum teraio_status teraio_put(struct teraio_store *store,
  * (`buf` NULL with a length), `IO`, `CORRUPT`.
  * Ownership: `buf` is written during the call only. Memory: host memory (GPU memory:
  * `teraio_get_gpu`).
- * Threads: safe. If another thread replaces the object meanwhile, the bytes are one whole
- * version, but `*out_len` is the length seen just before the read was queued (a put of the same
- * id landing in between can make them differ; do not race puts and gets of one id).
+ * Threads: safe. If another thread replaces or deletes the object meanwhile, the call returns
+ * one version whole (the one current when the read was queued) and `*out_len` is that
+ * version's length, or `NOT_FOUND`.
  *
  * # Safety
  * `buf` must be valid for writes of `buf_len` bytes; `out_len` NULL or valid for a write.
@@ -617,8 +638,9 @@ enum teraio_status teraio_put_async(struct teraio_store *store,
                                     struct teraio_ticket **out_ticket);
 
 /**
- * Starts reading the whole of object `id` into `buf[0..buf_len]` (see `teraio_get`; use
- * `teraio_stat` for the length) and returns at once with a ticket in `*out_ticket`.
+ * Starts reading the whole of object `id` into `buf[0..buf_len]` (see `teraio_get`) and returns
+ * at once with a ticket in `*out_ticket`; `teraio_ticket_object_len` gives the length of the
+ * version it reads.
  * `NOT_FOUND` and `BUFFER_TOO_SMALL` are returned here, with no ticket made.
  *
  * Ownership: `buf` must stay valid, and must not be read or written, until the ticket is
@@ -666,6 +688,22 @@ enum teraio_status teraio_get_range_async(struct teraio_store *store,
  * `out_done` must be valid for a write.
  */
 enum teraio_status teraio_ticket_poll(struct teraio_ticket *ticket, bool *out_done);
+
+/**
+ * Sets `*out_len` to the length of the object version a get's ticket reads. A get fixes that
+ * version when it is queued and returns its bytes alone, even if another thread replaces the
+ * object meanwhile; a whole-object get (`teraio_get_async`) into a longer buffer fills this
+ * many leading bytes. Known as soon as the ticket exists; call it before `teraio_ticket_wait`,
+ * which releases the ticket.
+ *
+ * Errors: `BAD_HANDLE` (not a live ticket), `INVALID_ARGUMENT` (`out_len` NULL, or the ticket
+ * is a put's).
+ * Threads: safe from any thread, also while another thread waits on the ticket.
+ *
+ * # Safety
+ * `out_len` must be valid for a write.
+ */
+enum teraio_status teraio_ticket_object_len(struct teraio_ticket *ticket, uint64_t *out_len);
 
 /**
  * Waits until the ticket's op has finished, releases the ticket, and returns the op's

@@ -424,6 +424,40 @@ pub unsafe extern "C" fn teraio_open(
     })
 }
 
+/// Opens the existing store whose devices are `paths[0..path_count]` read-only: beside a writer
+/// that may hold it (under a shared lock), writing and repairing nothing. Gets, `teraio_stat`,
+/// `teraio_get_meta` and `teraio_get_stats` work; `teraio_put`, `teraio_delete` and their async
+/// forms fail with `INVALID_ARGUMENT` and a message saying the store is read-only. Of a store a
+/// writer is changing, the handle sees the objects as they were at one moment during the open.
+/// `options` may be NULL for the defaults (`durable` means nothing here).
+///
+/// On success `*out_store` is a new handle; on failure it is left unchanged.
+/// Errors: as `teraio_open` (`LOCKED` only while a format holds the devices).
+/// Ownership: as `teraio_create`. Threads: as `teraio_create`; any number of read-only handles
+/// may be open on one store at once.
+///
+/// # Safety
+/// As `teraio_create`.
+#[no_mangle]
+pub unsafe extern "C" fn teraio_open_read_only(
+    paths: *const *const c_char,
+    path_count: usize,
+    options: *const teraio_open_options,
+    out_store: *mut *mut teraio_store,
+) -> teraio_status {
+    guard(|| {
+        require_out(out_store, "out_store")?;
+        // SAFETY: caller contract for each pointer.
+        let paths = unsafe { device_paths(paths, path_count)? };
+        let options =
+            unsafe { types::read_versioned(options, "teraio_open_options")? }.unwrap_or_else(default_open_options);
+        let store = Store::open_read_only(&paths, open_config(&options)?)?;
+        // SAFETY: checked non-NULL; caller contract.
+        unsafe { hand_out_store(store, out_store) };
+        Ok(())
+    })
+}
+
 /// Closes the store: waits for every put and get in flight, writes a final checkpoint, stops
 /// the engine's threads and releases the devices (another open may then take them). The
 /// status says whether that went cleanly.
@@ -530,9 +564,9 @@ pub unsafe extern "C" fn teraio_put(
 /// (`buf` NULL with a length), `IO`, `CORRUPT`.
 /// Ownership: `buf` is written during the call only. Memory: host memory (GPU memory:
 /// `teraio_get_gpu`).
-/// Threads: safe. If another thread replaces the object meanwhile, the bytes are one whole
-/// version, but `*out_len` is the length seen just before the read was queued (a put of the same
-/// id landing in between can make them differ; do not race puts and gets of one id).
+/// Threads: safe. If another thread replaces or deletes the object meanwhile, the call returns
+/// one version whole (the one current when the read was queued) and `*out_len` is that
+/// version's length, or `NOT_FOUND`.
 ///
 /// # Safety
 /// `buf` must be valid for writes of `buf_len` bytes; `out_len` NULL or valid for a write.
@@ -550,9 +584,9 @@ pub unsafe extern "C" fn teraio_get(
         unsafe {
             get_whole(
                 store,
-                id,
                 out_len,
                 |s| s.get_raw_ticket(id, 0, ptr, buf_len, true, Priority::Normal),
+                |t| t.object_len_bytes(),
                 |t| t.wait(),
             )
         }
@@ -613,7 +647,15 @@ pub unsafe extern "C" fn teraio_get_gpu(
     guard(|| {
         let slice = DeviceSlice { ptr: device_ptr, len: buf_len, device };
         // SAFETY: caller contract; get_whole waits for the ticket before returning.
-        unsafe { get_whole(store, id, out_len, |s| s.get_gpu_raw(id, 0, slice, true, Priority::Normal), |t| t.wait()) }
+        unsafe {
+            get_whole(
+                store,
+                out_len,
+                |s| s.get_gpu_raw(id, 0, slice, true, Priority::Normal),
+                |t| t.object_len_bytes(),
+                |t| t.wait(),
+            )
+        }
     })
 }
 
@@ -671,21 +713,25 @@ unsafe fn put_ticket(
 
 /// A blocking whole-object get for `teraio_get` and `teraio_get_gpu`: `start` queues it under the
 /// store's lock, `wait` waits outside it (so a concurrent close is not held up by the I/O), and
-/// `*out_len` gets the object's length, or the length needed when the buffer is too small.
+/// `*out_len` gets the length of the version read (`version_len` of the ticket: the get pins
+/// one version, so its length and its bytes agree), or the length needed when the buffer is
+/// too small.
 ///
 /// # Safety
 /// `out_len` NULL or valid for a write; `start`'s memory valid until `wait` returns.
 unsafe fn get_whole<T>(
     store: *mut teraio_store,
-    id: u64,
     out_len: *mut u64,
     start: impl FnOnce(&Store) -> Result<T, Error>,
+    version_len: impl FnOnce(&T) -> Option<u64>,
     wait: impl FnOnce(T) -> Result<(), Error>,
 ) -> Result<(), Failure> {
     let (ticket, object_len) = with_store(store, |s| {
-        let object_len = s.stat(id).ok_or(Error::NotFound { id })?.len_bytes;
         match start(s) {
-            Ok(ticket) => Ok((ticket, object_len)),
+            Ok(ticket) => {
+                let object_len = version_len(&ticket).expect("a get's ticket knows its version's length");
+                Ok((ticket, object_len))
+            }
             Err(Error::BufferTooSmall { needed_bytes, given_bytes }) => {
                 // SAFETY: caller contract.
                 unsafe { set_out(out_len, needed_bytes) };
@@ -757,8 +803,9 @@ pub unsafe extern "C" fn teraio_put_async(
     })
 }
 
-/// Starts reading the whole of object `id` into `buf[0..buf_len]` (see `teraio_get`; use
-/// `teraio_stat` for the length) and returns at once with a ticket in `*out_ticket`.
+/// Starts reading the whole of object `id` into `buf[0..buf_len]` (see `teraio_get`) and returns
+/// at once with a ticket in `*out_ticket`; `teraio_ticket_object_len` gives the length of the
+/// version it reads.
 /// `NOT_FOUND` and `BUFFER_TOO_SMALL` are returned here, with no ticket made.
 ///
 /// Ownership: `buf` must stay valid, and must not be read or written, until the ticket is
@@ -835,6 +882,35 @@ pub unsafe extern "C" fn teraio_ticket_poll(ticket: *mut teraio_ticket, out_done
             .ok_or_else(|| Failure::new(TERAIO_ERR_BAD_HANDLE, bad_handle("ticket", ticket)))?;
         // SAFETY: checked non-NULL; caller contract.
         unsafe { out_done.write(entry.ticket.is_done()) };
+        Ok(())
+    })
+}
+
+/// Sets `*out_len` to the length of the object version a get's ticket reads. A get fixes that
+/// version when it is queued and returns its bytes alone, even if another thread replaces the
+/// object meanwhile; a whole-object get (`teraio_get_async`) into a longer buffer fills this
+/// many leading bytes. Known as soon as the ticket exists; call it before `teraio_ticket_wait`,
+/// which releases the ticket.
+///
+/// Errors: `BAD_HANDLE` (not a live ticket), `INVALID_ARGUMENT` (`out_len` NULL, or the ticket
+/// is a put's).
+/// Threads: safe from any thread, also while another thread waits on the ticket.
+///
+/// # Safety
+/// `out_len` must be valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn teraio_ticket_object_len(ticket: *mut teraio_ticket, out_len: *mut u64) -> teraio_status {
+    guard(|| {
+        require_out(out_len, "out_len")?;
+        let entry = TICKETS
+            .get(ticket as usize)
+            .ok_or_else(|| Failure::new(TERAIO_ERR_BAD_HANDLE, bad_handle("ticket", ticket)))?;
+        let len = entry
+            .ticket
+            .object_len_bytes()
+            .ok_or_else(|| invalid("the ticket is a put's; only a get reads a version"))?;
+        // SAFETY: checked non-NULL; caller contract.
+        unsafe { out_len.write(len) };
         Ok(())
     })
 }

@@ -369,6 +369,102 @@ static void test_threads(teraio_store *store) {
                    i % 2 ? TERAIO_ERR_NOT_FOUND : TERAIO_OK);
 }
 
+/* A read-only handle beside the open writer: it reads what the writer wrote and refuses writes,
+ * saying why. */
+static void test_read_only_beside_writer(teraio_store *writer) {
+    unsigned char data[5000], back[6000];
+    fill_random(data, sizeof data, 5151);
+    EXPECT(teraio_put(writer, 5151, data, sizeof data, "rm", 2), TERAIO_OK);
+    teraio_open_options open = test_open_options();
+    teraio_store *reader = NULL;
+    EXPECT(teraio_open_read_only(devices, 2, &open, &reader), TERAIO_OK);
+    if (!reader) return;
+    uint64_t got = 0;
+    EXPECT(teraio_get(reader, 5151, back, sizeof back, &got), TERAIO_OK);
+    CHECK(got == sizeof data && memcmp(back, data, sizeof data) == 0);
+    teraio_object_info info;
+    EXPECT(teraio_stat(reader, 5151, &info, sizeof info), TERAIO_OK);
+    CHECK(info.len_bytes == sizeof data && info.meta_len == 2);
+    EXPECT(teraio_put(reader, 5152, data, sizeof data, NULL, 0), TERAIO_ERR_INVALID_ARGUMENT);
+    CHECK(strstr(teraio_last_error_message(), "read-only") != NULL);
+    teraio_ticket *ticket = NULL;
+    EXPECT(teraio_put_async(reader, 5152, data, sizeof data, NULL, 0, TERAIO_PRIORITY_NORMAL, &ticket),
+           TERAIO_ERR_INVALID_ARGUMENT);
+    CHECK(ticket == NULL);
+    EXPECT(teraio_delete(reader, 5151), TERAIO_ERR_INVALID_ARGUMENT);
+    CHECK(strstr(teraio_last_error_message(), "read-only") != NULL);
+    EXPECT(teraio_store_free(reader), TERAIO_OK);
+    /* The writer still holds the store, and the reader changed nothing. */
+    EXPECT(teraio_stat(writer, 5151, &info, sizeof info), TERAIO_OK);
+    EXPECT(teraio_stat(writer, 5152, &info, sizeof info), TERAIO_ERR_NOT_FOUND);
+    EXPECT(teraio_open_read_only(devices, 0, &open, &reader), TERAIO_ERR_INVALID_ARGUMENT);
+    EXPECT(teraio_open_read_only(devices, 2, &open, NULL), TERAIO_ERR_INVALID_ARGUMENT);
+}
+
+/* One thread overwrites an object with a short and a long version in turn while another gets it
+ * into a buffer that fits either: each get returns one version whole and `*out_len` is that
+ * version's length (never one version's length with the other's bytes). */
+enum { SHORT_LEN = 1000, LONG_LEN = 1 << 20 };
+static atomic_int overwrite_stop;
+
+static void *overwrite_main(void *arg) {
+    teraio_store *store = arg;
+    unsigned char *short_version = xmalloc(SHORT_LEN), *long_version = xmalloc(LONG_LEN);
+    memset(short_version, 0xf7, SHORT_LEN);
+    memset(long_version, 0x95, LONG_LEN);
+    for (int i = 0; i < 1000000 && !overwrite_stop; i++) {
+        if (i % 2) EXPECT(teraio_put(store, 6161, short_version, SHORT_LEN, NULL, 0), TERAIO_OK);
+        else EXPECT(teraio_put(store, 6161, long_version, LONG_LEN, NULL, 0), TERAIO_OK);
+    }
+    free(short_version);
+    free(long_version);
+    return NULL;
+}
+
+static void test_get_under_overwrite(teraio_store *store) {
+    unsigned char *buf = xmalloc(LONG_LEN + 4096);
+    memset(buf, 0xf7, SHORT_LEN);
+    EXPECT(teraio_put(store, 6161, buf, SHORT_LEN, NULL, 0), TERAIO_OK);
+    overwrite_stop = 0;
+    pthread_t writer;
+    CHECK(pthread_create(&writer, NULL, overwrite_main, store) == 0);
+    for (int i = 0; i < 400; i++) {
+        uint64_t got = 0;
+        EXPECT(teraio_get(store, 6161, buf, LONG_LEN + 4096, &got), TERAIO_OK);
+        CHECK(got == SHORT_LEN || got == LONG_LEN);
+        unsigned char fill = got == SHORT_LEN ? 0xf7 : 0x95;
+        size_t wrong = 0;
+        for (size_t j = 0; j < got && j < LONG_LEN; j++) wrong += buf[j] != fill;
+        CHECK(wrong == 0);
+        if (wrong) break;
+    }
+    /* The async get's ticket says which version's length it reads. */
+    for (int i = 0; i < 100; i++) {
+        teraio_ticket *ticket = NULL;
+        uint64_t got = 0;
+        EXPECT(teraio_get_async(store, 6161, buf, LONG_LEN + 4096, TERAIO_PRIORITY_NORMAL, &ticket), TERAIO_OK);
+        EXPECT(teraio_ticket_object_len(ticket, &got), TERAIO_OK);
+        EXPECT(teraio_ticket_wait(ticket), TERAIO_OK);
+        CHECK(got == SHORT_LEN || got == LONG_LEN);
+        unsigned char fill = got == SHORT_LEN ? 0xf7 : 0x95;
+        size_t wrong = 0;
+        for (size_t j = 0; j < got && j < LONG_LEN; j++) wrong += buf[j] != fill;
+        CHECK(wrong == 0);
+        if (wrong) break;
+    }
+    overwrite_stop = 1;
+    pthread_join(writer, NULL);
+    /* A put's ticket reads no version; a dead ticket is refused. */
+    teraio_ticket *put = NULL;
+    EXPECT(teraio_put_async(store, 6162, buf, 10, NULL, 0, TERAIO_PRIORITY_NORMAL, &put), TERAIO_OK);
+    uint64_t len = 0;
+    EXPECT(teraio_ticket_object_len(put, &len), TERAIO_ERR_INVALID_ARGUMENT);
+    EXPECT(teraio_ticket_object_len(put, NULL), TERAIO_ERR_INVALID_ARGUMENT);
+    EXPECT(teraio_ticket_wait(put), TERAIO_OK);
+    EXPECT(teraio_ticket_object_len(put, &len), TERAIO_ERR_BAD_HANDLE);
+    free(buf);
+}
+
 /* Readers race a close: every call must return OK or CLOSED, nothing else. */
 static atomic_int readers_started;
 
@@ -566,6 +662,8 @@ int main(int argc, char **argv) {
     test_error_paths(store);
     test_threads(store);
     test_stats(store);
+    test_read_only_beside_writer(store);
+    test_get_under_overwrite(store);
     EXPECT(teraio_close(store), TERAIO_OK);
     test_use_after_close(store);
 

@@ -86,6 +86,41 @@ impl<'py> FromPyObject<'py> for ObjectId {
     }
 }
 
+/// Caller metadata from Python: any object with the buffer protocol (bytes, bytearray,
+/// memoryview, a numpy array), taken as its raw bytes, or None for none. Anything else (a list of
+/// ints, a str) is refused with `InvalidArgumentError` rather than converted.
+struct MetaBytes(Vec<u8>);
+
+impl<'py> FromPyObject<'py> for MetaBytes {
+    fn extract_bound(ob: &Bound<'py, PyAny>) -> PyResult<Self> {
+        if ob.is_none() {
+            return Ok(MetaBytes(Vec::new()));
+        }
+        if let Ok(bytes) = ob.downcast::<pyo3::types::PyBytes>() {
+            return Ok(MetaBytes(bytes.as_bytes().to_vec()));
+        }
+        let refuse = || {
+            let kind = ob.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into());
+            InvalidArgumentError::new_err(format!(
+                "meta must be a bytes-like object (bytes, bytearray, memoryview) or None, not {kind}"
+            ))
+        };
+        if ob.is_instance_of::<pyo3::types::PyString>() {
+            return Err(refuse());
+        }
+        // The buffer protocol is outside the limited API before Python 3.11: go through
+        // `memoryview`, which takes exactly the objects that have it.
+        let view = PyModule::import(ob.py(), "builtins")?.getattr("memoryview")?.call1((ob,)).map_err(|_| refuse())?;
+        let bytes = view.call_method0("tobytes")?;
+        Ok(MetaBytes(bytes.downcast::<pyo3::types::PyBytes>()?.as_bytes().to_vec()))
+    }
+}
+
+/// The metadata of an optional `meta` argument (none when it is left out or None).
+fn meta_bytes(meta: Option<MetaBytes>) -> Vec<u8> {
+    meta.map(|m| m.0).unwrap_or_default()
+}
+
 fn planner_err(error: teraio_planner::Error) -> PyErr {
     PlannerError::new_err(error.to_string())
 }
@@ -125,6 +160,13 @@ impl AnyTicket {
             AnyTicket::Gpu(t) => t.is_done(),
         }
     }
+
+    fn object_len_bytes(&self) -> Option<u64> {
+        match self {
+            AnyTicket::Host(t) => t.object_len_bytes(),
+            AnyTicket::Gpu(t) => t.object_len_bytes(),
+        }
+    }
 }
 
 /// An I/O in flight. Keeps the memory's owner alive until the I/O is done, also when the handle
@@ -135,15 +177,22 @@ struct Handle {
     owner: Option<PyObject>,
     /// The result once waited for (errors are kept so that a second wait raises again).
     result: Option<Result<(), EngineError>>,
+    /// A get: the length of the object version it reads (`Ticket::object_len_bytes`).
+    object_len_bytes: Option<u64>,
 }
 
 impl Handle {
-    fn new(ticket: Ticket<()>, owner: PyObject) -> Self {
-        Handle { ticket: Some(AnyTicket::Host(ticket)), owner: Some(owner), result: None }
-    }
-
-    fn new_gpu(ticket: teraio_engine::gpu::GpuTicket<()>, owner: PyObject) -> Self {
-        Handle { ticket: Some(AnyTicket::Gpu(ticket)), owner: Some(owner), result: None }
+    /// The handle of an op the engine accepted, or of one it refused: as async APIs do, the
+    /// refusal (no space, not found, metadata too large, closed meanwhile) is raised by `wait`,
+    /// not by the call that started the op.
+    fn started(ticket: Result<AnyTicket, EngineError>, owner: PyObject) -> Self {
+        match ticket {
+            Ok(ticket) => {
+                let object_len_bytes = ticket.object_len_bytes();
+                Handle { ticket: Some(ticket), owner: Some(owner), result: None, object_len_bytes }
+            }
+            Err(e) => Handle { ticket: None, owner: None, result: Some(Err(e)), object_len_bytes: None },
+        }
     }
 
     fn finish(&mut self, result: Result<(), EngineError>) -> PyResult<()> {
@@ -159,7 +208,14 @@ impl Handle {
     /// Waits (GIL released) until the I/O is done; raises the engine's error if it failed.
     /// With `timeout_s`, returns False if it is still running after that many seconds.
     #[pyo3(signature = (timeout_s=None))]
-    fn wait(&mut self, py: Python<'_>, timeout_s: Option<f64>) -> PyResult<bool> {
+    fn wait(&mut self, py: Python<'_>, timeout_s: Option<&Bound<'_, PyAny>>) -> PyResult<bool> {
+        let timeout_s =
+            match timeout_s {
+                Some(value) if !value.is_none() => Some(value.extract::<f64>().map_err(|_| {
+                    InvalidArgumentError::new_err("timeout_s must be a number of seconds >= 0, or None")
+                })?),
+                _ => None,
+            };
         if let Some(result) = &self.result {
             return result.clone().map(|_| true).map_err(to_py_err);
         }
@@ -172,7 +228,7 @@ impl Handle {
             Some(seconds) => {
                 if !(seconds.is_finite() && seconds >= 0.0) {
                     self.ticket = Some(ticket);
-                    return Err(PyValueError::new_err("timeout_s must be a finite number >= 0"));
+                    return Err(InvalidArgumentError::new_err("timeout_s must be a finite number >= 0"));
                 }
                 let timeout = Duration::from_secs_f64(seconds);
                 let (ticket, outcome) = py.allow_threads(move || {
@@ -198,6 +254,13 @@ impl Handle {
         }
     }
 
+    /// A get: the length of the object version it reads (the version is fixed when the get
+    /// starts; its bytes are what the get returns). None for a put, or an op the engine refused.
+    #[getter]
+    fn object_len_bytes(&self) -> Option<u64> {
+        self.object_len_bytes
+    }
+
     fn __repr__(&self) -> String {
         let state = match (&self.result, self.is_done()) {
             (Some(Ok(())), _) => "ok",
@@ -221,12 +284,49 @@ impl Drop for Handle {
 /// A teraio store: tensor objects striped over one or more devices (files or block devices).
 #[pyclass(module = "teraio._native", frozen)]
 struct Store {
+    /// The engine store, until `close` takes it out. Every call holds a share of it for its
+    /// length (`InCall`); `close` waits until it holds the only one.
     inner: std::sync::Mutex<Option<std::sync::Arc<EngineStore>>>,
+    /// Told whenever a call lets go of its share (under `inner`'s lock, so `close` never misses it).
+    call_ended: std::sync::Condvar,
+}
+
+/// One call's share of the engine store: `close` waits for it to be dropped.
+struct InCall<'a> {
+    store: Option<std::sync::Arc<EngineStore>>,
+    owner: &'a Store,
+}
+
+impl std::ops::Deref for InCall<'_> {
+    type Target = EngineStore;
+    fn deref(&self) -> &EngineStore {
+        self.store.as_ref().expect("a call holds the store until it ends")
+    }
+}
+
+impl Drop for InCall<'_> {
+    fn drop(&mut self) {
+        let lock = self.owner.inner.lock().expect("store lock");
+        drop(self.store.take());
+        drop(lock);
+        self.owner.call_ended.notify_all();
+    }
 }
 
 impl Store {
-    fn store(&self) -> PyResult<std::sync::Arc<EngineStore>> {
-        self.inner.lock().expect("store lock").clone().ok_or_else(|| ClosedError::new_err("the store is closed"))
+    fn new(store: EngineStore) -> Store {
+        Store { inner: std::sync::Mutex::new(Some(std::sync::Arc::new(store))), call_ended: std::sync::Condvar::new() }
+    }
+
+    /// The open engine store for one call; ClosedError once `close` has begun.
+    fn store(&self) -> PyResult<InCall<'_>> {
+        let store = self
+            .inner
+            .lock()
+            .expect("store lock")
+            .clone()
+            .ok_or_else(|| ClosedError::new_err("the store is closed"))?;
+        Ok(InCall { store: Some(store), owner: self })
     }
 }
 
@@ -312,7 +412,7 @@ impl Store {
     fn create(py: Python<'_>, paths: Vec<PathBuf>, options: Option<&Bound<'_, PyDict>>) -> PyResult<Store> {
         let StoreConfigs { format, open } = store_configs_from(options, true)?;
         let store = py.allow_threads(|| EngineStore::create(&paths, &format, open)).map_err(to_py_err)?;
-        Ok(Store { inner: std::sync::Mutex::new(Some(std::sync::Arc::new(store))) })
+        Ok(Store::new(store))
     }
 
     /// Opens the existing store on `paths` (all of its devices, in any order). Keyword
@@ -322,14 +422,25 @@ impl Store {
     fn open(py: Python<'_>, paths: Vec<PathBuf>, options: Option<&Bound<'_, PyDict>>) -> PyResult<Store> {
         let StoreConfigs { open, .. } = store_configs_from(options, false)?;
         let store = py.allow_threads(|| EngineStore::open(&paths, open)).map_err(to_py_err)?;
-        Ok(Store { inner: std::sync::Mutex::new(Some(std::sync::Arc::new(store))) })
+        Ok(Store::new(store))
+    }
+
+    /// Opens the store on `paths` read-only (`Store::open_read_only`): beside a writer that may
+    /// hold it, under a shared lock, writing nothing; puts, deletes and checkpoints are refused.
+    /// Keyword arguments: as `open`.
+    #[staticmethod]
+    #[pyo3(signature = (paths, **options))]
+    fn open_read_only(py: Python<'_>, paths: Vec<PathBuf>, options: Option<&Bound<'_, PyDict>>) -> PyResult<Store> {
+        let StoreConfigs { open, .. } = store_configs_from(options, false)?;
+        let store = py.allow_threads(|| EngineStore::open_read_only(&paths, open)).map_err(to_py_err)?;
+        Ok(Store::new(store))
     }
 
     /// Starts writing `length` bytes at host address `address` as object `id`.
     ///
     /// Unsafe contract (the Python layer keeps it): the memory is valid for reads and unchanged
     /// until the handle is done; `owner` is kept alive by the handle until then.
-    #[pyo3(signature = (id, address, length, owner, meta=b"".to_vec(), urgent=false))]
+    #[pyo3(signature = (id, address, length, owner, meta=None, urgent=false))]
     #[allow(clippy::too_many_arguments)]
     fn put_address(
         &self,
@@ -338,7 +449,7 @@ impl Store {
         address: usize,
         length: usize,
         owner: PyObject,
-        meta: Vec<u8>,
+        meta: Option<MetaBytes>,
         urgent: bool,
     ) -> PyResult<Handle> {
         let id = id.0;
@@ -347,12 +458,10 @@ impl Store {
         }
         let store = self.store()?;
         // SAFETY: the caller guarantees the memory; the handle keeps `owner` until done.
-        let ticket = py
-            .allow_threads(|| unsafe {
-                store.put_raw_ticket(id, address as *const u8, length, &meta, priority(urgent))
-            })
-            .map_err(to_py_err)?;
-        Ok(Handle::new(ticket, owner))
+        let ticket = py.allow_threads(|| unsafe {
+            store.put_raw_ticket(id, address as *const u8, length, &meta_bytes(meta), priority(urgent))
+        });
+        Ok(Handle::started(ticket.map(AnyTicket::Host), owner))
     }
 
     /// Starts reading object `id` from byte `offset` into `length` bytes at `address`. With
@@ -379,12 +488,10 @@ impl Store {
         }
         let store = self.store()?;
         // SAFETY: as documented above.
-        let ticket = py
-            .allow_threads(|| unsafe {
-                store.get_raw_ticket(id, offset, address as *mut u8, length, whole, priority(urgent))
-            })
-            .map_err(to_py_err)?;
-        Ok(Handle::new(ticket, owner))
+        let ticket = py.allow_threads(|| unsafe {
+            store.get_raw_ticket(id, offset, address as *mut u8, length, whole, priority(urgent))
+        });
+        Ok(Handle::started(ticket.map(AnyTicket::Host), owner))
     }
 
     /// Starts writing `length` bytes of CUDA device memory at `address` (device `device`) as
@@ -394,7 +501,7 @@ impl Store {
     /// Unsafe contract (the Python layer keeps it): the memory is device memory of that device,
     /// its contents are final (the producing stream was synchronized) and unchanged until the
     /// handle is done; `owner` is kept alive by the handle until then.
-    #[pyo3(signature = (id, address, length, device, owner, meta=b"".to_vec(), urgent=false))]
+    #[pyo3(signature = (id, address, length, device, owner, meta=None, urgent=false))]
     #[allow(clippy::too_many_arguments)]
     fn put_device(
         &self,
@@ -404,16 +511,15 @@ impl Store {
         length: usize,
         device: u32,
         owner: PyObject,
-        meta: Vec<u8>,
+        meta: Option<MetaBytes>,
         urgent: bool,
     ) -> PyResult<Handle> {
         let id = id.0;
         let store = self.store()?;
         let slice = teraio_engine::gpu::DeviceSlice { ptr: address, len: length, device };
         // SAFETY: as documented above; the engine checks that the pointer is device memory.
-        let ticket =
-            py.allow_threads(|| unsafe { store.put_gpu_raw(id, slice, &meta, priority(urgent)) }).map_err(to_py_err)?;
-        Ok(Handle::new_gpu(ticket, owner))
+        let ticket = py.allow_threads(|| unsafe { store.put_gpu_raw(id, slice, &meta_bytes(meta), priority(urgent)) });
+        Ok(Handle::started(ticket.map(AnyTicket::Gpu), owner))
     }
 
     /// Starts reading object `id` from byte `offset` into `length` bytes of CUDA device memory at
@@ -439,10 +545,8 @@ impl Store {
         let store = self.store()?;
         let slice = teraio_engine::gpu::DeviceSlice { ptr: address, len: length, device };
         // SAFETY: as documented above.
-        let ticket = py
-            .allow_threads(|| unsafe { store.get_gpu_raw(id, offset, slice, whole, priority(urgent)) })
-            .map_err(to_py_err)?;
-        Ok(Handle::new_gpu(ticket, owner))
+        let ticket = py.allow_threads(|| unsafe { store.get_gpu_raw(id, offset, slice, whole, priority(urgent)) });
+        Ok(Handle::started(ticket.map(AnyTicket::Gpu), owner))
     }
 
     /// What the store chose for GPU I/O and why (one line), or None before the first GPU op.
@@ -451,10 +555,11 @@ impl Store {
     }
 
     /// Writes `data` as object `id` and waits until it is acknowledged.
-    #[pyo3(signature = (id, data, meta=b"".to_vec()))]
-    fn put_bytes(&self, py: Python<'_>, id: ObjectId, data: Vec<u8>, meta: Vec<u8>) -> PyResult<()> {
+    #[pyo3(signature = (id, data, meta=None))]
+    fn put_bytes(&self, py: Python<'_>, id: ObjectId, data: Vec<u8>, meta: Option<MetaBytes>) -> PyResult<()> {
         let id = id.0;
         let store = self.store()?;
+        let meta = meta_bytes(meta);
         py.allow_threads(|| store.put_blocking(id, &data, &meta)).map_err(to_py_err)
     }
 
@@ -555,19 +660,23 @@ impl Store {
         Ok(self.store()?.block_size())
     }
 
-    /// Closes the store (waits for I/O in flight, writes a checkpoint, releases the locks).
-    /// Later calls raise ClosedError. Closing twice is allowed.
+    /// Closes the store. Calls that begin after this raise ClosedError; calls already running
+    /// in other threads (each one put, get, delete, stat...) are waited for, then the engine
+    /// waits for the I/O in flight, writes a checkpoint and releases the locks. The wait is
+    /// bounded by those calls: none can start once the close has begun. Closing twice is allowed.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         let taken = self.inner.lock().expect("store lock").take();
         let Some(store) = taken else { return Ok(()) };
-        match std::sync::Arc::try_unwrap(store) {
-            Ok(store) => py.allow_threads(|| store.close()).map_err(to_py_err),
-            Err(shared) => {
-                // Another thread is inside a call; put it back and let the last user drop it.
-                *self.inner.lock().expect("store lock") = Some(shared);
-                Err(TeraioError::new_err("the store is in use by another thread; close it when that call returns"))
+        py.allow_threads(|| {
+            let mut lock = self.inner.lock().expect("store lock");
+            while std::sync::Arc::strong_count(&store) > 1 {
+                lock = self.call_ended.wait(lock).expect("store lock");
             }
-        }
+            drop(lock);
+            let store = std::sync::Arc::try_unwrap(store).ok().expect("no call holds the store once all have ended");
+            store.close()
+        })
+        .map_err(to_py_err)
     }
 
     fn is_closed(&self) -> bool {

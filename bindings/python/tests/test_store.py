@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import threading
 import time
 
 import numpy as np
@@ -69,7 +70,7 @@ def test_errors_carry_engine_messages(store: teraio.Store) -> None:
     store.put(3, np.ones(1000, dtype=np.uint8))
     with pytest.raises(teraio.InvalidArgumentError, match="too small"):
         store.get(3, np.empty(10, dtype=np.uint8))
-    with pytest.raises(ValueError, match="C-contiguous"):
+    with pytest.raises(teraio.InvalidArgumentError, match="C-contiguous"):
         store.put(4, np.ones((10, 10))[:, ::2])
     assert issubclass(teraio.NotFoundError, teraio.TeraioError)
     assert issubclass(teraio.NoSpaceError, teraio.TeraioError)
@@ -208,3 +209,146 @@ def test_ids_span_the_whole_u64_range(store: teraio.Store) -> None:
         store.put(good, b"ok")  # type: ignore[arg-type]
         assert store.get_bytes(good) == b"ok"  # type: ignore[arg-type]
         assert store.delete(good) is True  # type: ignore[arg-type]
+
+
+def _overwrite_in_turn(store: teraio.Store, versions: list[bytes], stop: threading.Event) -> threading.Thread:
+    """A thread that puts `versions` as object 1 in turn until `stop` is set (at most 10**6 puts)."""
+
+    def run() -> None:
+        for i in range(10**6):
+            if stop.is_set():
+                return
+            store.put(1, versions[i % len(versions)])
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_gets_under_concurrent_overwrite_return_one_version(store_dir: pathlib.Path) -> None:
+    # docs/reliability.md, "No torn reads": every get returns one version whole, while another
+    # thread replaces the object with a shorter and a longer one (the object shrinks and grows
+    # between any length lookup and the read): never one's length with the other's bytes and
+    # zero padding, never "buffer too small".
+    short, long = b"\xf7" * 1000, b"\x95" * (1 << 20)
+    with teraio.Store.create([store_dir / "dev0"], file_size_bytes=128 << 20, durable=False) as store:
+        store.put(1, short)
+        stop = threading.Event()
+        writer = _overwrite_in_turn(store, [long, short], stop)
+        try:
+            for i in range(1500):
+                if i % 2:
+                    data = store.get_bytes(1)
+                else:
+                    out = bytearray(len(long) + 4096)
+                    handle = store.get_async(1, out)
+                    handle.wait()
+                    length = handle.object_len_bytes
+                    assert length in (len(short), len(long))
+                    assert not any(out[length:]), "bytes past the version read were written"
+                    data = bytes(out[:length])
+                assert data in (short, long), (len(data), data[:2].hex(), data[-2:].hex())
+        finally:
+            stop.set()
+            writer.join()
+        assert store.get_bytes(1) in (short, long)
+
+
+def test_argument_mistakes_raise_invalid_argument(store: teraio.Store) -> None:
+    store.put(1, b"x" * 100, meta=None)  # None is no metadata
+    assert store.stat(1)["meta"] == b""  # type: ignore[index]
+    store.put(2, b"y", meta=bytearray(b"m"))  # any bytes-like object
+    assert store.stat(2)["meta"] == b"m"  # type: ignore[index]
+    too_small = bytearray(10)
+    mistakes = {
+        "too small": lambda: store.get(1, too_small),
+        "read-only bytes": lambda: store.get(1, bytes(200)),
+        "None": lambda: store.get(1, None),
+        "list": lambda: store.get(1, [0] * 200),
+        "str": lambda: store.get(1, "x" * 200),
+        "meta list": lambda: store.put(3, b"z", meta=[1]),  # type: ignore[arg-type]
+        "meta str": lambda: store.put(3, b"z", meta="m"),  # type: ignore[arg-type]
+        "urgent": lambda: store.put_async(3, b"z", urgent="yes"),  # type: ignore[arg-type]
+        "timeout": lambda: store.get_async(1, bytearray(100)).wait(timeout_s="soon"),  # type: ignore[arg-type]
+        "negative timeout": lambda: store.get_async(1, bytearray(100)).wait(timeout_s=-1.0),
+        "read-only numpy": lambda: store.get(1, np.frombuffer(bytes(100), dtype=np.uint8)),
+        "paths": lambda: teraio.Store.open(42),  # type: ignore[arg-type]
+        "read_only": lambda: teraio.Store.open("x", read_only="yes"),  # type: ignore[arg-type]
+    }
+    for name, call in mistakes.items():
+        with pytest.raises(teraio.InvalidArgumentError):
+            call()
+            pytest.fail(f"{name}: no error")
+    assert bytes(too_small) == bytes(10)  # a refused get writes nothing
+    assert store.stat(3) is None  # a refused put stores nothing
+    assert store.get(1, bytearray(100)) == bytearray(b"x" * 100)  # a bytearray is a fine destination
+
+
+def test_engine_errors_of_async_calls_surface_at_wait(store_dir: pathlib.Path) -> None:
+    with teraio.Store.create([store_dir / "small"], file_size_bytes=16 << 20, durable=False) as small:
+        handle = small.put_async(1, np.zeros(64 << 20, dtype=np.uint8))  # the call itself succeeds
+        assert handle.is_done()
+        with pytest.raises(teraio.NoSpaceError, match="not enough free space"):
+            handle.wait()
+        with pytest.raises(teraio.NoSpaceError):
+            handle.wait()  # a second wait raises again
+        missing = small.get_async(77, np.empty(16, dtype=np.uint8))
+        with pytest.raises(teraio.NotFoundError, match="object 77"):
+            missing.wait()
+        assert small.stat(1) is None
+
+
+def test_read_only_open_reads_beside_the_writer_and_refuses_writes(store_dir: pathlib.Path) -> None:
+    paths = [store_dir / "dev0", store_dir / "dev1"]
+    with teraio.Store.create(paths, file_size_bytes=64 << 20) as writer:
+        writer.put(1, b"written", meta=b"m")
+        with teraio.Store.open(paths, read_only=True) as reader:
+            assert reader.get_bytes(1) == b"written"
+            assert [o["id"] for o in reader.list()] == [1]
+            with pytest.raises(teraio.InvalidArgumentError, match="read-only"):
+                reader.put(2, b"no")
+            with pytest.raises(teraio.InvalidArgumentError, match="read-only"):
+                reader.delete(1)
+        assert writer.get_bytes(1) == b"written"  # the reader changed nothing
+    with teraio.Store.open(paths, read_only=True, verify_checksums=True) as reader:
+        assert reader.get_bytes(1) == b"written"
+
+
+def test_close_waits_for_calls_in_flight_in_other_threads(store_dir: pathlib.Path) -> None:
+    paths = [store_dir / "dev0"]
+    store = teraio.Store.create(paths, file_size_bytes=128 << 20, durable=False)
+    data = np.random.default_rng(5).integers(0, 255, 1 << 20, dtype=np.uint8)
+    store.put(0, data)
+    outcomes: list[str] = []
+    busy = [threading.Event() for _ in range(4)]
+
+    def work(index: int) -> None:
+        out = np.empty_like(data)
+        for i in range(10**5):
+            if i == 4:
+                busy[index].set()
+            try:
+                if i % 2:
+                    store.put(1 + index, data)
+                else:
+                    store.get(0, out)
+            except teraio.ClosedError:
+                outcomes.append("closed")
+                return
+            except Exception as e:  # anything else is the failure this test looks for
+                outcomes.append(f"{type(e).__name__}: {e}")
+                return
+        outcomes.append("ran out of iterations")
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for event in busy:  # every worker is in its loop of calls
+        assert event.wait(timeout=60)
+    store.close()  # must not raise "in use by another thread"
+    for thread in threads:
+        thread.join()
+    assert outcomes == ["closed"] * 4
+    assert store.closed
+    with teraio.Store.open(paths) as again:  # closed cleanly: the devices are free again
+        assert np.array_equal(again.get(0, np.empty_like(data)), data)

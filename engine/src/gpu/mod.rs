@@ -138,6 +138,11 @@ impl<B> GpuTicket<B> {
         self.ticket.is_done()
     }
 
+    /// See [`Ticket::object_len_bytes`].
+    pub fn object_len_bytes(&self) -> Option<u64> {
+        self.ticket.object_len_bytes()
+    }
+
     /// See [`Ticket::signal_when_done`].
     pub fn signal_when_done(&self, signal: &Arc<crate::store::ticket::DoneSignal>) {
         self.ticket.signal_when_done(signal)

@@ -32,7 +32,7 @@ impl Store {
     pub(super) fn check_writable(&self) -> Result<()> {
         if self.shared.read_only {
             return Err(Error::InvalidConfig(
-                "the store is open read-only (for inspection); open it with Store::open to change it".into(),
+                "the store is open read-only (for inspection): puts, deletes and checkpoints are refused; open it for writing to change it".into(),
             ));
         }
         Ok(())
@@ -146,8 +146,26 @@ impl Store {
     /// # Safety
     /// `memory` must be valid for writes, and not otherwise accessed, until the op is done.
     pub(super) unsafe fn start_get(&self, spec: GetSpec, memory: Memory) -> Result<Started> {
+        let object = self.current_version(spec.id)?;
+        // SAFETY: forwarded contract.
+        unsafe { self.start_get_of(object, spec, memory) }
+    }
+
+    /// The version of object `id` that is current now, held: while the `Arc` lives its extents
+    /// are not reused (see `Object`), so a get of it reads that version alone, whatever puts
+    /// and deletes of the id land meanwhile.
+    fn current_version(&self, id: u64) -> Result<Arc<Object>> {
+        self.shared.table.read().expect("table").get(&id).cloned().ok_or(Error::NotFound { id })
+    }
+
+    /// `start_get` of a version already looked up: its length, the range check and the bytes
+    /// read all come from `object`.
+    ///
+    /// # Safety
+    /// As `start_get`.
+    unsafe fn start_get_of(&self, object: Arc<Object>, spec: GetSpec, memory: Memory) -> Result<Started> {
         let GetSpec { id, offset, whole, priority } = spec;
-        let object = self.shared.table.read().expect("table").get(&id).cloned().ok_or(Error::NotFound { id })?;
+        assert_eq!(object.record.id, id, "a get reads a version of its own id");
         let (object_len, len) = (object.record.len_bytes, memory.len() as u64);
         let end = if whole && offset == 0 {
             if len < object_len {
@@ -228,11 +246,19 @@ impl Store {
         unsafe { self.put_raw_ticket(id, data.as_ptr(), data.len(), meta, Priority::Normal)? }.wait()
     }
 
-    /// Reads the whole object into a new vector.
+    /// Reads the whole object into a new vector: one version, whole (the version current when
+    /// the call looks the id up; its length sizes the buffer and its bytes fill it).
     pub fn get_to_vec(&self, id: u64) -> Result<Vec<u8>> {
-        let len = self.stat(id).ok_or(Error::NotFound { id })?.len_bytes as usize;
-        let buf = AlignedBuf::new(len, self.shared.geometry.block_size as usize)?;
-        let buf = self.get(id, buf, Priority::Normal)?.wait()?;
+        let object = self.current_version(id)?;
+        let len = object.record.len_bytes as usize;
+        let mut buf = AlignedBuf::new(len, self.shared.geometry.block_size as usize)?;
+        let memory = Memory::Host { ptr: buf.as_mut_ptr() as usize, len };
+        let spec = GetSpec { id, offset: 0, whole: true, priority: Priority::Normal };
+        // SAFETY: the ticket owns `buf`.
+        let started = unsafe { self.start_get_of(object, spec, memory)? };
+        let ticket = Ticket { completion: started.completion, buffer: Some(buf) };
+        assert_eq!(ticket.object_len_bytes(), Some(len as u64), "the buffer was sized from the version read");
+        let buf = ticket.wait()?;
         Ok(buf[..len].to_vec())
     }
 

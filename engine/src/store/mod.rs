@@ -1,7 +1,8 @@
 //! The tensor-object store: format and open a store over 1 to 64 devices, then put, get, delete,
 //! stat and list objects. The data path reads top to bottom: the API ([`api`], [`gpu_api`]) ->
 //! the stripe map ([`crate::layout::stripe`]) -> the dispatcher ([`dispatch`]) -> per-device
-//! queues ([`crate::queue`]) -> a backend ([`crate::backend`]) -> the commit thread ([`commit`]).
+//! queues ([`crate::queue`]) -> a backend ([`crate::backend`]) -> the verify threads ([`verifiers`],
+//! gets) or the commit thread ([`commit`], puts).
 //! docs/internals.md tells the whole story: threads, queues, an op's life and the lock order.
 
 mod api;
@@ -16,6 +17,7 @@ mod op;
 mod open;
 pub(crate) mod place;
 pub mod ticket;
+mod verifiers;
 mod verify;
 
 pub use api::ObjectInfo;
@@ -60,6 +62,8 @@ pub(crate) struct Shared {
     pub allocators: Allocators,
     pub dispatch: Mutex<DispatchState>,
     pub dispatch_cv: Condvar,
+    /// Where verified gets' pieces are finished, off the device workers (`verifiers`).
+    pub verifiers: verifiers::Verifiers,
     pub commit_tx: Mutex<Option<Sender<CommitMsg>>>,
     pub ops_outstanding: Mutex<u64>,
     pub ops_idle: Condvar,

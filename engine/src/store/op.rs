@@ -21,7 +21,10 @@ pub(crate) enum OpKind {
     Get,
 }
 
-/// The object an op works on: a put owns its new object until commit; a get shares a committed one.
+/// The object an op works on: a put owns its new object until commit; a get shares a committed
+/// one. A get's share pins that version: its extents go back to the allocator only when the last
+/// holder lets go (`Object`'s drop), so an overwrite or delete that lands meanwhile never has its
+/// blocks reused under the read.
 pub(crate) enum OpObject {
     Put(Mutex<Option<Object>>),
     Get(Arc<Object>),
@@ -118,6 +121,10 @@ impl Op {
         assert!(spec.user_start <= spec.user_end, "an op's range runs forwards");
         assert!(spec.checked.0 <= spec.checked.1, "an op's checked range runs forwards");
         let user_ptr = target.address();
+        let version_len = match &object {
+            OpObject::Get(o) => Some(o.record.len_bytes),
+            OpObject::Put(_) => None,
+        };
         let gpu = match target {
             Target::Host(_) => None,
             Target::Gpu { gpu, .. } => Some(gpu),
@@ -132,7 +139,7 @@ impl Op {
             user_end: spec.user_end,
             remaining: AtomicUsize::new(1),
             error: Mutex::new(None),
-            completion: Arc::new(Completion::default()),
+            completion: Arc::new(Completion::new(version_len)),
             devices_written: AtomicU64::new(0),
             started: Instant::now(),
             piece_crcs: spec.take_crcs.then(|| Mutex::new(Vec::new())),

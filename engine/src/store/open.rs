@@ -255,6 +255,7 @@ impl Store {
             allocators,
             dispatch: Mutex::new(DispatchState::new(budget)),
             dispatch_cv: Condvar::new(),
+            verifiers: super::verifiers::Verifiers::start()?,
             commit_tx: Mutex::new(Some(commit_tx)),
             ops_outstanding: Mutex::new(0),
             ops_idle: Condvar::new(),

@@ -86,6 +86,9 @@ unsafe impl IoBuf for &'static [u8] {
 pub(crate) struct Completion {
     state: Mutex<CompletionState>,
     done: Condvar,
+    /// A get: the length of the object version it reads, fixed when it starts (the bytes come
+    /// from that same version). None for a put.
+    object_len_bytes: Option<u64>,
 }
 
 #[derive(Default)]
@@ -127,6 +130,11 @@ impl DoneSignal {
 }
 
 impl Completion {
+    /// The completion of a get of a version `object_len_bytes` long, or of a put (None).
+    pub(crate) fn new(object_len_bytes: Option<u64>) -> Completion {
+        Completion { object_len_bytes, ..Completion::default() }
+    }
+
     pub(crate) fn finish(&self, result: Result<()>) {
         let mut state = self.state.lock().expect("completion");
         debug_assert!(state.result.is_none(), "op finished twice");
@@ -190,6 +198,14 @@ impl<B> Ticket<B> {
     /// Whether the op has finished (successfully or not); never blocks.
     pub fn is_done(&self) -> bool {
         self.completion.is_done()
+    }
+
+    /// A get: the length of the object version it reads. The get pins that version when it
+    /// starts (its extents are not reused until the get is done), so the bytes it returns are
+    /// all of that version even if the object is replaced or deleted meanwhile; a whole-object
+    /// get into a longer buffer filled this many bytes. None for a put.
+    pub fn object_len_bytes(&self) -> Option<u64> {
+        self.completion.object_len_bytes
     }
 
     /// Bumps `signal` when the op finishes (at once if it already has).

@@ -36,15 +36,15 @@ def _numpy_address(array: numpy.ndarray, writable: bool) -> tuple[int, int]:
             "convert to a numeric dtype (or bytes) first"
         )
     if not array.flags["C_CONTIGUOUS"]:
-        raise ValueError("numpy array must be C-contiguous (use numpy.ascontiguousarray)")
+        raise _native.InvalidArgumentError("numpy array must be C-contiguous (use numpy.ascontiguousarray)")
     if writable and not array.flags["WRITEABLE"]:
-        raise ValueError("numpy array is read-only")
+        raise _native.InvalidArgumentError("numpy array is read-only")
     return int(array.__array_interface__["data"][0]), int(array.nbytes)
 
 
 def _tensor_address(tensor: torch.Tensor) -> tuple[int, int]:
     if not tensor.is_contiguous():
-        raise ValueError("tensor must be contiguous (use .contiguous())")
+        raise _native.InvalidArgumentError("tensor must be contiguous (use .contiguous())")
     return int(tensor.data_ptr()), int(tensor.numel() * tensor.element_size())
 
 
@@ -86,12 +86,21 @@ class Handle:
         self._native = native
 
     def wait(self, timeout_s: Optional[float] = None) -> bool:
-        """Waits until done; returns False if `timeout_s` passed first. Raises TeraioError subclasses."""
+        """Waits until done; returns False if `timeout_s` passed first. Raises the op's error
+        (TeraioError subclasses), including one the engine gave when the op was started: no
+        space, not found, metadata too large, a read-only store."""
         return self._native.wait(timeout_s)
 
     def is_done(self) -> bool:
         """True once the I/O has completed; never blocks."""
         return self._native.is_done()
+
+    @property
+    def object_len_bytes(self) -> Optional[int]:
+        """A get: the length of the object version it reads. The get fixes that version when it
+        starts and returns its bytes alone, even if the object is replaced meanwhile; into a
+        buffer longer than the object, this many leading bytes were filled. None for a put."""
+        return self._native.object_len_bytes
 
     def __repr__(self) -> str:
         return repr(self._native)
@@ -124,25 +133,44 @@ class Store:
         return cls(_native.Store.create(_path_list(paths), **options))
 
     @classmethod
-    def open(cls, paths: Union[PathLike, Sequence[PathLike]], **options: Any) -> Store:
+    def open(
+        cls, paths: Union[PathLike, Sequence[PathLike]], read_only: bool = False, **options: Any
+    ) -> Store:
         """Opens the store on `paths` (every device of it, in any order). Keyword arguments are
-        the open-stage options of `teraio.STORE_OPTIONS`, as in `create`."""
-        return cls(_native.Store.open(_path_list(paths), **options))
+        the open-stage options of `teraio.STORE_OPTIONS`, as in `create`.
+
+        With `read_only=True` the store is opened for reading beside a writer that may hold it
+        (under a shared lock, writing nothing, repairing nothing): gets, `stat`, `list` and
+        `info` work, and puts and deletes raise InvalidArgumentError. Of a store a writer is
+        changing, it sees the objects as they were at one moment during the open."""
+        if not isinstance(read_only, bool):
+            raise _native.InvalidArgumentError(f"read_only must be True or False, not {read_only!r}")
+        opener = _native.Store.open_read_only if read_only else _native.Store.open
+        return cls(opener(_path_list(paths), **options))
 
     # -- writes -----------------------------------------------------------------------------
 
-    def put_async(self, object_id: int, data: Any, meta: bytes = b"", urgent: bool = False) -> Handle:
-        """Starts writing `data` (torch tensor, numpy array, bytes-like) as object `object_id`.
+    def put_async(
+        self, object_id: int, data: Any, meta: Optional[bytes] = b"", urgent: bool = False
+    ) -> Handle:
+        """Starts writing `data` (torch tensor, numpy array, bytes-like) as object `object_id`,
+        with `meta` (bytes-like, at most the store's `max_meta_bytes`; None for none).
 
         Host memory is written in place: do not change it until the handle is done. A CUDA tensor
         goes through the engine's GPU path; this call first waits for the work queued on the
         current CUDA stream (the tensor's producer), then the engine reads it on its own streams.
+        Argument mistakes (an id, a type) raise InvalidArgumentError here; what the engine
+        refuses (NoSpaceError, metadata too large, a read-only or closing store) is raised by
+        the handle's `wait()`.
         """
+        urgent = _flag("urgent", urgent)
         if _is_tensor(data):
             if data.device.type == "cuda":
                 return self._put_cuda(object_id, data, meta, urgent)
             if data.device.type != "cpu":
-                raise ValueError(f"tensors on {data.device} are not supported (cpu and cuda are)")
+                raise _native.InvalidArgumentError(
+                    f"tensors on {data.device} are not supported (cpu and cuda are)"
+                )
             address, length = _tensor_address(data)
             return Handle(self._native.put_address(object_id, address, length, data, meta, urgent))
         import numpy
@@ -150,15 +178,15 @@ class Store:
         if isinstance(data, numpy.ndarray):
             address, length = _numpy_address(data, writable=False)
             return Handle(self._native.put_address(object_id, address, length, data, meta, urgent))
-        array = _plain_bytes(data)
+        array = _plain_bytes(data, writable=False)
         address, length = (int(array.__array_interface__["data"][0]), int(array.nbytes))
         return Handle(self._native.put_address(object_id, address, length, array, meta, urgent))
 
-    def put(self, object_id: int, data: Any, meta: bytes = b"") -> None:
+    def put(self, object_id: int, data: Any, meta: Optional[bytes] = b"") -> None:
         """Writes `data` as object `object_id` and waits until the engine acknowledges it."""
         self.put_async(object_id, data, meta).wait()
 
-    def _put_cuda(self, object_id: int, tensor: torch.Tensor, meta: bytes, urgent: bool) -> Handle:
+    def _put_cuda(self, object_id: int, tensor: torch.Tensor, meta: Optional[bytes], urgent: bool) -> Handle:
         import torch
 
         address, length = _tensor_address(tensor)
@@ -171,19 +199,34 @@ class Store:
     # -- reads ------------------------------------------------------------------------------
 
     def get_async(self, object_id: int, out: Any, urgent: bool = False) -> Handle:
-        """Starts reading object `object_id` into `out` (torch tensor or writable numpy array),
-        which must be at least as large as the object. Do not use `out` until the handle is done.
-        A CUDA tensor is filled through the engine's GPU path (after the work already queued on
-        the current CUDA stream, which may still be using it)."""
+        """Starts reading object `object_id` into `out` (torch tensor, writable numpy array or
+        writable bytes-like object such as a bytearray), which must be at least as large as the
+        object. Do not use `out` until the handle is done. A CUDA tensor is filled through the
+        engine's GPU path (after the work already queued on the current CUDA stream, which may
+        still be using it).
+
+        The get reads one version of the object, whole, even if another thread replaces it
+        meanwhile; `handle.object_len_bytes` is that version's length. A wrong `out` raises
+        InvalidArgumentError here; NotFoundError, a too small `out` (InvalidArgumentError) and
+        CorruptError are raised by the handle's `wait()`."""
+        urgent = _flag("urgent", urgent)
         if _is_tensor(out):
             if out.device.type == "cuda":
                 return self._get_cuda(object_id, out, urgent)
             if out.device.type != "cpu":
-                raise ValueError(f"tensors on {out.device} are not supported (cpu and cuda are)")
+                raise _native.InvalidArgumentError(
+                    f"tensors on {out.device} are not supported (cpu and cuda are)"
+                )
             address, length = _tensor_address(out)
             return Handle(self._native.get_address(object_id, address, length, out, urgent=urgent))
-        address, length = _numpy_address(out, writable=True)
-        return Handle(self._native.get_address(object_id, address, length, out, urgent=urgent))
+        import numpy
+
+        if isinstance(out, numpy.ndarray):
+            address, length = _numpy_address(out, writable=True)
+            return Handle(self._native.get_address(object_id, address, length, out, urgent=urgent))
+        array = _plain_bytes(out, writable=True)
+        address, length = (int(array.__array_interface__["data"][0]), int(array.nbytes))
+        return Handle(self._native.get_address(object_id, address, length, array, urgent=urgent))
 
     def get(self, object_id: int, out: Any) -> Any:
         """Reads object `object_id` into `out` and returns `out`."""
@@ -200,7 +243,8 @@ class Store:
         )
 
     def get_bytes(self, object_id: int) -> bytes:
-        """Reads the whole object into new bytes."""
+        """Reads the whole object into new bytes: one version of it, whole (its length and its
+        bytes come from the same version, even if another thread replaces it meanwhile)."""
         return self._native.get_bytes(object_id)
 
     def gpu_report(self) -> Optional[str]:
@@ -252,7 +296,10 @@ class Store:
         return self._native.is_closed()
 
     def close(self) -> None:
-        """Waits for I/O in flight, checkpoints and releases the devices. Idempotent."""
+        """Closes the store: calls started after this raise ClosedError; calls already running in
+        other threads are waited for (each is one put, get, delete or lookup, so the wait ends
+        when they do), then the I/O in flight, then a checkpoint is written and the devices are
+        released. Idempotent."""
         self._native.close()
 
     def __enter__(self) -> Store:
@@ -262,16 +309,34 @@ class Store:
         self.close()
 
 
-def _plain_bytes(data: Any) -> numpy.ndarray:
-    """A uint8 view of a bytes-like object whose buffer is contiguous plain data."""
+def _flag(name: str, value: Any) -> bool:
+    """A bool argument, refused with InvalidArgumentError when it is anything else."""
+    if not isinstance(value, bool):
+        raise _native.InvalidArgumentError(f"{name} must be True or False, not {value!r}")
+    return value
+
+
+def _plain_bytes(data: Any, writable: bool) -> numpy.ndarray:
+    """A uint8 view of a bytes-like object whose buffer is contiguous plain data (and writable,
+    for a get's destination)."""
     import numpy
 
     try:
         view = memoryview(data)
     except TypeError:
+        if writable:
+            raise _native.InvalidArgumentError(
+                f"cannot read into a {type(data).__name__}: give a torch tensor, a writable numpy array "
+                "or a writable bytes-like object (bytearray)"
+            ) from None
         raise _native.InvalidArgumentError(
             f"cannot store a {type(data).__name__}: give a torch tensor, a numpy array or a bytes-like object"
         ) from None
+    if writable and view.readonly:
+        raise _native.InvalidArgumentError(
+            f"cannot read into a read-only {type(data).__name__}: give a bytearray, a writable numpy array "
+            "or a torch tensor"
+        )
     if not set(view.format) <= _PLAIN_FORMAT_CHARS:
         raise _native.InvalidArgumentError(
             f"buffer of format {view.format!r} is not plain numeric data (it may hold Python objects or "
@@ -285,4 +350,9 @@ def _plain_bytes(data: Any) -> numpy.ndarray:
 def _path_list(paths: Union[PathLike, Sequence[PathLike]]) -> list[str]:
     if isinstance(paths, (str, os.PathLike)):
         return [os.fspath(paths)]
-    return [os.fspath(p) for p in paths]
+    try:
+        return [os.fspath(p) for p in paths]
+    except TypeError:
+        raise _native.InvalidArgumentError(
+            f"paths must be a path or a sequence of paths (str or os.PathLike), not {paths!r}"
+        ) from None

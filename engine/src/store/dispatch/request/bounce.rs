@@ -2,7 +2,8 @@
 //! piece to the next: a put zero-fills the chunk's padding, queues the device->host copy
 //! (`start_put`), and once it is done submits the disk write to the device's queue
 //! (`after_put_copy`); a get's disk read (`get_request`) completes into `after_get_read`, which
-//! queues the host->device copy, whose completion (`after_get_copy`) finishes the piece. Copies
+//! has the piece checked and its host->device copy queued (`copy_to_gpu`, on a verify thread when
+//! the piece is checked), whose completion (`after_get_copy`) finishes the piece. Copies
 //! run on the engine's streams and complete on the copy engine's waiter thread (`gpu::copy`).
 
 use super::PieceIo;
@@ -68,12 +69,21 @@ pub(in crate::store::dispatch) fn get_request(
     PieceIo::new(shared, op, piece, Some(chunk)).into_request(after_get_read)
 }
 
-/// The chunk holds the piece: its checksum is taken and the caller's part copied to the GPU.
+/// The chunk holds the piece: it goes on to `copy_to_gpu` (on a verify thread when it is
+/// checked, see `PieceIo::continue_get`, so the device worker returns to its queue at once and
+/// the pieces' checksums run in parallel with the reads and the copies).
 fn after_get_read(io: PieceIo, result: io::Result<()>) {
     if result.is_err() {
         return io.finish(result);
     }
-    // SAFETY: the read filled the chunk, while it is still hot in cache.
+    io.continue_get(copy_to_gpu);
+}
+
+/// Takes the piece's checksum, then queues the copy of the caller's part to the GPU. The bytes
+/// reach the caller's memory before the get is checked as a whole, but the get succeeds only if
+/// every checked unit matches (`Shared::verify_get`, once every piece is done).
+fn copy_to_gpu(io: PieceIo) {
+    // SAFETY: the read filled the chunk.
     unsafe { io.op.take_piece_crc(io.piece, io.buf()) };
     let Some(o) = io.overlap() else {
         // Read only to verify its stripe unit (outside the caller's range).

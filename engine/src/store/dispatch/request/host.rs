@@ -32,17 +32,24 @@ pub(in crate::store::dispatch) fn request(
     io.into_request(done)
 }
 
-/// A get's bytes are in: their checksum is taken and a bounce chunk's part of the caller's range
-/// copied out (nothing, for a piece read only to verify its stripe unit).
+/// The device is done with the piece: a put's is finished, a get's goes on to `get_read`
+/// (on a verify thread when it is checked, see `PieceIo::continue_get`).
 fn done(io: PieceIo, result: io::Result<()>) {
     if result.is_ok() && io.op.kind == OpKind::Get {
-        // SAFETY: the read filled the buffer with the piece, which is still hot in cache.
-        unsafe { io.op.take_piece_crc(io.piece, io.buf()) };
-        if let (Some(chunk), Some(o)) = (&io.chunk, io.overlap()) {
-            // SAFETY: the read filled the chunk; the destination lies inside the caller's
-            // buffer, which the ticket keeps alive.
-            unsafe { std::ptr::copy_nonoverlapping(chunk.ptr.add(o.in_piece), o.user_address as *mut u8, o.len) };
-        }
+        return io.continue_get(get_read);
     }
     io.finish(result);
+}
+
+/// A get's bytes are in: their checksum is taken and a bounce chunk's part of the caller's range
+/// copied out (nothing, for a piece read only to verify its stripe unit).
+fn get_read(io: PieceIo) {
+    // SAFETY: the read filled the buffer with the piece.
+    unsafe { io.op.take_piece_crc(io.piece, io.buf()) };
+    if let (Some(chunk), Some(o)) = (&io.chunk, io.overlap()) {
+        // SAFETY: the read filled the chunk; the destination lies inside the caller's buffer,
+        // which the ticket keeps alive.
+        unsafe { std::ptr::copy_nonoverlapping(chunk.ptr.add(o.in_piece), o.user_address as *mut u8, o.len) };
+    }
+    io.finish(Ok(()));
 }

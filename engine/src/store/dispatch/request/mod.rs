@@ -13,6 +13,7 @@ use crate::error::Error;
 use crate::layout::stripe::Piece;
 use crate::queue::Request;
 use crate::store::op::{Op, OpKind};
+use crate::store::verifiers::VERIFY_ON_WORKER_MAX_BYTES;
 use crate::store::Shared;
 use std::io;
 use std::sync::atomic::Ordering;
@@ -111,6 +112,20 @@ impl PieceIo {
             });
         }
         shared.request_done(&op);
+    }
+
+    /// Goes on with a get's piece whose read is in: `then` takes its checksum and hands the
+    /// bytes on. A piece whose checksum is taken and is longer than
+    /// `VERIFY_ON_WORKER_MAX_BYTES` goes to a verify thread (`store::verifiers`), so the device
+    /// worker that read it returns to its queue at once; a short or unchecked one goes on here.
+    fn continue_get(self, then: fn(PieceIo)) {
+        assert_eq!(self.op.kind, OpKind::Get, "only a get's read goes on to a check");
+        if self.op.piece_crcs.is_some() && self.piece.len > VERIFY_ON_WORKER_MAX_BYTES {
+            let shared = self.shared.clone();
+            shared.verifiers.run(move || then(self));
+        } else {
+            then(self);
+        }
     }
 
     /// The piece failed outside the device (a GPU copy): the op fails with `e`.
