@@ -7,9 +7,12 @@ use predicates::prelude::*;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
-/// A scratch directory on a disk file system (O_DIRECT does not work on tmpfs).
+/// A scratch directory on a disk file system (O_DIRECT does not work on tmpfs): $TERAIO_TEST_DIR,
+/// else under the target directory (README: test files go under target/).
 fn scratch() -> tempfile::TempDir {
-    let base = std::env::var_os("TERAIO_TEST_DIR").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
+    let base = std::env::var_os("TERAIO_TEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_TARGET_TMPDIR")));
     tempfile::Builder::new().prefix("teraio-cli-test").tempdir_in(base).expect("scratch directory")
 }
 
@@ -335,6 +338,12 @@ fn format_creates_files_and_refuses_bad_devices() {
     assert!(line.contains("--file-size"), "{line}");
     let line = one_line_error(teraio().arg("format").arg(tmp.path().join("small")).args(["--file-size", "8KiB"]), 2);
     assert!(line.contains("needs at least"), "{line}");
+    // Refused after the file was made (too small for this stripe unit): the file goes again.
+    let small = tmp.path().join("small-for-the-stripe-unit");
+    let line =
+        one_line_error(teraio().arg("format").arg(&small).args(["--file-size", "16MiB", "--stripe-unit", "64MiB"]), 2);
+    assert!(line.contains("needs at least"), "{line}");
+    assert!(!small.exists(), "a failed format leaves no file behind");
     // info/fsck: a missing device, a device of no store, only part of a store.
     let line = one_line_error(teraio().args(["info", &targets[0], &missing]), 2);
     assert!(line.contains("does not exist"), "{line}");
@@ -453,8 +462,53 @@ fn planner_commands_trace_plan_and_sim() {
     teraio().arg("plan").arg(&trace).arg("-o").arg(&plan).assert().success();
     assert!(plan.exists());
     teraio().arg("sim").arg(&trace).arg("--json").assert().success();
-    let line = one_line_error(teraio().arg("plan").arg(tmp.path().join("missing.json")), 1);
+    // A missing trace is bad input (exit 2), as a missing store device is.
+    let line = one_line_error(teraio().arg("plan").arg(tmp.path().join("missing.json")), 2);
     assert!(line.contains("missing.json"), "{line}");
+}
+
+/// One exit-code convention for every subcommand: 2 for bad input (flags, sizes, files that are
+/// missing or do not decode, unknown names), 1 for an operation that failed.
+#[test]
+fn bad_input_exits_2_and_names_what_is_wrong_in_every_planner_command() {
+    let tmp = scratch();
+    let trace = tmp.path().join("tiny.json");
+    teraio().args(["trace", "--model", "tiny", "-o"]).arg(&trace).assert().success();
+    let missing = tmp.path().join("missing.json");
+    // A bare memory size under 1 MiB: a forgotten unit.
+    for command in ["plan", "sim"] {
+        let line = one_line_error(teraio().arg(command).arg(&trace).args(["--gpu-mem", "40"]), 2);
+        assert!(line.contains("did you mean 40GiB?"), "{line}");
+        let line = one_line_error(teraio().arg(command).arg(&missing), 2);
+        assert!(line.contains("missing.json"), "{line}");
+    }
+    let line = one_line_error(teraio().args(["trace", "--model", "tiny", "--gpu-mem", "80", "-o"]).arg(&trace), 2);
+    assert!(line.contains("did you mean 80GiB?"), "{line}");
+    // A fractional size with a unit is taken, rounded down to whole bytes.
+    teraio().arg("plan").arg(&trace).args(["--gpu-mem", "53.86GiB", "--host-mem", "0.5GiB"]).assert().success();
+    let line = one_line_error(teraio().args(["trace", "--model", "gpt-17", "-o"]).arg(&trace), 2);
+    assert!(line.contains("gpt-17"), "{line}");
+    let line = one_line_error(teraio().args(["trace", "--model", "tiny"]), 2);
+    assert!(line.contains("--output"), "the missing argument is named: {line}");
+    // A trace that does not decode: the file, the line and the field.
+    let bad = tmp.path().join("bad.json");
+    let text = std::fs::read_to_string(&trace).unwrap();
+    let value: Value = serde_json::from_str(&text).unwrap();
+    let mut pretty = serde_json::to_string_pretty(&value).unwrap();
+    let at = pretty.find("\"duration_us\": ").unwrap() + "\"duration_us\": ".len();
+    pretty.insert_str(at, "\"slow\", \"was\": ");
+    std::fs::write(&bad, &pretty).unwrap();
+    let line_number = pretty[..at].lines().count();
+    let line = one_line_error(teraio().arg("plan").arg(&bad), 2);
+    assert!(line.contains("bad.json"), "{line}");
+    assert!(line.contains(&format!("line {line_number}")), "{line}");
+    assert!(line.contains("field \"duration_us\""), "{line}");
+    // A trace that decodes but breaks a rule: the file too.
+    let mut broken = value.clone();
+    broken["ops"] = serde_json::json!([]);
+    std::fs::write(&bad, broken.to_string()).unwrap();
+    let line = one_line_error(teraio().arg("sim").arg(&bad), 2);
+    assert!(line.contains("bad.json") && line.contains("no ops"), "{line}");
 }
 
 #[test]

@@ -25,7 +25,7 @@ use teraio_planner::trace::Trace;
 use teraio_units::ReadWriteBandwidth;
 
 use crate::error::{CliError, CliResult};
-use crate::units::{bandwidth_arg, format_duration_us, format_gib, size_arg, ssd_arg};
+use crate::units::{bandwidth_arg, format_duration_us, format_gib, memory_size_arg, ssd_arg};
 use plot::{plot_memory, unplanned_series};
 
 /// A clap parser for one of the planner's named values (`names`), listed in `--help`.
@@ -40,13 +40,13 @@ where
 #[derive(Args, Debug, Clone)]
 pub struct HardwareArgs {
     /// GPU memory capacity, e.g. 40GiB or 94GB [default: the trace's].
-    #[arg(long, value_parser = size_arg)]
+    #[arg(long, value_parser = memory_size_arg)]
     pub gpu_mem: Option<u64>,
     /// SSD array: NxBW (same read and write) or NxREAD/WRITE, e.g. 4x6.5GB/s or 4x6.7/6.5GB/s.
     #[arg(long, value_parser = ssd_arg, default_value = "4x6.5GB/s")]
     pub ssd: ReadWriteBandwidth,
     /// Host memory the plan may use (0 = SSD only).
-    #[arg(long, value_parser = size_arg, default_value = "0")]
+    #[arg(long, value_parser = memory_size_arg, default_value = "0")]
     pub host_mem: u64,
     /// Host link bandwidth per direction left for offloading.
     #[arg(long, value_parser = bandwidth_arg, default_value = "25GB/s")]
@@ -96,7 +96,7 @@ pub struct PlannerArgs {
     #[arg(long)]
     pub no_stall_repair: bool,
     /// GPU memory to keep free (allocator slack), e.g. 2GiB.
-    #[arg(long, value_parser = size_arg, default_value = "0")]
+    #[arg(long, value_parser = memory_size_arg, default_value = "0")]
     pub reserve: u64,
     /// The tier a period goes to when both can take it: ssd (the paper), host, or auto (plan
     /// both ways, keep the faster by the simulator).
@@ -211,7 +211,7 @@ pub struct TraceArgs {
     #[arg(long)]
     pub tf32: bool,
     /// Override: GPU memory capacity recorded in the trace.
-    #[arg(long, value_parser = size_arg)]
+    #[arg(long, value_parser = memory_size_arg)]
     pub gpu_mem: Option<u64>,
     /// Output file.
     #[arg(short, long)]
@@ -333,7 +333,7 @@ fn format_plan(result: &PlanAndPrediction, trace: &Trace, show_actions: usize) -
          migrations: {} (SSD {}, host {}, clean drops {}, urgent actions {}, stall repairs {})\n\
          traffic per iteration: SSD write {:.1} GB, read {:.1} GB; host write {:.1} GB, read {:.1} GB\n\
          memory: {} without offload, {} planned peak, GPU {}: {}\n\
-         predicted iteration: {} (ideal {}, {:.1}% of ideal), stalls {} in {} ops, peak {}, outcome {:?}\n",
+         predicted iteration: {} (ideal {}, {:.1}% of ideal), stalls {} in {} ops, peak {}, outcome {}\n",
         p.trace,
         p.planning_time_ms,
         p.candidates,
@@ -358,7 +358,7 @@ fn format_plan(result: &PlanAndPrediction, trace: &Trace, show_actions: usize) -
         format_duration_us(simulated.stall_time_us),
         simulated.stalled_ops,
         format_gib(simulated.peak_gpu_bytes as f64),
-        simulated.outcome,
+        outcome_text(&simulated.outcome),
     );
     if show_actions > 0 && !plan.actions.is_empty() {
         out.push_str(&format!(
