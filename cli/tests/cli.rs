@@ -207,6 +207,93 @@ fn bench_compare_fio_runs_both_on_the_same_files() {
     let expected = v["report"]["gb_per_s"].as_f64().unwrap() * 1e9
         / (v["fio"]["read_bytes_per_s"].as_f64().unwrap() + v["fio"]["write_bytes_per_s"].as_f64().unwrap());
     assert!((ratio - expected).abs() < 1e-6 * expected.max(1.0));
+    // fio wrote over the files; the bench formatted them again: a valid, empty store.
+    assert_eq!(v["reformatted_after_fio"], Value::Bool(true));
+    teraio().arg("fsck").args(&targets).assert().success();
+    teraio()
+        .arg("info")
+        .args(&targets)
+        .arg("--json")
+        .assert()
+        .success()
+        .stdout(predicate::str::contains("\"object_count\": 0"));
+}
+
+/// A small ext4 file system on a loop device (CI runs as root on Debian, where `mount -o loop`
+/// works), unmounted when dropped: a real too-small disk, not a simulated one.
+struct SmallFileSystem {
+    mount_point: PathBuf,
+}
+
+impl SmallFileSystem {
+    /// None, saying why, where this is not root (mounting needs it).
+    fn new(dir: &Path, size_mib: u64) -> Option<SmallFileSystem> {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("not root: cannot mount a small file system; the too-small disk test needs root (CI is)");
+            return None;
+        }
+        let image = dir.join("small.img");
+        std::fs::File::create(&image).unwrap().set_len(size_mib << 20).unwrap();
+        let run = |program: &str, args: &[&std::ffi::OsStr]| {
+            let out = std::process::Command::new(program).args(args).output().expect(program);
+            assert!(out.status.success(), "{program}: {}", String::from_utf8_lossy(&out.stderr));
+        };
+        run("mkfs.ext4", &["-q".as_ref(), "-F".as_ref(), image.as_os_str()]);
+        let mount_point = dir.join("small");
+        std::fs::create_dir(&mount_point).unwrap();
+        run("mount", &["-o".as_ref(), "loop".as_ref(), image.as_os_str(), mount_point.as_os_str()]);
+        Some(SmallFileSystem { mount_point })
+    }
+}
+
+impl Drop for SmallFileSystem {
+    fn drop(&mut self) {
+        let out = std::process::Command::new("umount").arg(&self.mount_point).output().expect("umount");
+        assert!(out.status.success(), "umount: {}", String::from_utf8_lossy(&out.stderr));
+    }
+}
+
+#[test]
+fn bench_on_a_too_small_file_system_is_refused_and_leaves_nothing() {
+    let tmp = scratch();
+    let Some(small) = SmallFileSystem::new(tmp.path(), 64) else { return };
+    let targets = paths(&small.mount_point, 2);
+    let line = one_line_error(
+        teraio().arg("bench").args(&targets).args(["--data-size", "256MiB", "--no-progress", "--size", "8MiB"]),
+        2,
+    );
+    assert!(line.contains("more on the file system of") && line.contains(") free;"), "{line}");
+    assert!(line.contains(&small.mount_point.display().to_string()), "{line}");
+    let left: Vec<_> = std::fs::read_dir(&small.mount_point).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(left, vec![std::ffi::OsString::from("lost+found")], "nothing created");
+    // An existing file grown past the free space: refused before it is touched.
+    std::fs::write(&targets[0], b"").unwrap();
+    one_line_error(
+        teraio().arg("bench").arg(&targets[0]).args(["--data-size", "256MiB", "--no-progress", "--force"]),
+        2,
+    );
+    assert_eq!(std::fs::metadata(&targets[0]).unwrap().len(), 0, "the file is left as it was");
+    std::fs::remove_file(&targets[0]).unwrap();
+    drop(small);
+}
+
+#[test]
+fn a_failed_bench_removes_the_files_it_created() {
+    let tmp = scratch();
+    let targets = paths(tmp.path(), 2);
+    // The files fit the disk, but the data set does not fit a store of that file size: the run
+    // fails after creating them.
+    let out = teraio()
+        .arg("bench")
+        .args(&targets)
+        .args(["--file-size", "80MiB", "--data-size", "512MiB", "--no-progress"])
+        .output()
+        .unwrap();
+    assert_ne!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    for target in &targets {
+        assert!(!Path::new(target).exists(), "{target} left behind");
+    }
 }
 
 #[test]

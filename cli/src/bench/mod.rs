@@ -15,7 +15,9 @@ pub mod workload;
 
 use crate::cpu::CpuTimes;
 use crate::error::{CliError, CliResult};
-use crate::targets::{check_writable_targets, Intent, TempStore};
+use crate::targets::{
+    check_free_space, check_writable_targets, free_bytes, space_needed, CreatedFiles, Intent, TempStore,
+};
 use crate::units::{duration_arg, format_bytes, size_arg};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -415,6 +417,10 @@ struct JsonOutput<'a> {
     fio: Option<&'a fio::FioResult>,
     /// teraio GB/s over fio GB/s.
     teraio_over_fio: Option<f64>,
+    /// With --compare-fio: fio wrote over the store's files, so they were formatted again as an
+    /// empty store.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    reformatted_after_fio: bool,
 }
 
 /// Runs `teraio bench`.
@@ -467,6 +473,19 @@ pub fn run(args: &BenchArgs) -> CliResult<()> {
     // From here on Ctrl-C stops the run cleanly (the temporary store is removed).
     workload::catch_interrupts();
 
+    // Target files this run creates are removed again if it fails.
+    let created = CreatedFiles::before_creating(&args.targets);
+    let result = measure(args, &draft);
+    if result.is_ok() {
+        created.keep();
+    }
+    result
+}
+
+/// The run from the targets on: formats them (or the temporary store), fills the data set,
+/// measures, and runs fio's twin with --compare-fio.
+fn measure(args: &BenchArgs, draft: &Workload) -> CliResult<()> {
+    let draft = draft.clone();
     // Targets: explicit ones, or the embedded temporary store.
     let file_bytes =
         args.file_size.unwrap_or_else(|| sizing_workload(args, &draft).map_or(0, |w| bytes_per_device(&w)));
@@ -482,6 +501,14 @@ pub fn run(args: &BenchArgs) -> CliResult<()> {
     } else {
         temp_store = None;
         check_writable_targets(&args.targets, Intent::Bench, args.force, Some(file_bytes), args.buffered)?;
+        // Files to create, and with --data-size those to grow: their file system must have room
+        // before any is touched (a file that fills the disk halfway helps nobody).
+        let allocated: Vec<PathBuf> = if args.data_size.is_some() {
+            args.targets.clone()
+        } else {
+            args.targets.iter().filter(|p| std::fs::symlink_metadata(p).is_err()).cloned().collect()
+        };
+        check_free_space(&space_needed(&allocated, file_bytes), free_bytes)?;
         if args.data_size.is_some() {
             grow_small_files(args, &args.targets, file_bytes)?;
         }
@@ -509,7 +536,13 @@ pub fn run(args: &BenchArgs) -> CliResult<()> {
     if args.sweep {
         let report = sweep::run(args, &targets, &w, &names)?;
         if args.json {
-            print_json(&JsonOutput { report: None, sweep: Some(&report), fio: None, teraio_over_fio: None })?;
+            print_json(&JsonOutput {
+                report: None,
+                sweep: Some(&report),
+                fio: None,
+                teraio_over_fio: None,
+                reformatted_after_fio: false,
+            })?;
         } else {
             print!("{}", report.table());
         }
@@ -526,7 +559,15 @@ pub fn run(args: &BenchArgs) -> CliResult<()> {
         if !args.json {
             eprintln!("running fio's twin ({}) on the same files...", fio::config_path(&PathBuf::new(), &w).display());
         }
-        let r = fio::run(&w, &targets, runtime, args.warmup)?;
+        let fio_run = fio::run(&w, &targets, runtime, args.warmup);
+        // fio writes over the files from their first byte (its data set, or a read job's
+        // preparation), the store's superblocks included: format them again, whatever fio did,
+        // so that they hold a valid (empty) store rather than a damaged one.
+        format_store(args, &targets, w.stripe_unit_bytes, None)?;
+        if !args.json && temp_store.is_none() {
+            eprintln!("fio wrote over the store: the targets were formatted again and hold an empty teraio store");
+        }
+        let r = fio_run?;
         ratio = Some(report.gb_per_s / r.gb_per_s().max(1e-12));
         fio_result = Some(r);
     }
@@ -536,6 +577,7 @@ pub fn run(args: &BenchArgs) -> CliResult<()> {
             sweep: None,
             fio: fio_result.as_ref(),
             teraio_over_fio: ratio,
+            reformatted_after_fio: args.compare_fio,
         })?;
     } else {
         print!("{}", report.table());
