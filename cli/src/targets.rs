@@ -395,3 +395,81 @@ mod space_tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
+
+/// File-system name of a statfs magic number, for the bench's first line.
+fn file_system_name(magic: i64) -> &'static str {
+    match magic {
+        0xEF53 => "ext4",
+        0x5846_5342 => "xfs",
+        0x9123_683E => "btrfs",
+        0x0102_1994 => "tmpfs",
+        0x794C_7630 => "overlayfs",
+        0x6969 => "nfs",
+        0x2FC1_2FC1 => "zfs",
+        _ => "a file system",
+    }
+}
+
+/// What the targets are, in words: `4 files on one file system (ext4, under /tmp/x): d0, d1, ...`
+/// or `2 block devices: /dev/nvme0n1, /dev/nvme1n1` (a mix lists both). Files on one file system
+/// share its disk, which the figures then measure, not one disk each.
+// statfs field types differ between libc targets; the casts are needed on some of them.
+#[allow(clippy::unnecessary_cast)]
+pub fn describe_targets(paths: &[PathBuf]) -> String {
+    use std::os::unix::fs::MetadataExt;
+    let mut devices = Vec::new();
+    let mut files = Vec::new();
+    let mut file_systems: Vec<(u64, String)> = Vec::new();
+    for path in paths {
+        match std::fs::metadata(path) {
+            Ok(meta) if meta.file_type().is_block_device() => devices.push(path.display().to_string()),
+            Ok(meta) => {
+                files.push(path.file_name().map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into()));
+                if !file_systems.iter().any(|(dev, _)| *dev == meta.dev()) {
+                    let name = statfs(path).map_or("a file system", |fs| file_system_name(fs.f_type as i64));
+                    let dir = path.parent().map_or_else(String::new, |d| d.display().to_string());
+                    file_systems.push((meta.dev(), format!("{name}, under {dir}")));
+                }
+            }
+            Err(_) => files.push(path.display().to_string()),
+        }
+    }
+    let mut parts = Vec::new();
+    if !files.is_empty() {
+        let count = match file_systems.len() {
+            1 => "one file system".to_string(),
+            n => format!("{n} file systems"),
+        };
+        let where_ = file_systems.iter().map(|(_, text)| text.as_str()).collect::<Vec<_>>().join("; ");
+        let noun = if files.len() == 1 { "file" } else { "files" };
+        parts.push(format!("{} {noun} on {count} ({where_}): {}", files.len(), files.join(", ")));
+    }
+    if !devices.is_empty() {
+        let noun = if devices.len() == 1 { "block device" } else { "block devices" };
+        parts.push(format!("{} {noun}: {}", devices.len(), devices.join(", ")));
+    }
+    parts.join("; ")
+}
+
+#[cfg(test)]
+mod describe_tests {
+    use super::*;
+
+    #[test]
+    fn files_on_one_file_system_say_so() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../target/test-files")
+            .join(format!("teraio-describe-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let paths: Vec<PathBuf> = (0..4).map(|i| dir.join(format!("d{i}"))).collect();
+        for path in &paths {
+            std::fs::write(path, b"").unwrap();
+        }
+        let text = describe_targets(&paths);
+        assert!(text.starts_with("4 files on one file system ("), "{text}");
+        assert!(text.ends_with("): d0, d1, d2, d3"), "{text}");
+        assert!(text.contains(&format!("under {}", dir.display())), "{text}");
+        assert_eq!(file_system_name(0xEF53), "ext4");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -148,7 +148,11 @@ fn bench_table_has_percentiles_per_device_and_cpu() {
         .args(["--rw", "randread", "--data-size", "32MiB", "--runtime", "300ms", "--no-progress", "--backend", "psync"])
         .assert()
         .success()
-        .stdout(predicate::str::contains("p99.9 us"))
+        .stdout(predicate::str::starts_with("targets: 2 files on one file system ("))
+        .stdout(predicate::str::contains("GB/s = 10^9 bytes/s; latencies in ms"))
+        .stdout(predicate::str::contains("p99.9 ms"))
+        .stdout(predicate::str::contains(" s (the runtime)"))
+        .stdout(predicate::str::contains("reference: none in this run; --compare-fio"))
         .stdout(predicate::str::contains("all 2 device(s)"))
         .stdout(predicate::str::contains("backend psync"))
         .stdout(predicate::str::contains("cores per GB/s"));

@@ -124,7 +124,8 @@ pub struct BenchArgs {
     /// CUDA device of GPU buffers.
     #[arg(long, default_value_t = 0)]
     pub gpu_device: u32,
-    /// Run the timed phase this long (e.g. 10s) [default: move the data size once].
+    /// Run the timed phase this long (e.g. 10s) [default: until the running mean rate holds
+    /// within 2% for 2 s, at most 10 s].
     #[arg(long, value_parser = duration_arg, conflicts_with = "size")]
     pub runtime: Option<Duration>,
     /// Move this many bytes in the timed phase.
@@ -529,8 +530,9 @@ fn measure(args: &BenchArgs, draft: &Workload) -> CliResult<()> {
             format!("{index} {}", report::shorten(&p.display().to_string(), 33 - index.len()))
         })
         .collect();
+    let targets_text = crate::targets::describe_targets(&targets);
     if !args.json {
-        eprintln!("teraio bench on {}", targets.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", "));
+        eprintln!("teraio bench on {targets_text}");
     }
 
     if args.sweep {
@@ -550,7 +552,8 @@ fn measure(args: &BenchArgs, draft: &Workload) -> CliResult<()> {
     }
 
     let store = Store::open(&targets, open_config(args, &w))?;
-    let report = fill_and_measure(args, &store, &w, &names, true, None)?;
+    let mut report = fill_and_measure(args, &store, &w, &names, true, None)?;
+    report.targets = targets_text;
     store.close()?;
     let mut fio_result = None;
     let mut ratio = None;
@@ -581,6 +584,9 @@ fn measure(args: &BenchArgs, draft: &Workload) -> CliResult<()> {
         })?;
     } else {
         print!("{}", report.table());
+        if fio_result.is_none() {
+            println!("{}", report::REFERENCE_NOTE);
+        }
         if let (Some(f), Some(ratio)) = (&fio_result, ratio) {
             println!();
             println!("fio ({}, same files): {:.3} GB/s, {:.0} IOPS, p50 {:.0} us, p99 {:.0} us, p99.9 {:.0} us, {:.2} cores busy",
@@ -628,6 +634,15 @@ fn fit_default_data(args: &BenchArgs, draft: &Workload) -> CliResult<u64> {
         return Ok(wanted);
     }
     let fits = (free / 2).min(wanted) / draft.object_bytes * draft.object_bytes;
+    if fits > 0 && fits < wanted && !args.json {
+        eprintln!(
+            "data set shrunk from {} to {}: half the free space of {} ({} free); set TMPDIR or give --data-size",
+            format_bytes(wanted),
+            format_bytes(fits),
+            std::env::temp_dir().display(),
+            format_bytes(free)
+        );
+    }
     if fits == 0 {
         return Err(CliError::input(format!(
             "{} has only {} free; set TMPDIR to a disk with more room, or give targets",
@@ -668,6 +683,14 @@ fn fit_to_store(args: &BenchArgs, targets: &[PathBuf], draft: &Workload) -> CliR
         let w = workload_from_args(args, data)?;
         let sized = sizing_workload(args, &w)?;
         if bytes_per_device(&sized) - BENCH_METADATA_BYTES <= free_per_device {
+            if data < draft.data_bytes() && !args.json {
+                eprintln!(
+                    "data set shrunk from {} to {}: the targets have {} free per device; give larger targets",
+                    format_bytes(draft.data_bytes()),
+                    format_bytes(data),
+                    format_bytes(free_per_device)
+                );
+            }
             return Ok(w);
         }
         if args.data_size.is_some() || data <= w.object_bytes {
@@ -719,10 +742,11 @@ pub fn fill_and_measure(
     let limit = limit.unwrap_or(match (args.runtime, args.size) {
         (Some(d), _) => Limit::Runtime(d),
         (None, Some(b)) => Limit::Bytes(b),
-        (None, None) => Limit::Bytes(w.data_bytes()),
+        (None, None) => Limit::Steady,
     });
     let kind = match limit {
         Limit::Runtime(d) => ProgressKind::Time(d),
+        Limit::Steady => ProgressKind::Time(workload::STEADY_MAX),
         Limit::Bytes(b) => ProgressKind::Bytes(b),
     };
     store.reset_stats();
@@ -736,6 +760,33 @@ pub fn fill_and_measure(
     let mut report = BenchReport::new(w, names, &store.stats(), &totals, cpu);
     report.gpu_path = gpu_path;
     Ok(report)
+}
+
+/// Samples the progress bar's rate spans: 2 s of 250 ms ticks, so that ops completing in bursts
+/// (a whole 256 MiB object at once) do not make the rate jump between 0 and its peak.
+const PROGRESS_RATE_WINDOW: usize = 8;
+
+/// A rate over a moving window of (seconds, bytes done) samples.
+struct MovingRate {
+    samples: std::collections::VecDeque<(f64, u64)>,
+    window: usize,
+}
+
+impl MovingRate {
+    fn new(window: usize) -> MovingRate {
+        assert!(window >= 1);
+        MovingRate { samples: std::collections::VecDeque::with_capacity(window + 1), window }
+    }
+
+    /// Adds a sample; returns bytes per second from the oldest sample kept to this one.
+    fn add(&mut self, at_s: f64, bytes_done: u64) -> f64 {
+        self.samples.push_back((at_s, bytes_done));
+        if self.samples.len() > self.window + 1 {
+            self.samples.pop_front();
+        }
+        let (first_s, first_bytes) = self.samples[0];
+        (bytes_done - first_bytes) as f64 / (at_s - first_s).max(1e-9)
+    }
 }
 
 /// What a progress bar counts.
@@ -767,13 +818,13 @@ fn with_progress<T>(
     let result = std::thread::scope(|scope| {
         scope.spawn(|| {
             let started = std::time::Instant::now();
-            let mut last = (started, 0u64);
+            let mut rate = MovingRate::new(PROGRESS_RATE_WINDOW);
+            rate.add(0.0, 0);
             while !done.load(Ordering::Relaxed) {
                 std::thread::sleep(Duration::from_millis(250));
                 let now = std::time::Instant::now();
                 let bytes = progress.bytes_done.load(Ordering::Relaxed);
-                let rate = (bytes - last.1) as f64 / now.duration_since(last.0).as_secs_f64().max(1e-9) / 1e9;
-                last = (now, bytes);
+                let rate = rate.add(now.duration_since(started).as_secs_f64(), bytes) / 1e9;
                 bar.set_position(match kind {
                     ProgressKind::Time(_) => now.duration_since(started).as_millis() as u64,
                     ProgressKind::Bytes(_) => bytes,
@@ -822,6 +873,23 @@ fn print_json<T: Serialize>(value: &T) -> CliResult<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_progress_rate_is_a_moving_window_not_the_last_tick() {
+        // 256 MiB objects completing every second, sampled every 250 ms: the last tick alone reads
+        // 0 or 1 GB/s; the 2 s window reads the true 268 MB/s once it is full.
+        let mut rate = MovingRate::new(8);
+        let object = 256u64 << 20;
+        let mut readings = Vec::new();
+        for tick in 0..=16u64 {
+            let done = tick / 4 * object;
+            readings.push(rate.add(tick as f64 * 0.25, done));
+        }
+        for reading in &readings[8..] {
+            let want = object as f64; // bytes per second
+            assert!((reading - want).abs() <= 0.25 * want, "{reading} against {want}");
+        }
+    }
 
     #[test]
     fn engine_depth_leaves_the_asked_depth_for_normal_ops() {
