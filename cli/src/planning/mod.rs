@@ -137,6 +137,10 @@ pub struct PlanArgs {
     /// Write an SVG of GPU memory over time, before and after the plan.
     #[arg(long)]
     pub svg: Option<PathBuf>,
+    /// Let the SVG's y axis reach the peak without offload too [default: the plan and the GPU
+    /// capacity].
+    #[arg(long)]
+    pub svg_full_y: bool,
     /// Actions to list in the table.
     #[arg(long, default_value_t = 20)]
     pub show_actions: usize,
@@ -163,6 +167,10 @@ pub struct SimArgs {
     /// Write an SVG of GPU memory over time for every policy.
     #[arg(long)]
     pub svg: Option<PathBuf>,
+    /// Let the SVG's y axis reach the peak without offload too [default: the policies' lines
+    /// and the GPU capacity].
+    #[arg(long)]
+    pub svg_full_y: bool,
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -312,9 +320,11 @@ pub fn plan_command(args: &PlanArgs) -> CliResult<String> {
             (format!("{} (simulated)", result.plan.policy), result.prediction.simulated.memory_timeline.clone());
         plot_memory(
             path,
-            &format!("GPU memory: {}", trace.description),
+            &trace.description,
             hardware.gpu_capacity_bytes,
-            &[unplanned_series(&trace), after],
+            &unplanned_series(&trace),
+            &[after],
+            args.svg_full_y,
         )?;
     }
     if args.json {
@@ -422,13 +432,20 @@ pub fn sim_command(args: &SimArgs) -> CliResult<(Comparison, String)> {
         });
     }
     if let Some(path) = &args.svg {
-        let mut series = vec![unplanned_series(&trace)];
+        let mut series = Vec::new();
         for row in &comparison.rows {
             if row.policy != "ideal" && !row.sim.memory_timeline.is_empty() {
                 series.push((row.policy.clone(), row.sim.memory_timeline.clone()));
             }
         }
-        plot_memory(path, &format!("GPU memory: {}", trace.description), hardware.gpu_capacity_bytes, &series)?;
+        plot_memory(
+            path,
+            &trace.description,
+            hardware.gpu_capacity_bytes,
+            &unplanned_series(&trace),
+            &series,
+            args.svg_full_y,
+        )?;
     }
     let text = if args.json { to_json(&comparison)? } else { format_table(&comparison) };
     Ok((comparison, text))
