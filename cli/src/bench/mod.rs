@@ -589,8 +589,9 @@ fn measure(args: &BenchArgs, draft: &Workload) -> CliResult<()> {
         }
         if let (Some(f), Some(ratio)) = (&fio_result, ratio) {
             println!();
-            println!("fio ({}, same files): {:.3} GB/s, {:.0} IOPS, p50 {:.0} us, p99 {:.0} us, p99.9 {:.0} us, {:.2} cores busy",
-                f.job_file, f.gb_per_s(), f.read_iops + f.write_iops, f.p50_us, f.p99_us, f.p999_us, f.cores_busy);
+            let ms = |us: f64| report::format_latency_ms(us.max(0.0).round() as u64);
+            println!("fio ({}, same files, the reference): {:.3} GB/s, {:.0} IOPS, p50 {} ms, p99 {} ms, p99.9 {} ms, {:.2} cores busy",
+                f.job_file, f.gb_per_s(), f.read_iops + f.write_iops, ms(f.p50_us), ms(f.p99_us), ms(f.p999_us), f.cores_busy);
             println!("teraio/fio: {ratio:.3}");
         }
     }
