@@ -17,7 +17,9 @@ if [[ ! -x "$venv/bin/python" ]]; then
 fi
 "$venv/bin/pip" install -q torch numpy pytest transformers
 "$venv/bin/pip" install -q --force-reinstall --no-deps ./bindings/python
-TERAIO_TEST_DIR="$PWD/target/py-test-stores" "$venv/bin/python" -m pytest -q bindings/python/tests
+# pytest's own temporary directories under target/ too (its default is /tmp/pytest-of-$USER).
+TERAIO_TEST_DIR="$PWD/target/py-test-stores" "$venv/bin/python" -m pytest -q --basetemp target/pytest-tmp \
+  bindings/python/tests
 
 echo "== raw NVMe backends in a guest with emulated NVMe drives"
 bash scripts/kvm/run-guest-tests.sh tests

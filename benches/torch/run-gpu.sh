@@ -1,6 +1,9 @@
 #!/bin/bash
 # The GPU machine's PyTorch checks and benchmarks, one mode per call (docs/benchmarks.md):
-#   run-gpu.sh tests          # the Python tests on CUDA, the docs' examples included (~3 min)
+#   run-gpu.sh tests          # the Python tests on CUDA, the docs' examples included (~3 min):
+#                             #   their programs (`python`, `python cuda`) and `sh cuda` blocks;
+#                             #   the CPU shell blocks (cargo builds) run in CI
+#   run-gpu.sh examples       # the docs' examples alone, as in `tests`
 #   run-gpu.sh regime         # the users' regime table (bench_regime.py), one family per call:
 #                             #   qwen2 in bf16 autocast with SDPA, ideal twice, then teraio (default
 #                             #   arguments), HF checkpointing, selective checkpointing, save_on_cpu,
@@ -121,7 +124,12 @@ case "$what" in
 tests)
   . benches/gpu/cufile-compat.sh   # for the tests of the cuFile path
   python3 -c 'import teraio; print(teraio.gpu_probe())'
-  timeout 400 python3 -m pytest -q -p no:cacheprovider bindings/python/tests 2>&1 | tee "$OUT/pytest.log" | tail -40
+  TERAIO_EXAMPLES=gpu timeout 400 python3 -m pytest -q -p no:cacheprovider bindings/python/tests 2>&1 | tee "$OUT/pytest.log" | tail -40
+  ;;
+
+examples)
+  TERAIO_EXAMPLES=gpu timeout 400 python3 -m pytest -q -rs -p no:cacheprovider \
+    bindings/python/tests/test_docs_examples.py 2>&1 | tee "$OUT/examples.log" | tail -40
   ;;
 
 probe)

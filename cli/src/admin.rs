@@ -86,10 +86,29 @@ pub fn format(args: &FormatArgs) -> CliResult<()> {
         force: args.force,
         ..FormatConfig::default()
     };
-    let formatted = Store::format(&args.devices, &config)?;
-    let store = Store::open(&args.devices, OpenConfig { queue_depth: 4, ..OpenConfig::default() })?;
-    let info = store.info();
-    store.close()?;
+    // Files this command creates are removed again if it fails: bad input loses nothing and
+    // leaves nothing behind.
+    let created: Vec<&PathBuf> = args.devices.iter().filter(|path| !path.exists()).collect();
+    let formatted_and_opened = Store::format(&args.devices, &config).and_then(|formatted| {
+        let store = Store::open(&args.devices, OpenConfig { queue_depth: 4, ..OpenConfig::default() })?;
+        let info = store.info();
+        store.close()?;
+        Ok((formatted, info))
+    });
+    let (formatted, info) = match formatted_and_opened {
+        Ok(done) => done,
+        Err(error) => {
+            let mut error = CliError::from(error);
+            for path in created {
+                match std::fs::remove_file(path) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => error.message.push_str(&format!("; could not remove {}: {e}", path.display())),
+                }
+            }
+            return Err(error);
+        }
+    };
     if args.json {
         print_json(&InfoJson::from_info(&info, &[]))?;
     } else {

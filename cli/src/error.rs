@@ -46,7 +46,15 @@ impl From<teraio_engine::Error> for CliError {
 
 impl From<teraio_planner::Error> for CliError {
     fn from(e: teraio_planner::Error) -> Self {
-        CliError::failed(e.to_string().replace('\n', " "))
+        use teraio_planner::Error as E;
+        // A file that is not there or does not decode, a trace or plan that breaks a rule, an
+        // unknown model or GPU: the user fixes the command line or the file. Writing failed: 1.
+        let exit_code = match &e {
+            E::InvalidTrace(_) | E::InvalidPlan(_) | E::Config(_) | E::Decode { .. } => EXIT_BAD_INPUT,
+            E::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => EXIT_BAD_INPUT,
+            E::Io { .. } | E::Json { .. } => EXIT_FAILED,
+        };
+        CliError { message: e.to_string().replace('\n', " "), exit_code }
     }
 }
 

@@ -64,7 +64,7 @@ fn main() {
 /// Help and version go to stdout as clap writes them; every other parse error becomes one line
 /// (clap's first line, which names the bad flag or value) plus where to look, and exit code 2.
 fn exit_on_parse_error(e: clap::Error) -> ! {
-    use clap::error::ErrorKind;
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
     if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion)
         || e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
     {
@@ -72,7 +72,13 @@ fn exit_on_parse_error(e: clap::Error) -> ! {
     }
     let rendered = e.render().to_string();
     let first = rendered.lines().find(|l| !l.trim().is_empty()).unwrap_or("error: bad arguments");
-    let first = first.trim_start_matches("error: ");
+    let mut first = first.trim_start_matches("error: ").trim_end_matches(':').to_string();
+    // clap puts the missing arguments' names on the lines after the first: keep them.
+    if e.kind() == ErrorKind::MissingRequiredArgument {
+        if let Some(ContextValue::Strings(missing)) = e.get(ContextKind::InvalidArg) {
+            first = format!("{first}: {}", missing.join(", "));
+        }
+    }
     let sub = std::env::args().nth(1).filter(|a| !a.starts_with('-'));
     let help = match sub {
         Some(s) if e.kind() != ErrorKind::InvalidSubcommand => format!("teraio {s} --help"),

@@ -260,3 +260,216 @@ impl Drop for TempStore {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
+
+/// Bytes a set of target files still needs on one file system, and what it has free.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SpaceNeed {
+    /// A directory on that file system (the first target's).
+    pub dir: PathBuf,
+    /// Bytes the files to create or grow add.
+    pub needed_bytes: u64,
+}
+
+/// What creating or growing `paths` to `file_bytes` each adds, per file system (its device
+/// number); block devices and files already that large add nothing.
+pub fn space_needed(paths: &[PathBuf], file_bytes: u64) -> Vec<SpaceNeed> {
+    use std::os::unix::fs::MetadataExt;
+    let mut by_device: Vec<(u64, SpaceNeed)> = Vec::new();
+    for path in paths {
+        let (current, dir) = match std::fs::metadata(path) {
+            Ok(meta) if meta.is_file() => (meta.len(), path.parent().map(Path::to_path_buf).unwrap_or_default()),
+            Ok(_) => continue, // a block device: nothing to allocate
+            Err(_) => (0, path.parent().map(Path::to_path_buf).unwrap_or_default()),
+        };
+        let dir = if dir.as_os_str().is_empty() { PathBuf::from(".") } else { dir };
+        let Ok(device) = std::fs::metadata(&dir).map(|m| m.dev()) else { continue };
+        let adds = file_bytes.saturating_sub(current);
+        match by_device.iter_mut().find(|(d, _)| *d == device) {
+            Some((_, need)) => need.needed_bytes += adds,
+            None => by_device.push((device, SpaceNeed { dir, needed_bytes: adds })),
+        }
+    }
+    by_device.into_iter().map(|(_, need)| need).filter(|need| need.needed_bytes > 0).collect()
+}
+
+/// Refuses to create or grow targets where their file system has less free space than they
+/// need: the message names both, in bytes. `free_bytes_of` reads a directory's free space
+/// (`free_bytes`; the tests feed their own).
+pub fn check_free_space(needs: &[SpaceNeed], free_bytes_of: impl Fn(&Path) -> CliResult<u64>) -> CliResult<()> {
+    for need in needs {
+        let free = free_bytes_of(&need.dir)?;
+        if need.needed_bytes > free {
+            return Err(CliError::input(format!(
+                "the targets need {} bytes ({}) more on the file system of {}, which has {} bytes ({}) free; pass a smaller --data-size or --file-size, or put the targets on a larger disk",
+                need.needed_bytes,
+                format_bytes(need.needed_bytes),
+                need.dir.display(),
+                free,
+                format_bytes(free)
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Target files a run created: removed when dropped unless the run succeeded (`keep`), so that a
+/// failed run leaves nothing behind.
+pub struct CreatedFiles {
+    paths: Vec<PathBuf>,
+}
+
+impl CreatedFiles {
+    /// Notes which of `paths` do not exist yet (call before creating them).
+    pub fn before_creating(paths: &[PathBuf]) -> CreatedFiles {
+        CreatedFiles { paths: paths.iter().filter(|p| std::fs::symlink_metadata(p).is_err()).cloned().collect() }
+    }
+
+    /// The run succeeded: the files stay.
+    pub fn keep(mut self) {
+        self.paths.clear();
+    }
+}
+
+impl Drop for CreatedFiles {
+    fn drop(&mut self) {
+        for path in &self.paths {
+            match std::fs::remove_file(path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => eprintln!("warning: could not remove {} which this run created: {e}", path.display()),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod space_tests {
+    use super::*;
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../target/test-files")
+            .join(format!("teraio-space-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    #[test]
+    fn new_and_growing_files_need_their_missing_bytes_on_their_file_system() {
+        let dir = scratch("need");
+        let existing = dir.join("d0");
+        std::fs::write(&existing, vec![0u8; 1000]).unwrap();
+        let paths = [existing, dir.join("d1")];
+        let needs = space_needed(&paths, 4096);
+        assert_eq!(needs, vec![SpaceNeed { dir: dir.clone(), needed_bytes: (4096 - 1000) + 4096 }]);
+        assert!(space_needed(&paths[..1], 1000).is_empty(), "a file already that large needs nothing");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn too_little_free_space_is_refused_naming_both_figures() {
+        let needs = [SpaceNeed { dir: PathBuf::from("/data"), needed_bytes: 200 << 30 }];
+        let error = check_free_space(&needs, |_| Ok(41 << 30)).unwrap_err();
+        assert_eq!(error.exit_code, crate::error::EXIT_BAD_INPUT);
+        assert!(error.message.contains(&format!("need {} bytes (200 GiB)", 200u64 << 30)), "{}", error.message);
+        assert!(error.message.contains(&format!("has {} bytes (41 GiB) free", 41u64 << 30)), "{}", error.message);
+        assert!(error.message.contains("/data"), "{}", error.message);
+        check_free_space(&needs, |_| Ok(200 << 30)).expect("exactly enough is enough");
+    }
+
+    #[test]
+    fn created_files_go_unless_kept() {
+        let dir = scratch("created");
+        let old = dir.join("old");
+        std::fs::write(&old, b"x").unwrap();
+        let paths = [old.clone(), dir.join("new")];
+        let created = CreatedFiles::before_creating(&paths);
+        std::fs::write(&paths[1], b"y").unwrap();
+        drop(created);
+        assert!(old.exists() && !paths[1].exists(), "only the file the run made is removed");
+        let created = CreatedFiles::before_creating(&paths);
+        std::fs::write(&paths[1], b"y").unwrap();
+        created.keep();
+        assert!(paths[1].exists());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+/// File-system name of a statfs magic number, for the bench's first line.
+fn file_system_name(magic: i64) -> &'static str {
+    match magic {
+        0xEF53 => "ext4",
+        0x5846_5342 => "xfs",
+        0x9123_683E => "btrfs",
+        0x0102_1994 => "tmpfs",
+        0x794C_7630 => "overlayfs",
+        0x6969 => "nfs",
+        0x2FC1_2FC1 => "zfs",
+        _ => "a file system",
+    }
+}
+
+/// What the targets are, in words: `4 files on one file system (ext4, under /tmp/x): d0, d1, ...`
+/// or `2 block devices: /dev/nvme0n1, /dev/nvme1n1` (a mix lists both). Files on one file system
+/// share its disk, which the figures then measure, not one disk each.
+// statfs field types differ between libc targets; the casts are needed on some of them.
+#[allow(clippy::unnecessary_cast)]
+pub fn describe_targets(paths: &[PathBuf]) -> String {
+    use std::os::unix::fs::MetadataExt;
+    let mut devices = Vec::new();
+    let mut files = Vec::new();
+    let mut file_systems: Vec<(u64, String)> = Vec::new();
+    for path in paths {
+        match std::fs::metadata(path) {
+            Ok(meta) if meta.file_type().is_block_device() => devices.push(path.display().to_string()),
+            Ok(meta) => {
+                files.push(path.file_name().map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into()));
+                if !file_systems.iter().any(|(dev, _)| *dev == meta.dev()) {
+                    let name = statfs(path).map_or("a file system", |fs| file_system_name(fs.f_type as i64));
+                    let dir = path.parent().map_or_else(String::new, |d| d.display().to_string());
+                    file_systems.push((meta.dev(), format!("{name}, under {dir}")));
+                }
+            }
+            Err(_) => files.push(path.display().to_string()),
+        }
+    }
+    let mut parts = Vec::new();
+    if !files.is_empty() {
+        let count = match file_systems.len() {
+            1 => "one file system".to_string(),
+            n => format!("{n} file systems"),
+        };
+        let where_ = file_systems.iter().map(|(_, text)| text.as_str()).collect::<Vec<_>>().join("; ");
+        let noun = if files.len() == 1 { "file" } else { "files" };
+        parts.push(format!("{} {noun} on {count} ({where_}): {}", files.len(), files.join(", ")));
+    }
+    if !devices.is_empty() {
+        let noun = if devices.len() == 1 { "block device" } else { "block devices" };
+        parts.push(format!("{} {noun}: {}", devices.len(), devices.join(", ")));
+    }
+    parts.join("; ")
+}
+
+#[cfg(test)]
+mod describe_tests {
+    use super::*;
+
+    #[test]
+    fn files_on_one_file_system_say_so() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../target/test-files")
+            .join(format!("teraio-describe-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let paths: Vec<PathBuf> = (0..4).map(|i| dir.join(format!("d{i}"))).collect();
+        for path in &paths {
+            std::fs::write(path, b"").unwrap();
+        }
+        let text = describe_targets(&paths);
+        assert!(text.starts_with("4 files on one file system ("), "{text}");
+        assert!(text.ends_with("): d0, d1, d2, d3"), "{text}");
+        assert!(text.contains(&format!("under {}", dir.display())), "{text}");
+        assert_eq!(file_system_name(0xEF53), "ext4");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

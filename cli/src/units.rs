@@ -7,6 +7,12 @@ pub fn size_arg(text: &str) -> Result<u64, String> {
     teraio_engine::parse_size(text).map_err(|e| e.to_string())
 }
 
+/// clap value parser for GPU and host memory sizes: as [`size_arg`], but a bare number under
+/// 1 MiB (`--gpu-mem 40`) is refused with "did you mean 40GiB?" (teraio-units).
+pub fn memory_size_arg(text: &str) -> Result<u64, String> {
+    teraio_units::parse_memory_size_bytes(text).map_err(|e| e.to_string())
+}
+
 /// clap value parser for one bandwidth such as `6.5GB/s` or `4x800MiB/s`, in bytes per second.
 pub fn bandwidth_arg(text: &str) -> Result<f64, String> {
     teraio_units::parse_bandwidth_bytes_per_s(text).map_err(|e| e.to_string())
@@ -127,6 +133,9 @@ mod tests {
         assert_eq!(ssd_arg("4x6.7/6.5GB/s").unwrap().write_bytes_per_s, 26e9);
         let message = size_arg("40 gigs").unwrap_err();
         assert!(message.contains("unknown unit"), "{message}");
+        let message = memory_size_arg("40").unwrap_err();
+        assert!(message.contains("did you mean 40GiB?"), "{message}");
+        assert_eq!(memory_size_arg("53.86GiB").unwrap(), 57_831_734_640);
     }
 
     #[test]

@@ -7,9 +7,12 @@ use predicates::prelude::*;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
-/// A scratch directory on a disk file system (O_DIRECT does not work on tmpfs).
+/// A scratch directory on a disk file system (O_DIRECT does not work on tmpfs): $TERAIO_TEST_DIR,
+/// else under the target directory (README: test files go under target/).
 fn scratch() -> tempfile::TempDir {
-    let base = std::env::var_os("TERAIO_TEST_DIR").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
+    let base = std::env::var_os("TERAIO_TEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_TARGET_TMPDIR")));
     tempfile::Builder::new().prefix("teraio-cli-test").tempdir_in(base).expect("scratch directory")
 }
 
@@ -145,7 +148,11 @@ fn bench_table_has_percentiles_per_device_and_cpu() {
         .args(["--rw", "randread", "--data-size", "32MiB", "--runtime", "300ms", "--no-progress", "--backend", "psync"])
         .assert()
         .success()
-        .stdout(predicate::str::contains("p99.9 us"))
+        .stdout(predicate::str::starts_with("targets: 2 files on one file system ("))
+        .stdout(predicate::str::contains("GB/s = 10^9 bytes/s; latencies in ms"))
+        .stdout(predicate::str::contains("p99.9 ms"))
+        .stdout(predicate::str::contains(" s (the runtime)"))
+        .stdout(predicate::str::contains("reference: none in this run; --compare-fio"))
         .stdout(predicate::str::contains("all 2 device(s)"))
         .stdout(predicate::str::contains("backend psync"))
         .stdout(predicate::str::contains("cores per GB/s"));
@@ -204,6 +211,93 @@ fn bench_compare_fio_runs_both_on_the_same_files() {
     let expected = v["report"]["gb_per_s"].as_f64().unwrap() * 1e9
         / (v["fio"]["read_bytes_per_s"].as_f64().unwrap() + v["fio"]["write_bytes_per_s"].as_f64().unwrap());
     assert!((ratio - expected).abs() < 1e-6 * expected.max(1.0));
+    // fio wrote over the files; the bench formatted them again: a valid, empty store.
+    assert_eq!(v["reformatted_after_fio"], Value::Bool(true));
+    teraio().arg("fsck").args(&targets).assert().success();
+    teraio()
+        .arg("info")
+        .args(&targets)
+        .arg("--json")
+        .assert()
+        .success()
+        .stdout(predicate::str::contains("\"object_count\": 0"));
+}
+
+/// A small ext4 file system on a loop device (CI runs as root on Debian, where `mount -o loop`
+/// works), unmounted when dropped: a real too-small disk, not a simulated one.
+struct SmallFileSystem {
+    mount_point: PathBuf,
+}
+
+impl SmallFileSystem {
+    /// None, saying why, where this is not root (mounting needs it).
+    fn new(dir: &Path, size_mib: u64) -> Option<SmallFileSystem> {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("not root: cannot mount a small file system; the too-small disk test needs root (CI is)");
+            return None;
+        }
+        let image = dir.join("small.img");
+        std::fs::File::create(&image).unwrap().set_len(size_mib << 20).unwrap();
+        let run = |program: &str, args: &[&std::ffi::OsStr]| {
+            let out = std::process::Command::new(program).args(args).output().expect(program);
+            assert!(out.status.success(), "{program}: {}", String::from_utf8_lossy(&out.stderr));
+        };
+        run("mkfs.ext4", &["-q".as_ref(), "-F".as_ref(), image.as_os_str()]);
+        let mount_point = dir.join("small");
+        std::fs::create_dir(&mount_point).unwrap();
+        run("mount", &["-o".as_ref(), "loop".as_ref(), image.as_os_str(), mount_point.as_os_str()]);
+        Some(SmallFileSystem { mount_point })
+    }
+}
+
+impl Drop for SmallFileSystem {
+    fn drop(&mut self) {
+        let out = std::process::Command::new("umount").arg(&self.mount_point).output().expect("umount");
+        assert!(out.status.success(), "umount: {}", String::from_utf8_lossy(&out.stderr));
+    }
+}
+
+#[test]
+fn bench_on_a_too_small_file_system_is_refused_and_leaves_nothing() {
+    let tmp = scratch();
+    let Some(small) = SmallFileSystem::new(tmp.path(), 64) else { return };
+    let targets = paths(&small.mount_point, 2);
+    let line = one_line_error(
+        teraio().arg("bench").args(&targets).args(["--data-size", "256MiB", "--no-progress", "--size", "8MiB"]),
+        2,
+    );
+    assert!(line.contains("more on the file system of") && line.contains(") free;"), "{line}");
+    assert!(line.contains(&small.mount_point.display().to_string()), "{line}");
+    let left: Vec<_> = std::fs::read_dir(&small.mount_point).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(left, vec![std::ffi::OsString::from("lost+found")], "nothing created");
+    // An existing file grown past the free space: refused before it is touched.
+    std::fs::write(&targets[0], b"").unwrap();
+    one_line_error(
+        teraio().arg("bench").arg(&targets[0]).args(["--data-size", "256MiB", "--no-progress", "--force"]),
+        2,
+    );
+    assert_eq!(std::fs::metadata(&targets[0]).unwrap().len(), 0, "the file is left as it was");
+    std::fs::remove_file(&targets[0]).unwrap();
+    drop(small);
+}
+
+#[test]
+fn a_failed_bench_removes_the_files_it_created() {
+    let tmp = scratch();
+    let targets = paths(tmp.path(), 2);
+    // The files fit the disk, but the data set does not fit a store of that file size: the run
+    // fails after creating them.
+    let out = teraio()
+        .arg("bench")
+        .args(&targets)
+        .args(["--file-size", "80MiB", "--data-size", "512MiB", "--no-progress"])
+        .output()
+        .unwrap();
+    assert_ne!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    for target in &targets {
+        assert!(!Path::new(target).exists(), "{target} left behind");
+    }
 }
 
 #[test]
@@ -343,6 +437,12 @@ fn format_creates_files_and_refuses_bad_devices() {
     assert!(line.contains("--file-size"), "{line}");
     let line = one_line_error(teraio().arg("format").arg(tmp.path().join("small")).args(["--file-size", "8KiB"]), 2);
     assert!(line.contains("needs at least"), "{line}");
+    // Refused after the file was made (too small for this stripe unit): the file goes again.
+    let small = tmp.path().join("small-for-the-stripe-unit");
+    let line =
+        one_line_error(teraio().arg("format").arg(&small).args(["--file-size", "16MiB", "--stripe-unit", "64MiB"]), 2);
+    assert!(line.contains("needs at least"), "{line}");
+    assert!(!small.exists(), "a failed format leaves no file behind");
     // info/fsck: a missing device, a device of no store, only part of a store.
     let line = one_line_error(teraio().args(["info", &targets[0], &missing]), 2);
     assert!(line.contains("does not exist"), "{line}");
@@ -461,8 +561,53 @@ fn planner_commands_trace_plan_and_sim() {
     teraio().arg("plan").arg(&trace).arg("-o").arg(&plan).assert().success();
     assert!(plan.exists());
     teraio().arg("sim").arg(&trace).arg("--json").assert().success();
-    let line = one_line_error(teraio().arg("plan").arg(tmp.path().join("missing.json")), 1);
+    // A missing trace is bad input (exit 2), as a missing store device is.
+    let line = one_line_error(teraio().arg("plan").arg(tmp.path().join("missing.json")), 2);
     assert!(line.contains("missing.json"), "{line}");
+}
+
+/// One exit-code convention for every subcommand: 2 for bad input (flags, sizes, files that are
+/// missing or do not decode, unknown names), 1 for an operation that failed.
+#[test]
+fn bad_input_exits_2_and_names_what_is_wrong_in_every_planner_command() {
+    let tmp = scratch();
+    let trace = tmp.path().join("tiny.json");
+    teraio().args(["trace", "--model", "tiny", "-o"]).arg(&trace).assert().success();
+    let missing = tmp.path().join("missing.json");
+    // A bare memory size under 1 MiB: a forgotten unit.
+    for command in ["plan", "sim"] {
+        let line = one_line_error(teraio().arg(command).arg(&trace).args(["--gpu-mem", "40"]), 2);
+        assert!(line.contains("did you mean 40GiB?"), "{line}");
+        let line = one_line_error(teraio().arg(command).arg(&missing), 2);
+        assert!(line.contains("missing.json"), "{line}");
+    }
+    let line = one_line_error(teraio().args(["trace", "--model", "tiny", "--gpu-mem", "80", "-o"]).arg(&trace), 2);
+    assert!(line.contains("did you mean 80GiB?"), "{line}");
+    // A fractional size with a unit is taken, rounded down to whole bytes.
+    teraio().arg("plan").arg(&trace).args(["--gpu-mem", "53.86GiB", "--host-mem", "0.5GiB"]).assert().success();
+    let line = one_line_error(teraio().args(["trace", "--model", "gpt-17", "-o"]).arg(&trace), 2);
+    assert!(line.contains("gpt-17"), "{line}");
+    let line = one_line_error(teraio().args(["trace", "--model", "tiny"]), 2);
+    assert!(line.contains("--output"), "the missing argument is named: {line}");
+    // A trace that does not decode: the file, the line and the field.
+    let bad = tmp.path().join("bad.json");
+    let text = std::fs::read_to_string(&trace).unwrap();
+    let value: Value = serde_json::from_str(&text).unwrap();
+    let mut pretty = serde_json::to_string_pretty(&value).unwrap();
+    let at = pretty.find("\"duration_us\": ").unwrap() + "\"duration_us\": ".len();
+    pretty.insert_str(at, "\"slow\", \"was\": ");
+    std::fs::write(&bad, &pretty).unwrap();
+    let line_number = pretty[..at].lines().count();
+    let line = one_line_error(teraio().arg("plan").arg(&bad), 2);
+    assert!(line.contains("bad.json"), "{line}");
+    assert!(line.contains(&format!("line {line_number}")), "{line}");
+    assert!(line.contains("field \"duration_us\""), "{line}");
+    // A trace that decodes but breaks a rule: the file too.
+    let mut broken = value.clone();
+    broken["ops"] = serde_json::json!([]);
+    std::fs::write(&bad, broken.to_string()).unwrap();
+    let line = one_line_error(teraio().arg("sim").arg(&bad), 2);
+    assert!(line.contains("bad.json") && line.contains("no ops"), "{line}");
 }
 
 #[test]

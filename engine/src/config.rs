@@ -254,7 +254,7 @@ mod tests {
         assert_eq!(parse_size("1.5G").unwrap(), 3 * GIB / 2);
         assert!(parse_size("abc").is_err());
         assert!(parse_size("4q").is_err());
-        assert!(parse_size("1.5").is_err());
+        assert_eq!(parse_size("1.5").unwrap(), 1, "fractions round down to whole bytes (teraio-units)");
         assert_eq!(parse_size("1GB").unwrap(), 1_000_000_000, "GB is decimal, as the planner reads it");
     }
 

@@ -214,7 +214,7 @@ impl Plan {
     /// Reads a plan file.
     pub fn load(path: &Path) -> Result<Plan> {
         let text = std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
-        serde_json::from_str(&text).map_err(|source| Error::Json { path: path.to_path_buf(), source })
+        serde_json::from_str(&text).map_err(|source| Error::decode(path, &text, &source))
     }
 
     /// Writes a plan file.

@@ -235,9 +235,11 @@ impl Trace {
     /// Reads and validates a JSON trace.
     pub fn load(path: &Path) -> Result<Trace> {
         let text = std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
-        let trace: Trace =
-            serde_json::from_str(&text).map_err(|source| Error::Json { path: path.to_path_buf(), source })?;
-        trace.validate()?;
+        let trace: Trace = serde_json::from_str(&text).map_err(|source| Error::decode(path, &text, &source))?;
+        trace.validate().map_err(|error| match error {
+            Error::InvalidTrace(message) => Error::InvalidTrace(format!("{}: {message}", path.display())),
+            other => other,
+        })?;
         Ok(trace)
     }
 

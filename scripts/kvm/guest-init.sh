@@ -80,7 +80,7 @@ to_vfio
 if [ "$MODE" = tests ] || [ "$MODE" = all ]; then
     echo "TERAIO-TESTS-BEGIN"
     TERAIO_NVME_REQUIRED=1 TERAIO_NVME_NAMESPACES="$KERNEL_NS" TERAIO_NVME_VFIO="$VFIO_BDFS" \
-        /tests/guest --test-threads=1
+        /tests/guest --test-threads=1 --include-ignored
     tests_rc=$?
     echo "TERAIO-TESTS-END"
 fi

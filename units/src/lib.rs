@@ -8,6 +8,10 @@
 //!   bandwidth) are powers of 1000;
 //! - no unit, or `B`: bytes.
 //!
+//! Fractions are allowed anywhere (`53.86GiB`, `1.5`, `5.5e9`): the size is the product of the
+//! number and its unit, rounded down to whole bytes (`0.5KiB` is 512 bytes, `1.9` is 1 byte).
+//! Numbers (Python's `5.5e9`) go through [`size_bytes_from_number`], the same rounding.
+//!
 //! Letters are case-insensitive (`gib`, `Gb` and `gB` read as written above). A bandwidth is a
 //! size followed by `/s`, in bytes per second; an SSD array is `N x bandwidth`, and a device's
 //! read and write rates can differ: `7/6.5GB/s` (read/write, one unit at the end).
@@ -54,11 +58,24 @@ fn unit_multiplier(unit: &str) -> Option<f64> {
 
 const UNIT_HELP: &str = "use K, M, G, T or KiB, MiB, GiB, TiB (powers of 1024), kB, MB, GB, TB (powers of 1000) or B";
 
+/// Where the number at the start of `text` ends: digits and dots, then an optional exponent
+/// (`5.5e9`, `1E-3`) when one follows (no unit starts with `e`).
+fn number_end(text: &str) -> usize {
+    let mantissa_end = text.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(text.len());
+    let rest = &text[mantissa_end..];
+    let Some(exponent) = rest.strip_prefix(['e', 'E']) else { return mantissa_end };
+    let digits = exponent.strip_prefix(['+', '-']).unwrap_or(exponent);
+    let digit_count = digits.find(|c: char| !c.is_ascii_digit()).unwrap_or(digits.len());
+    if mantissa_end == 0 || digit_count == 0 {
+        return mantissa_end;
+    }
+    mantissa_end + (rest.len() - digits.len()) + digit_count
+}
+
 /// Splits `12.5GiB` into (12.5, "GiB").
 fn split_number<'a>(what: &'static str, input: &str, text: &'a str) -> Result<(f64, &'a str), ParseError> {
     let text = text.trim();
-    let split_at = text.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(text.len());
-    let (number, unit) = text.split_at(split_at);
+    let (number, unit) = text.split_at(number_end(text));
     if number.is_empty() {
         return Err(error(what, input, "expected a number first, e.g. 24GiB"));
     }
@@ -66,20 +83,60 @@ fn split_number<'a>(what: &'static str, input: &str, text: &'a str) -> Result<(f
     Ok((value, unit.trim()))
 }
 
-/// Bytes from a size such as `24GiB`, `2G` (binary), `94GB` (decimal), `4k` or `4096`.
-/// Fractions are allowed where they make whole bytes (`1.5GiB`), not otherwise (`1.5`).
+/// Bytes from a size such as `24GiB`, `2G` (binary), `94GB` (decimal), `53.86GiB`, `4k`,
+/// `4096` or `5.5e9`, rounded down to whole bytes.
 pub fn parse_size_bytes(input: &str) -> Result<u64, ParseError> {
     let (value, unit) = split_number("size", input, input)?;
     let multiplier =
         unit_multiplier(unit).ok_or_else(|| error("size", input, format!("unknown unit {unit:?}; {UNIT_HELP}")))?;
-    let bytes = value * multiplier;
-    if bytes > SIZE_BYTES_MAX as f64 {
-        return Err(error("size", input, "larger than 1 EiB"));
-    }
-    if bytes.fract() != 0.0 {
-        return Err(error("size", input, "not a whole number of bytes"));
+    whole_bytes("size", input, value * multiplier)
+}
+
+/// Bytes from a number of bytes (an int or a float, as Python passes them): rounded down, as
+/// [`parse_size_bytes`] rounds.
+pub fn size_bytes_from_number(bytes: f64) -> Result<u64, ParseError> {
+    whole_bytes("size", &bytes.to_string(), bytes)
+}
+
+/// Bytes from a whole number of bytes (a Python int, whatever its size): 0 to [`SIZE_BYTES_MAX`].
+pub fn size_bytes_from_integer(bytes: i128) -> Result<u64, ParseError> {
+    if bytes < 0 || bytes > i128::from(SIZE_BYTES_MAX) {
+        return Err(error("size", &bytes.to_string(), "must be 0 bytes to 1 EiB"));
     }
     Ok(bytes as u64)
+}
+
+/// The rounding every size goes through: finite, not negative, at most [`SIZE_BYTES_MAX`], and
+/// rounded down to whole bytes.
+fn whole_bytes(what: &'static str, input: &str, bytes: f64) -> Result<u64, ParseError> {
+    if !bytes.is_finite() || bytes < 0.0 {
+        return Err(error(what, input, "must be a finite number of bytes, 0 or more"));
+    }
+    if bytes > SIZE_BYTES_MAX as f64 {
+        return Err(error(what, input, "larger than 1 EiB"));
+    }
+    Ok(bytes.floor() as u64)
+}
+
+/// Smallest bare number (no unit) read as a memory size: below it, `40` is far more likely a
+/// forgotten `GiB` than 40 bytes of GPU or host memory.
+pub const BARE_MEMORY_BYTES_MIN: u64 = 1 << 20;
+
+/// A memory size (GPU or host memory) as [`parse_size_bytes`] reads it, but a bare number (no
+/// unit) other than 0 and under [`BARE_MEMORY_BYTES_MIN`] is refused with the size it probably
+/// meant: `40` asks "did you mean 40GiB?". Write `40B` for 40 bytes; `0` means none.
+pub fn parse_memory_size_bytes(input: &str) -> Result<u64, ParseError> {
+    let bytes = parse_size_bytes(input)?;
+    let (value, unit) = split_number("memory size", input, input)?;
+    let number = &input.trim()[..number_end(input.trim())];
+    if unit.is_empty() && value != 0.0 && value < BARE_MEMORY_BYTES_MIN as f64 {
+        return Err(error(
+            "memory size",
+            input,
+            format!("a bare number is bytes; did you mean {number}GiB? (write {number}B for bytes)"),
+        ));
+    }
+    Ok(bytes)
 }
 
 /// Bytes per second from one rate such as `6.5GB/s`, `800MiB/s` or `2G/s`.
@@ -208,9 +265,44 @@ mod tests {
     fn bad_sizes_say_why() {
         let message = parse_size_bytes("40 gigs").unwrap_err().to_string();
         assert!(message.contains("unknown unit") && message.contains("powers of 1024"), "{message}");
-        for bad in ["GiB", "", "-3GB", "2000000TiB", "1.5", "4q", "abc", "1.2.3G"] {
+        for bad in ["GiB", "", "-3GB", "2000000TiB", "4q", "abc", "1.2.3G", "1e", "e9", "1e400"] {
             assert!(parse_size_bytes(bad).is_err(), "{bad:?} accepted");
         }
+    }
+
+    #[test]
+    fn fractions_round_down_to_whole_bytes() {
+        // 53.86 GiB = 57831734640.64 bytes.
+        assert_eq!(parse_size_bytes("53.86GiB").unwrap(), 57_831_734_640);
+        assert_eq!(parse_size_bytes("1.5").unwrap(), 1);
+        assert_eq!(parse_size_bytes("0.9").unwrap(), 0);
+        assert_eq!(parse_size_bytes("0.5KiB").unwrap(), 512);
+        assert_eq!(parse_size_bytes("0.0001KiB").unwrap(), 0);
+        assert_eq!(parse_size_bytes("5.5e9").unwrap(), 5_500_000_000);
+        assert_eq!(parse_size_bytes("2.5E3B").unwrap(), 2500);
+        assert_eq!(parse_size_bytes("1e-1GB").unwrap(), 100_000_000);
+        assert_eq!(size_bytes_from_number(5.5e9).unwrap(), 5_500_000_000);
+        assert_eq!(size_bytes_from_number(4096.99).unwrap(), 4096);
+        assert_eq!(size_bytes_from_number(0.0).unwrap(), 0);
+        assert_eq!(size_bytes_from_integer((1 << 60) - 1).unwrap(), (1 << 60) - 1, "exact past 2^53");
+        assert!(size_bytes_from_integer(-1).is_err() && size_bytes_from_integer((1 << 60) + 1).is_err());
+        for bad in [-1.0, f64::NAN, f64::INFINITY, 2e18] {
+            assert!(size_bytes_from_number(bad).is_err(), "{bad} accepted");
+        }
+    }
+
+    #[test]
+    fn bare_small_memory_sizes_ask_for_a_unit() {
+        let message = parse_memory_size_bytes("40").unwrap_err().to_string();
+        assert!(message.contains("did you mean 40GiB?"), "{message}");
+        let message = parse_memory_size_bytes(" 53.5 ").unwrap_err().to_string();
+        assert!(message.contains("did you mean 53.5GiB?"), "{message}");
+        assert_eq!(parse_memory_size_bytes("40B").unwrap(), 40);
+        assert_eq!(parse_memory_size_bytes("40GiB").unwrap(), 40 << 30);
+        assert_eq!(parse_memory_size_bytes("1048576").unwrap(), BARE_MEMORY_BYTES_MIN);
+        assert!(parse_memory_size_bytes("1048575").is_err());
+        assert_eq!(parse_memory_size_bytes("4e10").unwrap(), 40_000_000_000);
+        assert_eq!(parse_memory_size_bytes("0").unwrap(), 0, "0 is none, not a forgotten unit");
     }
 
     #[test]

@@ -13,7 +13,7 @@ use std::time::Duration;
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyString};
 
 use teraio_engine::options::{store_configs, OptionKind, OptionStage, OptionValue, StoreConfigs, STORE_OPTIONS};
 use teraio_engine::{Error as EngineError, Priority, Store as EngineStore, Ticket};
@@ -348,10 +348,14 @@ impl KeywordValue {
             Ok(KeywordValue::Text(text))
         } else if let Ok(count) = value.extract::<u64>() {
             Ok(KeywordValue::Count(count))
+        } else if value.is_instance_of::<PyFloat>() {
+            // A float of bytes (`file_size_bytes=5.5e9`) reads as the size text it spells, so
+            // size options round it down as every size is (teraio-units); count options refuse it.
+            Ok(KeywordValue::Text(value.extract::<f64>()?.to_string()))
         } else {
             let shown = value.repr().map(|r| r.to_string()).unwrap_or_else(|_| "?".into());
             Err(InvalidArgumentError::new_err(format!(
-                "{name}={shown}: store options take a bool, an int >= 0, a str or None"
+                "{name}={shown}: store options take a bool, an int >= 0, a float of bytes, a str or None"
             )))
         }
     }
@@ -848,11 +852,30 @@ fn validate_trace(trace_json: &str) -> PyResult<()> {
     parse_trace(trace_json).map(drop)
 }
 
-/// Bytes from a size such as "24GiB", "2G" (powers of 1024) or "94GB" (powers of 1000): the
-/// parser the engine, planner and CLI use (teraio-units); ValueError says why a text is refused.
+/// Bytes from a size: an int, a float of bytes (`5.5e9`) or a string such as "24GiB", "2G"
+/// (powers of 1024), "94GB" (powers of 1000) or "53.86GiB", rounded down to whole bytes: the
+/// parser the engine, planner and CLI use (teraio-units); ValueError says why a value is refused.
 #[pyfunction]
-fn parse_size(text: &str) -> PyResult<u64> {
-    teraio_units::parse_size_bytes(text).map_err(|e| PyValueError::new_err(e.to_string()))
+fn parse_size(value: &Bound<'_, PyAny>) -> PyResult<u64> {
+    let parsed = if value.is_instance_of::<PyBool>() {
+        return Err(PyValueError::new_err(format!(
+            "size must be a number of bytes or a string such as '24GiB', not {value}"
+        )));
+    } else if value.is_instance_of::<PyString>() {
+        teraio_units::parse_size_bytes(&value.extract::<String>()?)
+    } else if value.is_instance_of::<PyInt>() {
+        let bytes: i128 =
+            value.extract().map_err(|_| PyValueError::new_err(format!("size {value} is out of range")))?;
+        teraio_units::size_bytes_from_integer(bytes)
+    } else if value.is_instance_of::<PyFloat>() {
+        teraio_units::size_bytes_from_number(value.extract::<f64>()?)
+    } else {
+        return Err(PyValueError::new_err(format!(
+            "size must be a number of bytes or a string such as '24GiB', not {}",
+            value.get_type().name()?
+        )));
+    };
+    parsed.map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
 /// Bytes per second from a bandwidth such as "6.5GB/s", "800MiB/s" or "4x6.5GB/s" (teraio-units).

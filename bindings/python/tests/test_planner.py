@@ -141,6 +141,26 @@ def test_parse_size() -> None:
         teraio.parse_size(True)
     with pytest.raises(ValueError):
         teraio.parse_size("lots")
+    with pytest.raises(ValueError):
+        teraio.parse_size(None)  # type: ignore[arg-type]
+
+
+def test_fractional_sizes_round_down_to_whole_bytes() -> None:
+    # 53.86 GiB = 57831734640.64 bytes: what a user gets from a fraction of a measured peak.
+    assert teraio.parse_size("53.86GiB") == 57_831_734_640
+    assert teraio.parse_size(5.5e9) == 5_500_000_000
+    assert teraio.parse_size("5.5e9") == 5_500_000_000
+    assert teraio.parse_size(4096.9) == 4096
+    assert teraio.parse_size("1.5") == 1
+    assert teraio.parse_size("0.5KiB") == 512
+    assert teraio.parse_size((1 << 60) - 1) == (1 << 60) - 1  # ints stay exact past 2**53
+    for bad in (-1, -0.5, float("nan"), float("inf"), 1 << 61, "-1GiB"):
+        with pytest.raises(ValueError):
+            teraio.parse_size(bad)
+    # The planner takes them where it takes sizes.
+    for cap in ("53.86GiB", 5.5e9):
+        result = teraio.plan(_trace(), gpu_memory=cap, ssd_read_bandwidth="6.5GB/s")
+        assert result["prediction"] is not None
 
 
 def test_tier_preference_and_ssd_over_the_host_link() -> None:

@@ -20,7 +20,7 @@ def _options(stages: tuple[str, ...]) -> list[dict[str, Any]]:
 
 
 def _annotation(option: dict[str, Any]) -> str:
-    kind = "Union[int, str]" if option["accepts_size_text"] else option["type"]
+    kind = "Union[int, float, str]" if option["accepts_size_text"] else option["type"]
     return f"Optional[{kind}]" if option["optional"] else kind
 
 
@@ -94,9 +94,19 @@ def test_bad_options_are_named(store_dir: pathlib.Path) -> None:
         teraio.Store.create(paths, file_size_bytes=64 << 20, queue_depth="deep")
     with pytest.raises(teraio.InvalidArgumentError, match="durable takes true or false"):
         teraio.Store.create(paths, file_size_bytes=64 << 20, durable=1)
-    with pytest.raises(teraio.InvalidArgumentError, match="queue_depth=2.5"):
+    # A float is a size's type, not a count's: refused by the option, naming the value.
+    with pytest.raises(teraio.InvalidArgumentError, match='queue_depth takes a whole number, not "2.5"'):
         teraio.Store.create(paths, file_size_bytes=64 << 20, queue_depth=2.5)
     assert not (store_dir / "dev0").exists(), "a refused option must not create files"
     teraio.Store.create(paths, file_size_bytes=64 << 20, durable=False).close()
     with pytest.raises(teraio.InvalidArgumentError, match="block_size is fixed when a store is formatted"):
         teraio.Store.open(paths, block_size=8192)
+
+
+def test_size_options_take_floats_and_fractions_rounded_down(store_dir: pathlib.Path) -> None:
+    # 32 MiB + 0.7 bytes and 32.5 MiB: each file is the size rounded down to whole bytes.
+    for index, size in enumerate((float(32 << 20) + 0.7, "32.5MiB")):
+        path = store_dir / f"dev{index}"
+        with teraio.Store.create([path], file_size_bytes=size, durable=False):
+            pass
+        assert path.stat().st_size == int(32.5 * (1 << 20)) if isinstance(size, str) else 32 << 20

@@ -13,6 +13,7 @@ import torch
 from teraio import capacity as cp
 from teraio import ids
 from teraio.blockwise import BlockOffload
+from teraio.planning import format_bytes
 from teraio.tiers import HostTier
 from teraio.whole_model import (
     RECORDED_ITERATION,
@@ -113,6 +114,10 @@ def test_exact_on_every_tier(store: teraio.Store, host_memory: int) -> None:
     assert pytest.approx(report.pinned_host_bytes) == sum(placed["host"].values())
     assert 0 < sum(report.host_ms_per_iteration.values()) <= report.measured_iteration_ms
     assert store.list() == []  # the run's objects are deleted at exit
+    # What teraio bought: the state the GPU would hold without offload (AdamW: parameter, its
+    # gradient and two state tensors of its size), against the budget, in the report.
+    assert report.model_state_bytes == 4 * params
+    assert f"alone take {format_bytes(4 * params)}" in str(report)
 
 
 def test_tied_weights_and_no_checkpointing(store: teraio.Store) -> None:

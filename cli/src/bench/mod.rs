@@ -15,7 +15,9 @@ pub mod workload;
 
 use crate::cpu::CpuTimes;
 use crate::error::{CliError, CliResult};
-use crate::targets::{check_writable_targets, Intent, TempStore};
+use crate::targets::{
+    check_free_space, check_writable_targets, free_bytes, space_needed, CreatedFiles, Intent, TempStore,
+};
 use crate::units::{duration_arg, format_bytes, size_arg};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -122,7 +124,8 @@ pub struct BenchArgs {
     /// CUDA device of GPU buffers.
     #[arg(long, default_value_t = 0)]
     pub gpu_device: u32,
-    /// Run the timed phase this long (e.g. 10s) [default: move the data size once].
+    /// Run the timed phase this long (e.g. 10s) [default: until the running mean rate holds
+    /// within 2% for 2 s, at most 10 s].
     #[arg(long, value_parser = duration_arg, conflicts_with = "size")]
     pub runtime: Option<Duration>,
     /// Move this many bytes in the timed phase.
@@ -415,6 +418,10 @@ struct JsonOutput<'a> {
     fio: Option<&'a fio::FioResult>,
     /// teraio GB/s over fio GB/s.
     teraio_over_fio: Option<f64>,
+    /// With --compare-fio: fio wrote over the store's files, so they were formatted again as an
+    /// empty store.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    reformatted_after_fio: bool,
 }
 
 /// Runs `teraio bench`.
@@ -467,6 +474,19 @@ pub fn run(args: &BenchArgs) -> CliResult<()> {
     // From here on Ctrl-C stops the run cleanly (the temporary store is removed).
     workload::catch_interrupts();
 
+    // Target files this run creates are removed again if it fails.
+    let created = CreatedFiles::before_creating(&args.targets);
+    let result = measure(args, &draft);
+    if result.is_ok() {
+        created.keep();
+    }
+    result
+}
+
+/// The run from the targets on: formats them (or the temporary store), fills the data set,
+/// measures, and runs fio's twin with --compare-fio.
+fn measure(args: &BenchArgs, draft: &Workload) -> CliResult<()> {
+    let draft = draft.clone();
     // Targets: explicit ones, or the embedded temporary store.
     let file_bytes =
         args.file_size.unwrap_or_else(|| sizing_workload(args, &draft).map_or(0, |w| bytes_per_device(&w)));
@@ -482,6 +502,14 @@ pub fn run(args: &BenchArgs) -> CliResult<()> {
     } else {
         temp_store = None;
         check_writable_targets(&args.targets, Intent::Bench, args.force, Some(file_bytes), args.buffered)?;
+        // Files to create, and with --data-size those to grow: their file system must have room
+        // before any is touched (a file that fills the disk halfway helps nobody).
+        let allocated: Vec<PathBuf> = if args.data_size.is_some() {
+            args.targets.clone()
+        } else {
+            args.targets.iter().filter(|p| std::fs::symlink_metadata(p).is_err()).cloned().collect()
+        };
+        check_free_space(&space_needed(&allocated, file_bytes), free_bytes)?;
         if args.data_size.is_some() {
             grow_small_files(args, &args.targets, file_bytes)?;
         }
@@ -502,14 +530,21 @@ pub fn run(args: &BenchArgs) -> CliResult<()> {
             format!("{index} {}", report::shorten(&p.display().to_string(), 33 - index.len()))
         })
         .collect();
+    let targets_text = crate::targets::describe_targets(&targets);
     if !args.json {
-        eprintln!("teraio bench on {}", targets.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", "));
+        eprintln!("teraio bench on {targets_text}");
     }
 
     if args.sweep {
         let report = sweep::run(args, &targets, &w, &names)?;
         if args.json {
-            print_json(&JsonOutput { report: None, sweep: Some(&report), fio: None, teraio_over_fio: None })?;
+            print_json(&JsonOutput {
+                report: None,
+                sweep: Some(&report),
+                fio: None,
+                teraio_over_fio: None,
+                reformatted_after_fio: false,
+            })?;
         } else {
             print!("{}", report.table());
         }
@@ -517,7 +552,8 @@ pub fn run(args: &BenchArgs) -> CliResult<()> {
     }
 
     let store = Store::open(&targets, open_config(args, &w))?;
-    let report = fill_and_measure(args, &store, &w, &names, true, None)?;
+    let mut report = fill_and_measure(args, &store, &w, &names, true, None)?;
+    report.targets = targets_text;
     store.close()?;
     let mut fio_result = None;
     let mut ratio = None;
@@ -526,7 +562,15 @@ pub fn run(args: &BenchArgs) -> CliResult<()> {
         if !args.json {
             eprintln!("running fio's twin ({}) on the same files...", fio::config_path(&PathBuf::new(), &w).display());
         }
-        let r = fio::run(&w, &targets, runtime, args.warmup)?;
+        let fio_run = fio::run(&w, &targets, runtime, args.warmup);
+        // fio writes over the files from their first byte (its data set, or a read job's
+        // preparation), the store's superblocks included: format them again, whatever fio did,
+        // so that they hold a valid (empty) store rather than a damaged one.
+        format_store(args, &targets, w.stripe_unit_bytes, None)?;
+        if !args.json && temp_store.is_none() {
+            eprintln!("fio wrote over the store: the targets were formatted again and hold an empty teraio store");
+        }
+        let r = fio_run?;
         ratio = Some(report.gb_per_s / r.gb_per_s().max(1e-12));
         fio_result = Some(r);
     }
@@ -536,13 +580,18 @@ pub fn run(args: &BenchArgs) -> CliResult<()> {
             sweep: None,
             fio: fio_result.as_ref(),
             teraio_over_fio: ratio,
+            reformatted_after_fio: args.compare_fio,
         })?;
     } else {
         print!("{}", report.table());
+        if fio_result.is_none() {
+            println!("{}", report::REFERENCE_NOTE);
+        }
         if let (Some(f), Some(ratio)) = (&fio_result, ratio) {
             println!();
-            println!("fio ({}, same files): {:.3} GB/s, {:.0} IOPS, p50 {:.0} us, p99 {:.0} us, p99.9 {:.0} us, {:.2} cores busy",
-                f.job_file, f.gb_per_s(), f.read_iops + f.write_iops, f.p50_us, f.p99_us, f.p999_us, f.cores_busy);
+            let ms = |us: f64| report::format_latency_ms(us.max(0.0).round() as u64);
+            println!("fio ({}, same files, the reference): {:.3} GB/s, {:.0} IOPS, p50 {} ms, p99 {} ms, p99.9 {} ms, {:.2} cores busy",
+                f.job_file, f.gb_per_s(), f.read_iops + f.write_iops, ms(f.p50_us), ms(f.p99_us), ms(f.p999_us), f.cores_busy);
             println!("teraio/fio: {ratio:.3}");
         }
     }
@@ -586,6 +635,15 @@ fn fit_default_data(args: &BenchArgs, draft: &Workload) -> CliResult<u64> {
         return Ok(wanted);
     }
     let fits = (free / 2).min(wanted) / draft.object_bytes * draft.object_bytes;
+    if fits > 0 && fits < wanted && !args.json {
+        eprintln!(
+            "data set shrunk from {} to {}: half the free space of {} ({} free); set TMPDIR or give --data-size",
+            format_bytes(wanted),
+            format_bytes(fits),
+            std::env::temp_dir().display(),
+            format_bytes(free)
+        );
+    }
     if fits == 0 {
         return Err(CliError::input(format!(
             "{} has only {} free; set TMPDIR to a disk with more room, or give targets",
@@ -626,6 +684,14 @@ fn fit_to_store(args: &BenchArgs, targets: &[PathBuf], draft: &Workload) -> CliR
         let w = workload_from_args(args, data)?;
         let sized = sizing_workload(args, &w)?;
         if bytes_per_device(&sized) - BENCH_METADATA_BYTES <= free_per_device {
+            if data < draft.data_bytes() && !args.json {
+                eprintln!(
+                    "data set shrunk from {} to {}: the targets have {} free per device; give larger targets",
+                    format_bytes(draft.data_bytes()),
+                    format_bytes(data),
+                    format_bytes(free_per_device)
+                );
+            }
             return Ok(w);
         }
         if args.data_size.is_some() || data <= w.object_bytes {
@@ -677,10 +743,11 @@ pub fn fill_and_measure(
     let limit = limit.unwrap_or(match (args.runtime, args.size) {
         (Some(d), _) => Limit::Runtime(d),
         (None, Some(b)) => Limit::Bytes(b),
-        (None, None) => Limit::Bytes(w.data_bytes()),
+        (None, None) => Limit::Steady,
     });
     let kind = match limit {
         Limit::Runtime(d) => ProgressKind::Time(d),
+        Limit::Steady => ProgressKind::Time(workload::STEADY_MAX),
         Limit::Bytes(b) => ProgressKind::Bytes(b),
     };
     store.reset_stats();
@@ -694,6 +761,33 @@ pub fn fill_and_measure(
     let mut report = BenchReport::new(w, names, &store.stats(), &totals, cpu);
     report.gpu_path = gpu_path;
     Ok(report)
+}
+
+/// Samples the progress bar's rate spans: 2 s of 250 ms ticks, so that ops completing in bursts
+/// (a whole 256 MiB object at once) do not make the rate jump between 0 and its peak.
+const PROGRESS_RATE_WINDOW: usize = 8;
+
+/// A rate over a moving window of (seconds, bytes done) samples.
+struct MovingRate {
+    samples: std::collections::VecDeque<(f64, u64)>,
+    window: usize,
+}
+
+impl MovingRate {
+    fn new(window: usize) -> MovingRate {
+        assert!(window >= 1);
+        MovingRate { samples: std::collections::VecDeque::with_capacity(window + 1), window }
+    }
+
+    /// Adds a sample; returns bytes per second from the oldest sample kept to this one.
+    fn add(&mut self, at_s: f64, bytes_done: u64) -> f64 {
+        self.samples.push_back((at_s, bytes_done));
+        if self.samples.len() > self.window + 1 {
+            self.samples.pop_front();
+        }
+        let (first_s, first_bytes) = self.samples[0];
+        (bytes_done - first_bytes) as f64 / (at_s - first_s).max(1e-9)
+    }
 }
 
 /// What a progress bar counts.
@@ -725,13 +819,13 @@ fn with_progress<T>(
     let result = std::thread::scope(|scope| {
         scope.spawn(|| {
             let started = std::time::Instant::now();
-            let mut last = (started, 0u64);
+            let mut rate = MovingRate::new(PROGRESS_RATE_WINDOW);
+            rate.add(0.0, 0);
             while !done.load(Ordering::Relaxed) {
                 std::thread::sleep(Duration::from_millis(250));
                 let now = std::time::Instant::now();
                 let bytes = progress.bytes_done.load(Ordering::Relaxed);
-                let rate = (bytes - last.1) as f64 / now.duration_since(last.0).as_secs_f64().max(1e-9) / 1e9;
-                last = (now, bytes);
+                let rate = rate.add(now.duration_since(started).as_secs_f64(), bytes) / 1e9;
                 bar.set_position(match kind {
                     ProgressKind::Time(_) => now.duration_since(started).as_millis() as u64,
                     ProgressKind::Bytes(_) => bytes,
@@ -780,6 +874,23 @@ fn print_json<T: Serialize>(value: &T) -> CliResult<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_progress_rate_is_a_moving_window_not_the_last_tick() {
+        // 256 MiB objects completing every second, sampled every 250 ms: the last tick alone reads
+        // 0 or 1 GB/s; the 2 s window reads the true 268 MB/s once it is full.
+        let mut rate = MovingRate::new(8);
+        let object = 256u64 << 20;
+        let mut readings = Vec::new();
+        for tick in 0..=16u64 {
+            let done = tick / 4 * object;
+            readings.push(rate.add(tick as f64 * 0.25, done));
+        }
+        for reading in &readings[8..] {
+            let want = object as f64; // bytes per second
+            assert!((reading - want).abs() <= 0.25 * want, "{reading} against {want}");
+        }
+    }
 
     #[test]
     fn engine_depth_leaves_the_asked_depth_for_normal_ops() {

@@ -1,7 +1,7 @@
 //! Bench results: built from the engine's counters and the bench's own, printed as a table
 //! for people or as JSON for scripts.
 
-use super::workload::{PhaseTotals, Workload};
+use super::workload::{PhaseTotals, StopReason, Workload};
 use crate::cpu::CpuTimes;
 use crate::units::{format_bytes, group_thousands};
 use serde::Serialize;
@@ -96,6 +96,10 @@ pub struct BenchReport {
     pub backend: String,
     pub backend_reason: String,
     pub elapsed_s: f64,
+    /// What ended the timed phase.
+    pub stopped_by: StopReason,
+    /// What the targets are (files on which file systems, or block devices).
+    pub targets: String,
     /// Bytes moved per second by the bench's ops (reads plus writes), decimal GB/s.
     pub gb_per_s: f64,
     /// Ops (gets and puts) per second.
@@ -132,6 +136,8 @@ impl BenchReport {
             backend: stats.backend.clone(),
             backend_reason: stats.backend_reason.clone(),
             elapsed_s,
+            stopped_by: totals.stopped_by,
+            targets: String::new(),
             gb_per_s,
             ops_per_s: (totals.read_ops + totals.write_ops) as f64 / elapsed_s,
             devices: stats
@@ -174,11 +180,18 @@ impl BenchReport {
     /// The readable table.
     pub fn table(&self) -> String {
         let mut out = String::new();
+        if !self.targets.is_empty() {
+            out.push_str(&format!("targets: {}\n", self.targets));
+        }
         out.push_str(&format!("teraio bench: {}\n", self.workload.describe()));
         out.push_str(&format!(
-            "backend {} ({}); timed phase {:.1} s\n",
-            self.backend, self.backend_reason, self.elapsed_s
+            "backend {} ({}); timed phase {:.1} s ({})\n",
+            self.backend,
+            self.backend_reason,
+            self.elapsed_s,
+            self.stopped_by.describe()
         ));
+        out.push_str(UNITS_NOTE);
         if let Some(gpu) = &self.gpu_path {
             out.push_str(&format!("GPU path: {gpu}\n"));
         }
@@ -220,12 +233,34 @@ impl BenchReport {
     }
 }
 
+/// What the table's figures are, under its header.
+pub const UNITS_NOTE: &str = "GB/s = 10^9 bytes/s; latencies in ms (device rows: request submit to completion)\n";
+
+/// What the run is compared with: printed after the table when there is no fio run.
+pub const REFERENCE_NOTE: &str =
+    "reference: none in this run; --compare-fio runs fio's twin of this workload (fio-configs/) on the same files";
+
 /// Column titles of the device table.
 pub fn table_header() -> String {
     format!(
         "{:<34} {:<5} {:>8} {:>10} {:>8} {:>8} {:>8} {:>9} {:>8}\n",
-        "device", "op", "GB/s", "IOPS", "p50 us", "p90 us", "p99 us", "p99.9 us", "max us"
+        "device", "op", "GB/s", "IOPS", "p50 ms", "p90 ms", "p99 ms", "p99.9 ms", "max ms"
     )
+}
+
+/// A latency in microseconds as milliseconds with 3 significant digits (`15.9`, `285`,
+/// `4.93`, `0.077`); at least 1 us resolution below 1 ms.
+pub fn format_latency_ms(latency_us: u64) -> String {
+    let ms = latency_us as f64 / 1e3;
+    if ms >= 100.0 {
+        format!("{ms:.0}")
+    } else if ms >= 10.0 {
+        format!("{ms:.1}")
+    } else if ms >= 1.0 {
+        format!("{ms:.2}")
+    } else {
+        format!("{ms:.3}")
+    }
 }
 
 fn push_device_rows(out: &mut String, d: &DeviceResult) {
@@ -251,11 +286,11 @@ pub fn row(name: &str, op: &str, r: &DirectionResult) -> String {
         op,
         r.gb_per_s,
         group_thousands(r.iops.round() as u64),
-        r.latency.p50_us,
-        r.latency.p90_us,
-        r.latency.p99_us,
-        r.latency.p999_us,
-        r.latency.max_us
+        format_latency_ms(r.latency.p50_us),
+        format_latency_ms(r.latency.p90_us),
+        format_latency_ms(r.latency.p99_us),
+        format_latency_ms(r.latency.p999_us),
+        format_latency_ms(r.latency.max_us)
     )
 }
 
@@ -266,5 +301,47 @@ pub fn shorten(name: &str, width: usize) -> String {
         name.to_string()
     } else {
         format!("...{}", name.chars().skip(count - (width - 3)).collect::<String>())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn latencies_print_in_ms_with_three_significant_digits() {
+        let cases = [(285_439, "285"), (15_919, "15.9"), (27_743, "27.7"), (10_000, "10.0"), (4_927, "4.93")];
+        for (us, text) in cases {
+            assert_eq!(format_latency_ms(us), text, "{us} us");
+        }
+        assert_eq!(format_latency_ms(999), "0.999");
+        assert_eq!(format_latency_ms(77), "0.077");
+        assert_eq!(format_latency_ms(0), "0.000");
+    }
+
+    #[test]
+    fn the_header_says_its_units() {
+        let header = table_header();
+        assert!(header.contains("GB/s") && header.contains("p99 ms") && !header.contains(" us"), "{header}");
+        assert!(UNITS_NOTE.contains("GB/s = 10^9 bytes/s") && UNITS_NOTE.contains("ms"));
+        // A row's figures line up under the header's columns.
+        let result = DirectionResult {
+            ops: 10,
+            bytes: 40960,
+            gb_per_s: 0.062,
+            iops: 15_107.0,
+            latency: LatencyUs {
+                count: 10,
+                mean_us: 5.0,
+                p50_us: 4927,
+                p90_us: 9063,
+                p99_us: 15919,
+                p999_us: 27743,
+                max_us: 285_439,
+            },
+        };
+        let line = row("0 d0", "read", &result);
+        assert_eq!(line.len(), header.len(), "{header}{line}");
+        assert!(line.contains(" 4.93 ") && line.contains(" 15.9 ") && line.trim_end().ends_with(" 285"), "{line}");
     }
 }

@@ -121,10 +121,10 @@ fn best_point(points: &[SweepPoint]) -> Option<SweepPoint> {
 impl SweepReport {
     /// The table, fastest first, and the best settings as flags.
     pub fn table(&self) -> String {
-        let mut out = format!("teraio bench --sweep: {}\n\n", self.workload);
+        let mut out = format!("teraio bench --sweep: {}\n{}\n", self.workload, super::report::UNITS_NOTE);
         out.push_str(&format!(
             "{:>10} {:>5} {:>7} {:>10} {:>9} {:>12} {:>8} {:>12}\n",
-            "request", "qd", "threads", "stripe", "GB/s", "IOPS", "p99 us", "cores/GB/s"
+            "request", "qd", "threads", "stripe", "GB/s", "IOPS", "p99 ms", "cores/GB/s"
         ));
         let mut sorted = self.points.clone();
         sorted.sort_by(|a, b| b.gb_per_s.total_cmp(&a.gb_per_s));
@@ -137,7 +137,7 @@ impl SweepReport {
                 format_bytes(p.stripe_unit_bytes),
                 p.gb_per_s,
                 group_thousands(p.iops.round() as u64),
-                p.p99_us,
+                super::report::format_latency_ms(p.p99_us),
                 p.cores_per_gb_per_s
             ));
         }
@@ -146,13 +146,13 @@ impl SweepReport {
         }
         if let Some(b) = &self.best {
             out.push_str(&format!(
-                "\nbest: --request-size {} --queue-depth {} --threads {} --stripe-unit {}  ({:.3} GB/s, p99 {} us; the fewest bytes in flight within 2% of the fastest)\n",
+                "\nbest: --request-size {} --queue-depth {} --threads {} --stripe-unit {}  ({:.3} GB/s, p99 {} ms; the fewest bytes in flight within 2% of the fastest)\n",
                 crate::units::short_size(b.request_bytes),
                 b.queue_depth,
                 b.threads,
                 crate::units::short_size(b.stripe_unit_bytes),
                 b.gb_per_s,
-                b.p99_us
+                super::report::format_latency_ms(b.p99_us)
             ));
         }
         out

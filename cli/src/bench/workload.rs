@@ -178,6 +178,67 @@ pub enum Limit {
     Runtime(Duration),
     /// Bytes moved (reads plus writes) over all workers.
     Bytes(u64),
+    /// The default timed phase: until the running mean rate is steady ([`is_steady`]), at most
+    /// [`STEADY_MAX`].
+    Steady,
+}
+
+/// How often the steady rule samples the running mean rate.
+pub const STEADY_SAMPLE: Duration = Duration::from_millis(250);
+/// Samples the running mean must hold over: 2 s.
+pub const STEADY_WINDOW: usize = 8;
+/// How far apart (max - min, as a share of the latest) the window's means may be.
+pub const STEADY_TOLERANCE: f64 = 0.02;
+/// The longest default timed phase.
+pub const STEADY_MAX: Duration = Duration::from_secs(10);
+
+/// Whether a phase has settled: `means` are its running mean rates (bytes moved since the phase
+/// began over the time since, one per sample, oldest first); the last `window` of them lie within
+/// `tolerance` of the latest (max - min <= tolerance x latest). A rate of 0 never settles.
+pub fn is_steady(means: &[f64], window: usize, tolerance: f64) -> bool {
+    assert!(window >= 2 && tolerance >= 0.0);
+    if means.len() < window {
+        return false;
+    }
+    let last = &means[means.len() - window..];
+    let latest = last[window - 1];
+    let (low, high) = last.iter().fold((f64::INFINITY, 0.0f64), |(lo, hi), &m| (lo.min(m), hi.max(m)));
+    latest > 0.0 && high - low <= tolerance * latest
+}
+
+/// Why a timed phase ended, for the report.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum StopReason {
+    /// The runtime (--runtime), or a phase run for a set time.
+    #[default]
+    Runtime,
+    /// The byte count (--size).
+    Bytes,
+    /// The running mean held within [`STEADY_TOLERANCE`] over [`STEADY_WINDOW`] samples.
+    Steady,
+    /// [`STEADY_MAX`] passed before the running mean settled.
+    SteadyCap,
+}
+
+impl StopReason {
+    /// How the report says it.
+    pub fn describe(self) -> String {
+        match self {
+            StopReason::Runtime => "the runtime".into(),
+            StopReason::Bytes => "the byte count".into(),
+            StopReason::Steady => format!(
+                "stopped when the running mean held within {:.0}% for {:.0} s",
+                STEADY_TOLERANCE * 100.0,
+                STEADY_SAMPLE.as_secs_f64() * STEADY_WINDOW as f64
+            ),
+            StopReason::SteadyCap => format!(
+                "stopped at the {} s cap: the running mean had not settled within {:.0}%",
+                STEADY_MAX.as_secs(),
+                STEADY_TOLERANCE * 100.0
+            ),
+        }
+    }
 }
 
 /// Live counters the progress bar reads.
@@ -198,6 +259,8 @@ pub struct PhaseTotals {
     pub verified_bytes: u64,
     /// Objects of the random-write set deleted to make room for random writes.
     pub room_deletes: u64,
+    /// What ended the phase.
+    pub stopped_by: StopReason,
 }
 
 impl PhaseTotals {
@@ -283,15 +346,34 @@ pub fn run_phase(store: &Store, w: &Workload, limit: Limit, progress: &Progress)
     let started = Instant::now();
     let deadline = match limit {
         Limit::Runtime(d) => Some(started + d),
+        Limit::Steady => Some(started + STEADY_MAX),
         Limit::Bytes(_) => None,
     };
     let byte_budget = match limit {
         Limit::Bytes(b) => Some(b),
-        Limit::Runtime(_) => None,
+        Limit::Runtime(_) | Limit::Steady => None,
     };
     let issued_bytes = AtomicU64::new(0);
     let stop = AtomicBool::new(false);
+    let settled = AtomicBool::new(false);
+    let workers_done = AtomicBool::new(false);
     let results: Vec<CliResult<PhaseTotals>> = std::thread::scope(|scope| {
+        if matches!(limit, Limit::Steady) {
+            // Samples the running mean and stops the workers once it has settled.
+            let (stop, settled, workers_done) = (&stop, &settled, &workers_done);
+            scope.spawn(move || {
+                let mut means = Vec::with_capacity((STEADY_MAX.as_millis() / STEADY_SAMPLE.as_millis()) as usize + 1);
+                while !workers_done.load(Ordering::Relaxed) && !stop.load(Ordering::Relaxed) {
+                    std::thread::sleep(STEADY_SAMPLE);
+                    let elapsed_s = started.elapsed().as_secs_f64();
+                    means.push(progress.bytes_done.load(Ordering::Relaxed) as f64 / elapsed_s.max(1e-9));
+                    if is_steady(&means, STEADY_WINDOW, STEADY_TOLERANCE) {
+                        settled.store(true, Ordering::Relaxed);
+                        stop.store(true, Ordering::Relaxed);
+                    }
+                }
+            });
+        }
         let handles: Vec<_> = (0..w.threads)
             .map(|worker| {
                 let (issued_bytes, stop) = (&issued_bytes, &stop);
@@ -304,16 +386,24 @@ pub fn run_phase(store: &Store, w: &Workload, limit: Limit, progress: &Progress)
                 })
             })
             .collect();
-        handles
+        let results = handles
             .into_iter()
             .map(|h| h.join().unwrap_or_else(|_| Err(CliError::failed("a bench worker panicked"))))
-            .collect()
+            .collect();
+        workers_done.store(true, Ordering::Relaxed);
+        results
     });
     let mut totals = PhaseTotals::default();
     for r in results {
         totals.add(&r?);
     }
     totals.elapsed_s = started.elapsed().as_secs_f64();
+    totals.stopped_by = match limit {
+        Limit::Runtime(_) => StopReason::Runtime,
+        Limit::Bytes(_) => StopReason::Bytes,
+        Limit::Steady if settled.load(Ordering::Relaxed) => StopReason::Steady,
+        Limit::Steady => StopReason::SteadyCap,
+    };
     Ok(totals)
 }
 
@@ -504,6 +594,28 @@ mod tests {
         assert_eq!(w.ops_in_flight_per_worker(), 256);
         assert_eq!(w.fio_rw(), "randread");
         assert_eq!(workload(Pattern::Sequential, 70).fio_rw(), "rw");
+    }
+
+    #[test]
+    fn the_default_phase_stops_once_the_running_mean_holds_within_two_percent() {
+        // Fed running means (bytes/s), not a clock: a ramp, then a plateau within 1%.
+        let ramp = [1.0e9, 1.4e9, 1.6e9, 1.7e9];
+        let plateau = [1.75e9, 1.76e9, 1.755e9, 1.76e9, 1.765e9, 1.76e9, 1.758e9, 1.762e9];
+        let mut means: Vec<f64> = ramp.to_vec();
+        for (index, &mean) in plateau.iter().enumerate() {
+            means.push(mean);
+            let want = index + 1 >= STEADY_WINDOW; // the whole window on the plateau
+            assert_eq!(is_steady(&means, STEADY_WINDOW, STEADY_TOLERANCE), want, "after {} samples", means.len());
+        }
+        // A window that spans 3% never settles; nor does a phase that moved nothing.
+        let drifting: Vec<f64> = (0..20).map(|i| 1e9 * (1.0 + 0.03 * (i % 2) as f64)).collect();
+        assert!(!is_steady(&drifting, STEADY_WINDOW, STEADY_TOLERANCE));
+        assert!(!is_steady(&[0.0; 20], STEADY_WINDOW, STEADY_TOLERANCE));
+        assert!(!is_steady(&plateau[..STEADY_WINDOW - 1], STEADY_WINDOW, STEADY_TOLERANCE), "too few samples");
+        // Exactly 2% apart is steady.
+        let edge = [0.98e9, 1.0e9, 1.0e9, 1.0e9, 1.0e9, 1.0e9, 1.0e9, 1.0e9];
+        assert!(is_steady(&edge, STEADY_WINDOW, STEADY_TOLERANCE));
+        assert_eq!(STEADY_MAX, Duration::from_secs(10));
     }
 
     #[test]

@@ -25,7 +25,7 @@ use teraio_planner::trace::Trace;
 use teraio_units::ReadWriteBandwidth;
 
 use crate::error::{CliError, CliResult};
-use crate::units::{bandwidth_arg, format_duration_us, format_gib, size_arg, ssd_arg};
+use crate::units::{bandwidth_arg, format_duration_us, format_gib, memory_size_arg, ssd_arg};
 use plot::{plot_memory, unplanned_series};
 
 /// A clap parser for one of the planner's named values (`names`), listed in `--help`.
@@ -40,13 +40,13 @@ where
 #[derive(Args, Debug, Clone)]
 pub struct HardwareArgs {
     /// GPU memory capacity, e.g. 40GiB or 94GB [default: the trace's].
-    #[arg(long, value_parser = size_arg)]
+    #[arg(long, value_parser = memory_size_arg)]
     pub gpu_mem: Option<u64>,
     /// SSD array: NxBW (same read and write) or NxREAD/WRITE, e.g. 4x6.5GB/s or 4x6.7/6.5GB/s.
     #[arg(long, value_parser = ssd_arg, default_value = "4x6.5GB/s")]
     pub ssd: ReadWriteBandwidth,
     /// Host memory the plan may use (0 = SSD only).
-    #[arg(long, value_parser = size_arg, default_value = "0")]
+    #[arg(long, value_parser = memory_size_arg, default_value = "0")]
     pub host_mem: u64,
     /// Host link bandwidth per direction left for offloading.
     #[arg(long, value_parser = bandwidth_arg, default_value = "25GB/s")]
@@ -96,7 +96,7 @@ pub struct PlannerArgs {
     #[arg(long)]
     pub no_stall_repair: bool,
     /// GPU memory to keep free (allocator slack), e.g. 2GiB.
-    #[arg(long, value_parser = size_arg, default_value = "0")]
+    #[arg(long, value_parser = memory_size_arg, default_value = "0")]
     pub reserve: u64,
     /// The tier a period goes to when both can take it: ssd (the paper), host, or auto (plan
     /// both ways, keep the faster by the simulator).
@@ -137,6 +137,10 @@ pub struct PlanArgs {
     /// Write an SVG of GPU memory over time, before and after the plan.
     #[arg(long)]
     pub svg: Option<PathBuf>,
+    /// Let the SVG's y axis reach the peak without offload too [default: the plan and the GPU
+    /// capacity].
+    #[arg(long)]
+    pub svg_full_y: bool,
     /// Actions to list in the table.
     #[arg(long, default_value_t = 20)]
     pub show_actions: usize,
@@ -163,6 +167,10 @@ pub struct SimArgs {
     /// Write an SVG of GPU memory over time for every policy.
     #[arg(long)]
     pub svg: Option<PathBuf>,
+    /// Let the SVG's y axis reach the peak without offload too [default: the policies' lines
+    /// and the GPU capacity].
+    #[arg(long)]
+    pub svg_full_y: bool,
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -211,7 +219,7 @@ pub struct TraceArgs {
     #[arg(long)]
     pub tf32: bool,
     /// Override: GPU memory capacity recorded in the trace.
-    #[arg(long, value_parser = size_arg)]
+    #[arg(long, value_parser = memory_size_arg)]
     pub gpu_mem: Option<u64>,
     /// Output file.
     #[arg(short, long)]
@@ -312,9 +320,11 @@ pub fn plan_command(args: &PlanArgs) -> CliResult<String> {
             (format!("{} (simulated)", result.plan.policy), result.prediction.simulated.memory_timeline.clone());
         plot_memory(
             path,
-            &format!("GPU memory: {}", trace.description),
+            &trace.description,
             hardware.gpu_capacity_bytes,
-            &[unplanned_series(&trace), after],
+            &unplanned_series(&trace),
+            &[after],
+            args.svg_full_y,
         )?;
     }
     if args.json {
@@ -333,7 +343,7 @@ fn format_plan(result: &PlanAndPrediction, trace: &Trace, show_actions: usize) -
          migrations: {} (SSD {}, host {}, clean drops {}, urgent actions {}, stall repairs {})\n\
          traffic per iteration: SSD write {:.1} GB, read {:.1} GB; host write {:.1} GB, read {:.1} GB\n\
          memory: {} without offload, {} planned peak, GPU {}: {}\n\
-         predicted iteration: {} (ideal {}, {:.1}% of ideal), stalls {} in {} ops, peak {}, outcome {:?}\n",
+         predicted iteration: {} (ideal {}, {:.1}% of ideal), stalls {} in {} ops, peak {}, outcome {}\n",
         p.trace,
         p.planning_time_ms,
         p.candidates,
@@ -358,7 +368,7 @@ fn format_plan(result: &PlanAndPrediction, trace: &Trace, show_actions: usize) -
         format_duration_us(simulated.stall_time_us),
         simulated.stalled_ops,
         format_gib(simulated.peak_gpu_bytes as f64),
-        simulated.outcome,
+        outcome_text(&simulated.outcome),
     );
     if show_actions > 0 && !plan.actions.is_empty() {
         out.push_str(&format!(
@@ -422,13 +432,20 @@ pub fn sim_command(args: &SimArgs) -> CliResult<(Comparison, String)> {
         });
     }
     if let Some(path) = &args.svg {
-        let mut series = vec![unplanned_series(&trace)];
+        let mut series = Vec::new();
         for row in &comparison.rows {
             if row.policy != "ideal" && !row.sim.memory_timeline.is_empty() {
                 series.push((row.policy.clone(), row.sim.memory_timeline.clone()));
             }
         }
-        plot_memory(path, &format!("GPU memory: {}", trace.description), hardware.gpu_capacity_bytes, &series)?;
+        plot_memory(
+            path,
+            &trace.description,
+            hardware.gpu_capacity_bytes,
+            &unplanned_series(&trace),
+            &series,
+            args.svg_full_y,
+        )?;
     }
     let text = if args.json { to_json(&comparison)? } else { format_table(&comparison) };
     Ok((comparison, text))

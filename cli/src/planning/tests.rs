@@ -29,8 +29,11 @@ fn parse(args: &[&str]) -> Result<Command, String> {
         .map_err(|e| e.to_string())
 }
 
+/// A file of this test run's, under the workspace's target directory (README: test files go
+/// under target/).
 fn temp_path(name: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("teraio-planner-test-{}", std::process::id()));
+    let target = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/test-files");
+    let dir = target.join(format!("teraio-planner-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     dir.join(name)
 }

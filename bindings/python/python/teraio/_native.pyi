@@ -30,21 +30,21 @@ class Store:
     def create(
         paths: Sequence[str],
         *,
-        file_size_bytes: Optional[Union[int, str]] = None,
-        stripe_unit_bytes: Union[int, str] = 1048576,
-        block_size: Union[int, str] = 4096,
+        file_size_bytes: Optional[Union[int, float, str]] = None,
+        stripe_unit_bytes: Union[int, float, str] = 1048576,
+        block_size: Union[int, float, str] = 4096,
         checksums: bool = True,
         force: bool = False,
-        max_meta_bytes: Union[int, str] = 4096,
-        checkpoint_slot_bytes: Optional[Union[int, str]] = None,
-        journal_bytes: Optional[Union[int, str]] = None,
+        max_meta_bytes: Union[int, float, str] = 4096,
+        checkpoint_slot_bytes: Optional[Union[int, float, str]] = None,
+        journal_bytes: Optional[Union[int, float, str]] = None,
         durable: bool = True,
         direct_io: bool = True,
         queue_depth: int = 32,
         backend: str = "auto",
-        max_inflight_bytes: Union[int, str] = 1073741824,
-        max_io_bytes: Union[int, str] = 4194304,
-        bounce_pool_bytes: Union[int, str] = 67108864,
+        max_inflight_bytes: Union[int, float, str] = 1073741824,
+        max_io_bytes: Union[int, float, str] = 4194304,
+        bounce_pool_bytes: Union[int, float, str] = 67108864,
         verify_checksums: bool = True,
         lock_wait_ms: int = 2000,
         emulate: Optional[str] = None,
@@ -58,9 +58,9 @@ class Store:
         direct_io: bool = True,
         queue_depth: int = 32,
         backend: str = "auto",
-        max_inflight_bytes: Union[int, str] = 1073741824,
-        max_io_bytes: Union[int, str] = 4194304,
-        bounce_pool_bytes: Union[int, str] = 67108864,
+        max_inflight_bytes: Union[int, float, str] = 1073741824,
+        max_io_bytes: Union[int, float, str] = 4194304,
+        bounce_pool_bytes: Union[int, float, str] = 67108864,
         verify_checksums: bool = True,
         lock_wait_ms: int = 2000,
         emulate: Optional[str] = None,
@@ -157,5 +157,5 @@ def simulate_plan(
 ) -> str: ...
 def replay_schedule(trace_json: str, schedule_json: str, hardware_json: str) -> str: ...
 def validate_trace(trace_json: str) -> None: ...
-def parse_size(text: str) -> int: ...
+def parse_size(value: Union[int, float, str]) -> int: ...
 def parse_bandwidth(text: str) -> float: ...

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Union
 
-Size = Union[int, str]
+Size = Union[int, float, str]
 Bandwidth = Union[float, str]
 
 

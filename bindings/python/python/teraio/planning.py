@@ -9,14 +9,9 @@ from . import _native
 
 
 def parse_size(value: Union[int, float, str]) -> int:
-    """Bytes from an int or a string such as `"24GiB"`, `"2G"` (powers of 1024), `"1.5GB"` (powers
-    of 1000) or `"4096"`: the one parser the engine, the planner and the CLI use too."""
-    if isinstance(value, bool):
-        raise ValueError(f"size must be a number of bytes or a string such as '24GiB', not {value!r}")
-    if isinstance(value, (int, float)):
-        if value < 0:
-            raise ValueError(f"size must be >= 0, got {value}")
-        return int(value)
+    """Bytes from an int, a float of bytes (`5.5e9`) or a string such as `"24GiB"`, `"2G"` (powers
+    of 1024), `"1.5GB"` (powers of 1000), `"53.86GiB"` or `"4096"`, rounded down to whole bytes:
+    the one parser the engine, the planner and the CLI use too (teraio-units)."""
     return _native.parse_size(value)
 
 
@@ -31,14 +26,14 @@ def format_bytes(nbytes: int) -> str:
 def plan(
     trace: Union[str, dict[str, Any]],
     *,
-    gpu_memory: Union[int, str],
+    gpu_memory: Union[int, float, str],
     ssd_read_bandwidth: Union[float, str] = 6.5e9,
     ssd_write_bandwidth: Optional[Union[float, str]] = None,
-    host_memory: Union[int, str] = 0,
+    host_memory: Union[int, float, str] = 0,
     host_link_bandwidth: Union[float, str] = 25e9,
     ssd_latency_us: float = 20.0,
     host_latency_us: float = 10.0,
-    reserve: Union[int, str] = 0,
+    reserve: Union[int, float, str] = 0,
     prefetch_slack: float = 1.0,
     movable_kinds: Optional[Sequence[str]] = None,
     ssd_shared: bool = False,
@@ -87,10 +82,10 @@ def simulate(
     trace: Union[str, dict[str, Any]],
     plan_doc: Union[str, dict[str, Any]],
     *,
-    gpu_memory: Union[int, str],
+    gpu_memory: Union[int, float, str],
     ssd_read_bandwidth: Union[float, str] = 6.5e9,
     ssd_write_bandwidth: Optional[Union[float, str]] = None,
-    host_memory: Union[int, str] = 0,
+    host_memory: Union[int, float, str] = 0,
     host_link_bandwidth: Union[float, str] = 25e9,
     ssd_latency_us: float = 20.0,
     host_latency_us: float = 10.0,
@@ -119,10 +114,10 @@ def simulate(
 
 
 def _hardware(
-    gpu_memory: Union[int, str],
+    gpu_memory: Union[int, float, str],
     ssd_read_bandwidth: Union[float, str],
     ssd_write_bandwidth: Optional[Union[float, str]],
-    host_memory: Union[int, str],
+    host_memory: Union[int, float, str],
     host_link_bandwidth: Union[float, str],
     ssd_latency_us: float,
     host_latency_us: float,

@@ -91,7 +91,7 @@ class offload:
         options: Optional[OffloadOptions] = None,
         *,
         store: Optional[Store] = None,
-        gpu_memory: Optional[Union[int, str]] = None,
+        gpu_memory: Optional[Union[int, float, str]] = None,
         **overrides: Any,
     ) -> Any:
         """Whole-model mode (`teraio.whole_model.ModelOffload`) where parameters, gradients and
@@ -141,7 +141,7 @@ class offload:
         options: Optional[OffloadOptions] = None,
         *,
         store: Optional[Store] = None,
-        gpu_memory: Optional[Union[int, str]] = None,
+        gpu_memory: Optional[Union[int, float, str]] = None,
         **overrides: Any,
     ) -> None:
         options = sharded.adapt_options(model, (options or OffloadOptions()).replace(**overrides))
@@ -1030,7 +1030,7 @@ class offload:
         return summary
 
 
-def _gpu_budget(device: torch.device, gpu_memory: Optional[Union[int, str]]) -> int:
+def _gpu_budget(device: torch.device, gpu_memory: Optional[Union[int, float, str]]) -> int:
     """`gpu_memory` in bytes; default: the whole device."""
     if gpu_memory is None:
         if device.type == "cuda":

@@ -121,17 +121,23 @@ def state_bytes_estimate(model: torch.nn.Module, optimizer: torch.optim.Optimize
     return per_param * sum(_nbytes(p) for p in _trained(optimizer))
 
 
+def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
+    """(parameters + gradients, parameters + gradients + optimizer state) in bytes: what the
+    training state takes on the GPU without offload."""
+    params = sum(_nbytes(p) for _, p in _named_unique_parameters(model))
+    grads = sum(_nbytes(p) for p in _trained(optimizer))
+    return params + grads, params + grads + state_bytes_estimate(model, optimizer)
+
+
 def needs_whole_model(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, gpu_memory_bytes: int
 ) -> bool:
     """Whether parameters + gradients + optimizer state exceed `WHOLE_MODEL_SHARE` of the budget
     and parameters + gradients exceed `WHOLE_MODEL_WEIGHTS_SHARE` of it."""
-    params = sum(_nbytes(p) for _, p in _named_unique_parameters(model))
-    grads = sum(_nbytes(p) for p in _trained(optimizer))
-    everything = params + grads + state_bytes_estimate(model, optimizer)
+    weights, everything = model_state_bytes(model, optimizer)
     return (
         everything > WHOLE_MODEL_SHARE * gpu_memory_bytes
-        and params + grads > WHOLE_MODEL_WEIGHTS_SHARE * gpu_memory_bytes
+        and weights > WHOLE_MODEL_WEIGHTS_SHARE * gpu_memory_bytes
     )
 
 
@@ -184,6 +190,9 @@ class WholeModelReport:
     warnings: list[str] = field(default_factory=list)
     mode: str = "whole-model"
     machine: dict[str, Any] = field(default_factory=dict)
+    #: Parameters, gradients and optimizer state together: what training without offload holds
+    #: on the GPU before any activation.
+    model_state_bytes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -201,6 +210,9 @@ class WholeModelReport:
             + ("step in backward, unit by unit" if self.step_in_backward else step),
             f"  peak GPU memory {gib(self.peak_gpu_bytes)} (budget {gib(self.gpu_memory_bytes)}), "
             f"step windows {gib(self.peak_step_window_bytes)}",
+            f"  without offload: parameters, gradients and optimizer state alone take "
+            f"{gib(self.model_state_bytes)}, {self.model_state_bytes / max(self.gpu_memory_bytes, 1):.2f}x "
+            "the budget",
             f"  pinned host {gib(self.pinned_host_bytes)}, peak host RSS {gib(self.peak_host_rss_bytes)}; "
             f"parameters kept on the GPU {gib(self.resident_parameter_bytes)}",
         ]
@@ -307,6 +319,8 @@ class ModelOffload:
     ) -> None:
         self.model = model
         self.optimizer = optimizer
+        # Before the state moves to the tiers (where the optimizer's own tensors are placeholders).
+        self.model_state_bytes = model_state_bytes(model, optimizer)[1]
         self.options = options
         self.store = store
         self.gpu_memory_bytes = gpu_memory_bytes
@@ -1319,6 +1333,7 @@ class ModelOffload:
             step_ms=statistics.median(self._step_ms[1:] or self._step_ms) if self._step_ms else None,
             peak_gpu_bytes=max(self._peaks[1:] or self._peaks) if self._peaks else None,
             gpu_memory_bytes=self.gpu_memory_bytes,
+            model_state_bytes=self.model_state_bytes,
             bytes_per_iteration=middle.moved(),
             placement={HOST: dict(self.plan.host_bytes), SSD: dict(self.plan.ssd_bytes)},
             pinned_host_bytes=self.host.peak_bytes,
