@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .planning import _bandwidth
+from .planning import parse_bandwidth
 
 #: Share of MemAvailable the runtime pins at most by default (the rest stays for the data
 #: loader, the page cache the store's files use, and the process itself; PyTorch's caching
@@ -290,7 +290,7 @@ def resolve_link(device: torch.device, store: Any, options: Any, notes: dict[str
     where they came from and the figures."""
 
     def given(value: Any, default: float = 1.0) -> float:
-        return default if value in (None, "auto") else float(_bandwidth(value))
+        return default if value in (None, "auto") else float(parse_bandwidth(value))
 
     want = options.host_link_bandwidth == "auto"
     want_store = store is not None and "auto" in (options.ssd_bandwidth, options.ssd_write_bandwidth)

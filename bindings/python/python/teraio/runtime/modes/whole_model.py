@@ -65,19 +65,19 @@ from torch.utils._foreach_utils import (
     _has_foreach_support,
 )
 
-from . import blocks as bk
-from . import capacity as cp
-from . import ids
-from ._native import PlannerError
-from .machine import reserve_from_allocator, resolve_link
-from .options import OffloadOptions
-from .planning import _bandwidth as parse_bandwidth
-from .planning import format_bytes, parse_size
-from .report import check_prediction
-from .schedule_record import ScheduleRecorder
-from .store import Store
-from .tiers import GPU, HOST, SSD, HostTier, SsdTier, Transfer, flat_bytes
-from .timing import IterationPeak
+from ... import blocks as bk
+from ... import ids
+from ...machine import reserve_from_allocator, resolve_link
+from ...options import OffloadOptions
+from ...planning import format_bytes, parse_bandwidth, parse_size
+from ...schedule_record import ScheduleRecorder
+from ...store import Store
+from ...timing import IterationPeak
+from ..errors import NoPlanFitsError, NoSpaceError, PlannerError
+from ..movers.copy import flat_bytes
+from ..movers.tiers import GPU, HOST, SSD, HostTier, SsdTier, Transfer
+from ..plans import capacity as cp
+from ..report import check_prediction
 
 #: Whole-model mode starts when parameters + gradients + optimizer state exceed this share of the
 #: GPU budget: a step with all of them resident peaks higher still (AdamW's foreach update holds
@@ -343,9 +343,6 @@ class ModelOffload:
                 window_bytes=window_bytes,
             )
         except cp.CapacityError as error:
-            from ._native import NoSpaceError
-            from .runtime import NoPlanFitsError
-
             kind = NoSpaceError if error.store_full else NoPlanFitsError
             raise kind(f"teraio.offload: {error}") from None
         # The bandwidths the prediction assumes (measured once, cached with the store).

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .executor import HOST, SSD
-from .planning import format_bytes
+from ..planning import format_bytes
+from .movers.tiers import HOST, SSD
 
 #: The report flags a measured iteration this far (as a share) from the prediction.
 PREDICTION_TOLERANCE = 0.10

@@ -37,9 +37,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .executor import HOST, SSD, _flat_bytes, _pinned_size, copy_on_stream
-from .sharded import local_tensor
-from .store import Store
+from ...sharded import local_tensor
+from ...store import Store
+from ..movers.copy import copy_on_stream, flat_bytes, pinned_size
+from ..movers.tiers import HOST, SSD
+from ..plans.tensor import Move
 
 
 @dataclass
@@ -56,20 +58,6 @@ class StateStats:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-@dataclass
-class Move:
-    """One tensor the plan moves: its tier and the `saved_tensors_hooks` events (indices within
-    an iteration) at which to act. `release_event` None: out after the optimizer step (optimizer
-    state); else out at that event (a parameter after its last forward use). `restore_event` None:
-    back at the step. `wait_event` None: compute waits at the step; else at that event."""
-
-    tensor: torch.Tensor
-    tier: str
-    restore_event: Optional[int]
-    release_event: Optional[int] = None
-    wait_event: Optional[int] = None
 
 
 def movable_state(
@@ -109,7 +97,7 @@ def host_then_store(
     if sizes is None:
         sizes = [int(t.untyped_storage().nbytes()) for t in tensors]
     for tensor, nbytes in zip(tensors, sizes):
-        size = _pinned_size(nbytes)
+        size = pinned_size(nbytes)
         if size <= host_bytes:
             host_bytes -= size
             moves.append(Move(tensor, HOST, restore_event))
@@ -283,7 +271,7 @@ class StateExecutor:
 
     def _offload(self, slot: _StateSlot) -> None:
         storage = slot.tensor.untyped_storage()
-        source = _flat_bytes(slot.tensor)
+        source = flat_bytes(slot.tensor)
         self._host_buffer(slot)
         if self.cuda:
             slot.d2h_event = copy_on_stream(self.d2h_stream, self.device, slot.host, source)
@@ -326,9 +314,7 @@ class StateExecutor:
 
     def _start_put(self, slot: _StateSlot) -> None:
         assert self.store is not None and slot.host is not None
-        slot.put = self.store._native.put_address(
-            slot.object_id, slot.host.data_ptr(), slot.nbytes, slot.host, b"", False
-        )
+        slot.put = self.store.start_put(slot.object_id, slot.host, slot.nbytes)
 
     # -- during the next iteration: back ---------------------------------------------------------
 
@@ -414,9 +400,7 @@ class StateExecutor:
                 self._pending.remove(slot)
             self._host_buffer(slot)
             assert self.store is not None
-            slot.get = self.store._native.get_address(
-                slot.object_id, slot.host.data_ptr(), slot.nbytes, slot.host, 0, True, True
-            )
+            slot.get = self.store.start_get(slot.object_id, slot.host, slot.nbytes, urgent=True)
             self._pending.append(slot)
             return
         self._copy_up(slot)
@@ -434,7 +418,7 @@ class StateExecutor:
         # Grown on the compute stream: the copy must not start before the compute work queued
         # so far, which may still use the memory the allocator hands out here.
         storage.resize_(slot.nbytes)
-        target = _flat_bytes(slot.tensor)
+        target = flat_bytes(slot.tensor)
         slot.resident = True
         if self.cuda:
             slot.restore = copy_on_stream(self.h2d_stream, self.device, target, host, after=slot.d2h_event)
@@ -483,10 +467,6 @@ class StateExecutor:
         """Brings every state tensor back (the optimizer is usable without teraio afterwards) and
         deletes the executor's objects from the store."""
         self.set_plan([])
-
-
-def _index(device: torch.device) -> int:
-    return int(device.index) if device.index is not None else int(torch.cuda.current_device())
 
 
 def pin_within_iteration(trace: dict[str, Any], kind: str) -> None:

@@ -22,22 +22,29 @@ import contextlib
 import json
 import statistics
 import time
-import warnings
 from typing import Any, Optional, Union
 
 import torch
 from torch.utils._pytree import tree_flatten
 
-from . import blocks as bk
-from . import calibration as cal
-from . import machine, sharded, timing
-from . import optimizer_state_dict as osd
-from . import recompute as rc
-from .executor import HOST, SSD, ActivationExecutor, _pinned_size
-from .options import OffloadOptions
-from .planning import _bandwidth, format_bytes, parse_size, plan, simulate
-from .profiler import Profiler, SaveEvent
-from .report import Report, check_prediction
+from ... import blocks as bk
+from ... import calibration as cal
+from ... import machine, sharded, timing
+from ... import optimizer_state_dict as osd
+from ... import recompute as rc
+from ...options import OffloadOptions
+from ...planning import format_bytes, parse_bandwidth, parse_size, plan, simulate
+from ...profiler import Profiler, SaveEvent
+from ...store import Store
+from ...timing import IterationPeak
+from ...timing import elapsed_ms as _elapsed_ms
+from ..errors import NoPlanFitsError
+from ..movers.copy import pinned_size
+from ..movers.tiers import HOST, SSD
+from ..plans.tensor import decisions_from_plan, parameter_moves_from_plan, state_moves_from_plan
+from ..report import Report, check_prediction
+from ..session import gpu_budget, host_memory
+from .activations import ActivationExecutor
 from .state import (
     StateExecutor,
     host_then_store,
@@ -45,19 +52,9 @@ from .state import (
     pin_outside_forward_gap,
     pin_within_iteration,
 )
-from .store import Store
-from .timing import IterationPeak
-from .timing import elapsed_ms as _elapsed_ms
-from .translate import decisions_from_plan, parameter_moves_from_plan, state_moves_from_plan
-
-
-class NoPlanFitsError(RuntimeError):
-    """No plan fits the GPU memory budget (raised before the planned iterations, or at the
-    start where the parameters and gradients alone exceed it); `if_no_fit="run"` trains anyway."""
-
 
 #: recompute="auto" ranks its plans by their simulated time on a host link this fraction of the
-#: planned bandwidth (`Offload._rank` says why).
+#: planned bandwidth (`TensorOffload._rank` says why).
 SLOW_LINK_FACTOR = 0.85
 
 #: A plan, the trace it was made for, its recipes (by tensor id) and their need events.
@@ -66,73 +63,15 @@ _Planned = tuple[dict[str, Any], dict[str, Any], dict[int, rc.Recipe], Optional[
 _Candidate = tuple[_Planned, list[SaveEvent], list[str], dict[str, Any]]
 
 
-class offload:
-    """Offloads a model's activations per a lifetime plan; see the module docstring.
+class TensorOffload:
+    """The tensor plan (`teraio.offload` with granularity "tensor"); see the module docstring.
 
     ```
-    with teraio.offload(model, optimizer, store=store, gpu_memory="22GiB") as run:
+    with teraio.offload(model, optimizer, store=store, gpu_memory="22GiB", granularity="tensor") as run:
         ...
     ```
-
-    Args:
-        model, optimizer: the model being trained and its optimizer (iterations end at its step).
-        options: a `teraio.OffloadOptions` (every setting, documented there); its fields can
-            also be given as keywords (`host_memory="64GiB"`, `recompute="off"`, ...), which
-            override the options object.
-        store: the SSD tier (a `teraio.Store`); None: host memory only.
-        gpu_memory: GPU memory the iterations must fit in (bytes or "24GiB"); default: the
-            device's memory.
+    Takes the arguments of `teraio.offload`.
     """
-
-    def __new__(
-        cls,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        options: Optional[OffloadOptions] = None,
-        *,
-        store: Optional[Store] = None,
-        gpu_memory: Optional[Union[int, str]] = None,
-        **overrides: Any,
-    ) -> Any:
-        """Whole-model mode (`teraio.whole_model.ModelOffload`) where parameters, gradients and
-        optimizer state do not fit the budget (`whole_model` option); else the block plan
-        (`teraio.blockwise.BlockOffload`) for a model with repeated blocks (`granularity`); else
-        this class, the tensor plan."""
-        options = sharded.adapt_options(model, (options or OffloadOptions()).replace(**overrides))
-        _refuse_compiled(model)
-        device = next(iter(model.parameters())).device
-        budget = _gpu_budget(device, gpu_memory)
-        from . import whole_model as wm
-
-        whole = options.whole_model == "on" or (
-            options.whole_model == "auto" and wm.needs_whole_model(model, optimizer, budget)
-        )
-        from . import blockwise
-        from .blocks import find_blocks
-
-        if options.step_in_backward and not whole:
-            warnings.warn(
-                "teraio.offload: step_in_backward=True has no effect: the model's parameters, "
-                "gradients and optimizer state fit gpu_memory, so whole-model mode is off "
-                "(whole_model='on' forces it)",
-                stacklevel=2,
-            )
-        if whole:
-            mode: Any = wm.ModelOffload
-        elif options.granularity == "tensor" or (options.granularity == "auto" and not find_blocks(model)):
-            return super().__new__(cls)
-        else:
-            mode = blockwise.BlockOffload
-        host_memory, machine_notes = _host_memory(options)
-        return mode(
-            model,
-            optimizer,
-            options,
-            store=store,
-            gpu_memory_bytes=budget,
-            host_memory_bytes=host_memory,
-            machine=machine_notes,
-        )
 
     def __init__(
         self,
@@ -153,7 +92,7 @@ class offload:
         self.model = model
         self.optimizer = optimizer
         self.store = store
-        self.gpu_memory_bytes = _gpu_budget(self.device, gpu_memory)
+        self.gpu_memory_bytes = gpu_budget(self.device, gpu_memory)
         self.machine: dict[str, Any] = {}
         self._resolve_machine(options)
         self.machine.update(sharded.rank_notes())
@@ -251,7 +190,7 @@ class offload:
 
     def _resolve_machine(self, options: OffloadOptions) -> None:
         """Host memory, bandwidths and the reserve: given, or measured / bounded ("auto")."""
-        self.host_memory_bytes, notes = _host_memory(options)
+        self.host_memory_bytes, notes = host_memory(options)
         self.machine.update(notes)
         want_link = options.host_link_bandwidth == "auto"
         want_ssd = self.store is not None and "auto" in (options.ssd_bandwidth, options.ssd_write_bandwidth)
@@ -292,15 +231,15 @@ class offload:
         self.machine.update(
             {
                 "host_memory_bytes": self.host_memory_bytes,
-                "host_link_bandwidth": _bandwidth(self.host_link_bandwidth),
-                "ssd_read_bandwidth": _bandwidth(self.ssd_bandwidth) if self.store is not None else None,
+                "host_link_bandwidth": parse_bandwidth(self.host_link_bandwidth),
+                "ssd_read_bandwidth": parse_bandwidth(self.ssd_bandwidth) if self.store is not None else None,
                 "ssd_shared": self.ssd_shared,
             }
         )
 
     # -- context -------------------------------------------------------------------------------
 
-    def __enter__(self) -> offload:
+    def __enter__(self) -> TensorOffload:
         self._check_persistent_fit()
         self._hooks.append(self.optimizer.register_step_pre_hook(self._before_step))
         self._hooks.append(self.optimizer.register_step_post_hook(self._after_step))
@@ -545,7 +484,7 @@ class offload:
                 self.store is not None,
             )
             self.fallback_state.set_plan(moves)
-            held = sum(_pinned_size(s.nbytes) for s in self.fallback_state.slots if s.tier == HOST)
+            held = sum(pinned_size(s.nbytes) for s in self.fallback_state.slots if s.tier == HOST)
             self.executor.host_memory_bytes = max(0, self.host_memory_bytes - held)
         self.fallback_state.after_step()
 
@@ -779,7 +718,7 @@ class offload:
             self.recompute_summary = summary
             return self._rank(trace, result), (result, trace, {}, None)
         durations = [op["duration_us"] for op in trace["ops"]]
-        link = _bandwidth(self.host_link_bandwidth)
+        link = parse_bandwidth(self.host_link_bandwidth)
         packed = {e.tensor_id for e in events if e.kind == "pack"}
         # (cost ratio or None for "every one") -> recipes; equal sets are planned once.
         ratios: list[Optional[float]] = [None] if self.recompute == "on" else list(rc.AUTO_COST_RATIOS)
@@ -857,7 +796,7 @@ class offload:
             trace,
             result["plan"],
             **self._hardware(),
-            host_link_bandwidth=_bandwidth(self.host_link_bandwidth) * SLOW_LINK_FACTOR,
+            host_link_bandwidth=parse_bandwidth(self.host_link_bandwidth) * SLOW_LINK_FACTOR,
         )
         completed = slow["outcome"]["status"] == "completed"
         return (0.0, slow["iteration_time_us"] / 1e3 if completed else float("inf"), predicted)
@@ -1028,46 +967,6 @@ class offload:
             if values:
                 summary[name] = {"measured": statistics.median(values), "profiled": profiled.get(name, 0.0)}
         return summary
-
-
-def _gpu_budget(device: torch.device, gpu_memory: Optional[Union[int, str]]) -> int:
-    """`gpu_memory` in bytes; default: the whole device."""
-    if gpu_memory is None:
-        if device.type == "cuda":
-            return int(torch.cuda.get_device_properties(device).total_memory)
-        raise ValueError("gpu_memory is required on a CPU device")
-    return parse_size(gpu_memory)
-
-
-def _host_memory(options: OffloadOptions) -> tuple[int, dict[str, Any]]:
-    """Pinned host memory the runtime may hold, and where the figure came from."""
-    if options.host_memory == "auto":
-        available = machine.available_host_bytes()
-        share = f"{machine.HOST_MEMORY_SHARE:.0%} of MemAvailable ({(available or 0) / 2**30:.1f} GiB)"
-        return machine.default_host_memory(available), {"host_memory": share}
-    return parse_size(options.host_memory), {"host_memory": "given"}
-
-
-def _refuse_compiled(model: torch.nn.Module) -> None:
-    """A `torch.compile`d model runs its forward and backward as compiled graphs: autograd's
-    saved tensors are AOTAutograd's, not visible to `saved_tensors_hooks` in the way the plan
-    maps them, and the profiler's dispatch mode does not see the graphs' ops. Refused at once."""
-    compiled = []
-    for name, module in model.named_modules():
-        if (
-            isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
-            or getattr(module, "_compiled_call_impl", None) is not None
-        ):
-            compiled.append(name or "the model")
-    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) and "the model" not in compiled:
-        compiled.insert(0, "the model")
-    if compiled:
-        raise TypeError(
-            f"teraio.offload does not support torch.compile'd models ({', '.join(compiled[:3])} "
-            "compiled): its profiler and its saved-tensor hooks need the eager ops. Pass the "
-            "uncompiled module (for `compiled = torch.compile(model)`, pass `model`), or call "
-            "torch.compile on parts that teraio does not need to see"
-        )
 
 
 def _recipe_outside(recipe: rc.Recipe, packed: set[Optional[int]], checkpointed: set[str]) -> bool:
