@@ -47,11 +47,12 @@ from typing import Any, Callable, Optional
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ... import ids
 from ...profiler import KeptSave
 from ...recompute import Recipe, Source
 from ...sharded import is_parameter_memory
 from ...store import Store
-from ..movers.copy import copy_on_stream, flat_bytes, join_copy, pinned_size
+from ..movers.copy import copy_now, copy_on_stream, flat_bytes, join_copy, pinned_buffer, pinned_size
 from ..movers.tiers import HOST, SSD
 from ..plans.tensor import RECOMPUTE, PackDecision
 
@@ -191,7 +192,7 @@ class ActivationExecutor:
         host_memory_bytes: int = 0,
         min_bytes: int = 1 << 20,
         max_inflight_bytes: int = 2 << 30,
-        object_id_base: int = 1 << 40,  # SSD-tier objects: ids object_id_base + pack index
+        object_id_base: int = ids.base("activations"),  # SSD-tier objects: ids object_id_base + pack index
         skip_storages: Optional[set[Any]] = None,
         gpu_memory_bytes: int = 0,
         copy_streams: int = 2,
@@ -628,7 +629,7 @@ class ActivationExecutor:
     # -- transfers -----------------------------------------------------------------------------
 
     def _host_buffer(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+        return pinned_buffer(nbytes, self.cuda)
 
     def _offload(self, slot: _Slot, tensor: torch.Tensor) -> None:
         # Storage to storage: no flat byte tensor to build (`set_` is the costliest call here).
@@ -645,7 +646,7 @@ class ActivationExecutor:
             self._inflight.append((slot.d2h_event, slot.nbytes))
             self._inflight_bytes += slot.nbytes
         else:
-            slot.host.untyped_storage().copy_(source)
+            copy_now(slot.host.untyped_storage(), source)
         if slot.tier == SSD:
             self._pending_puts.append(slot)
             self._pump(wait=False)
@@ -746,7 +747,7 @@ class ActivationExecutor:
         if slot.tier == SSD:
             self._finish_put(slot)
             if slot.host is None:
-                slot.host = torch.empty(slot.nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+                slot.host = pinned_buffer(slot.nbytes, self.cuda)
             assert self.store is not None
             host = slot.host
             slot.get_handle = self.store.start_get(slot.object_id, host, slot.nbytes, urgent=True)

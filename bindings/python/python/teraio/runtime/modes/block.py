@@ -74,7 +74,7 @@ from ...store import Store
 from ...timing import IterationPeak, mark
 from ...timing import elapsed_ms as _ms
 from ..errors import NoPlanFitsError
-from ..movers.copy import copy_on_stream, flat_bytes, pinned_size
+from ..movers.copy import copy_now, copy_on_stream, flat_bytes, pinned_buffer, pinned_size
 from ..movers.tiers import HOST, SSD
 from ..plans import block as block_plan
 from ..plans.block import (
@@ -231,7 +231,7 @@ class _HostMover:
                     f"{format_bytes(self.capacity_bytes)} ({format_bytes(self.used_bytes)} in use, "
                     f"{format_bytes(nbytes)} more)"
                 )
-            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+            host = pinned_buffer(nbytes, self.cuda)
             self.buffers[key] = host
             self.used_bytes += nbytes
             self.peak_bytes = max(self.peak_bytes, self.used_bytes)
@@ -246,7 +246,7 @@ class _HostMover:
             self._flight_bytes += nbytes
             self._throttle()
         else:
-            host.copy_(source)
+            copy_now(host, source)
         slots.append((key, slot))
         self.stats.host_offloaded_bytes += nbytes
         return slot
@@ -274,7 +274,7 @@ class _HostMover:
                 slot.gpu.record_stream(self.h2d_stream)
                 self.last_read[key] = slot.h2d
             else:
-                slot.gpu.copy_(slot.host)
+                copy_now(slot.gpu, slot.host)
             self.stats.host_prefetched_bytes += slot.nbytes
             total += slot.nbytes
         return total

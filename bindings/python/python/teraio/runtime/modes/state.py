@@ -37,9 +37,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ... import ids
 from ...sharded import local_tensor
 from ...store import Store
-from ..movers.copy import copy_on_stream, flat_bytes, pinned_size
+from ..movers.copy import copy_now, copy_on_stream, flat_bytes, pinned_buffer, pinned_size
 from ..movers.tiers import HOST, SSD
 from ..plans.tensor import Move
 
@@ -145,7 +146,7 @@ class StateExecutor:
         device: torch.device,
         *,
         store: Optional[Store] = None,
-        object_id_base: int = 1 << 41,  # SSD-tier objects: ids from object_id_base, one per slot made
+        object_id_base: int = ids.base("optimizer_state"),  # SSD-tier objects: one id per slot made
         d2h_stream: Any = None,
         h2d_stream: Any = None,
     ) -> None:
@@ -278,7 +279,7 @@ class StateExecutor:
             # The allocator keeps the block until the copy has read it.
             source.record_stream(self.d2h_stream)
         else:
-            slot.host.copy_(source)
+            copy_now(slot.host, source)
         del source
         storage.resize_(0)
         slot.resident = False
@@ -289,7 +290,7 @@ class StateExecutor:
 
     def _host_buffer(self, slot: _StateSlot) -> torch.Tensor:
         if slot.host is None:
-            slot.host = torch.empty(slot.nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+            slot.host = pinned_buffer(slot.nbytes, self.cuda)
         return slot.host
 
     def poll(self) -> None:
@@ -424,7 +425,7 @@ class StateExecutor:
             slot.restore = copy_on_stream(self.h2d_stream, self.device, target, host, after=slot.d2h_event)
             target.record_stream(self.h2d_stream)
         else:
-            target.copy_(host)
+            copy_now(target, host)
 
     def bring_back(self, out_again: bool) -> None:
         """Restores every tensor now off the device and waits for it (the optimizer's state dict

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten
 
 from ... import blocks as bk
 from ... import calibration as cal
-from ... import machine, sharded, timing
+from ... import ids, machine, sharded, timing
 from ... import optimizer_state_dict as osd
 from ... import recompute as rc
 from ...options import OffloadOptions
@@ -138,9 +138,13 @@ class TensorOffload:
         self.state = StateExecutor(self.device, store=store, **streams)
         # Before the plan, every optimizer-state tensor leaves the GPU between steps, so that
         # the warm-up and profiled iterations need no more memory than planned ones.
-        self.fallback_state = StateExecutor(self.device, store=store, object_id_base=1 << 43, **streams)
+        self.fallback_state = StateExecutor(
+            self.device, store=store, object_id_base=ids.base("fallback_state"), **streams
+        )
         self.offload_parameters = options.offload_parameters
-        self.params = StateExecutor(self.device, store=store, object_id_base=1 << 42, **streams)
+        self.params = StateExecutor(
+            self.device, store=store, object_id_base=ids.base("parameters"), **streams
+        )
         self.executor.on_event = self._on_event
         self.executor.on_backward = lambda: self._mark("backward")
         # Repeated blocks (checkpointing candidates), their forward passes in the profiled

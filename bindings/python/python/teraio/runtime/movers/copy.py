@@ -13,6 +13,17 @@ def pinned_size(nbytes: int) -> int:
     return 1 << max(0, nbytes - 1).bit_length()
 
 
+def pinned_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
+    """A host buffer of `nbytes` (flat bytes): pinned for CUDA copies (`pinned`), plain memory
+    for a CPU "device", whose copies are synchronous."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+
+
+def copy_now(target: Any, source: Any) -> None:
+    """The CPU "device"'s copy between its memory and a host buffer: synchronous, in order."""
+    target.copy_(source)
+
+
 def device_index(device: torch.device) -> int:
     return int(device.index) if device.index is not None else int(torch.cuda.current_device())
 
