@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def forced_choose(kind: str) -> Any:
-    """A replacement for `blockwise.choose` that picks the `kind` variant (see the module doc)."""
+    """A replacement for `plans.block.choose` that picks the `kind` variant (see the module doc)."""
     from teraio.runtime.plans import block as bw
 
     real = bw.choose

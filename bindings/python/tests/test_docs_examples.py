@@ -1,4 +1,4 @@
-"""Every ```python block of README.md and docs/python.md runs as written.
+"""Every ```python block of README.md, docs/python.md and docs/runtime.md runs as written.
 
 Each block runs alone, in a fresh interpreter, with a scratch directory on a real file system
 (the `store_dir` fixture: TERAIO_TEST_DIR) as its working directory, so relative store paths land
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
-DOCS = ("README.md", "docs/python.md")
+DOCS = ("README.md", "docs/python.md", "docs/runtime.md")
 DONE = "__teraio_docs_block_ran_to_the_end__"
 TIMEOUT_S = 600
 _FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```", re.S | re.M)

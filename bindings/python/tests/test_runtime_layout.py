@@ -1,6 +1,7 @@
 """The shape of `teraio/` read from its source (no torch needed): floors whose imports only point
 down and never circle, the store called from one module, copies between GPU and host memory made
-in the movers, object ids from `teraio.ids`.
+in the movers, object ids from `teraio.ids`; and docs/runtime.md's options table, made from
+`OffloadOptions`.
 
 docs/runtime.md describes the floors.
 """
@@ -13,8 +14,10 @@ import re
 from pathlib import Path
 
 import pytest
+from teraio import options as options_module
 
 PACKAGE = Path(__file__).resolve().parents[1] / "python" / "teraio"
+RUNTIME_DOC = Path(__file__).resolve().parents[3] / "docs" / "runtime.md"
 
 #: Top to bottom. A module may import modules on its own floor or below, never above; patterns
 #: are module names (`fnmatch`). The tools the modes use (profiler, recompute, blocks, ...) sit
@@ -250,3 +253,20 @@ def test_object_ids_come_from_their_namespaces() -> None:
     ]
     assert literal == []
     assert _LITERAL_ID.search("object_id_base=1 << 42")
+
+
+def test_the_runtime_doc_holds_the_options_table() -> None:
+    text = RUNTIME_DOC.read_text()
+    section = text[text.index("\n## Options\n") :]
+    table = "\n".join(line for line in section.splitlines() if line.startswith("|")) + "\n"
+    assert table == options_module.options_table()
+
+
+def test_the_options_table_wants_every_field_documented(monkeypatch: pytest.MonkeyPatch) -> None:
+    doc = options_module.OffloadOptions.__doc__ or ""
+    assert "        sync_each_step: " in doc
+    monkeypatch.setattr(
+        options_module.OffloadOptions, "__doc__", doc.replace("        sync_each_step: ", "        sync: ")
+    )
+    with pytest.raises(AssertionError, match="no entry for sync_each_step"):
+        options_module.options_table()

@@ -1,4 +1,4 @@
-"""Executes a plan for activations through `saved_tensors_hooks`.
+"""The activations' policy: a plan for saved tensors, executed through `saved_tensors_hooks`.
 
 Every tensor autograd saves in the forward pass goes through `pack`; the plan (or, before there is
 one, a fallback policy) says whether it stays, goes to host memory or goes to the SSD tier
@@ -20,11 +20,10 @@ measured no gain (the pieces of a copy already ready still ran first).
 A prefetch the plan did not issue in time is issued on demand; that and any wait for an SSD
 read are counted as stalls, and the result is still exact.
 
-SSD tier: the device-to-host copy lands in a pinned buffer, then the engine writes it
-(`Store.put_address`, asynchronous); reads come back into a pinned buffer and are copied up. The
-engine's GPU path (`put_device`/`get_device`) exists and the whole-model runtime's SSD tier
-(`tiers.SsdTier`) uses it; this executor does not yet, so its SSD bytes are staged in pinned
-host memory here (`SSD_STAGING_BYTES`).
+SSD tier: the device-to-host copy lands in a pinned buffer, then the engine writes it from there
+(`Store.start_put`, asynchronous); reads come back into a pinned buffer and are copied up. So the
+activations' SSD bytes are staged in pinned host memory (`SSD_STAGING_BYTES`), where the
+whole-model mode's SSD tier (`movers.tiers.SsdTier`) goes through the engine's GPU path.
 
 Recomputation (`teraio.recompute`): a saved tensor the plan marks "recompute" is not copied at
 all; the executor keeps the handles of its sources (earlier saves, parameters, captured module

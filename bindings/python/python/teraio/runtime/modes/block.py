@@ -71,8 +71,8 @@ from ...machine import Link
 from ...options import OffloadOptions
 from ...planning import format_bytes, parse_size
 from ...store import Store
-from ...timing import IterationPeak, mark
 from ...timing import elapsed_ms as _ms
+from ...timing import mark
 from ..errors import NoPlanFitsError
 from ..movers.copy import copy_now, copy_on_stream, flat_bytes, pinned_buffer, pinned_size
 from ..movers.tiers import HOST, SSD
@@ -89,6 +89,7 @@ from ..plans.block import (
     Plan,
 )
 from ..report import check_prediction
+from ..session import Session
 from .state import StateExecutor, host_then_store, movable_state
 
 
@@ -459,7 +460,7 @@ class _Creation:
         return self.base + state_bytes + int(self.temporaries_per_byte * self.stepped)
 
 
-class BlockOffload:
+class BlockOffload(Session):
     """`teraio.offload` with the block plan (see the module docstring); same use:
 
     ```
@@ -487,15 +488,15 @@ class BlockOffload:
         host_memory_bytes: int,
         machine: dict[str, Any],
     ) -> None:
-        self.model = model
-        self.optimizer = optimizer
-        self.options = options
-        self.store = store
-        self.device = next(iter(model.parameters())).device
-        self.cuda = self.device.type == "cuda"
-        self.gpu_memory_bytes = gpu_memory_bytes
-        self.host_memory_bytes = host_memory_bytes
-        self.machine: dict[str, Any] = dict(machine)
+        super().__init__(
+            model,
+            optimizer,
+            options,
+            store=store,
+            gpu_memory_bytes=gpu_memory_bytes,
+            host_memory_bytes=host_memory_bytes,
+            machine=dict(machine),
+        )
         self.blocks = find_blocks(model)
         if not self.blocks:
             raise ValueError(
@@ -524,7 +525,6 @@ class BlockOffload:
         self.step = 0
         self.planned_from: Optional[int] = None
         self._originals: list[Callable[..., Any]] = []
-        self._hooks: list[Any] = []
         self._marks: dict[str, Any] = {}
         self._block_marks: dict[str, list[tuple[int, Any, Any]]] = {"forward": [], "recompute": []}
         self._triggers: list[tuple[int, Any]] = []
@@ -538,12 +538,10 @@ class BlockOffload:
         self.selective_measured: dict[str, Any] = {}
         self._iterations: list[dict[str, float]] = []
         self._pending_marks: list[dict[str, Any]] = []
-        self._peaks: list[int] = []
         # The allocator's retries so far at the end of each iteration: each is a request that
         # found the cache full of blocks it could not use, so it freed them, synchronizing the
         # device (tens of ms where gigabytes are unmapped and mapped again).
         self._alloc_retries: list[int] = []
-        self._step_times_ms: list[float] = []
         # Cumulative host seconds in teraio at the end of each iteration.
         self._hook_s_at_end: list[float] = []
         self._started = 0.0
@@ -580,28 +578,19 @@ class BlockOffload:
     # -- context -------------------------------------------------------------------------------
 
     def __enter__(self) -> BlockOffload:
-        params, grads = sharded.parameter_bytes(self.model)
-        if params + grads > self.gpu_memory_bytes and self.options.if_no_fit == "raise":
-            raise NoPlanFitsError(
-                f"teraio.offload: gpu_memory={format_bytes(self.gpu_memory_bytes)} cannot hold the "
-                f"parameters ({format_bytes(params)}) and their gradients ({format_bytes(grads)}); "
-                "pass whole_model='on'"
-            )
+        if self.options.if_no_fit == "raise":
+            self._refuse_resident_overflow("; pass whole_model='on'")
         for index, (_, module) in enumerate(self.blocks):
             self._originals.append(module.forward)
             module.forward = self._wrapped(index, module.forward)  # type: ignore[method-assign]
         self.loss_head.__enter__()
-        self._hooks.append(self.optimizer.register_step_pre_hook(self._before_step))
-        self._hooks.append(self.optimizer.register_step_post_hook(self._after_step))
-        self._peak = IterationPeak(self.model, self.device)
-        self._hooks.append(self._peak.handle)
+        self._install_step_hooks(self._before_step, self._after_step)
+        self._install_peak()
         self._begin_iteration()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
+        self._remove_hooks()
         for _, module in self.blocks:
             if "forward" in module.__dict__:
                 del module.__dict__["forward"]
@@ -927,8 +916,8 @@ class BlockOffload:
         self._collect(wait=self.plan is None or checking)
         started += time.perf_counter() - waiting  # a wait for the device, not teraio's work
         if self.cuda:
-            self._peaks.append(int(torch.cuda.max_memory_allocated(self.device)))
-            self._alloc_retries.append(int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)))
+            self._peaks.append(self._peak_bytes())
+            self._alloc_retries.append(self._allocator_retries())
         if self.plan is None and self.step + 1 == self.MEASURING_STEPS:
             self._make_plan()
         elif self.plan is not None:

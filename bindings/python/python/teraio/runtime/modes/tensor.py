@@ -36,14 +36,13 @@ from ...options import OffloadOptions
 from ...planning import format_bytes, parse_bandwidth, parse_size, plan, simulate
 from ...profiler import Profiler, SaveEvent
 from ...store import Store
-from ...timing import IterationPeak
 from ...timing import elapsed_ms as _elapsed_ms
 from ..errors import NoPlanFitsError
 from ..movers.copy import pinned_size
 from ..movers.tiers import HOST, SSD
 from ..plans.tensor import decisions_from_plan, parameter_moves_from_plan, state_moves_from_plan
 from ..report import Report, check_prediction
-from ..session import gpu_budget, host_memory
+from ..session import Session, gpu_budget, host_memory
 from .activations import ActivationExecutor
 from .state import (
     StateExecutor,
@@ -63,7 +62,7 @@ _Planned = tuple[dict[str, Any], dict[str, Any], dict[int, rc.Recipe], Optional[
 _Candidate = tuple[_Planned, list[SaveEvent], list[str], dict[str, Any]]
 
 
-class TensorOffload:
+class TensorOffload(Session):
     """The tensor plan (`teraio.offload` with granularity "tensor"); see the module docstring.
 
     ```
@@ -86,14 +85,18 @@ class TensorOffload:
         options = sharded.adapt_options(model, (options or OffloadOptions()).replace(**overrides))
         if options.checkpoint is None:
             options = options.replace(checkpoint="off")
-        self.options = options
-        first = next(iter(model.parameters()))
-        self.device = first.device
-        self.model = model
-        self.optimizer = optimizer
-        self.store = store
-        self.gpu_memory_bytes = gpu_budget(self.device, gpu_memory)
-        self.machine: dict[str, Any] = {}
+        device = next(iter(model.parameters())).device
+        budget = gpu_budget(device, gpu_memory)
+        host_memory_bytes, notes = host_memory(options)
+        super().__init__(
+            model,
+            optimizer,
+            options,
+            store=store,
+            gpu_memory_bytes=budget,
+            host_memory_bytes=host_memory_bytes,
+            machine=notes,
+        )
         self._resolve_machine(options)
         self.machine.update(sharded.rank_notes())
         if options.warmup_steps is None:
@@ -174,12 +177,9 @@ class TensorOffload:
         self.trace: Optional[dict[str, Any]] = None
         self.plan_result: Optional[dict[str, Any]] = None
         self.step = 0
-        self._hooks: list[Any] = []
         self._saved_hooks: Any = None
         self._step_started = 0.0
-        self._step_times_ms: list[float] = []
         self._planned_from_step: Optional[int] = None
-        self._peaks: list[int] = []
         self._reserved_peaks: list[int] = []
         # The CUDA caching allocator's retries (it hit the cap, freed its cache, which waits for
         # the device, and tried again) when the plan was installed.
@@ -193,9 +193,7 @@ class TensorOffload:
         self._trial_steps: list[int] = []
 
     def _resolve_machine(self, options: OffloadOptions) -> None:
-        """Host memory, bandwidths and the reserve: given, or measured / bounded ("auto")."""
-        self.host_memory_bytes, notes = host_memory(options)
-        self.machine.update(notes)
+        """Bandwidths and the reserve: given, or measured / bounded ("auto")."""
         want_link = options.host_link_bandwidth == "auto"
         want_ssd = self.store is not None and "auto" in (options.ssd_bandwidth, options.ssd_write_bandwidth)
         measured = machine.resolve_bandwidths(
@@ -244,14 +242,15 @@ class TensorOffload:
     # -- context -------------------------------------------------------------------------------
 
     def __enter__(self) -> TensorOffload:
-        self._check_persistent_fit()
-        self._hooks.append(self.optimizer.register_step_pre_hook(self._before_step))
-        self._hooks.append(self.optimizer.register_step_post_hook(self._after_step))
+        if self.options.if_no_fit == "raise":
+            self._refuse_resident_overflow(
+                ", which stay on the GPU; raise gpu_memory, or pass if_no_fit='run' to train anyway"
+            )
+        self._install_step_hooks(self._before_step, self._after_step)
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.executor.pack, self.executor.unpack)
         self._saved_hooks.__enter__()
         self._hooks.extend(osd.install(self))
-        self._peak = IterationPeak(self.model, self.device)
-        self._hooks.append(self._peak.handle)
+        self._install_peak()
         self._begin_iteration()
         return self
 
@@ -262,9 +261,9 @@ class TensorOffload:
         if self._saved_hooks is not None:
             self._saved_hooks.__exit__(None, None, None)
             self._saved_hooks = None
-        for hook in self._hooks + self._arg_hooks + self._block_hooks:
+        self._remove_hooks()
+        for hook in self._arg_hooks + self._block_hooks:
             hook.remove()
-        self._hooks.clear()
         self._arg_hooks.clear()
         self._block_hooks.clear()
         self.checkpointer.apply(set())
@@ -273,18 +272,6 @@ class TensorOffload:
         self.fallback_state.close()
         self.state.close()
         self.params.close()
-
-    def _check_persistent_fit(self) -> None:
-        """Parameters and their gradients stay on the GPU: a budget below them cannot work."""
-        if self.options.if_no_fit != "raise":
-            return
-        params, grads = sharded.parameter_bytes(self.model)
-        if params + grads > self.gpu_memory_bytes:
-            raise NoPlanFitsError(
-                f"teraio.offload: gpu_memory={format_bytes(self.gpu_memory_bytes)} cannot hold the "
-                f"parameters ({format_bytes(params)}) and their gradients ({format_bytes(grads)}), "
-                "which stay on the GPU; raise gpu_memory, or pass if_no_fit='run' to train anyway"
-            )
 
     # -- iteration boundaries ------------------------------------------------------------------
 
@@ -456,7 +443,7 @@ class TensorOffload:
             torch.cuda.synchronize(self.device)
         self._step_times_ms.append((time.perf_counter() - self._step_started) * 1e3)
         if self.device.type == "cuda":
-            self._peaks.append(int(torch.cuda.max_memory_allocated(self.device)))
+            self._peaks.append(self._peak_bytes())
         if planning:
             assert self.profiler is not None
             planning_started = time.perf_counter()
@@ -471,7 +458,7 @@ class TensorOffload:
             self._param_stats_at_plan = self.params.stats.as_dict()
             self.state.after_step()
             self._host_s_at_plan = dict(self._host_s)
-            self._alloc_retries_at_plan = self._alloc_retries()
+            self._alloc_retries_at_plan = self._allocator_retries()
         self.step += 1
         self._begin_iteration()
 
@@ -506,11 +493,6 @@ class TensorOffload:
                     seen.add(record.id)
                     found.append((value, record.id))
         return found
-
-    def _alloc_retries(self) -> int:
-        if self.device.type != "cuda":
-            return 0
-        return int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
 
     # -- calibration ---------------------------------------------------------------------------
 
@@ -551,11 +533,11 @@ class TensorOffload:
         self.executor.margin_bytes = self.reserve_bytes // 2
         movable = ["activation"]
         if self.offload_optimizer_state:
-            # Optimizer state may move only between steps (see teraio.state).
+            # Optimizer state may move only between steps (see `modes/state.py`).
             pin_within_iteration(trace, "optimizer_state")
             movable.append("optimizer_state")
         if self.offload_parameters:
-            # Parameters may move only between the two passes (see teraio.state).
+            # Parameters may move only between the two passes (see `modes/state.py`).
             pin_outside_forward_gap(trace, "weight")
             movable.append("weight")
         durations = [op["duration_us"] for op in trace["ops"]]
@@ -875,7 +857,7 @@ class TensorOffload:
         for key in ("emergency_offloads", "emergency_offloaded_bytes", "prefetches_deferred", "memory_waits"):
             stalls[key] = stats[key] - (self._stats_at_plan or {}).get(key, 0)
         if self.device.type == "cuda" and self._planned_from_step is not None:
-            stalls["allocator_retries"] = self._alloc_retries() - self._alloc_retries_at_plan
+            stalls["allocator_retries"] = self._allocator_retries() - self._alloc_retries_at_plan
         for key in ("prefetches_on_demand", "step_wait_s"):
             stalls[f"state_{key}"] = state[key] - (self._state_stats_at_plan or {}).get(key, 0)
         if self.offload_parameters:
