@@ -29,7 +29,7 @@ from .errors import NoPlanFitsError
 from .modes import whole_model
 from .modes.block import BlockOffload
 from .modes.tensor import TensorOffload
-from .session import gpu_budget, host_memory
+from .session import Budget, gpu_budget, host_memory
 
 __all__ = ["NoPlanFitsError", "offload"]
 
@@ -81,19 +81,11 @@ def offload(
     if whole:
         mode: Any = whole_model.ModelOffload
     elif adapted.granularity == "tensor" or (adapted.granularity == "auto" and not find_blocks(model)):
-        return TensorOffload(model, optimizer, options, store=store, gpu_memory=gpu_memory, **overrides)
+        mode = TensorOffload
     else:
         mode = BlockOffload
     host_memory_bytes, machine_notes = host_memory(adapted)
-    return mode(
-        model,
-        optimizer,
-        adapted,
-        store=store,
-        gpu_memory_bytes=budget,
-        host_memory_bytes=host_memory_bytes,
-        machine=machine_notes,
-    )
+    return mode(model, optimizer, adapted, Budget(store, budget, host_memory_bytes, machine_notes))
 
 
 def _refuse_compiled(model: torch.nn.Module) -> None:

@@ -8,9 +8,12 @@ and brings every tensor back. docs/runtime.md says which hook fires when.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Union
 
 import torch
+from torch.nn import Module
+from torch.optim import Optimizer
 
 from .. import machine
 from ..options import OffloadOptions
@@ -49,30 +52,31 @@ def host_memory(options: OffloadOptions) -> tuple[int, dict[str, Any]]:
     return parse_size(options.host_memory), {"host_memory": "given"}
 
 
+@dataclass
+class Budget:
+    """What a session may use: the store (the SSD tier; None: host memory only), GPU memory the
+    iterations must fit in, pinned host memory, and where those figures came from (`machine`:
+    given or measured, for the report)."""
+
+    store: Optional[Store]
+    gpu_memory_bytes: int
+    host_memory_bytes: int
+    machine: dict[str, Any] = field(default_factory=dict)
+
+
 class Session:
     """The state every mode starts from and the lifecycle pieces they share."""
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        options: OffloadOptions,
-        *,
-        store: Optional[Store],
-        gpu_memory_bytes: int,
-        host_memory_bytes: int,
-        machine: dict[str, Any],
-    ) -> None:
+    def __init__(self, model: Module, optimizer: Optimizer, options: OffloadOptions, budget: Budget) -> None:
         self.model = model
         self.optimizer = optimizer
         self.options = options
-        self.store = store
+        self.store = budget.store
         self.device = next(iter(model.parameters())).device
         self.cuda = self.device.type == "cuda"
-        self.gpu_memory_bytes = gpu_memory_bytes
-        self.host_memory_bytes = host_memory_bytes
-        #: Where the budget's figures came from (given, measured), for the report.
-        self.machine: dict[str, Any] = machine
+        self.gpu_memory_bytes = budget.gpu_memory_bytes
+        self.host_memory_bytes = budget.host_memory_bytes
+        self.machine = budget.machine
         #: Hook handles removed at exit (`_remove_hooks`).
         self._hooks: list[Any] = []
         #: Per iteration: its wall time and (CUDA) its peak allocated bytes.

@@ -36,7 +36,6 @@ On a CPU "device" the same logic runs with synchronous copies (for tests and CPU
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 import weakref
 from collections import deque
@@ -52,7 +51,7 @@ from ...recompute import Recipe, Source
 from ...sharded import is_parameter_memory
 from ...store import Store
 from ..movers.copy import copy_now, copy_on_stream, flat_bytes, join_copy, pinned_buffer, pinned_size
-from ..movers.tiers import HOST, SSD
+from ..movers.tiers import HOST, SSD, TierCounters
 from ..plans.tensor import RECOMPUTE, PackDecision
 
 #: Prefetches are copied in pieces of this size (64 MiB: about a millisecond on a PCIe 5 x16
@@ -82,14 +81,10 @@ def _deadline(need_event: Optional[int]) -> int:
 
 
 @dataclass
-class TransferStats:
+class TransferStats(TierCounters):
     """What the executor moved and how often the step had to wait."""
 
-    offloaded_bytes: dict[str, int] = field(default_factory=lambda: {HOST: 0, SSD: 0})
-    prefetched_bytes: dict[str, int] = field(default_factory=lambda: {HOST: 0, SSD: 0})
     offloads: int = 0
-    prefetches_planned: int = 0
-    prefetches_on_demand: int = 0
     ssd_wait_s: float = 0.0
     inflight_waits: int = 0
     inflight_wait_s: float = 0.0
@@ -121,9 +116,6 @@ class TransferStats:
     emergency_offloaded_bytes: int = 0
     prefetches_deferred: int = 0
     memory_waits: int = 0
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 class _Slot:

@@ -60,6 +60,8 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.nn import Module
+from torch.optim import Optimizer
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
@@ -70,12 +72,11 @@ from ...head import LossHead
 from ...machine import Link
 from ...options import OffloadOptions
 from ...planning import format_bytes, parse_size
-from ...store import Store
 from ...timing import elapsed_ms as _ms
 from ...timing import mark
 from ..errors import NoPlanFitsError
 from ..movers.copy import copy_now, copy_on_stream, flat_bytes, pinned_buffer, pinned_size
-from ..movers.tiers import HOST, SSD
+from ..movers.tiers import HOST, SSD, TierCounters
 from ..plans import block as block_plan
 from ..plans.block import (
     KEEP,
@@ -88,8 +89,8 @@ from ..plans.block import (
     Measurement,
     Plan,
 )
-from ..report import check_prediction
-from ..session import Session
+from ..report import prediction_fields
+from ..session import Budget, Session
 from .state import StateExecutor, host_then_store, movable_state
 
 
@@ -145,19 +146,12 @@ class _HostSlot:
 
 
 @dataclass
-class BlockStats:
-    """What the block runtime moved and waited for, cumulative."""
+class BlockStats(TierCounters):
+    """What the block runtime moved (to the host tier only) and waited for, cumulative."""
 
-    host_offloaded_bytes: int = 0
-    host_prefetched_bytes: int = 0
-    prefetches_planned: int = 0
-    prefetches_on_demand: int = 0
     window_waits: int = 0
     window_wait_s: float = 0.0
     hook_s: float = 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 class _HostMover:
@@ -249,7 +243,7 @@ class _HostMover:
         else:
             copy_now(host, source)
         slots.append((key, slot))
-        self.stats.host_offloaded_bytes += nbytes
+        self.stats.offloaded_bytes[HOST] += nbytes
         return slot
 
     def _throttle(self) -> None:
@@ -276,7 +270,7 @@ class _HostMover:
                 self.last_read[key] = slot.h2d
             else:
                 copy_now(slot.gpu, slot.host)
-            self.stats.host_prefetched_bytes += slot.nbytes
+            self.stats.prefetched_bytes[HOST] += slot.nbytes
             total += slot.nbytes
         return total
 
@@ -477,26 +471,8 @@ class BlockOffload(Session):
     #: counts (the first iteration of a plan carries its one-time work: pinned buffers, switching).
     TRIAL_STEPS = 3
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        options: OffloadOptions,
-        *,
-        store: Optional[Store],
-        gpu_memory_bytes: int,
-        host_memory_bytes: int,
-        machine: dict[str, Any],
-    ) -> None:
-        super().__init__(
-            model,
-            optimizer,
-            options,
-            store=store,
-            gpu_memory_bytes=gpu_memory_bytes,
-            host_memory_bytes=host_memory_bytes,
-            machine=dict(machine),
-        )
+    def __init__(self, model: Module, optimizer: Optimizer, options: OffloadOptions, budget: Budget) -> None:
+        super().__init__(model, optimizer, options, budget)
         self.blocks = find_blocks(model)
         if not self.blocks:
             raise ValueError(
@@ -504,18 +480,20 @@ class BlockOffload(Session):
             )
         self.link = self._resolve_link()
         self.reserve_auto = options.reserve in (None, "auto")
-        self.reserve_bytes = gpu_memory_bytes // 10 if self.reserve_auto else parse_size(options.reserve)  # type: ignore[arg-type]
+        self.reserve_bytes = self.gpu_memory_bytes // 10 if self.reserve_auto else parse_size(options.reserve)  # type: ignore[arg-type]
         n = len(self.blocks)
         self.actions = [RECOMPUTE] * n
         self.stats = BlockStats()
         parameters = {sharded.local_tensor(p).untyped_storage().data_ptr() for p in model.parameters()}
-        self.mover = _HostMover(self.device, host_memory_bytes, self.stats, options.min_bytes, parameters)
+        self.mover = _HostMover(
+            self.device, self.host_memory_bytes, self.stats, options.min_bytes, parameters
+        )
         streams = {
             "d2h_stream": getattr(self.mover, "d2h_stream", None),
             "h2d_stream": getattr(self.mover, "h2d_stream", None),
         }
         self.state = StateExecutor(
-            self.device, store=store, object_id_base=ids.base("optimizer_state"), **streams
+            self.device, store=self.store, object_id_base=ids.base("optimizer_state"), **streams
         )
         self.measured = Measurement([BlockCost(name) for name, _ in self.blocks])
         self.loss_head = LossHead(model, enabled=options.loss_head == "chunked")
@@ -1411,7 +1389,6 @@ class BlockOffload(Session):
         measured_ms = statistics.median(sum(p.values()) for p in planned) if planned else None
         plan = self.plan
         predicted = plan.predicted_ms if plan else None
-        error, warning = check_prediction(measured_ms, predicted)
         stats, state_now = (
             self._stats_at[end] if end is not None else (self.stats.as_dict(), self.state.stats.as_dict())
         )
@@ -1425,13 +1402,15 @@ class BlockOffload(Session):
             for b, a in zip(self.measured.blocks, self.actions)
             if a in (RECOMPUTE, SELECTIVE)
         )
-        state_before = state_before or {"offloaded_bytes": {}, "prefetched_bytes": {}}
-        state_per = {
-            kind: {
-                tier: int((state_now[kind][tier] - state_before[kind].get(tier, 0)) / count) if count else 0
+
+        def per_tier(now: dict[str, Any], earlier: dict[str, Any], kind: str) -> dict[str, int]:
+            return {
+                tier: int((now[kind][tier] - earlier.get(kind, {}).get(tier, 0)) / count) if count else 0
                 for tier in (HOST, SSD)
             }
-            for kind in ("offloaded_bytes", "prefetched_bytes")
+
+        state_per = {
+            kind: per_tier(state_now, state_before, kind) for kind in ("offloaded_bytes", "prefetched_bytes")
         }
         trial_ms = self.choice.get("checkpoint_all_ms")
         ckpt_ms = trial_ms if trial_ms is not None else self.measured.checkpoint_all_ms
@@ -1457,10 +1436,7 @@ class BlockOffload(Session):
         return BlockReport(
             steps=self.step,
             planned_steps=count,
-            measured_iteration_ms=measured_ms,
-            predicted_iteration_ms=predicted,
-            prediction_error_percent=error,
-            prediction_warning=warning,
+            **prediction_fields(measured_ms, predicted),
             checkpoint_all_ms=ckpt_ms,
             checkpoint_all_source=f"median of {self.TRIAL_STEPS} iterations in the trial"
             if trial_ms is not None
@@ -1474,8 +1450,8 @@ class BlockOffload(Session):
             reserve_bytes=self.reserve_bytes,
             actions={name: action for (name, _), action in zip(self.blocks, self.actions)},
             bytes_per_iteration={
-                "offloaded": {HOST: per("host_offloaded_bytes"), SSD: 0},
-                "prefetched": {HOST: per("host_prefetched_bytes"), SSD: 0},
+                "offloaded": per_tier(stats, before, "offloaded_bytes"),
+                "prefetched": per_tier(stats, before, "prefetched_bytes"),
             },
             recomputed_bytes_per_iteration=recomputed,
             state_bytes_per_iteration={

@@ -30,9 +30,8 @@ On a CPU "device" the same logic runs with synchronous copies, for tests and CPU
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -41,24 +40,17 @@ from ... import ids
 from ...sharded import local_tensor
 from ...store import Store
 from ..movers.copy import copy_now, copy_on_stream, flat_bytes, pinned_buffer, pinned_size
-from ..movers.tiers import HOST, SSD
+from ..movers.tiers import HOST, SSD, TierCounters
 from ..plans.tensor import Move
 
 
 @dataclass
-class StateStats:
+class StateStats(TierCounters):
     """What the state executor moved, and how long the step waited for it."""
 
-    offloaded_bytes: dict[str, int] = field(default_factory=lambda: {HOST: 0, SSD: 0})
-    prefetched_bytes: dict[str, int] = field(default_factory=lambda: {HOST: 0, SSD: 0})
-    prefetches_planned: int = 0
-    prefetches_on_demand: int = 0
     step_wait_s: float = 0.0
     #: Times `bring_back` found state off the device (`optimizer.state_dict()` / `load_state_dict()`).
     brought_back: int = 0
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 def movable_state(

@@ -1,19 +1,11 @@
-"""`teraio.offload`: profile, plan and offload around an unchanged training loop.
+"""The tensor plan: profile an iteration, plan every saved tensor with the lifetime planner, run it.
 
-```
-with teraio.offload(model, optimizer, store=store, gpu_memory="24GiB", host_memory="64GiB") as run:
-    for batch in loader:
-        loss = model(batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-print(run.report())
-```
-
-Iterations end at `optimizer.step()`. The first `warmup_steps` iterations run with the fallback
-policy (every saved activation of at least `min_bytes` to host memory up to `host_memory`, then to
-the SSD tier) so that they fit before there is a plan; the next one runs the same way under the
-profiler; then the trace is planned and the following iterations run the plan.
+`teraio.offload` runs this mode for models without repeated blocks, or with
+`granularity="tensor"`. Iterations end at `optimizer.step()`. The first `warmup_steps` iterations
+run with the fallback policy (every saved activation of at least `min_bytes` to host memory up to
+`host_memory`, then to the SSD tier) so that they fit before there is a plan; the next one runs
+the same way under the profiler; then the trace is planned and the following iterations run the
+plan.
 """
 
 from __future__ import annotations
@@ -25,6 +17,8 @@ import time
 from typing import Any, Optional, Union
 
 import torch
+from torch.nn import Module
+from torch.optim import Optimizer
 from torch.utils._pytree import tree_flatten
 
 from ... import blocks as bk
@@ -35,14 +29,13 @@ from ... import recompute as rc
 from ...options import OffloadOptions
 from ...planning import format_bytes, parse_bandwidth, parse_size, plan, simulate
 from ...profiler import Profiler, SaveEvent
-from ...store import Store
 from ...timing import elapsed_ms as _elapsed_ms
 from ..errors import NoPlanFitsError
 from ..movers.copy import pinned_size
 from ..movers.tiers import HOST, SSD
 from ..plans.tensor import decisions_from_plan, parameter_moves_from_plan, state_moves_from_plan
-from ..report import Report, check_prediction
-from ..session import Session, gpu_budget, host_memory
+from ..report import Report, prediction_fields
+from ..session import Budget, Session
 from .activations import ActivationExecutor
 from .state import (
     StateExecutor,
@@ -69,34 +62,12 @@ class TensorOffload(Session):
     with teraio.offload(model, optimizer, store=store, gpu_memory="22GiB", granularity="tensor") as run:
         ...
     ```
-    Takes the arguments of `teraio.offload`.
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        options: Optional[OffloadOptions] = None,
-        *,
-        store: Optional[Store] = None,
-        gpu_memory: Optional[Union[int, str]] = None,
-        **overrides: Any,
-    ) -> None:
-        options = sharded.adapt_options(model, (options or OffloadOptions()).replace(**overrides))
+    def __init__(self, model: Module, optimizer: Optimizer, options: OffloadOptions, budget: Budget) -> None:
         if options.checkpoint is None:
             options = options.replace(checkpoint="off")
-        device = next(iter(model.parameters())).device
-        budget = gpu_budget(device, gpu_memory)
-        host_memory_bytes, notes = host_memory(options)
-        super().__init__(
-            model,
-            optimizer,
-            options,
-            store=store,
-            gpu_memory_bytes=budget,
-            host_memory_bytes=host_memory_bytes,
-            machine=notes,
-        )
+        super().__init__(model, optimizer, options, budget)
         self._resolve_machine(options)
         self.machine.update(sharded.rank_notes())
         if options.warmup_steps is None:
@@ -115,7 +86,7 @@ class TensorOffload(Session):
         skip = {sharded.local_tensor(p).untyped_storage().data_ptr() for p in model.parameters()}
         self.executor = ActivationExecutor(
             self.device,
-            store=store,
+            store=self.store,
             host_memory_bytes=self.host_memory_bytes,
             min_bytes=options.min_bytes,
             max_inflight_bytes=parse_size(options.max_inflight_bytes),
@@ -138,15 +109,15 @@ class TensorOffload(Session):
             "d2h_stream": getattr(self.executor, "d2h_stream", None),
             "h2d_stream": getattr(self.executor, "h2d_stream", None),
         }
-        self.state = StateExecutor(self.device, store=store, **streams)
+        self.state = StateExecutor(self.device, store=self.store, **streams)
         # Before the plan, every optimizer-state tensor leaves the GPU between steps, so that
         # the warm-up and profiled iterations need no more memory than planned ones.
         self.fallback_state = StateExecutor(
-            self.device, store=store, object_id_base=ids.base("fallback_state"), **streams
+            self.device, store=self.store, object_id_base=ids.base("fallback_state"), **streams
         )
         self.offload_parameters = options.offload_parameters
         self.params = StateExecutor(
-            self.device, store=store, object_id_base=ids.base("parameters"), **streams
+            self.device, store=self.store, object_id_base=ids.base("parameters"), **streams
         )
         self.executor.on_event = self._on_event
         self.executor.on_backward = lambda: self._mark("backward")
@@ -884,7 +855,6 @@ class TensorOffload(Session):
         ideal_ms = sum(op["duration_us"] for op in self.trace["ops"]) / 1e3 if self.trace else None
         predicted_ms = prediction["iteration_time_us"] / 1e3 if "iteration_time_us" in prediction else None
         measured_ms = statistics.median(planned_times) if planned_times else None
-        error, warning = check_prediction(measured_ms, predicted_ms)
         hooks_ms = self._host_summary(stats, count)
         source = self.calibration.describe()
         if self.op_time_scale != 1.0:
@@ -893,9 +863,7 @@ class TensorOffload(Session):
             steps=self.step,
             planned_steps=len(planned_times),
             ideal_iteration_ms=ideal_ms,
-            predicted_iteration_ms=predicted_ms,
             predicted_percent_of_ideal=(ideal_ms / predicted_ms * 100) if ideal_ms and predicted_ms else None,
-            measured_iteration_ms=measured_ms,
             step_times_ms=list(self._step_times_ms),
             peak_gpu_bytes=max(planned_peaks) if planned_peaks else None,
             predicted_peak_bytes=prediction.get("peak_gpu_bytes"),
@@ -914,8 +882,7 @@ class TensorOffload(Session):
             // count,
             ideal_source=source,
             profiled_ops_ms=getattr(self, "profiled_ops_us", 0.0) / 1e3 if self.trace else None,
-            prediction_error_percent=error,
-            prediction_warning=warning,
+            **prediction_fields(measured_ms, predicted_ms),
             checkpointed_blocks=list(self.checkpoint_blocks),
             checkpoint_summary=self.checkpoint_summary,
             machine=dict(self.machine),

@@ -60,6 +60,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
+from torch.nn import Module
+from torch.optim import Optimizer
 from torch.utils._foreach_utils import (
     _device_has_foreach_support,
     _group_tensors_by_device_and_dtype,
@@ -72,13 +74,12 @@ from ...machine import reserve_from_allocator, resolve_link
 from ...options import OffloadOptions
 from ...planning import format_bytes, parse_bandwidth, parse_size
 from ...schedule_record import ScheduleRecorder
-from ...store import Store
 from ..errors import NoPlanFitsError, NoSpaceError, PlannerError
 from ..movers.copy import flat_bytes
 from ..movers.tiers import GPU, HOST, SSD, HostTier, SsdTier, Transfer
 from ..plans import capacity as cp
 from ..report import check_prediction
-from ..session import Session
+from ..session import Budget, Session
 
 #: Whole-model mode starts when parameters + gradients + optimizer state exceed this share of the
 #: GPU budget: a step with all of them resident peaks higher still (AdamW's foreach update holds
@@ -295,26 +296,8 @@ class ModelOffload(Session):
     """Whole-model offload around an unchanged training loop (see the module docstring). Made by
     `teraio.offload` when the model's state does not fit; use it the same way."""
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        options: OffloadOptions,
-        *,
-        store: Optional[Store],
-        gpu_memory_bytes: int,
-        host_memory_bytes: int,
-        machine: dict[str, Any],
-    ) -> None:
-        super().__init__(
-            model,
-            optimizer,
-            options,
-            store=store,
-            gpu_memory_bytes=gpu_memory_bytes,
-            host_memory_bytes=host_memory_bytes,
-            machine=machine,
-        )
+    def __init__(self, model: Module, optimizer: Optimizer, options: OffloadOptions, budget: Budget) -> None:
+        super().__init__(model, optimizer, options, budget)
         self.recorder = ScheduleRecorder(self.device)
         named = _named_unique_parameters(model)
         _refuse_shared_storage(named)
@@ -335,12 +318,14 @@ class ModelOffload(Session):
         # Optimizer state bytes per parameter (as planned: before the first step, an estimate).
         self._state_bytes = [size.state for size in sizes]
         window = options.step_window
-        window_bytes = int(WINDOW_SHARE * gpu_memory_bytes) if window == "auto" else parse_size(window)
-        ssd_free = None if store is None else sum(int(d["free_bytes"]) for d in store.info()["devices"])
+        window_bytes = int(WINDOW_SHARE * self.gpu_memory_bytes) if window == "auto" else parse_size(window)
+        ssd_free = (
+            None if self.store is None else sum(int(d["free_bytes"]) for d in self.store.info()["devices"])
+        )
         try:
             self.plan = cp.place(
                 sizes,
-                host_capacity_bytes=host_memory_bytes,
+                host_capacity_bytes=self.host_memory_bytes,
                 ssd_capacity_bytes=ssd_free,
                 window_bytes=window_bytes,
             )
@@ -348,15 +333,15 @@ class ModelOffload(Session):
             kind = NoSpaceError if error.store_full else NoPlanFitsError
             raise kind(f"teraio.offload: {error}") from None
         # The bandwidths the prediction assumes (measured once, cached with the store).
-        self.link = resolve_link(self.device, store, options, self.machine)
+        self.link = resolve_link(self.device, self.store, options, self.machine)
         streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) if self.cuda else None
-        self.host = HostTier(self.device, host_memory_bytes, streams)
+        self.host = HostTier(self.device, self.host_memory_bytes, streams)
         self.ssd: dict[str, SsdTier] = {}
-        if store is not None:
+        if self.store is not None:
             self.ssd = {
-                cp.PARAMETER: SsdTier(self.device, store, ids.base("model_parameters")),
-                cp.GRADIENT: SsdTier(self.device, store, ids.base("model_gradients")),
-                cp.STATE: SsdTier(self.device, store, ids.base("model_optimizer_state")),
+                cp.PARAMETER: SsdTier(self.device, self.store, ids.base("model_parameters")),
+                cp.GRADIENT: SsdTier(self.device, self.store, ids.base("model_gradients")),
+                cp.STATE: SsdTier(self.device, self.store, ids.base("model_optimizer_state")),
             }
         self.slots = [_Slot(i, name, p, self.plan.tiers[i]) for i, (name, p) in enumerate(named)]
         self._slot_of = {id(slot.param): slot for slot in self.slots}

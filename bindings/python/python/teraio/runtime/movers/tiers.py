@@ -25,13 +25,15 @@ On a CPU "device" both tiers copy synchronously (host tier) or through the engin
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
 
 from ...store import Store
-from .copy import copies_on_stream, flat_bytes
+from .copy import copies_on_stream
 
 #: The tier of tensors that stay on the GPU.
 GPU = "gpu"
@@ -40,7 +42,27 @@ HOST = "host"
 #: The tier of objects in a `teraio.Store` (the SSDs).
 SSD = "ssd"
 
-__all__ = ["GPU", "HOST", "SSD", "HostTier", "SsdTier", "Transfer", "flat_bytes"]
+
+@dataclass
+class Counters:
+    """A mover's cumulative counters; reports take differences of `as_dict` snapshots."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class TierCounters(Counters):
+    """Bytes moved out to and back from each tier, and how the copies back were issued: at the
+    planned point, or on demand when the data was needed first."""
+
+    offloaded_bytes: dict[str, int] = field(default_factory=lambda: {HOST: 0, SSD: 0})
+    prefetched_bytes: dict[str, int] = field(default_factory=lambda: {HOST: 0, SSD: 0})
+    prefetches_planned: int = 0
+    prefetches_on_demand: int = 0
+
+
+__all__ = ["GPU", "HOST", "SSD", "Counters", "HostTier", "SsdTier", "TierCounters", "Transfer"]
 
 
 class Transfer:
