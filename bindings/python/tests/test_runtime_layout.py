@@ -214,6 +214,55 @@ def test_the_binding_check_sees_a_reach_in() -> None:
     assert not _names_binding(ast.parse("store.start_put(1, host, 3)"))
 
 
+#: Objects of the tools and the store that the runtime holds, by the names it holds them under.
+_TOOL_OBJECTS = {
+    "profiler",
+    "store",
+    "planning",
+    "machine",
+    "sharded",
+    "timing",
+    "recompute",
+    "rc",
+    "bk",
+    "cal",
+    "osd",
+}
+
+
+def _private_reaches(tree: ast.AST) -> list[str]:
+    """`x._name` / `self.x._name` where x is one of `_TOOL_OBJECTS`: a private member of another
+    module's object."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
+            continue
+        holder = node.value
+        name = (
+            holder.id
+            if isinstance(holder, ast.Name)
+            else holder.attr
+            if isinstance(holder, ast.Attribute)
+            else ""
+        )
+        if name in _TOOL_OBJECTS:
+            found.append(f"{name}.{node.attr}")
+    return found
+
+
+def test_the_runtime_uses_public_members_only() -> None:
+    reaching = {
+        module: _private_reaches(ast.parse(path.read_text()))
+        for module, path in _modules().items()
+        if module.startswith("teraio.runtime")
+    }
+    assert {module: found for module, found in reaching.items() if found} == {}
+    assert _private_reaches(ast.parse("self.profiler._mode; profiler._lookup(x)")) == [
+        "profiler._mode",
+        "profiler._lookup",
+    ]
+
+
 #: Calls that copy between GPU and host memory or make host buffers for such copies.
 _COPY_CALL = re.compile(r"\.copy_\(|non_blocking\s*=|pin_memory\s*=")
 #: Where they may stand: the runtime's movers, and the link measurement (`machine.measure_link`,

@@ -488,7 +488,7 @@ class ActivationExecutor:
         elif profiler is not None:
             tensor_id = None
             if isinstance(packed, torch.Tensor):
-                record = profiler._lookup(packed)
+                record = profiler.lookup(packed)
                 tensor_id = record.id if record is not None else None
             else:
                 tensor_id = packed.tensor_id

@@ -226,7 +226,7 @@ class TensorOffload(Session):
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.profiler is not None and self.profiler._mode is not None:
+        if self.profiler is not None and self.profiler.recording:
             self.profiler.stop()
         self.executor.profiler = None
         if self._saved_hooks is not None:
@@ -300,10 +300,10 @@ class TensorOffload(Session):
                 record.inputs = []
                 for arg in args:
                     if isinstance(arg, torch.Tensor) and arg.device.type == self.device.type:
-                        found = profiler._lookup(arg)
+                        found = profiler.lookup(arg)
                         if found is None and arg.untyped_storage().nbytes() > 0:
                             # An input made before the iteration (the batch): tracked from here.
-                            found = profiler._new_record(
+                            found = profiler.new_record(
                                 arg, "temporary", len(profiler.ops), f"{record.name}.input", made_before=True
                             )
                         record.inputs.append(found.id if found is not None else None)
@@ -374,11 +374,11 @@ class TensorOffload(Session):
             self.state.before_step()
             self.fallback_state.before_step()
         self._host_s["before_step"] += time.perf_counter() - started
-        if self.profiler is not None and self.profiler._mode is not None:
+        if self.profiler is not None and self.profiler.recording:
             self.profiler.before_step()
 
     def _quiet(self) -> Any:
-        if self.profiler is not None and self.profiler._mode is not None:
+        if self.profiler is not None and self.profiler.recording:
             return self.profiler.paused()
         return contextlib.nullcontext()
 
@@ -387,7 +387,7 @@ class TensorOffload(Session):
         self._phase_marks.append(self._marks)
         self._collect_phases(wait=False)
         started = time.perf_counter()
-        profiling = self.profiler is not None and self.profiler._mode is not None
+        profiling = self.profiler is not None and self.profiler.recording
         if profiling:
             assert self.profiler is not None
             self.profiler.after_step()
@@ -459,7 +459,7 @@ class TensorOffload(Session):
             for value in state.values():
                 if not isinstance(value, torch.Tensor) or value.device.type != profiler.device.type:
                     continue
-                record = profiler._lookup(value)
+                record = profiler.lookup(value)
                 if record is not None and record.id not in seen:
                     seen.add(record.id)
                     found.append((value, record.id))
@@ -765,7 +765,7 @@ class TensorOffload(Session):
         weight_ids = {s.tensor_id for s in sources if s.kind == "weight"}
         if weight_ids:
             for tensor in [*self.model.parameters(), *self.model.buffers()]:
-                record = profiler._lookup(tensor)
+                record = profiler.lookup(tensor)
                 if record is not None and record.id in weight_ids:
                     self.executor.weight_sources[record.id] = tensor
         wanted: dict[str, dict[int, list[tuple[int, rc.Source]]]] = {}

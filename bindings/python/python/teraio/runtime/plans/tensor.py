@@ -166,7 +166,7 @@ def parameter_moves_from_plan(
         return []
     moves: list[Move] = []
     for param in profiler.model.parameters():
-        record = profiler._lookup(param)
+        record = profiler.lookup(param)
         if record is None or record.id not in planned:
             continue
         migration = planned.pop(record.id)
