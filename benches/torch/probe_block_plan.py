@@ -39,8 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def forced_choose(kind: str) -> Any:
-    """A replacement for `blockwise.choose` that picks the `kind` variant (see the module doc)."""
-    from teraio import blockwise as bw
+    """A replacement for `plans.block.choose` that picks the `kind` variant (see the module doc)."""
+    from teraio.runtime.plans import block as bw
 
     real = bw.choose
 
@@ -101,7 +101,7 @@ def print_predictions(
 ) -> None:
     """The measured times the plan is made of, and each "c recomputed, the rest kept" layout's
     prediction with the state it must move (no host or selective blocks)."""
-    from teraio import blockwise as bw
+    from teraio.runtime.plans import block as bw
 
     print(
         f"  measured: checkpoint-all {measured.checkpoint_all_ms:.1f} ms (pre {measured.pre_forward_ms:.1f}, "
@@ -134,7 +134,7 @@ def print_predictions(
 
 def parse_layout(spec: str, blocks: int) -> list[str]:
     """`r13k3` -> 13 RECOMPUTE then 3 KEEP; the counts must add up to `blocks`."""
-    from teraio import blockwise as bw
+    from teraio.runtime.plans import block as bw
 
     action = {"h": bw.HOST, "r": bw.RECOMPUTE, "s": bw.SELECTIVE, "k": bw.KEEP}
     parts = re.findall(r"([hrsk])(\d+)", spec)
@@ -147,7 +147,7 @@ def parse_layout(spec: str, blocks: int) -> list[str]:
 
 
 def print_measured(run: Any) -> None:
-    """A block plan's bound beside what it was made of (`teraio.blockwise.Measurement`)."""
+    """A block plan's bound beside what it was made of (`teraio.runtime.plans.block.Measurement`)."""
     plan, measured = run.plan, run.measured
     if plan is not None:
         print(f"  plan {plan.actions}\n  bound {plan.predicted_peak_bytes / 2**30:.2f} GiB")
@@ -281,7 +281,7 @@ def print_segments(title: str, top: int = 12) -> None:
 
 def main() -> None:
     import teraio
-    from teraio import blockwise as bw
+    from teraio.runtime.plans import block as bw
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

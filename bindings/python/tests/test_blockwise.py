@@ -1,4 +1,5 @@
-"""The block plan (`teraio.blockwise`): its choice on measured costs, and training with it on CPU.
+"""The block plan (`teraio.runtime.plans.block`, run by `teraio.runtime.modes.block`): its choice
+on measured costs, and training with it on CPU.
 
 TERAIO_TEST_DIR=$PWD/target/py-test-stores python -m pytest -q bindings/python/tests/test_blockwise.py
 """
@@ -15,9 +16,14 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import teraio  # noqa: E402
-from teraio import blockwise as bw  # noqa: E402
 from teraio import machine  # noqa: E402
-from teraio.blockwise import HOST, KEEP, RECOMPUTE, SELECTIVE, BlockCost, Link, Measurement, Plan  # noqa: E402
+from teraio.machine import Link  # noqa: E402
+from teraio.runtime.modes.block import BlockOffload  # noqa: E402
+from teraio.runtime.modes.tensor import TensorOffload  # noqa: E402
+from teraio.runtime.movers.copy import pinned_size  # noqa: E402
+from teraio.runtime.movers.tiers import HOST  # noqa: E402
+from teraio.runtime.plans import block as bw  # noqa: E402
+from teraio.runtime.plans.block import KEEP, RECOMPUTE, SELECTIVE, BlockCost, Measurement, Plan  # noqa: E402
 from tiny import batches, make, train  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
@@ -84,7 +90,7 @@ def test_state_leaves_the_gpu_only_where_blocks_alone_cannot_fit() -> None:
 def test_state_goes_to_the_store_past_the_host_cap() -> None:
     measured = _measured()
     # Everything recomputed peaks at 14 GB with the state; 12 GB: 2 GB of state must go.
-    plan = _choose(measured, limit=12 * GB, link=1e12, host=bw._pinned_size(GB) + (1 << 20), store=True)
+    plan = _choose(measured, limit=12 * GB, link=1e12, host=pinned_size(GB) + (1 << 20), store=True)
     assert plan.state_host_bytes == GB and plan.state_ssd_bytes >= GB
 
 
@@ -195,7 +201,7 @@ def _run(steps: int, **options: Any) -> tuple[list[float], dict[str, Any], Any]:
     model, optimizer = make(layers=LAYERS, hidden=HIDDEN)
     options = {"reserve": 0, "min_bytes": 0, "host_link_bandwidth": "1000GB/s", **options}
     run = teraio.offload(model, optimizer, granularity="block", **options)
-    assert isinstance(run, bw.BlockOffload)
+    assert isinstance(run, BlockOffload)
     with run:
         losses = train(model, optimizer, batches(steps, rows=ROWS))
     return losses, model.state_dict(), run
@@ -205,11 +211,11 @@ def _trial_goes_to(monkeypatch: Any, winner: str) -> None:
     """The A/B trial's iterations "measure" so that `winner` ("plan" or "checkpoint") wins,
     whatever the CPU's timings say."""
 
-    def best(self: bw.BlockOffload, count: int) -> float:
+    def best(self: BlockOffload, count: int) -> float:
         checkpointing = set(self.actions) == {RECOMPUTE}
         return 0.0 if checkpointing == (winner == "checkpoint") else 1.0
 
-    monkeypatch.setattr(bw.BlockOffload, "_recent_ms", best)
+    monkeypatch.setattr(BlockOffload, "_recent_ms", best)
 
 
 def _times_are(monkeypatch: Any, recompute_ms: float) -> None:
@@ -262,8 +268,8 @@ def test_trains_bitwise_with_each_action(
     report = run.report()
     for action, count in expect.items():
         assert list(report.actions.values()).count(action) == count, report.actions
-    trial = 2 * bw.BlockOffload.TRIAL_STEPS if "checkpoint_all_ms" in report.choice else 0
-    assert report.planned_steps == steps - bw.BlockOffload.MEASURING_STEPS - trial
+    trial = 2 * BlockOffload.TRIAL_STEPS if "checkpoint_all_ms" in report.choice else 0
+    assert report.planned_steps == steps - BlockOffload.MEASURING_STEPS - trial
     assert [b.saved_bytes for b in run.measured.blocks] == [BLOCK_SAVED] * LAYERS
     assert [b.selective_bytes for b in run.measured.blocks] == [SELECTIVE_KEPT] * LAYERS
     assert all(b.selective_recompute_ms is not None for b in run.measured.blocks)
@@ -626,7 +632,7 @@ def test_the_reserve_covers_what_the_allocator_could_not_release_before_the_head
     # it could not release right before the head (measured on CUDA; set here).
     model, optimizer = make(layers=LAYERS, hidden=HIDDEN)
     run = teraio.offload(model, optimizer, granularity="block", gpu_memory="8GiB")
-    assert isinstance(run, bw.BlockOffload) and run.reserve_auto
+    assert isinstance(run, BlockOffload) and run.reserve_auto
     run._fb_split_peak = 0
     run._unreleasable = 1 << 30
     run.step = 2
@@ -664,15 +670,15 @@ def test_an_iteration_in_which_the_allocator_retried_checkpoints_one_more_block(
 
 def test_the_head_is_the_lesser_of_the_two_measuring_iterations(monkeypatch: Any) -> None:
     # Iteration 1's head can be slowed by what step 0 left to copy out: iteration 2 times it again.
-    take_times = bw.BlockOffload._take_times
+    take_times = BlockOffload._take_times
     heads: list[float] = []
 
-    def slow_head(self: bw.BlockOffload) -> None:
+    def slow_head(self: BlockOffload) -> None:
         take_times(self)
         self.measured.head_backward_ms = 1e6  # as if iteration 1's head had stalled
         heads.append(self.measured.head_backward_ms)
 
-    monkeypatch.setattr(bw.BlockOffload, "_take_times", slow_head)
+    monkeypatch.setattr(BlockOffload, "_take_times", slow_head)
     _, _, run = _run(4, gpu_memory="1GiB")
     assert heads == [1e6]
     assert 0 < run.measured.head_backward_ms < 1e6
@@ -684,7 +690,7 @@ def test_a_report_in_the_middle_of_the_trial_counts_the_plan_side(monkeypatch: A
     _, _, run = _run(7, gpu_memory="1GiB")  # 3 measuring, 3 with the plan, 1 checkpointing
     report = run.report()
     assert report.choice["kept"].startswith("undecided")
-    assert report.planned_steps == bw.BlockOffload.TRIAL_STEPS
+    assert report.planned_steps == BlockOffload.TRIAL_STEPS
     assert report.bytes_per_iteration["offloaded"]["host"] == LAYERS * (BLOCK_SAVED + ROWS * 64 * 4)
 
 
@@ -711,7 +717,7 @@ def test_no_trial_where_the_plan_is_checkpointing(monkeypatch: Any) -> None:
     report = run.report()
     assert set(report.actions.values()) == {RECOMPUTE}
     assert "checkpoint_all_ms" not in report.choice
-    assert report.planned_steps == steps - bw.BlockOffload.MEASURING_STEPS
+    assert report.planned_steps == steps - BlockOffload.MEASURING_STEPS
     assert (
         report.checkpoint_all_source
         == "the sum of each block's and the head's times in the measuring iterations"
@@ -734,14 +740,12 @@ def test_no_plan_fits_is_a_clear_error() -> None:
 
 def test_granularity_is_chosen_by_the_model() -> None:
     model, optimizer = make()
-    assert isinstance(teraio.offload(model, optimizer, gpu_memory="1GiB"), bw.BlockOffload)
+    assert isinstance(teraio.offload(model, optimizer, gpu_memory="1GiB"), BlockOffload)
     plain = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
     optimizer = torch.optim.AdamW(plain.parameters())
-    assert type(teraio.offload(plain, optimizer, gpu_memory="1GiB")).__name__ == "offload"
+    assert type(teraio.offload(plain, optimizer, gpu_memory="1GiB")) is TensorOffload
     model, optimizer = make()
-    assert (
-        type(teraio.offload(model, optimizer, gpu_memory="1GiB", granularity="tensor")).__name__ == "offload"
-    )
+    assert type(teraio.offload(model, optimizer, gpu_memory="1GiB", granularity="tensor")) is TensorOffload
     with pytest.raises(ValueError, match="granularity must be one of"):
         teraio.offload(model, optimizer, gpu_memory="1GiB", granularity="layer")
 
@@ -775,7 +779,7 @@ def test_model_families_bf16_autocast_sdpa_bitwise(name: str, build: Any, vocab:
         whole_model="off",
         min_bytes=0,
     )
-    assert isinstance(run, bw.BlockOffload)
+    assert isinstance(run, BlockOffload)
     actions = list(run.report().actions.values())
     assert len(actions) == 3 and actions != [KEEP] * 3
 

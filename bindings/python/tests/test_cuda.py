@@ -134,7 +134,7 @@ def test_cuda_prefetch_streams(copy_streams: int) -> None:
 
 
 def test_chunked_copy_on_stream_copies_every_byte() -> None:
-    from teraio.executor import copy_on_stream
+    from teraio.runtime.movers.copy import copy_on_stream
 
     source = torch.randint(0, 256, ((10 << 20) + 5,), dtype=torch.uint8).pin_memory()
     target = torch.empty(source.numel(), dtype=torch.uint8, device=DEVICE)
@@ -145,7 +145,7 @@ def test_chunked_copy_on_stream_copies_every_byte() -> None:
 
 
 def test_host_tier_batches_are_ordered_and_exact() -> None:
-    from teraio.tiers import HostTier
+    from teraio.runtime.movers.tiers import HostTier
 
     tier = HostTier(torch.device(DEVICE), 64 << 20)
     sources = [torch.randint(0, 255, (n,), dtype=torch.uint8, device=DEVICE) for n in (4096, 1 << 20, 7)]
@@ -269,7 +269,7 @@ def test_whole_model_gradient_clipping_is_exact_on_cuda(store: teraio.Store) -> 
 def test_block_plan_is_exact_on_cuda(monkeypatch: Any, action: Any) -> None:
     """Each block action on CUDA (forced, so that each runs: copies on their streams, prefetches
     from the gradient hooks, checkpointing), and the plan chosen for a tight budget (None)."""
-    from teraio import blockwise as bw
+    from teraio.runtime.modes.block import BlockOffload
 
     data = batches(11, rows=8192, device=DEVICE)  # 3 measuring, 3 + 3 in the trial, 2 after
     model, optimizer = make(device=DEVICE, layers=6, hidden=1024)
@@ -285,7 +285,7 @@ def test_block_plan_is_exact_on_cuda(monkeypatch: Any, action: Any) -> None:
     # None: what recomputing every block peaks at (~200 MiB) and room for about half the blocks.
     budget = "8GiB" if action is not None else 4 * weights + (384 << 20)
     run = teraio.offload(model, optimizer, gpu_memory=budget, min_bytes=0, whole_model="off", reserve="32MiB")
-    assert isinstance(run, bw.BlockOffload)
+    assert isinstance(run, BlockOffload)
     with run:
         losses = train(model, optimizer, data)
     assert losses == reference

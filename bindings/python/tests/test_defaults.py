@@ -13,7 +13,10 @@ torch = pytest.importorskip("torch")
 
 import teraio  # noqa: E402
 from teraio import calibration, machine  # noqa: E402
-from teraio.executor import HOST, SSD, ActivationExecutor, PackDecision, _pinned_size  # noqa: E402
+from teraio.runtime.modes.activations import ActivationExecutor  # noqa: E402
+from teraio.runtime.movers.copy import pinned_size  # noqa: E402
+from teraio.runtime.movers.tiers import HOST, SSD  # noqa: E402
+from teraio.runtime.plans.tensor import PackDecision  # noqa: E402
 from tiny import batches, make, train  # noqa: E402
 
 
@@ -47,10 +50,10 @@ def test_offload_calibrates_against_an_unprofiled_iteration(monkeypatch: pytest.
     # On a CPU device with calibration forced on, with fixed times (the CI machine's clock is
     # too noisy to fit on): every op profiled at 1200 us, of which 1000 us are the profiler's
     # (as CUDA events inflate short ops); each block's 4 forward ops measured at 800 us.
-    from teraio import runtime
+    from teraio.runtime.modes import tensor as tensor_mode
 
     monkeypatch.setattr(teraio.Profiler, "op_durations_us", lambda self: [1200.0] * len(self.ops))
-    monkeypatch.setattr(runtime, "_elapsed_ms", lambda first, second: 0.8)
+    monkeypatch.setattr(tensor_mode, "_elapsed_ms", lambda first, second: 0.8)
     model, optimizer = make()
     with teraio.offload(
         model,
@@ -230,7 +233,7 @@ def test_compiled_model_is_refused_at_the_start() -> None:
 
 
 def test_pinned_sizes_are_counted_as_the_allocator_rounds_them() -> None:
-    assert _pinned_size(1) == 1 and _pinned_size(4096) == 4096 and _pinned_size(4097) == 8192
+    assert pinned_size(1) == 1 and pinned_size(4096) == 4096 and pinned_size(4097) == 8192
     executor = ActivationExecutor(torch.device("cpu"), host_memory_bytes=3 << 20, min_bytes=1)
     # Two 1.5 MiB tensors take 2 MiB each: the second does not fit a 3 MiB cap.
     size = 3 << 19

@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import teraio  # noqa: E402
-from teraio import executor as executor_module  # noqa: E402
+from teraio.runtime.modes import activations as executor_module  # noqa: E402
 from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402

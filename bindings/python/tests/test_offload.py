@@ -180,7 +180,9 @@ def test_report_text_mentions_figures() -> None:
 
 
 def test_prefetches_at_one_event_go_earliest_need_first() -> None:
-    from teraio.executor import HOST, ActivationExecutor, PackDecision
+    from teraio.runtime.modes.activations import ActivationExecutor
+    from teraio.runtime.movers.tiers import HOST
+    from teraio.runtime.plans.tensor import PackDecision
 
     executor = ActivationExecutor(torch.device("cpu"), host_memory_bytes=2 << 30, pull_forward_bytes=0)
     executor.set_plan(
@@ -199,7 +201,9 @@ def test_prefetches_at_one_event_go_earliest_need_first() -> None:
 
 
 def test_prefetch_needed_before_a_large_one_is_pulled_ahead_of_it() -> None:
-    from teraio.executor import HOST, ActivationExecutor, PackDecision
+    from teraio.runtime.modes.activations import ActivationExecutor
+    from teraio.runtime.movers.tiers import HOST
+    from teraio.runtime.plans.tensor import PackDecision
 
     mib = 1 << 20
 
@@ -248,7 +252,7 @@ class _Copy:
 
 
 def test_prefetch_stream_choice_lets_an_urgent_copy_pass_a_later_one() -> None:
-    from teraio.executor import ActivationExecutor
+    from teraio.runtime.modes.activations import ActivationExecutor
 
     executor = ActivationExecutor(torch.device("cpu"), copy_streams=2)
     choose = executor._prefetch_stream

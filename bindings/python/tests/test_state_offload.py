@@ -1,4 +1,4 @@
-"""Optimizer state moved between steps (teraio.state) on a CPU "device": bitwise-equal training.
+"""Optimizer state moved between steps (teraio.runtime.modes.state) on a CPU "device": bitwise-equal training.
 
 The model is wide and the batch short, so AdamW's state (twice the parameters) is a large share
 of the forward pass's peak, and the planner has a reason to move it.
@@ -132,7 +132,8 @@ def test_a_new_plan_keeps_what_stays_moved_out_and_brings_back_the_rest(
 ) -> None:
     # Switching plans must not bring back state both plans move (where the state cannot all be on
     # the device at once, that would not fit); what the new plan no longer moves comes back exact.
-    from teraio.state import Move, StateExecutor
+    from teraio.runtime.modes.state import StateExecutor
+    from teraio.runtime.plans.tensor import Move
 
     tensors = [torch.randn(1000 + i) for i in range(3)]
     originals = [t.clone() for t in tensors]

@@ -10,18 +10,18 @@ from typing import Any, Optional
 import pytest
 import teraio
 import torch
-from teraio import capacity as cp
 from teraio import ids
-from teraio.blockwise import BlockOffload
 from teraio.planning import format_bytes
-from teraio.tiers import HostTier
-from teraio.whole_model import (
+from teraio.runtime.modes.block import BlockOffload
+from teraio.runtime.modes.whole_model import (
     RECORDED_ITERATION,
     WHOLE_MODEL_SHARE,
     WHOLE_MODEL_WEIGHTS_SHARE,
     ModelOffload,
     needs_whole_model,
 )
+from teraio.runtime.movers.tiers import HostTier
+from teraio.runtime.plans import capacity as cp
 from tiny import batches, make, train
 
 STEPS = 4

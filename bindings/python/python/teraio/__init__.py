@@ -68,7 +68,7 @@ def __getattr__(name: str) -> Any:
 
         return Profiler
     if name == "Report":
-        from .report import Report
+        from .runtime.report import Report
 
         return Report
     if name in ("offload", "NoPlanFitsError"):

@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .pinned import RegisteredBuffer
-from .planning import _bandwidth
+from .planning import parse_bandwidth
 
 #: What "auto" host memory leaves of MemAvailable: the process's own memory beyond what the
 #: runtime pins (the CUDA context, libraries, the Python heap: 1.5-2 GiB in a transformers
@@ -333,7 +333,7 @@ def resolve_link(device: torch.device, store: Any, options: Any, notes: dict[str
     where they came from and the figures."""
 
     def given(value: Any, default: float = 1.0) -> float:
-        return default if value in (None, "auto") else float(_bandwidth(value))
+        return default if value in (None, "auto") else float(parse_bandwidth(value))
 
     want = options.host_link_bandwidth == "auto"
     want_store = store is not None and "auto" in (options.ssd_bandwidth, options.ssd_write_bandwidth)

@@ -39,18 +39,18 @@ class OffloadOptions:
         granularity: "auto" (default: "block" for a model with repeated blocks, a `ModuleList` of
             one class such as transformer layers; else "tensor"), "block" or "tensor". "block":
             per block keep, host memory or recompute, planned from times and sizes measured in
-            three iterations with every block checkpointed (`teraio.blockwise`); never kept where it
-            measures slower than checkpointing every block. "tensor": per saved tensor, planned
+            three iterations with every block checkpointed (`teraio.runtime.modes.block`); never
+            kept where it measures slower than checkpointing every block. "tensor": per saved tensor, planned
             from a profiled iteration by the lifetime planner (the options below marked "tensor").
         recompute: per-tensor recomputation of cheap saved activations: "auto", "on", "off".
         whole_model: "auto" (default: on when the parameters, gradients and optimizer state
-            exceed `whole_model.WHOLE_MODEL_SHARE` of `gpu_memory` and the parameters and
-            gradients `WHOLE_MODEL_WEIGHTS_SHARE`), "on" or "off". In whole-model
-            mode parameters, gradients and optimizer state live in host memory (up to
+            exceed `WHOLE_MODEL_SHARE` (`teraio.runtime.modes.whole_model`) of `gpu_memory`
+            and the parameters and gradients `WHOLE_MODEL_WEIGHTS_SHARE`), "on" or "off". In
+            whole-model mode parameters, gradients and optimizer state live in host memory (up to
             `host_memory`) and on the store, and come to the GPU only while used (docs/python.md,
             "Whole-model offload").
         step_window: whole-model mode: parameter + gradient + state bytes the streamed optimizer
-            step holds on the GPU per window ("auto": `whole_model.WINDOW_SHARE` of `gpu_memory`).
+            step holds on the GPU per window ("auto": `WINDOW_SHARE` of `gpu_memory`).
         step_in_backward: whole-model mode: update each parameter in backward, as soon as its
             gradient is complete, while it is still on the GPU (default False: at
             `optimizer.step()`, which the loop may precede with `clip_grad_norm_` or more
@@ -70,8 +70,9 @@ class OffloadOptions:
         op_time_scale: multiplies the (calibrated) op times before planning.
         calibrate: scale the profiled op times to an unprofiled iteration (default False:
             opt-in, because the calibration iteration times blocks that may wait on offload
-            I/O and counts the wait as compute: benches/results/2026-11-24-h100/
-            qwen2-65-checkpoint-off.log). Without it the report's ideal is labelled as an
+            I/O and counts the wait as compute:
+            benches/results/2026-11-24-h100/qwen2-65-checkpoint-off.log). Without it the
+            report's ideal is labelled as an
             estimate from raw profiled op times. None: on CUDA only.
         if_no_fit: "raise" (default: a clear error before the planned iterations when no plan
             fits the budget) or "run" (train anyway, waiting for transfers as needed).
@@ -144,3 +145,51 @@ class OffloadOptions:
                 f"unknown teraio.offload option(s) {', '.join(unknown)}; valid: {', '.join(sorted(names))}"
             )
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+def options_table() -> str:
+    """The fields of `OffloadOptions` as a Markdown table (docs/runtime.md holds it): name,
+    default and what it sets, from the dataclass and its docstring (one entry per field, or one
+    for several as "a / b: ...")."""
+    entries = _field_docs()
+    rows = ["| field | default | what it sets |", "|---|---|---|"]
+    done: set[str] = set()
+    for item in dataclasses.fields(OffloadOptions):
+        if item.name in done:
+            continue
+        names, text = entries[item.name]
+        done.update(names)
+        defaults = {_default_text(n) for n in names}
+        default = (
+            " / ".join(f"`{_default_text(n)}`" for n in names) if len(defaults) > 1 else f"`{defaults.pop()}`"
+        )
+        rows.append(f"| {' / '.join(f'`{n}`' for n in names)} | {default} | {text} |")
+    return "\n".join(rows) + "\n"
+
+
+def _default_text(name: str) -> str:
+    default = OffloadOptions.__dataclass_fields__[name].default
+    return "None" if default is None else repr(default).replace("'", '"')
+
+
+def _field_docs() -> dict[str, tuple[list[str], str]]:
+    """Each field's entry in the class docstring: the fields it names and its text on one line."""
+    entries: list[tuple[list[str], list[str]]] = []
+    current: list[str] = []
+    for line in (OffloadOptions.__doc__ or "").splitlines():
+        head = line[8:] if line.startswith(" " * 8) and not line.startswith(" " * 9) else None
+        if head is not None and ": " in head:
+            names, text = head.split(": ", 1)
+            if all(name.isidentifier() for name in names.split(" / ")):
+                current = [text.strip()]
+                entries.append((names.split(" / "), current))
+                continue
+        if current and line.startswith(" " * 12):
+            current.append(line.strip())
+        else:
+            current = []
+    found = {name: (names, " ".join(text)) for names, text in entries for name in names}
+    missing = [f.name for f in dataclasses.fields(OffloadOptions) if f.name not in found]
+    if missing:
+        raise AssertionError(f"OffloadOptions' docstring has no entry for {', '.join(missing)}")
+    return found

@@ -7,6 +7,9 @@ from typing import Any, Optional, Sequence, Union
 
 from . import _native
 
+#: The planner's error (a broken trace, a schedule the replay cannot pair up).
+PlannerError = _native.PlannerError
+
 
 def parse_size(value: Union[int, float, str]) -> int:
     """Bytes from an int, a float of bytes (`5.5e9`) or a string such as `"24GiB"`, `"2G"` (powers
@@ -125,13 +128,15 @@ def _hardware(
     ssd_via_host_link: bool,
 ) -> dict[str, Any]:
     """The native planner's and simulator's machine arguments, sizes and bandwidths parsed."""
-    read = _bandwidth(ssd_read_bandwidth)
+    read = parse_bandwidth(ssd_read_bandwidth)
     return {
         "gpu_memory_bytes": parse_size(gpu_memory),
         "ssd_read_bytes_per_s": read,
-        "ssd_write_bytes_per_s": read if ssd_write_bandwidth is None else _bandwidth(ssd_write_bandwidth),
+        "ssd_write_bytes_per_s": read
+        if ssd_write_bandwidth is None
+        else parse_bandwidth(ssd_write_bandwidth),
         "host_memory_bytes": parse_size(host_memory),
-        "host_link_bytes_per_s": _bandwidth(host_link_bandwidth),
+        "host_link_bytes_per_s": parse_bandwidth(host_link_bandwidth),
         "ssd_latency_us": ssd_latency_us,
         "host_latency_us": host_latency_us,
         "ssd_shared": ssd_shared,
@@ -144,8 +149,16 @@ def validate_trace(trace: Union[str, dict[str, Any]]) -> None:
     _native.validate_trace(trace if isinstance(trace, str) else json.dumps(trace))
 
 
-def _bandwidth(value: Union[float, str]) -> float:
+def parse_bandwidth(value: Union[float, str]) -> float:
     """Bytes per second from a number or a string such as `"6.5GB/s"` or `"4x6.5GB/s"`."""
     if isinstance(value, (int, float)):
         return float(value)
     return _native.parse_bandwidth(value)
+
+
+def replay_schedule(
+    trace: dict[str, Any], schedule: dict[str, Any], hardware: dict[str, Any]
+) -> dict[str, Any]:
+    """The simulator's replay of a recorded schedule (`teraio.schedule_record`) on `hardware`."""
+    report = _native.replay_schedule(json.dumps(trace), json.dumps(schedule), json.dumps(hardware))
+    return json.loads(report)

@@ -226,6 +226,11 @@ class Profiler:
         self._mode = _Recorder(self)
         self._mode.__enter__()
 
+    @property
+    def recording(self) -> bool:
+        """Between `start` and `stop`."""
+        return self._mode is not None
+
     def stop(self) -> None:
         """Stops recording; `trace()` may be called afterwards."""
         if self._mode is None:
@@ -271,9 +276,9 @@ class Profiler:
         if tensor.untyped_storage().nbytes() == 0:
             self.events.append(SaveEvent("pack", len(self.ops), None, pack_index))
             return None
-        record = self._lookup(tensor)
+        record = self.lookup(tensor)
         if record is None:
-            record = self._new_record(
+            record = self.new_record(
                 tensor, "temporary", alloc_op=len(self.ops), name="saved", made_before=True
             )
         if record.kind not in ("weight", "optimizer_state", "gradient") and not is_parameter_memory(tensor):
@@ -302,7 +307,7 @@ class Profiler:
                 return
             for position, leaf in enumerate(tree_flatten((args, kwargs))[0]):
                 if isinstance(leaf, torch.Tensor) and leaf.device.type == self.device.type:
-                    record = self._lookup(leaf)
+                    record = self.lookup(leaf)
                     if record is not None and record.id not in self.module_args:
                         self.module_args[record.id] = (name, call, position, self._pack_count)
 
@@ -330,7 +335,7 @@ class Profiler:
             for param in group["params"]:
                 if param.grad is None:
                     continue
-                record = self._lookup(param.grad)
+                record = self.lookup(param.grad)
                 if record is not None:
                     record.kind = "gradient"
                     name = self._param_names.get(storage_key(param))
@@ -346,19 +351,19 @@ class Profiler:
         if self.model is not None:
             for name, param in self.model.named_parameters():
                 self._param_names[storage_key(param)] = name
-                self._new_record(param, "weight", alloc_op=None, name=name)
+                self.new_record(param, "weight", alloc_op=None, name=name)
                 if param.grad is not None:
-                    self._new_record(param.grad, "gradient", alloc_op=None, name=f"{name}.grad")
+                    self.new_record(param.grad, "gradient", alloc_op=None, name=f"{name}.grad")
             for name, buffer in self.model.named_buffers():
-                if buffer.untyped_storage().nbytes() > 0 and self._lookup(buffer) is None:
-                    self._new_record(buffer, "weight", alloc_op=None, name=name)
+                if buffer.untyped_storage().nbytes() > 0 and self.lookup(buffer) is None:
+                    self.new_record(buffer, "weight", alloc_op=None, name=name)
         if self.optimizer is not None:
             for param, state in self.optimizer.state.items():
                 base = self._param_names.get(storage_key(param), "param")
                 for key, value in state.items():
                     # Only state in the profiled device's memory (AdamW keeps `step` on the host).
-                    if self._on_device(value) and self._lookup(value) is None:
-                        self._new_record(value, "optimizer_state", alloc_op=None, name=f"{base}.{key}")
+                    if self._on_device(value) and self.lookup(value) is None:
+                        self.new_record(value, "optimizer_state", alloc_op=None, name=f"{base}.{key}")
 
     def _on_device(self, value: Any) -> bool:
         return (
@@ -367,7 +372,7 @@ class Profiler:
             and local_tensor(value).untyped_storage().nbytes() > 0
         )
 
-    def _new_record(
+    def new_record(
         self, tensor: torch.Tensor, kind: str, alloc_op: Optional[int], name: str, made_before: bool = False
     ) -> TensorRecord:
         """A record of `tensor`'s storage; `made_before`: no recorded op made it (it is first seen
@@ -388,7 +393,8 @@ class Profiler:
             self._watch.append(record)
         return record
 
-    def _lookup(self, tensor: torch.Tensor) -> Optional[TensorRecord]:
+    def lookup(self, tensor: torch.Tensor) -> Optional[TensorRecord]:
+        """The record of the storage `tensor` lives in, while that storage lives (else None)."""
         record = self._live.get(storage_key(tensor))
         if record is None or record.weak.expired():
             return None
@@ -418,9 +424,9 @@ class Profiler:
                 continue
             key = storage_key(tensor)
             input_keys.add(key)
-            record = self._lookup(tensor)
+            record = self.lookup(tensor)
             if record is None:
-                record = self._new_record(
+                record = self.new_record(
                     tensor, "temporary", alloc_op=op, name=f"{op_name}.in", made_before=True
                 )
             record.use(op, "read")
@@ -429,10 +435,10 @@ class Profiler:
             if tensor.untyped_storage().nbytes() == 0:
                 continue
             key = storage_key(tensor)
-            record = self._lookup(tensor) if key in input_keys else None
+            record = self.lookup(tensor) if key in input_keys else None
             if record is None:
                 label = f"{module}:{op_name}" if module else op_name
-                record = self._new_record(tensor, "temporary", alloc_op=op, name=f"{label}.out{index}")
+                record = self.new_record(tensor, "temporary", alloc_op=op, name=f"{label}.out{index}")
                 if phase == "forward" and len(outputs) == 1 and recomputable_op(func):
                     record.producer = self._producer(op, func, args, kwargs)
             elif mutable and phase == "forward":
@@ -482,7 +488,7 @@ class Profiler:
             if not isinstance(leaf, torch.Tensor):
                 leaves.append(leaf)
             elif leaf.device.type == self.device.type and leaf.untyped_storage().nbytes() > 0:
-                record = self._lookup(leaf)
+                record = self.lookup(leaf)
                 if record is None:
                     return None
                 size, stride = tuple(leaf.size()), tuple(leaf.stride())
@@ -498,7 +504,7 @@ class Profiler:
             for state in self.optimizer.state.values():
                 for value in state.values():
                     if self._on_device(value):
-                        record = self._lookup(value)
+                        record = self.lookup(value)
                         if record is not None and record.kind != "weight":
                             record.kind = "optimizer_state"
                             record.alloc_op = None

@@ -1,7 +1,7 @@
 """One iteration of a runtime's own schedule as it ran, for the simulator to replay.
 
 Whole-model offload does not execute a planner's plan; it predicts its iteration by recording one
-(`ScheduleRecorder`) and replaying the record in the simulator (`_native.replay_schedule`,
+(`ScheduleRecorder`) and replaying the record in the simulator (`planning.replay_schedule`,
 planner/src/replay.rs) at the machine's bandwidths, or at others (`ScheduleRecord.replay`):
 
 - ops: the stretches of GPU work between two waits of the runtime (a unit's forward, its
@@ -18,13 +18,12 @@ Only tensors that moved are recorded: a parameter kept on the GPU takes no link 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Optional
 
 import torch
 
-from . import _native
+from .planning import replay_schedule
 from .timing import elapsed_ms, mark
 
 #: Trace kinds (docs/trace.md) of the runtime's kinds of bytes.
@@ -86,10 +85,7 @@ class ScheduleRecord:
             "ssd_shared": ssd_shared,
             "ssd_via_host_link": True,
         }
-        report = _native.replay_schedule(
-            json.dumps(self.trace), json.dumps(self.schedule), json.dumps(hardware)
-        )
-        return json.loads(report)
+        return replay_schedule(self.trace, self.schedule, hardware)
 
 
 class ScheduleRecorder:

@@ -1,12 +1,12 @@
 """Selective checkpointing of one block: keep what is expensive to compute again, recompute the rest.
 
-The block plan's SELECTIVE action (`teraio.blockwise`) runs a block through
+The block plan's SELECTIVE action (`teraio.runtime.modes.block`) runs a block through
 `torch.utils.checkpoint` with torch's selective policy (`create_selective_checkpoint_contexts`):
 the outputs of compute-bound ops (matrix products and attention, `SAVE_OPS`) are kept from the
 forward; everything else (norms, rotary embeddings, activation functions, casts, elementwise ops:
 memory-bound, short kernels) runs again in backward. In a bf16 transformer block the kept outputs
 are about a third of what the block saves, and their recomputation a small share of the block's
-forward: the plan measures both (`blockwise.BlockOffload`) and weighs them against keeping the
+forward: the plan measures both (`BlockOffload`) and weighs them against keeping the
 block, copying it to the host, or recomputing it whole.
 
 What such a block keeps is known without running it: every output of every op in `SAVE_OPS`, as

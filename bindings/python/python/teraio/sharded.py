@@ -16,7 +16,7 @@ What changes for a sharded model, and where teraio meets it:
 - teraio issues no collective in training (the ranks measure the machine together once, at
   the start: `teraio.machine`) and changes no FSDP hook or order: every rank runs the same FSDP
   collectives in the same order whatever its plan.
-- The block plan (`teraio.blockwise`, the default for models with repeated blocks) runs under
+- The block plan (`teraio.runtime.modes.block`, the default for models with repeated blocks) runs under
   FSDP2 as activation checkpointing does in torchtitan: a block's checkpoint sits inside the
   FSDP module's forward, and its recomputation runs in backward after FSDP's pre-backward hook
   has gathered the block's parameters (FSDP's forward hooks do not run again). So one rank may

@@ -308,6 +308,30 @@ class Store:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # -- the offload runtime's movers -------------------------------------------------------
+
+    def start_put(self, object_id: int, memory: Any, nbytes: int, urgent: bool = False) -> Handle:
+        """Starts writing the first `nbytes` of `memory` (a contiguous torch tensor: host memory
+        through the engine's host path, CUDA memory through its GPU path) as object `object_id`,
+        now. Unlike `put_async` it does not wait for the current CUDA stream: the caller has
+        already ordered the write after the tensor's producer. Keep `memory` unchanged and alive
+        until the handle is done."""
+        address = _start_address(memory, nbytes)
+        if memory.device.type == "cuda":
+            index = _cuda_index(memory)
+            return Handle(self._native.put_device(object_id, address, nbytes, index, memory, b"", urgent))
+        return Handle(self._native.put_address(object_id, address, nbytes, memory, b"", urgent))
+
+    def start_get(self, object_id: int, memory: Any, nbytes: int, urgent: bool = False) -> Handle:
+        """Starts reading the whole object `object_id` (`nbytes` long) into the start of `memory`
+        (as `start_put`), now: the caller has ordered the read after every use of the memory.
+        Do not use `memory` until the handle is done."""
+        address = _start_address(memory, nbytes)
+        if memory.device.type == "cuda":
+            index = _cuda_index(memory)
+            return Handle(self._native.get_device(object_id, address, nbytes, index, memory, urgent=urgent))
+        return Handle(self._native.get_address(object_id, address, nbytes, memory, urgent=urgent))
+
 
 def _flag(name: str, value: Any) -> bool:
     """A bool argument, refused with InvalidArgumentError when it is anything else."""
@@ -356,3 +380,15 @@ def _path_list(paths: Union[PathLike, Sequence[PathLike]]) -> list[str]:
         raise _native.InvalidArgumentError(
             f"paths must be a path or a sequence of paths (str or os.PathLike), not {paths!r}"
         ) from None
+
+
+def _start_address(memory: torch.Tensor, nbytes: int) -> int:
+    """The address of `memory`, which must hold at least `nbytes` contiguous bytes."""
+    address, length = _tensor_address(memory)
+    if nbytes > length:
+        raise ValueError(f"{nbytes} bytes asked of a tensor of {length}")
+    return address
+
+
+#: The engine's error when the store's devices are full (the offload runtime raises it too).
+NoSpaceError = _native.NoSpaceError

@@ -3,20 +3,53 @@
 The planner plans in ops of the profiled trace; the runtime acts at the save/unpack events it
 sees, which come in the same order every iteration. These functions map each migration to the
 events at which the executors act: activations (`decisions_from_plan`, for
-`executor.ActivationExecutor`), optimizer state between steps and parameters between the passes
-(`state_moves_from_plan`, `parameter_moves_from_plan`, for `state.StateExecutor`).
+`modes.activations.ActivationExecutor`), optimizer state between steps and parameters between the passes
+(`state_moves_from_plan`, `parameter_moves_from_plan`, for `modes.state.StateExecutor`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
-from . import recompute as rc
-from .executor import RECOMPUTE, PackDecision
-from .profiler import Profiler, SaveEvent
-from .state import Move
+from ... import recompute as rc
+from ...profiler import Profiler, SaveEvent
+from ...recompute import Recipe
+
+#: The tier of a saved tensor the plan recomputes instead of moving.
+RECOMPUTE = "recompute"
+
+
+@dataclass
+class PackDecision:
+    """What to do with the `pack_index`-th saved tensor of an iteration."""
+
+    tensor_id: Optional[int]
+    size_bytes: int
+    tier: Optional[str]
+    prefetch_event: Optional[int] = None
+    #: The event where backward first needs it (orders prefetches issued at the same event).
+    need_event: Optional[int] = None
+    #: The event of its save (a prefetch can be issued only after it).
+    pack_event: Optional[int] = None
+    #: For tier RECOMPUTE: how to make it again.
+    recipe: Optional[Recipe] = None
+
+
+@dataclass
+class Move:
+    """One tensor the plan moves: its tier and the `saved_tensors_hooks` events (indices within
+    an iteration) at which to act. `release_event` None: out after the optimizer step (optimizer
+    state); else out at that event (a parameter after its last forward use). `restore_event` None:
+    back at the step. `wait_event` None: compute waits at the step; else at that event."""
+
+    tensor: torch.Tensor
+    tier: str
+    restore_event: Optional[int]
+    release_event: Optional[int] = None
+    wait_event: Optional[int] = None
 
 
 def decisions_from_plan(
@@ -133,7 +166,7 @@ def parameter_moves_from_plan(
         return []
     moves: list[Move] = []
     for param in profiler.model.parameters():
-        record = profiler._lookup(param)
+        record = profiler.lookup(param)
         if record is None or record.id not in planned:
             continue
         migration = planned.pop(record.id)

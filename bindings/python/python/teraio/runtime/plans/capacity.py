@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .planning import format_bytes as _gib
-from .tiers import HOST, SSD
+from ...planning import format_bytes as _gib
+from ..movers.tiers import HOST, SSD
 
 PARAMETER = "parameter"
 GRADIENT = "gradient"

@@ -30,46 +30,27 @@ On a CPU "device" the same logic runs with synchronous copies, for tests and CPU
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 
-from .executor import HOST, SSD, _flat_bytes, _pinned_size, copy_on_stream
-from .sharded import local_tensor
-from .store import Store
+from ... import ids
+from ...sharded import local_tensor
+from ...store import Store
+from ..movers.copy import copy_now, copy_on_stream, flat_bytes, pinned_buffer, pinned_size
+from ..movers.tiers import HOST, SSD, TierCounters
+from ..plans.tensor import Move
 
 
 @dataclass
-class StateStats:
+class StateStats(TierCounters):
     """What the state executor moved, and how long the step waited for it."""
 
-    offloaded_bytes: dict[str, int] = field(default_factory=lambda: {HOST: 0, SSD: 0})
-    prefetched_bytes: dict[str, int] = field(default_factory=lambda: {HOST: 0, SSD: 0})
-    prefetches_planned: int = 0
-    prefetches_on_demand: int = 0
     step_wait_s: float = 0.0
     #: Times `bring_back` found state off the device (`optimizer.state_dict()` / `load_state_dict()`).
     brought_back: int = 0
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-@dataclass
-class Move:
-    """One tensor the plan moves: its tier and the `saved_tensors_hooks` events (indices within
-    an iteration) at which to act. `release_event` None: out after the optimizer step (optimizer
-    state); else out at that event (a parameter after its last forward use). `restore_event` None:
-    back at the step. `wait_event` None: compute waits at the step; else at that event."""
-
-    tensor: torch.Tensor
-    tier: str
-    restore_event: Optional[int]
-    release_event: Optional[int] = None
-    wait_event: Optional[int] = None
 
 
 def movable_state(
@@ -109,7 +90,7 @@ def host_then_store(
     if sizes is None:
         sizes = [int(t.untyped_storage().nbytes()) for t in tensors]
     for tensor, nbytes in zip(tensors, sizes):
-        size = _pinned_size(nbytes)
+        size = pinned_size(nbytes)
         if size <= host_bytes:
             host_bytes -= size
             moves.append(Move(tensor, HOST, restore_event))
@@ -157,7 +138,7 @@ class StateExecutor:
         device: torch.device,
         *,
         store: Optional[Store] = None,
-        object_id_base: int = 1 << 41,  # SSD-tier objects: ids from object_id_base, one per slot made
+        object_id_base: int = ids.base("optimizer_state"),  # SSD-tier objects: one id per slot made
         d2h_stream: Any = None,
         h2d_stream: Any = None,
     ) -> None:
@@ -283,14 +264,14 @@ class StateExecutor:
 
     def _offload(self, slot: _StateSlot) -> None:
         storage = slot.tensor.untyped_storage()
-        source = _flat_bytes(slot.tensor)
+        source = flat_bytes(slot.tensor)
         self._host_buffer(slot)
         if self.cuda:
             slot.d2h_event = copy_on_stream(self.d2h_stream, self.device, slot.host, source)
             # The allocator keeps the block until the copy has read it.
             source.record_stream(self.d2h_stream)
         else:
-            slot.host.copy_(source)
+            copy_now(slot.host, source)
         del source
         storage.resize_(0)
         slot.resident = False
@@ -301,7 +282,7 @@ class StateExecutor:
 
     def _host_buffer(self, slot: _StateSlot) -> torch.Tensor:
         if slot.host is None:
-            slot.host = torch.empty(slot.nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+            slot.host = pinned_buffer(slot.nbytes, self.cuda)
         return slot.host
 
     def poll(self) -> None:
@@ -326,9 +307,7 @@ class StateExecutor:
 
     def _start_put(self, slot: _StateSlot) -> None:
         assert self.store is not None and slot.host is not None
-        slot.put = self.store._native.put_address(
-            slot.object_id, slot.host.data_ptr(), slot.nbytes, slot.host, b"", False
-        )
+        slot.put = self.store.start_put(slot.object_id, slot.host, slot.nbytes)
 
     # -- during the next iteration: back ---------------------------------------------------------
 
@@ -414,9 +393,7 @@ class StateExecutor:
                 self._pending.remove(slot)
             self._host_buffer(slot)
             assert self.store is not None
-            slot.get = self.store._native.get_address(
-                slot.object_id, slot.host.data_ptr(), slot.nbytes, slot.host, 0, True, True
-            )
+            slot.get = self.store.start_get(slot.object_id, slot.host, slot.nbytes, urgent=True)
             self._pending.append(slot)
             return
         self._copy_up(slot)
@@ -434,13 +411,13 @@ class StateExecutor:
         # Grown on the compute stream: the copy must not start before the compute work queued
         # so far, which may still use the memory the allocator hands out here.
         storage.resize_(slot.nbytes)
-        target = _flat_bytes(slot.tensor)
+        target = flat_bytes(slot.tensor)
         slot.resident = True
         if self.cuda:
             slot.restore = copy_on_stream(self.h2d_stream, self.device, target, host, after=slot.d2h_event)
             target.record_stream(self.h2d_stream)
         else:
-            target.copy_(host)
+            copy_now(target, host)
 
     def bring_back(self, out_again: bool) -> None:
         """Restores every tensor now off the device and waits for it (the optimizer's state dict
@@ -483,10 +460,6 @@ class StateExecutor:
         """Brings every state tensor back (the optimizer is usable without teraio afterwards) and
         deletes the executor's objects from the store."""
         self.set_plan([])
-
-
-def _index(device: torch.device) -> int:
-    return int(device.index) if device.index is not None else int(torch.cuda.current_device())
 
 
 def pin_within_iteration(trace: dict[str, Any], kind: str) -> None:

@@ -1,8 +1,8 @@
 """What an activation-offload run did (`teraio.offload(...).report()`): the `Report` type, and
 the check of a measured iteration against its prediction that both plans' reports make.
 
-The block plan's report is `blockwise.BlockReport`; the whole-model mode's is
-`whole_model.WholeModelReport`.
+The block plan's report is `modes.block.BlockReport`; the whole-model mode's is
+`modes.whole_model.WholeModelReport`. Each is built with `prediction_fields`.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .executor import HOST, SSD
-from .planning import format_bytes
+from ..planning import format_bytes
+from .movers.tiers import HOST, SSD
 
 #: The report flags a measured iteration this far (as a share) from the prediction.
 PREDICTION_TOLERANCE = 0.10
@@ -32,6 +32,18 @@ def check_prediction(
         f"predicted {predicted_ms:.1f} ms (tolerance {PREDICTION_TOLERANCE:.0%}): the plan's model of "
         "this machine is off"
     )
+
+
+def prediction_fields(measured_ms: Optional[float], predicted_ms: Optional[float]) -> dict[str, Any]:
+    """The fields every mode's report has for its iteration: measured, predicted and
+    `check_prediction`'s error and warning."""
+    error, warning = check_prediction(measured_ms, predicted_ms)
+    return {
+        "measured_iteration_ms": measured_ms,
+        "predicted_iteration_ms": predicted_ms,
+        "prediction_error_percent": error,
+        "prediction_warning": warning,
+    }
 
 
 @dataclass

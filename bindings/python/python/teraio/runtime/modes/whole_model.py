@@ -44,8 +44,9 @@ enters the next unit, and at the end of backward (an autograd engine callback). 
 leave the GPU and parameters are not read in again for the step. A clip or a second backward
 before `optimizer.step()` raises: the update has already run.
 
-Data moves through `teraio.tiers` (pinned host buffers allocated at start-up under the host cap;
-the store through the engine's GPU path) and where each kind lives is `teraio.capacity`'s plan.
+Data moves through the movers (`runtime/movers/tiers.py`: pinned host buffers allocated at start-up
+under the host cap; the store through the engine's GPU path) and where each kind lives is the
+capacity plan's (`runtime/plans/capacity.py`).
 """
 
 from __future__ import annotations
@@ -59,25 +60,26 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
+from torch.nn import Module
+from torch.optim import Optimizer
 from torch.utils._foreach_utils import (
     _device_has_foreach_support,
     _group_tensors_by_device_and_dtype,
     _has_foreach_support,
 )
 
-from . import blocks as bk
-from . import capacity as cp
-from . import ids
-from ._native import PlannerError
-from .machine import reserve_from_allocator, resolve_link
-from .options import OffloadOptions
-from .planning import _bandwidth as parse_bandwidth
-from .planning import format_bytes, parse_size
-from .report import check_prediction
-from .schedule_record import ScheduleRecorder
-from .store import Store
-from .tiers import GPU, HOST, SSD, HostTier, SsdTier, Transfer, flat_bytes
-from .timing import IterationPeak
+from ... import blocks as bk
+from ... import ids
+from ...machine import reserve_from_allocator, resolve_link
+from ...options import OffloadOptions
+from ...planning import format_bytes, parse_bandwidth, parse_size
+from ...schedule_record import ScheduleRecorder
+from ..errors import NoPlanFitsError, NoSpaceError, PlannerError
+from ..movers.copy import flat_bytes
+from ..movers.tiers import GPU, HOST, SSD, HostTier, SsdTier, Transfer
+from ..plans import capacity as cp
+from ..report import check_prediction
+from ..session import Budget, Session
 
 #: Whole-model mode starts when parameters + gradients + optimizer state exceed this share of the
 #: GPU budget: a step with all of them resident peaks higher still (AdamW's foreach update holds
@@ -302,31 +304,14 @@ class _Unit:
     slots: list[int]
 
 
-class ModelOffload:
+class ModelOffload(Session):
     """Whole-model offload around an unchanged training loop (see the module docstring). Made by
     `teraio.offload` when the model's state does not fit; use it the same way."""
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        options: OffloadOptions,
-        *,
-        store: Optional[Store],
-        gpu_memory_bytes: int,
-        host_memory_bytes: int,
-        machine: dict[str, Any],
-    ) -> None:
-        self.model = model
-        self.optimizer = optimizer
+    def __init__(self, model: Module, optimizer: Optimizer, options: OffloadOptions, budget: Budget) -> None:
+        super().__init__(model, optimizer, options, budget)
         # Before the state moves to the tiers (where the optimizer's own tensors are placeholders).
         self.model_state_bytes = model_state_bytes(model, optimizer)[1]
-        self.options = options
-        self.store = store
-        self.gpu_memory_bytes = gpu_memory_bytes
-        self.machine = machine
-        self.device = next(iter(model.parameters())).device
-        self.cuda = self.device.type == "cuda"
         self.recorder = ScheduleRecorder(self.device)
         named = _named_unique_parameters(model)
         _refuse_shared_storage(named)
@@ -347,31 +332,30 @@ class ModelOffload:
         # Optimizer state bytes per parameter (as planned: before the first step, an estimate).
         self._state_bytes = [size.state for size in sizes]
         window = options.step_window
-        window_bytes = int(WINDOW_SHARE * gpu_memory_bytes) if window == "auto" else parse_size(window)
-        ssd_free = None if store is None else sum(int(d["free_bytes"]) for d in store.info()["devices"])
+        window_bytes = int(WINDOW_SHARE * self.gpu_memory_bytes) if window == "auto" else parse_size(window)
+        ssd_free = (
+            None if self.store is None else sum(int(d["free_bytes"]) for d in self.store.info()["devices"])
+        )
         try:
             self.plan = cp.place(
                 sizes,
-                host_capacity_bytes=host_memory_bytes,
+                host_capacity_bytes=self.host_memory_bytes,
                 ssd_capacity_bytes=ssd_free,
                 window_bytes=window_bytes,
             )
         except cp.CapacityError as error:
-            from ._native import NoSpaceError
-            from .runtime import NoPlanFitsError
-
             kind = NoSpaceError if error.store_full else NoPlanFitsError
             raise kind(f"teraio.offload: {error}") from None
         # The bandwidths the prediction assumes (measured once, cached with the store).
-        self.link = resolve_link(self.device, store, options, self.machine)
+        self.link = resolve_link(self.device, self.store, options, self.machine)
         streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) if self.cuda else None
-        self.host = HostTier(self.device, host_memory_bytes, streams)
+        self.host = HostTier(self.device, self.host_memory_bytes, streams)
         self.ssd: dict[str, SsdTier] = {}
-        if store is not None:
+        if self.store is not None:
             self.ssd = {
-                cp.PARAMETER: SsdTier(self.device, store, ids.base("model_parameters")),
-                cp.GRADIENT: SsdTier(self.device, store, ids.base("model_gradients")),
-                cp.STATE: SsdTier(self.device, store, ids.base("model_optimizer_state")),
+                cp.PARAMETER: SsdTier(self.device, self.store, ids.base("model_parameters")),
+                cp.GRADIENT: SsdTier(self.device, self.store, ids.base("model_gradients")),
+                cp.STATE: SsdTier(self.device, self.store, ids.base("model_optimizer_state")),
             }
         self.slots = [_Slot(i, name, p, self.plan.tiers[i]) for i, (name, p) in enumerate(named)]
         self._slot_of = {id(slot.param): slot for slot in self.slots}
@@ -403,11 +387,9 @@ class ModelOffload:
         self._order: list[int] = []
         self._recorded: Optional[list[int]] = None
         self._position = 0
-        self._hooks: list[Any] = []
         self._saved_hooks: Any = None
         self._original_step: Optional[Callable[..., Any]] = None
         self._original_zero_grad: Optional[Callable[..., Any]] = None
-        self._clipping: Optional[Callable[..., Any]] = None  # torch's clip_grad_norm_ meanwhile
         # Each held gradient's norm (taken as it left the GPU) and the clip coefficient of this
         # iteration, if `clip_grad_norm_` was called (`_take_over_clipping`).
         self._grad_norms: dict[int, torch.Tensor] = {}
@@ -416,9 +398,7 @@ class ModelOffload:
         self._counts = _Counts()
         self._iterations: list[_Counts] = []
         self._step_started = 0.0
-        self._step_times_ms: list[float] = []
         self._step_ms: list[float] = []
-        self._peaks: list[int] = []
         self._window_bytes = 0  # GPU bytes of streamed tensors the step holds now
         self.peak_step_window_bytes = 0
         self.on_demand_fetches = 0
@@ -481,34 +461,15 @@ class ModelOffload:
         self._original_zero_grad = self.optimizer.zero_grad
         self.optimizer.step = self._streamed_step  # type: ignore[method-assign]
         self.optimizer.zero_grad = self._zero_grad  # type: ignore[method-assign]
-        self._take_over_clipping()
-        self._peak = IterationPeak(self.model, self.device)
-        self._hooks.append(self._peak.handle)
+        self._take_over_clipping(self._owns, self._clip_grad_norm)
+        self._install_peak()
         self._begin_iteration()
         return self
 
-    def _take_over_clipping(self) -> None:
-        """`torch.nn.utils.clip_grad_norm_` while the block runs, for lists holding this model's
-        parameters: their gradients have left the GPU when backward returns, so each one's norm
-        is the one taken as it left (norm type 2, torch's default) or is read back for the call,
-        the total and the coefficient are torch's arithmetic, and the step scales each gradient
-        as it brings it back. Lists of other parameters only: torch's own."""
-        original = torch.nn.utils.clip_grad_norm_
-
-        def clip_grad_norm_(
-            parameters: Any,
-            max_norm: float,
-            norm_type: float = 2.0,
-            error_if_nonfinite: bool = False,
-            foreach: Optional[bool] = None,
-        ) -> torch.Tensor:
-            listed = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-            if not any(id(p) in self._slot_of for p in listed):
-                return original(listed, max_norm, norm_type, error_if_nonfinite, foreach)
-            return self._clip_grad_norm(listed, max_norm, norm_type, error_if_nonfinite, foreach)
-
-        self._clipping = original
-        torch.nn.utils.clip_grad_norm_ = clip_grad_norm_  # type: ignore[assignment]
+    def _owns(self, parameters: list[torch.Tensor]) -> bool:
+        """Whether a `clip_grad_norm_` list holds this model's parameters: their gradients have
+        left the GPU when backward returns, so `_clip_grad_norm` clips them instead of torch."""
+        return any(id(p) in self._slot_of for p in parameters)
 
     def _clip_grad_norm(
         self,
@@ -518,7 +479,10 @@ class ModelOffload:
         error_if_nonfinite: bool,
         foreach: Optional[bool],
     ) -> torch.Tensor:
-        """torch's `clip_grad_norm_` (torch/nn/utils/clip_grad.py) over held gradients."""
+        """torch's `clip_grad_norm_` (torch/nn/utils/clip_grad.py) over held gradients: each one's
+        norm is the one taken as it left (norm type 2, torch's default) or is read back for the
+        call, the total and the coefficient are torch's arithmetic, and the step scales each
+        gradient as it brings it back."""
         if self.step_in_backward:
             raise RuntimeError(
                 "teraio.offload(step_in_backward=True): clip_grad_norm_ after backward, which has "
@@ -594,15 +558,11 @@ class ModelOffload:
         if self._saved_hooks is not None:
             self._saved_hooks.__exit__(None, None, None)
             self._saved_hooks = None
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
+        self._remove_hooks()
         self.checkpointer.apply(set())
         for unit in self.units:
             unit.module.__dict__.pop("forward", None)
-        if self._clipping is not None:
-            torch.nn.utils.clip_grad_norm_ = self._clipping  # type: ignore[assignment]
-            self._clipping = None
+        self._give_back_clipping()
         if self._original_step is not None:
             self.optimizer.__dict__.pop("step", None)
             self.optimizer.__dict__.pop("zero_grad", None)
@@ -1210,7 +1170,7 @@ class ModelOffload:
             torch.cuda.synchronize(self.device)
         self._step_times_ms.append((time.perf_counter() - self._step_started) * 1e3)
         if self.cuda:
-            self._peaks.append(int(torch.cuda.max_memory_allocated(self.device)))
+            self._peaks.append(self._peak_bytes())
         self.steps += 1
         self._begin_iteration()
 

@@ -1,4 +1,4 @@
-"""Executes a plan for activations through `saved_tensors_hooks`.
+"""The activations' policy: a plan for saved tensors, executed through `saved_tensors_hooks`.
 
 Every tensor autograd saves in the forward pass goes through `pack`; the plan (or, before there is
 one, a fallback policy) says whether it stays, goes to host memory or goes to the SSD tier
@@ -20,11 +20,10 @@ measured no gain (the pieces of a copy already ready still ran first).
 A prefetch the plan did not issue in time is issued on demand; that and any wait for an SSD
 read are counted as stalls, and the result is still exact.
 
-SSD tier: the device-to-host copy lands in a pinned buffer, then the engine writes it
-(`Store.put_address`, asynchronous); reads come back into a pinned buffer and are copied up. The
-engine's GPU path (`put_device`/`get_device`) exists and the whole-model runtime's SSD tier
-(`tiers.SsdTier`) uses it; this executor does not yet, so its SSD bytes are staged in pinned
-host memory here (`SSD_STAGING_BYTES`).
+SSD tier: the device-to-host copy lands in a pinned buffer, then the engine writes it from there
+(`Store.start_put`, asynchronous); reads come back into a pinned buffer and are copied up. So the
+activations' SSD bytes are staged in pinned host memory (`SSD_STAGING_BYTES`), where the
+whole-model mode's SSD tier (`movers.tiers.SsdTier`) goes through the engine's GPU path.
 
 Recomputation (`teraio.recompute`): a saved tensor the plan marks "recompute" is not copied at
 all; the executor keeps the handles of its sources (earlier saves, parameters, captured module
@@ -37,7 +36,6 @@ On a CPU "device" the same logic runs with synchronous copies (for tests and CPU
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 import weakref
 from collections import deque
@@ -47,15 +45,14 @@ from typing import Any, Callable, Optional
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .profiler import KeptSave
-from .recompute import Recipe, Source
-from .sharded import is_parameter_memory
-from .store import Store
-
-HOST = "host"
-SSD = "ssd"
-RECOMPUTE = "recompute"
-
+from ... import ids
+from ...profiler import KeptSave
+from ...recompute import Recipe, Source
+from ...sharded import is_parameter_memory
+from ...store import Store
+from ..movers.copy import copy_now, copy_on_stream, flat_bytes, join_copy, pinned_buffer, pinned_size
+from ..movers.tiers import HOST, SSD, TierCounters
+from ..plans.tensor import RECOMPUTE, PackDecision
 
 #: Prefetches are copied in pieces of this size (64 MiB: about a millisecond on a PCIe 5 x16
 #: link, against about 10 us of host time to issue each piece).
@@ -78,26 +75,16 @@ PULL_HEADROOM_BYTES = 2 << 30
 _cuda_memory_stats = getattr(torch._C, "_cuda_memoryStats", None)
 
 
-def _pinned_size(nbytes: int) -> int:
-    """What a pinned buffer of `nbytes` takes: PyTorch's caching host allocator rounds each
-    block up to a power of two."""
-    return 1 << max(0, nbytes - 1).bit_length()
-
-
 def _deadline(need_event: Optional[int]) -> int:
     """A copy's deadline for ordering: its need event, or after every event if unknown."""
     return need_event if need_event is not None else 1 << 62
 
 
 @dataclass
-class TransferStats:
+class TransferStats(TierCounters):
     """What the executor moved and how often the step had to wait."""
 
-    offloaded_bytes: dict[str, int] = field(default_factory=lambda: {HOST: 0, SSD: 0})
-    prefetched_bytes: dict[str, int] = field(default_factory=lambda: {HOST: 0, SSD: 0})
     offloads: int = 0
-    prefetches_planned: int = 0
-    prefetches_on_demand: int = 0
     ssd_wait_s: float = 0.0
     inflight_waits: int = 0
     inflight_wait_s: float = 0.0
@@ -129,25 +116,6 @@ class TransferStats:
     emergency_offloaded_bytes: int = 0
     prefetches_deferred: int = 0
     memory_waits: int = 0
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-@dataclass
-class PackDecision:
-    """What to do with the `pack_index`-th saved tensor of an iteration."""
-
-    tensor_id: Optional[int]
-    size_bytes: int
-    tier: Optional[str]
-    prefetch_event: Optional[int] = None
-    #: The event where backward first needs it (orders prefetches issued at the same event).
-    need_event: Optional[int] = None
-    #: The event of its save (a prefetch can be issued only after it).
-    pack_event: Optional[int] = None
-    #: For tier RECOMPUTE: how to make it again.
-    recipe: Optional[Recipe] = None
 
 
 class _Slot:
@@ -204,56 +172,6 @@ class _Packed:
         self.pack_index = pack_index
 
 
-def _join_copy(device: torch.device, event: Any) -> None:
-    """Orders the compute stream after a copy into memory it is about to get back."""
-    torch.cuda.current_stream(device).wait_event(event)
-
-
-def copy_on_stream(
-    stream: Any,
-    device: torch.device,
-    target: Any,
-    source: Any,
-    after: Any = None,
-    chunk_bytes: int = 0,
-) -> Any:
-    """Copies `source` into `target` (tensors, or untyped storages of one size) on a side stream
-    once the compute work queued so far (and the copy event `after`, if given: the other
-    direction's copy of the same bytes) is done; returns the copy's CUDA event. The caller
-    decides how the memory outlives the copy (`record_stream`, or compute waiting on the event).
-    `chunk_bytes` > 0 (flat byte tensors only): one copy per chunk, so copies queued on other
-    streams can run between them."""
-    if chunk_bytes > 0 and target.numel() > chunk_bytes:
-        starts = range(0, target.numel(), chunk_bytes)
-        pairs = [(target[s : s + chunk_bytes], source[s : s + chunk_bytes]) for s in starts]
-    else:
-        pairs = [(target, source)]
-    return copies_on_stream(stream, device, pairs, [after] if after is not None else [])
-
-
-def copies_on_stream(
-    stream: Any, device: torch.device, pairs: list[tuple[Any, Any]], after: list[Any]
-) -> Any:
-    """`copy_on_stream` for several (target, source) pairs at once, after every event in
-    `after`: one stream ordering and one event for all of them."""
-    stream.wait_stream(torch.cuda.current_stream(device))
-    for event in after:
-        stream.wait_event(event)
-    with torch.cuda.stream(stream):
-        for target, source in pairs:
-            target.copy_(source, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(stream)
-    return event
-
-
-def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    storage = tensor.untyped_storage()
-    flat = torch.empty(0, dtype=torch.uint8, device=tensor.device)
-    flat.set_(storage, 0, (storage.nbytes(),), (1,))
-    return flat
-
-
 class ActivationExecutor:
     """Moves saved activations per a plan (see the module docstring)."""
 
@@ -265,7 +183,7 @@ class ActivationExecutor:
         host_memory_bytes: int = 0,
         min_bytes: int = 1 << 20,
         max_inflight_bytes: int = 2 << 30,
-        object_id_base: int = 1 << 40,  # SSD-tier objects: ids object_id_base + pack index
+        object_id_base: int = ids.base("activations"),  # SSD-tier objects: ids object_id_base + pack index
         skip_storages: Optional[set[Any]] = None,
         gpu_memory_bytes: int = 0,
         copy_streams: int = 2,
@@ -357,11 +275,11 @@ class ActivationExecutor:
         host_bytes = 0
         for index, decision in enumerate(decisions):
             if decision.tier == HOST and decision.recipe is None:
-                if host_bytes + _pinned_size(decision.size_bytes) > self.host_memory_bytes:
+                if host_bytes + pinned_size(decision.size_bytes) > self.host_memory_bytes:
                     decision.tier = SSD if self.store is not None else None
                     self.stats.host_cap_demotions += 1
                 else:
-                    host_bytes += _pinned_size(decision.size_bytes)
+                    host_bytes += pinned_size(decision.size_bytes)
             if decision.tier is not None and decision.prefetch_event is not None:
                 self.prefetch_at_event.setdefault(decision.prefetch_event, []).append(index)
         self._pull_urgent_forward(decisions)
@@ -570,7 +488,7 @@ class ActivationExecutor:
         elif profiler is not None:
             tensor_id = None
             if isinstance(packed, torch.Tensor):
-                record = profiler._lookup(packed)
+                record = profiler.lookup(packed)
                 tensor_id = record.id if record is not None else None
             else:
                 tensor_id = packed.tensor_id
@@ -632,7 +550,7 @@ class ActivationExecutor:
                 out = recipe.run(lambda source: self._source_storage(bound[source]), self.device)
         finally:
             self._materializing -= 1
-        slot.gpu = _flat_bytes(out)
+        slot.gpu = flat_bytes(out)
         slot.recipe = slot.bound = None
         if not self._materializing:
             self.stats.recompute_s += time.perf_counter() - started
@@ -662,7 +580,7 @@ class ActivationExecutor:
         return self._if_short(nbytes)
 
     def _fallback_tier(self, nbytes: int) -> Optional[str]:
-        if self._host_in_use + _pinned_size(nbytes) <= self.host_memory_bytes:
+        if self._host_in_use + pinned_size(nbytes) <= self.host_memory_bytes:
             return HOST
         if self.store is not None:
             return SSD
@@ -702,14 +620,14 @@ class ActivationExecutor:
     # -- transfers -----------------------------------------------------------------------------
 
     def _host_buffer(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+        return pinned_buffer(nbytes, self.cuda)
 
     def _offload(self, slot: _Slot, tensor: torch.Tensor) -> None:
         # Storage to storage: no flat byte tensor to build (`set_` is the costliest call here).
         source = tensor.untyped_storage()
         slot.host = self._host_buffer(slot.nbytes)
         if slot.tier == HOST:
-            self._host_in_use += _pinned_size(slot.nbytes)
+            self._host_in_use += pinned_size(slot.nbytes)
         self.stats.offloads += 1
         self.stats.offloaded_bytes[slot.tier] += slot.nbytes
         if self.cuda:
@@ -719,7 +637,7 @@ class ActivationExecutor:
             self._inflight.append((slot.d2h_event, slot.nbytes))
             self._inflight_bytes += slot.nbytes
         else:
-            slot.host.untyped_storage().copy_(source)
+            copy_now(slot.host.untyped_storage(), source)
         if slot.tier == SSD:
             self._pending_puts.append(slot)
             self._pump(wait=False)
@@ -762,9 +680,7 @@ class ActivationExecutor:
                 assert store is not None
                 host = slot.host
                 assert host is not None
-                slot.put_handle = store._native.put_address(
-                    slot.object_id, host.data_ptr(), slot.nbytes, host, b"", False
-                )
+                slot.put_handle = store.start_put(slot.object_id, host, slot.nbytes)
                 self._written_objects.add(slot.object_id)
             if wait or slot.put_handle.is_done():
                 slot.put_handle.wait()
@@ -822,12 +738,10 @@ class ActivationExecutor:
         if slot.tier == SSD:
             self._finish_put(slot)
             if slot.host is None:
-                slot.host = torch.empty(slot.nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+                slot.host = pinned_buffer(slot.nbytes, self.cuda)
             assert self.store is not None
             host = slot.host
-            slot.get_handle = self.store._native.get_address(
-                slot.object_id, host.data_ptr(), slot.nbytes, host, 0, True, True
-            )
+            slot.get_handle = self.store.start_get(slot.object_id, host, slot.nbytes, urgent=True)
             if not self.cuda:
                 self._finish_get(slot)
                 slot.gpu = slot.host.clone()
@@ -844,7 +758,7 @@ class ActivationExecutor:
             self._copy_up(slot)
         else:
             slot.gpu = host.clone()
-            self._host_in_use -= _pinned_size(slot.nbytes)
+            self._host_in_use -= pinned_size(slot.nbytes)
             slot.host = None
 
     def _device_buffer(self, nbytes: int) -> torch.Tensor:
@@ -876,10 +790,10 @@ class ActivationExecutor:
         # prefetches), and a full allocator then blocks. Compute instead waits for this copy
         # before it uses the tensor (`_await`) and, should it never use it, before the block is
         # freed (the finalizer runs before the slot's tensors are released).
-        finalizer = weakref.finalize(slot, _join_copy, self.device, slot.h2d_event)
+        finalizer = weakref.finalize(slot, join_copy, self.device, slot.h2d_event)
         finalizer.atexit = False  # nothing to order once the process exits
         if slot.tier == HOST:
-            self._host_in_use -= _pinned_size(slot.nbytes)
+            self._host_in_use -= pinned_size(slot.nbytes)
         # The caching host allocator keeps the block until the copy is done.
         slot.host = None
 
@@ -916,9 +830,7 @@ class ActivationExecutor:
                 if slot.d2h_event is not None:
                     slot.d2h_event.synchronize()
                 assert self.store is not None and slot.host is not None
-                slot.put_handle = self.store._native.put_address(
-                    slot.object_id, slot.host.data_ptr(), slot.nbytes, slot.host, b"", True
-                )
+                slot.put_handle = self.store.start_put(slot.object_id, slot.host, slot.nbytes, urgent=True)
                 self._written_objects.add(slot.object_id)
             slot.put_handle.wait()
             slot.put_handle = None

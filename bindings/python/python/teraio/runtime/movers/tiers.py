@@ -27,21 +27,45 @@ On a CPU "device" both tiers copy synchronously (host tier) or through the engin
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
 
-from .executor import HOST, SSD, copies_on_stream
-from .executor import _flat_bytes as flat_bytes
-from .pinned import RegisteredBuffer
-from .state import _index
-from .store import Store
+from ...pinned import RegisteredBuffer
+from ...store import Store
+from .copy import copies_on_stream
 
 #: The tier of tensors that stay on the GPU.
 GPU = "gpu"
+#: The tier of pinned host memory.
+HOST = "host"
+#: The tier of objects in a `teraio.Store` (the SSDs).
+SSD = "ssd"
 
-__all__ = ["GPU", "HOST", "SSD", "HostTier", "SsdTier", "Transfer", "flat_bytes"]
+
+@dataclass
+class Counters:
+    """A mover's cumulative counters; reports take differences of `as_dict` snapshots."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class TierCounters(Counters):
+    """Bytes moved out to and back from each tier, and how the copies back were issued: at the
+    planned point, or on demand when the data was needed first."""
+
+    offloaded_bytes: dict[str, int] = field(default_factory=lambda: {HOST: 0, SSD: 0})
+    prefetched_bytes: dict[str, int] = field(default_factory=lambda: {HOST: 0, SSD: 0})
+    prefetches_planned: int = 0
+    prefetches_on_demand: int = 0
+
+
+__all__ = ["GPU", "HOST", "SSD", "Counters", "HostTier", "SsdTier", "TierCounters", "Transfer"]
 
 
 class Transfer:
@@ -288,7 +312,6 @@ class SsdTier:
         self.device = device
         self.cuda = device.type == "cuda"
         self.store = store
-        self.native = store._native
         self.id_base = id_base
         self.ids: dict[Any, int] = {}
         self._written: dict[Any, _Gated] = {}
@@ -304,7 +327,7 @@ class SsdTier:
         is done. Do not release or change `source` until the transfer is done."""
         object_id = self.object_id(key)
         self._wait_written(key)  # one version of an object in flight at a time
-        gated = self._gated(object_id, source, self.native.put_device, self.native.put_address)
+        gated = self._gated(source, lambda: self.store.start_put(object_id, source, source.numel()))
         self._written[key] = gated
         return Transfer(source.numel(), gated.poll, gated.wait)
 
@@ -312,7 +335,8 @@ class SsdTier:
         """Reads the key's object into `target` (flat bytes) once the compute stream has passed
         this point (the allocator may have handed out memory that queued work still uses)."""
         self._wait_written(key)  # the read needs the object as last written
-        gated = self._gated(self.ids[key], target, self.native.get_device, self.native.get_address)
+        object_id = self.ids[key]
+        gated = self._gated(target, lambda: self.store.start_get(object_id, target, target.numel()))
         return Transfer(target.numel(), gated.poll, gated.wait)
 
     def _wait_written(self, key: Any) -> None:
@@ -320,26 +344,17 @@ class SsdTier:
         if previous is not None:
             previous.wait()
 
-    def _gated(
-        self, object_id: int, memory: torch.Tensor, on_device: Callable[..., Any], on_host: Callable[..., Any]
-    ) -> _Gated:
-        """An engine transfer of `memory` (flat bytes) that starts once the compute stream has
-        passed this point: the GPU path for CUDA memory, the host path otherwise."""
-        address, nbytes = memory.data_ptr(), memory.numel()
+    def _gated(self, memory: torch.Tensor, start: Callable[[], Any]) -> _Gated:
+        """An engine transfer of `memory` (`start`: the GPU path for CUDA memory, the host path
+        otherwise) that starts once the compute stream has passed this point.
+
+        The one place the SSD tier orders the engine after compute: a CUDA event recorded here,
+        polled (`_Gated.poll`) before the transfer starts. A store that takes the event itself
+        (`put_async(after=event)`) replaces the polling here and nowhere else."""
+        event = None
         if self.cuda:
-            index = _index(self.device)
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
-
-            def start() -> Any:
-                return on_device(object_id, address, nbytes, index, memory)
-
-        else:
-            event = None
-
-            def start() -> Any:
-                return on_host(object_id, address, nbytes, memory)
-
         gated = _Gated(start, event, memory)
         self._in_flight.append(gated)
         gated.poll()
@@ -348,7 +363,7 @@ class SsdTier:
     def read_to_host(self, key: Any, target: torch.Tensor) -> None:
         """Reads the key's object into `target` (flat bytes in CPU memory) and waits."""
         self._wait_written(key)
-        self.native.get_address(self.ids[key], target.data_ptr(), target.numel(), target).wait()
+        self.store.start_get(self.ids[key], target, target.numel()).wait()
 
     def poll(self) -> None:
         """Starts transfers whose compute point has passed; drops finished ones."""

@@ -1,19 +1,11 @@
-"""`teraio.offload`: profile, plan and offload around an unchanged training loop.
+"""The tensor plan: profile an iteration, plan every saved tensor with the lifetime planner, run it.
 
-```
-with teraio.offload(model, optimizer, store=store, gpu_memory="24GiB", host_memory="64GiB") as run:
-    for batch in loader:
-        loss = model(batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-print(run.report())
-```
-
-Iterations end at `optimizer.step()`. The first `warmup_steps` iterations run with the fallback
-policy (every saved activation of at least `min_bytes` to host memory up to `host_memory`, then to
-the SSD tier) so that they fit before there is a plan; the next one runs the same way under the
-profiler; then the trace is planned and the following iterations run the plan.
+`teraio.offload` runs this mode for models without repeated blocks, or with
+`granularity="tensor"`. Iterations end at `optimizer.step()`. The first `warmup_steps` iterations
+run with the fallback policy (every saved activation of at least `min_bytes` to host memory up to
+`host_memory`, then to the SSD tier) so that they fit before there is a plan; the next one runs
+the same way under the profiler; then the trace is planned and the following iterations run the
+plan.
 """
 
 from __future__ import annotations
@@ -22,22 +14,29 @@ import contextlib
 import json
 import statistics
 import time
-import warnings
 from typing import Any, Optional, Union
 
 import torch
+from torch.nn import Module
+from torch.optim import Optimizer
 from torch.utils._pytree import tree_flatten
 
-from . import blocks as bk
-from . import calibration as cal
-from . import machine, sharded, timing
-from . import optimizer_state_dict as osd
-from . import recompute as rc
-from .executor import HOST, SSD, ActivationExecutor, _pinned_size
-from .options import OffloadOptions
-from .planning import _bandwidth, format_bytes, parse_size, plan, simulate
-from .profiler import Profiler, SaveEvent
-from .report import Report, check_prediction
+from ... import blocks as bk
+from ... import calibration as cal
+from ... import ids, machine, sharded, timing
+from ... import optimizer_state_dict as osd
+from ... import recompute as rc
+from ...options import OffloadOptions
+from ...planning import format_bytes, parse_bandwidth, parse_size, plan, simulate
+from ...profiler import Profiler, SaveEvent
+from ...timing import elapsed_ms as _elapsed_ms
+from ..errors import NoPlanFitsError
+from ..movers.copy import pinned_size
+from ..movers.tiers import HOST, SSD
+from ..plans.tensor import decisions_from_plan, parameter_moves_from_plan, state_moves_from_plan
+from ..report import Report, prediction_fields
+from ..session import Budget, Session
+from .activations import ActivationExecutor
 from .state import (
     StateExecutor,
     host_then_store,
@@ -45,19 +44,9 @@ from .state import (
     pin_outside_forward_gap,
     pin_within_iteration,
 )
-from .store import Store
-from .timing import IterationPeak
-from .timing import elapsed_ms as _elapsed_ms
-from .translate import decisions_from_plan, parameter_moves_from_plan, state_moves_from_plan
-
-
-class NoPlanFitsError(RuntimeError):
-    """No plan fits the GPU memory budget (raised before the planned iterations, or at the
-    start where the parameters and gradients alone exceed it); `if_no_fit="run"` trains anyway."""
-
 
 #: recompute="auto" ranks its plans by their simulated time on a host link this fraction of the
-#: planned bandwidth (`Offload._rank` says why).
+#: planned bandwidth (`TensorOffload._rank` says why).
 SLOW_LINK_FACTOR = 0.85
 
 #: A plan, the trace it was made for, its recipes (by tensor id) and their need events.
@@ -66,95 +55,19 @@ _Planned = tuple[dict[str, Any], dict[str, Any], dict[int, rc.Recipe], Optional[
 _Candidate = tuple[_Planned, list[SaveEvent], list[str], dict[str, Any]]
 
 
-class offload:
-    """Offloads a model's activations per a lifetime plan; see the module docstring.
+class TensorOffload(Session):
+    """The tensor plan (`teraio.offload` with granularity "tensor"); see the module docstring.
 
     ```
-    with teraio.offload(model, optimizer, store=store, gpu_memory="22GiB") as run:
+    with teraio.offload(model, optimizer, store=store, gpu_memory="22GiB", granularity="tensor") as run:
         ...
     ```
-
-    Args:
-        model, optimizer: the model being trained and its optimizer (iterations end at its step).
-        options: a `teraio.OffloadOptions` (every setting, documented there); its fields can
-            also be given as keywords (`host_memory="64GiB"`, `recompute="off"`, ...), which
-            override the options object.
-        store: the SSD tier (a `teraio.Store`); None: host memory only.
-        gpu_memory: GPU memory the iterations must fit in (bytes or "24GiB"); default: the
-            device's memory.
     """
 
-    def __new__(
-        cls,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        options: Optional[OffloadOptions] = None,
-        *,
-        store: Optional[Store] = None,
-        gpu_memory: Optional[Union[int, float, str]] = None,
-        **overrides: Any,
-    ) -> Any:
-        """Whole-model mode (`teraio.whole_model.ModelOffload`) where parameters, gradients and
-        optimizer state do not fit the budget (`whole_model` option); else the block plan
-        (`teraio.blockwise.BlockOffload`) for a model with repeated blocks (`granularity`); else
-        this class, the tensor plan."""
-        options = sharded.adapt_options(model, (options or OffloadOptions()).replace(**overrides))
-        _refuse_compiled(model)
-        device = next(iter(model.parameters())).device
-        budget = _gpu_budget(device, gpu_memory)
-        from . import whole_model as wm
-
-        whole = options.whole_model == "on" or (
-            options.whole_model == "auto" and wm.needs_whole_model(model, optimizer, budget)
-        )
-        from . import blockwise
-        from .blocks import find_blocks
-
-        if options.step_in_backward and not whole:
-            warnings.warn(
-                "teraio.offload: step_in_backward=True has no effect: the model's parameters, "
-                "gradients and optimizer state fit gpu_memory, so whole-model mode is off "
-                "(whole_model='on' forces it)",
-                stacklevel=2,
-            )
-        if whole:
-            mode: Any = wm.ModelOffload
-        elif options.granularity == "tensor" or (options.granularity == "auto" and not find_blocks(model)):
-            return super().__new__(cls)
-        else:
-            mode = blockwise.BlockOffload
-        host_memory, machine_notes = _host_memory(options)
-        return mode(
-            model,
-            optimizer,
-            options,
-            store=store,
-            gpu_memory_bytes=budget,
-            host_memory_bytes=host_memory,
-            machine=machine_notes,
-        )
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        options: Optional[OffloadOptions] = None,
-        *,
-        store: Optional[Store] = None,
-        gpu_memory: Optional[Union[int, float, str]] = None,
-        **overrides: Any,
-    ) -> None:
-        options = sharded.adapt_options(model, (options or OffloadOptions()).replace(**overrides))
+    def __init__(self, model: Module, optimizer: Optimizer, options: OffloadOptions, budget: Budget) -> None:
         if options.checkpoint is None:
             options = options.replace(checkpoint="off")
-        self.options = options
-        first = next(iter(model.parameters()))
-        self.device = first.device
-        self.model = model
-        self.optimizer = optimizer
-        self.store = store
-        self.gpu_memory_bytes = _gpu_budget(self.device, gpu_memory)
-        self.machine: dict[str, Any] = {}
+        super().__init__(model, optimizer, options, budget)
         self._resolve_machine(options)
         self.machine.update(sharded.rank_notes())
         if options.warmup_steps is None:
@@ -173,7 +86,7 @@ class offload:
         skip = {sharded.local_tensor(p).untyped_storage().data_ptr() for p in model.parameters()}
         self.executor = ActivationExecutor(
             self.device,
-            store=store,
+            store=self.store,
             host_memory_bytes=self.host_memory_bytes,
             min_bytes=options.min_bytes,
             max_inflight_bytes=parse_size(options.max_inflight_bytes),
@@ -196,12 +109,16 @@ class offload:
             "d2h_stream": getattr(self.executor, "d2h_stream", None),
             "h2d_stream": getattr(self.executor, "h2d_stream", None),
         }
-        self.state = StateExecutor(self.device, store=store, **streams)
+        self.state = StateExecutor(self.device, store=self.store, **streams)
         # Before the plan, every optimizer-state tensor leaves the GPU between steps, so that
         # the warm-up and profiled iterations need no more memory than planned ones.
-        self.fallback_state = StateExecutor(self.device, store=store, object_id_base=1 << 43, **streams)
+        self.fallback_state = StateExecutor(
+            self.device, store=self.store, object_id_base=ids.base("fallback_state"), **streams
+        )
         self.offload_parameters = options.offload_parameters
-        self.params = StateExecutor(self.device, store=store, object_id_base=1 << 42, **streams)
+        self.params = StateExecutor(
+            self.device, store=self.store, object_id_base=ids.base("parameters"), **streams
+        )
         self.executor.on_event = self._on_event
         self.executor.on_backward = lambda: self._mark("backward")
         # Repeated blocks (checkpointing candidates), their forward passes in the profiled
@@ -231,12 +148,9 @@ class offload:
         self.trace: Optional[dict[str, Any]] = None
         self.plan_result: Optional[dict[str, Any]] = None
         self.step = 0
-        self._hooks: list[Any] = []
         self._saved_hooks: Any = None
         self._step_started = 0.0
-        self._step_times_ms: list[float] = []
         self._planned_from_step: Optional[int] = None
-        self._peaks: list[int] = []
         self._reserved_peaks: list[int] = []
         # The CUDA caching allocator's retries (it hit the cap, freed its cache, which waits for
         # the device, and tried again) when the plan was installed.
@@ -250,9 +164,7 @@ class offload:
         self._trial_steps: list[int] = []
 
     def _resolve_machine(self, options: OffloadOptions) -> None:
-        """Host memory, bandwidths and the reserve: given, or measured / bounded ("auto")."""
-        self.host_memory_bytes, notes = _host_memory(options)
-        self.machine.update(notes)
+        """Bandwidths and the reserve: given, or measured / bounded ("auto")."""
         want_link = options.host_link_bandwidth == "auto"
         want_ssd = self.store is not None and "auto" in (options.ssd_bandwidth, options.ssd_write_bandwidth)
         measured = machine.resolve_bandwidths(
@@ -292,36 +204,37 @@ class offload:
         self.machine.update(
             {
                 "host_memory_bytes": self.host_memory_bytes,
-                "host_link_bandwidth": _bandwidth(self.host_link_bandwidth),
-                "ssd_read_bandwidth": _bandwidth(self.ssd_bandwidth) if self.store is not None else None,
+                "host_link_bandwidth": parse_bandwidth(self.host_link_bandwidth),
+                "ssd_read_bandwidth": parse_bandwidth(self.ssd_bandwidth) if self.store is not None else None,
                 "ssd_shared": self.ssd_shared,
             }
         )
 
     # -- context -------------------------------------------------------------------------------
 
-    def __enter__(self) -> offload:
-        self._check_persistent_fit()
-        self._hooks.append(self.optimizer.register_step_pre_hook(self._before_step))
-        self._hooks.append(self.optimizer.register_step_post_hook(self._after_step))
+    def __enter__(self) -> TensorOffload:
+        if self.options.if_no_fit == "raise":
+            self._refuse_resident_overflow(
+                ", which stay on the GPU; raise gpu_memory, or pass if_no_fit='run' to train anyway"
+            )
+        self._install_step_hooks(self._before_step, self._after_step)
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.executor.pack, self.executor.unpack)
         self._saved_hooks.__enter__()
         self._hooks.extend(osd.install(self))
-        self._peak = IterationPeak(self.model, self.device)
-        self._hooks.append(self._peak.handle)
+        self._install_peak()
         self._begin_iteration()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.profiler is not None and self.profiler._mode is not None:
+        if self.profiler is not None and self.profiler.recording:
             self.profiler.stop()
         self.executor.profiler = None
         if self._saved_hooks is not None:
             self._saved_hooks.__exit__(None, None, None)
             self._saved_hooks = None
-        for hook in self._hooks + self._arg_hooks + self._block_hooks:
+        self._remove_hooks()
+        for hook in self._arg_hooks + self._block_hooks:
             hook.remove()
-        self._hooks.clear()
         self._arg_hooks.clear()
         self._block_hooks.clear()
         self.checkpointer.apply(set())
@@ -330,18 +243,6 @@ class offload:
         self.fallback_state.close()
         self.state.close()
         self.params.close()
-
-    def _check_persistent_fit(self) -> None:
-        """Parameters and their gradients stay on the GPU: a budget below them cannot work."""
-        if self.options.if_no_fit != "raise":
-            return
-        params, grads = sharded.parameter_bytes(self.model)
-        if params + grads > self.gpu_memory_bytes:
-            raise NoPlanFitsError(
-                f"teraio.offload: gpu_memory={format_bytes(self.gpu_memory_bytes)} cannot hold the "
-                f"parameters ({format_bytes(params)}) and their gradients ({format_bytes(grads)}), "
-                "which stay on the GPU; raise gpu_memory, or pass if_no_fit='run' to train anyway"
-            )
 
     # -- iteration boundaries ------------------------------------------------------------------
 
@@ -399,10 +300,10 @@ class offload:
                 record.inputs = []
                 for arg in args:
                     if isinstance(arg, torch.Tensor) and arg.device.type == self.device.type:
-                        found = profiler._lookup(arg)
+                        found = profiler.lookup(arg)
                         if found is None and arg.untyped_storage().nbytes() > 0:
                             # An input made before the iteration (the batch): tracked from here.
-                            found = profiler._new_record(
+                            found = profiler.new_record(
                                 arg, "temporary", len(profiler.ops), f"{record.name}.input", made_before=True
                             )
                         record.inputs.append(found.id if found is not None else None)
@@ -473,11 +374,11 @@ class offload:
             self.state.before_step()
             self.fallback_state.before_step()
         self._host_s["before_step"] += time.perf_counter() - started
-        if self.profiler is not None and self.profiler._mode is not None:
+        if self.profiler is not None and self.profiler.recording:
             self.profiler.before_step()
 
     def _quiet(self) -> Any:
-        if self.profiler is not None and self.profiler._mode is not None:
+        if self.profiler is not None and self.profiler.recording:
             return self.profiler.paused()
         return contextlib.nullcontext()
 
@@ -486,7 +387,7 @@ class offload:
         self._phase_marks.append(self._marks)
         self._collect_phases(wait=False)
         started = time.perf_counter()
-        profiling = self.profiler is not None and self.profiler._mode is not None
+        profiling = self.profiler is not None and self.profiler.recording
         if profiling:
             assert self.profiler is not None
             self.profiler.after_step()
@@ -513,7 +414,7 @@ class offload:
             torch.cuda.synchronize(self.device)
         self._step_times_ms.append((time.perf_counter() - self._step_started) * 1e3)
         if self.device.type == "cuda":
-            self._peaks.append(int(torch.cuda.max_memory_allocated(self.device)))
+            self._peaks.append(self._peak_bytes())
         if planning:
             assert self.profiler is not None
             planning_started = time.perf_counter()
@@ -528,7 +429,7 @@ class offload:
             self._param_stats_at_plan = self.params.stats.as_dict()
             self.state.after_step()
             self._host_s_at_plan = dict(self._host_s)
-            self._alloc_retries_at_plan = self._alloc_retries()
+            self._alloc_retries_at_plan = self._allocator_retries()
         self.step += 1
         self._begin_iteration()
 
@@ -545,7 +446,7 @@ class offload:
                 self.store is not None,
             )
             self.fallback_state.set_plan(moves)
-            held = sum(_pinned_size(s.nbytes) for s in self.fallback_state.slots if s.tier == HOST)
+            held = sum(pinned_size(s.nbytes) for s in self.fallback_state.slots if s.tier == HOST)
             self.executor.host_memory_bytes = max(0, self.host_memory_bytes - held)
         self.fallback_state.after_step()
 
@@ -558,16 +459,11 @@ class offload:
             for value in state.values():
                 if not isinstance(value, torch.Tensor) or value.device.type != profiler.device.type:
                     continue
-                record = profiler._lookup(value)
+                record = profiler.lookup(value)
                 if record is not None and record.id not in seen:
                     seen.add(record.id)
                     found.append((value, record.id))
         return found
-
-    def _alloc_retries(self) -> int:
-        if self.device.type != "cuda":
-            return 0
-        return int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
 
     # -- calibration ---------------------------------------------------------------------------
 
@@ -608,11 +504,11 @@ class offload:
         self.executor.margin_bytes = self.reserve_bytes // 2
         movable = ["activation"]
         if self.offload_optimizer_state:
-            # Optimizer state may move only between steps (see teraio.state).
+            # Optimizer state may move only between steps (see `modes/state.py`).
             pin_within_iteration(trace, "optimizer_state")
             movable.append("optimizer_state")
         if self.offload_parameters:
-            # Parameters may move only between the two passes (see teraio.state).
+            # Parameters may move only between the two passes (see `modes/state.py`).
             pin_outside_forward_gap(trace, "weight")
             movable.append("weight")
         durations = [op["duration_us"] for op in trace["ops"]]
@@ -779,7 +675,7 @@ class offload:
             self.recompute_summary = summary
             return self._rank(trace, result), (result, trace, {}, None)
         durations = [op["duration_us"] for op in trace["ops"]]
-        link = _bandwidth(self.host_link_bandwidth)
+        link = parse_bandwidth(self.host_link_bandwidth)
         packed = {e.tensor_id for e in events if e.kind == "pack"}
         # (cost ratio or None for "every one") -> recipes; equal sets are planned once.
         ratios: list[Optional[float]] = [None] if self.recompute == "on" else list(rc.AUTO_COST_RATIOS)
@@ -857,7 +753,7 @@ class offload:
             trace,
             result["plan"],
             **self._hardware(),
-            host_link_bandwidth=_bandwidth(self.host_link_bandwidth) * SLOW_LINK_FACTOR,
+            host_link_bandwidth=parse_bandwidth(self.host_link_bandwidth) * SLOW_LINK_FACTOR,
         )
         completed = slow["outcome"]["status"] == "completed"
         return (0.0, slow["iteration_time_us"] / 1e3 if completed else float("inf"), predicted)
@@ -869,7 +765,7 @@ class offload:
         weight_ids = {s.tensor_id for s in sources if s.kind == "weight"}
         if weight_ids:
             for tensor in [*self.model.parameters(), *self.model.buffers()]:
-                record = profiler._lookup(tensor)
+                record = profiler.lookup(tensor)
                 if record is not None and record.id in weight_ids:
                     self.executor.weight_sources[record.id] = tensor
         wanted: dict[str, dict[int, list[tuple[int, rc.Source]]]] = {}
@@ -932,7 +828,7 @@ class offload:
         for key in ("emergency_offloads", "emergency_offloaded_bytes", "prefetches_deferred", "memory_waits"):
             stalls[key] = stats[key] - (self._stats_at_plan or {}).get(key, 0)
         if self.device.type == "cuda" and self._planned_from_step is not None:
-            stalls["allocator_retries"] = self._alloc_retries() - self._alloc_retries_at_plan
+            stalls["allocator_retries"] = self._allocator_retries() - self._alloc_retries_at_plan
         for key in ("prefetches_on_demand", "step_wait_s"):
             stalls[f"state_{key}"] = state[key] - (self._state_stats_at_plan or {}).get(key, 0)
         if self.offload_parameters:
@@ -959,7 +855,6 @@ class offload:
         ideal_ms = sum(op["duration_us"] for op in self.trace["ops"]) / 1e3 if self.trace else None
         predicted_ms = prediction["iteration_time_us"] / 1e3 if "iteration_time_us" in prediction else None
         measured_ms = statistics.median(planned_times) if planned_times else None
-        error, warning = check_prediction(measured_ms, predicted_ms)
         hooks_ms = self._host_summary(stats, count)
         source = self.calibration.describe()
         if self.op_time_scale != 1.0:
@@ -968,9 +863,7 @@ class offload:
             steps=self.step,
             planned_steps=len(planned_times),
             ideal_iteration_ms=ideal_ms,
-            predicted_iteration_ms=predicted_ms,
             predicted_percent_of_ideal=(ideal_ms / predicted_ms * 100) if ideal_ms and predicted_ms else None,
-            measured_iteration_ms=measured_ms,
             step_times_ms=list(self._step_times_ms),
             peak_gpu_bytes=max(planned_peaks) if planned_peaks else None,
             predicted_peak_bytes=prediction.get("peak_gpu_bytes"),
@@ -989,8 +882,7 @@ class offload:
             // count,
             ideal_source=source,
             profiled_ops_ms=getattr(self, "profiled_ops_us", 0.0) / 1e3 if self.trace else None,
-            prediction_error_percent=error,
-            prediction_warning=warning,
+            **prediction_fields(measured_ms, predicted_ms),
             checkpointed_blocks=list(self.checkpoint_blocks),
             checkpoint_summary=self.checkpoint_summary,
             machine=dict(self.machine),
@@ -1028,57 +920,6 @@ class offload:
             if values:
                 summary[name] = {"measured": statistics.median(values), "profiled": profiled.get(name, 0.0)}
         return summary
-
-
-def _gpu_budget(device: torch.device, gpu_memory: Optional[Union[int, float, str]]) -> int:
-    """`gpu_memory` in bytes; default: the whole device."""
-    if gpu_memory is None:
-        if device.type == "cuda":
-            return int(torch.cuda.get_device_properties(device).total_memory)
-        raise ValueError("gpu_memory is required on a CPU device")
-    return parse_size(gpu_memory)
-
-
-def _host_memory(options: OffloadOptions) -> tuple[int, dict[str, Any]]:
-    """Pinned host memory the runtime may hold, and where the figure came from."""
-    available = machine.available_host_bytes()
-    if options.host_memory == "auto":
-        ranks = machine.ranks_on_this_host()
-        chosen = machine.default_host_memory(available, machine.total_host_bytes(), ranks)
-        note = f"MemAvailable ({(available or 0) / 2**30:.1f} GiB) less a margin" + (
-            f", over {ranks} ranks on this host" if ranks > 1 else ""
-        )
-        return chosen, {"host_memory": note}
-    given = parse_size(options.host_memory)
-    if available is not None and given > available:
-        raise ValueError(
-            f"host_memory={options.host_memory!r} ({format_bytes(given)}) is more than this machine has "
-            f"available ({format_bytes(available)} MemAvailable): pinning it would end in the "
-            'kernel\'s out-of-memory killer; pass less, or "auto"'
-        )
-    return given, {"host_memory": "given"}
-
-
-def _refuse_compiled(model: torch.nn.Module) -> None:
-    """A `torch.compile`d model runs its forward and backward as compiled graphs: autograd's
-    saved tensors are AOTAutograd's, not visible to `saved_tensors_hooks` in the way the plan
-    maps them, and the profiler's dispatch mode does not see the graphs' ops. Refused at once."""
-    compiled = []
-    for name, module in model.named_modules():
-        if (
-            isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
-            or getattr(module, "_compiled_call_impl", None) is not None
-        ):
-            compiled.append(name or "the model")
-    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) and "the model" not in compiled:
-        compiled.insert(0, "the model")
-    if compiled:
-        raise TypeError(
-            f"teraio.offload does not support torch.compile'd models ({', '.join(compiled[:3])} "
-            "compiled): its profiler and its saved-tensor hooks need the eager ops. Pass the "
-            "uncompiled module (for `compiled = torch.compile(model)`, pass `model`), or call "
-            "torch.compile on parts that teraio does not need to see"
-        )
 
 
 def _recipe_outside(recipe: rc.Recipe, packed: set[Optional[int]], checkpointed: set[str]) -> bool:

@@ -1,0 +1,457 @@
+"""The block plan: per repeated block keep, host, selective or recompute, chosen on measured costs.
+
+Pure: measured costs in, a `Plan` out (`choose`, `predict`, the bounds); no hooks, no tensors.
+The block mode (`teraio.runtime.modes.block`) measures and runs it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from ...machine import Link
+from ..movers.copy import pinned_size
+from ..movers.tiers import HOST
+
+KEEP = "keep"
+RECOMPUTE = "recompute"
+SELECTIVE = "selective"
+#: `HOST` (imported) is the fourth action.
+
+#: Blocks that run selectively checkpointed in the third measuring iteration, to time it (block 0
+#: is never one: its backward span holds the embedding's too).
+SELECTIVE_PROBES = (1, 2)
+#: The allocator's split blocks around what selective blocks keep, as a share of it, counted in
+#: their bound: their kept tensors are allocated among the forward's temporaries and pin the
+#: segments they sit in. The probes alone show none: with several selective blocks, the head can
+#: run out of memory with hundreds of MiB reserved but unallocated around what they keep.
+SELECTIVE_SPLIT_SHARE = 0.25
+
+#: Saved bytes each copy direction may have in flight, in blocks' worth (the largest block): the
+#: plan picks one of these (a wider window stalls forward less and costs more GPU memory).
+WINDOW_BLOCKS = (1, 2)
+#: A windowed step (`Plan.step_window_bytes`) holds at most this many windows of optimizer state on
+#: the GPU at once: the one stepping, the next one's restore (issued ahead so that it overlaps) and
+#: the previous one's, whose memory returns once its copy out has read it.
+STEP_WINDOWS_HELD = 3
+#: The least reserve, as a share of the budget. Lower than the tensor plan's
+#: (`machine.RESERVE_MIN_SHARE`): this plan's peak is measured, not modelled per tensor, and its
+#: bound adds whole blocks to it; a peak that comes close still checkpoints one more block.
+RESERVE_MIN_SHARE = 0.03
+
+
+# -- what the measuring iterations found -----------------------------------------------------------
+
+
+@dataclass
+class BlockCost:
+    """One block as measured (times in ms)."""
+
+    name: str
+    saved_bytes: int = 0
+    forward_ms: float = 0.0
+    recompute_ms: float = 0.0
+    #: Its backward without its recomputation.
+    backward_ms: float = 0.0
+    #: Selectively checkpointed (`teraio.selective`): the bytes it keeps (beyond its inputs, as
+    #: `saved_bytes`) and its recomputation; None where not measured (the action is not offered).
+    selective_bytes: int = 0
+    selective_recompute_ms: Optional[float] = None
+    #: What selective checkpointing adds to its forward (torch's caching mode sees every op).
+    selective_forward_ms: float = 0.0
+
+
+@dataclass
+class Measurement:
+    """The iteration with every block checkpointed, as measured (times in ms, bytes)."""
+
+    blocks: list[BlockCost]
+    #: Forward before the first block.
+    pre_forward_ms: float = 0.0
+    #: From the last block's forward to its gradient hook (the head's forward and backward), and
+    #: backward after the first block's.
+    head_backward_ms: float = 0.0
+    tail_backward_ms: float = 0.0
+    step_ms: float = 0.0
+    #: Peak allocated bytes in forward + backward (optimizer state away) and in the step.
+    peak_bytes: int = 0
+    step_peak_bytes: int = 0
+    #: Optimizer-state bytes that may leave the GPU between steps.
+    state_bytes: int = 0
+
+    @property
+    def selective_ok(self) -> bool:
+        """Whether every block's selective recomputation was measured (the action is offered)."""
+        return bool(self.blocks) and all(b.selective_recompute_ms is not None for b in self.blocks)
+
+    @property
+    def checkpoint_all_ms(self) -> float:
+        """The measured iteration: every block recomputed, the state resident at the step."""
+        blocks = sum(b.forward_ms + b.recompute_ms + b.backward_ms for b in self.blocks)
+        edges = self.pre_forward_ms + self.head_backward_ms + self.tail_backward_ms
+        return blocks + edges + self.step_ms
+
+
+@dataclass
+class Plan:
+    """What each block does and how much optimizer state leaves the GPU; with its prediction."""
+
+    actions: list[str]
+    state_host_bytes: int = 0
+    state_ssd_bytes: int = 0
+    #: Backward position (0: the last block's gradient hook) where the state's restore starts;
+    #: None: at the step.
+    state_restore_at: Optional[int] = None
+    predicted_ms: float = 0.0
+    predicted_peak_bytes: int = 0
+    #: The copy window of HOST blocks, in blocks' worth (`WINDOW_BLOCKS`).
+    window_blocks: int = 1
+    #: 0: the moved state comes back whole for the step. Else the step runs in windows of about
+    #: this many bytes of moved state (a parameter's own where it holds more), each back, stepped
+    #: and out again in turn: for a budget the step with all the state cannot fit.
+    step_window_bytes: int = 0
+    #: The most bytes of windows the windowed step holds at once (`STEP_WINDOWS_HELD` of them).
+    step_held_bytes: int = 0
+
+    @property
+    def state_out_bytes(self) -> int:
+        return self.state_host_bytes + self.state_ssd_bytes
+
+    def count(self, action: str) -> int:
+        return sum(1 for a in self.actions if a == action)
+
+
+def window_bytes(measured: Measurement, plan: Plan) -> int:
+    return plan.window_blocks * max((b.saved_bytes for b in measured.blocks), default=0)
+
+
+def recompute_ms(block: BlockCost, action: str) -> float:
+    """What `action` recomputes of `block` in backward, ms."""
+    if action == RECOMPUTE:
+        return block.recompute_ms
+    if action == SELECTIVE:
+        assert block.selective_recompute_ms is not None, "selective recomputation was not measured"
+        return block.selective_recompute_ms
+    return 0.0
+
+
+def added_forward_ms(block: BlockCost, action: str) -> float:
+    """What `action` adds to `block`'s forward as measured checkpointed, ms."""
+    return block.selective_forward_ms if action == SELECTIVE else 0.0
+
+
+def resident_bytes(block: BlockCost, action: str) -> int:
+    """What `block` holds on the GPU from its forward to its backward under `action`, beyond what
+    it holds checkpointed (a HOST block's bytes are in the copy window instead)."""
+    if action == KEEP:
+        return block.saved_bytes
+    if action == SELECTIVE:
+        return int(block.selective_bytes * (1 + SELECTIVE_SPLIT_SHARE))
+    return 0
+
+
+def predict(measured: Measurement, plan: Plan, link: Link) -> tuple[float, int]:
+    """The plan's iteration time (ms) and its peak bound (bytes).
+
+    Time: the measured iteration with every block checkpointed, less the recomputation of the
+    blocks that are not, plus what waiting for copies costs: forward waits while more than the
+    window is in flight to the host, backward waits for a block whose prefetch (issued when the
+    window has room, in the order backward needs them) has not arrived, the step waits for the
+    state's restore. The state's copy to the host goes first on the device-to-host queue (a
+    windowed step's: only its last window, the others left during the step).
+    Peak: the measured peak plus the kept blocks' bytes, the window (with any host block) and the
+    state left on the GPU; the step's measured peak (all state back) is a floor.
+    """
+    blocks = measured.blocks
+    window = window_bytes(measured, plan)
+    ms_per_byte_d2h, ms_per_byte_h2d = 1e3 / link.d2h, 1e3 / link.h2d
+    ssd_ms_per_byte = 1e3 / max(1.0, min(link.ssd_read, link.ssd_write))
+    # Forward.
+    t = measured.pre_forward_ms
+    state_out_ms = plan.state_host_bytes * ms_per_byte_d2h + plan.state_ssd_bytes * ssd_ms_per_byte
+    if plan.step_window_bytes and plan.state_out_bytes:
+        # A windowed step sends each window out after stepping it: only the last leaves in forward.
+        state_out_ms *= min(1.0, plan.step_window_bytes / plan.state_out_bytes)
+    # The state's copies out are issued when forward reaches the first block.
+    link_free = t + state_out_ms
+    in_flight: deque[tuple[float, int]] = deque()
+    flight_bytes = 0
+    written: dict[int, float] = {}
+    for index, (block, action) in enumerate(zip(blocks, plan.actions)):
+        t += block.forward_ms + added_forward_ms(block, action)
+        if action != HOST:
+            continue
+        start = max(t, link_free)
+        link_free = start + block.saved_bytes * ms_per_byte_d2h
+        written[index] = link_free
+        in_flight.append((link_free, block.saved_bytes))
+        flight_bytes += block.saved_bytes
+        while in_flight and in_flight[0][0] <= t:
+            flight_bytes -= in_flight.popleft()[1]
+        while flight_bytes > window:
+            done, nbytes = in_flight.popleft()
+            t = max(t, done)
+            flight_bytes -= nbytes
+    # State whose copy out is still queued when forward ends is still on the GPU at the peak.
+    state_late = max(0.0, measured.pre_forward_ms + state_out_ms - t)
+    state_late_bytes = int(
+        state_late / max(ms_per_byte_d2h, ssd_ms_per_byte if plan.state_ssd_bytes else 0.0)
+    )
+    t += measured.head_backward_ms
+    # Backward: block n-1 first.
+    host_order = [i for i in reversed(range(len(blocks))) if plan.actions[i] == HOST]
+    ready: dict[int, float] = {}
+    h2d_free = 0.0
+    pending = 0  # prefetched bytes not yet used
+    next_host = 0
+    state_ready = 0.0
+
+    def restore_state(now: float) -> float:
+        start = max(now, h2d_free)
+        return start + plan.state_host_bytes * ms_per_byte_h2d + plan.state_ssd_bytes * ssd_ms_per_byte
+
+    def issue(now: float) -> None:
+        nonlocal h2d_free, pending, next_host
+        b = host_order[next_host]
+        start = max(now, h2d_free, written[b])
+        h2d_free = start + blocks[b].saved_bytes * ms_per_byte_h2d
+        ready[b] = h2d_free
+        pending += blocks[b].saved_bytes
+        next_host += 1
+
+    # As the runtime's gradient hook does when backward reaches a block: the block's own copy
+    # (issued now if it was not), then the next blocks' while the window has room.
+    for position, index in enumerate(reversed(range(len(blocks)))):
+        block = blocks[index]
+        if plan.actions[index] == HOST:
+            if index not in ready:
+                issue(t)
+            pending -= block.saved_bytes
+        while next_host < len(host_order) and (
+            pending == 0 or pending + blocks[host_order[next_host]].saved_bytes <= window
+        ):
+            issue(t)
+        if plan.state_out_bytes and plan.state_restore_at == position:
+            state_ready = restore_state(t)
+            h2d_free = state_ready
+        if plan.actions[index] == HOST:
+            t = max(t, ready[index])
+        t += block.backward_ms + recompute_ms(block, plan.actions[index])
+    t += measured.tail_backward_ms
+    if plan.state_out_bytes and plan.state_restore_at is None:
+        state_ready = restore_state(t)
+    t = max(t, state_ready) + measured.step_ms
+    return t, peak_bound(measured, plan) + min(state_late_bytes, plan.state_out_bytes)
+
+
+def peak_bound(measured: Measurement, plan: Plan) -> int:
+    kept = sum(resident_bytes(b, a) for b, a in zip(measured.blocks, plan.actions))
+    # The window, and the block whose copies backward is using while the next one arrives.
+    largest = max((b.saved_bytes for b in measured.blocks), default=0)
+    hosted = window_bytes(measured, plan) + largest if HOST in plan.actions else 0
+    state_left = measured.state_bytes - plan.state_out_bytes
+    return max(measured.peak_bytes + kept + hosted + state_left, step_bound(measured, plan))
+
+
+def step_bound(measured: Measurement, plan: Plan) -> int:
+    """The step's peak: as measured with all the state back, or, windowed, less the moved state
+    but the windows it holds (its temporaries counted whole, as measured)."""
+    if not plan.step_window_bytes:
+        return measured.step_peak_bytes
+    held = plan.step_held_bytes or STEP_WINDOWS_HELD * plan.step_window_bytes
+    return min(measured.step_peak_bytes, measured.step_peak_bytes - plan.state_out_bytes + held)
+
+
+def _restore_position(measured: Measurement, plan: Plan, limit: int) -> Optional[int]:
+    """The earliest backward position where the freed kept (and selective) blocks make room for
+    the state."""
+    if not plan.state_out_bytes:
+        return None
+    peak = peak_bound(measured, plan)
+    freed = 0
+    for position, index in enumerate(reversed(range(len(measured.blocks)))):
+        if peak - freed + plan.state_out_bytes <= limit:
+            return position
+        freed += resident_bytes(measured.blocks[index], plan.actions[index])
+    return None
+
+
+def _move_state(plan: Plan, need: int, state_sizes: list[int], host_left: int, has_store: bool) -> bool:
+    """Sets which optimizer state leaves the GPU (host memory first, then the store) to free
+    `need` bytes; False where it cannot."""
+    moved = 0
+    for size in state_sizes:
+        if moved >= need:
+            break
+        if pinned_size(size) <= host_left:
+            plan.state_host_bytes += size
+            host_left -= pinned_size(size)
+        elif has_store:
+            plan.state_ssd_bytes += size
+        else:
+            continue
+        moved += size
+    return moved >= need
+
+
+def fit_layout(
+    measured: Measurement,
+    link: Link,
+    limit_bytes: int,
+    actions: list[str],
+    window: int,
+    state_sizes: list[int],
+    host_left: int,
+    has_store: bool,
+    step_window: int,
+    step_held: int = 0,
+) -> Optional[Plan]:
+    """The plan running `actions` with the optimizer state it must move to fit `limit_bytes`,
+    predicted; None where moving all it may does not make it fit. `step_window`/`step_held`:
+    a windowed step's window and what its windows hold at once (`choose`)."""
+    plan = Plan(list(actions), window_blocks=window)
+    need = peak_bound(measured, plan) - limit_bytes
+    if step_window and measured.step_peak_bytes > limit_bytes:
+        # The step cannot take all the state back: it runs in windows, and the state moved must
+        # make room for the windows it holds.
+        plan.step_window_bytes = step_window
+        plan.step_held_bytes = step_held or STEP_WINDOWS_HELD * step_window
+        need = max(need, measured.step_peak_bytes - limit_bytes + plan.step_held_bytes)
+    if need > 0 and not _move_state(plan, need, state_sizes, host_left, has_store):
+        return None
+    # A windowed step brings the state back itself; else where backward frees room.
+    if not plan.step_window_bytes:
+        plan.state_restore_at = _restore_position(measured, plan, limit_bytes)
+    plan.predicted_ms, plan.predicted_peak_bytes = predict(measured, plan, link)
+    if plan.predicted_peak_bytes > limit_bytes:
+        return None
+    return plan
+
+
+def _best_layout(
+    measured: Measurement,
+    link: Link,
+    limit_bytes: int,
+    state_sizes: list[int],
+    host_left: int,
+    has_store: bool,
+    hosted: int,
+    with_selective: bool,
+    best: Optional[Plan],
+    step_window: int,
+    step_held: int,
+) -> Optional[Plan]:
+    """`best`, or a faster layout with `hosted` host blocks that fits (`choose`)."""
+    n = len(measured.blocks)
+    for recomputed, window in itertools.product(range(n - hosted + 1), WINDOW_BLOCKS if hosted else (1,)):
+        left = n - hosted - recomputed
+        for chosen in range(1, left + 1) if with_selective else (0,):
+            actions = (
+                [HOST] * hosted + [RECOMPUTE] * recomputed + [SELECTIVE] * chosen + [KEEP] * (left - chosen)
+            )
+            compute = measured.checkpoint_all_ms + sum(
+                recompute_ms(b, a) - b.recompute_ms + added_forward_ms(b, a)
+                for b, a in zip(measured.blocks, actions)
+            )
+            if best is not None and compute >= best.predicted_ms - 1e-9:
+                break
+            plan = fit_layout(
+                measured,
+                link,
+                limit_bytes,
+                actions,
+                window,
+                state_sizes,
+                host_left,
+                has_store,
+                step_window,
+                step_held,
+            )
+            if plan is None:
+                continue
+            if best is None or plan.predicted_ms < best.predicted_ms - 1e-9:
+                best = plan
+            if not plan.state_out_bytes:
+                break
+    return best
+
+
+def choose(
+    measured: Measurement,
+    link: Link,
+    limit_bytes: int,
+    state_sizes: list[int],
+    host_bytes: int,
+    has_store: bool,
+    step_window: int = 0,
+    step_held: int = 0,
+) -> tuple[Optional[Plan], list[dict[str, Any]]]:
+    """The fastest layout that fits `limit_bytes` (None if none does), and a summary per block
+    count tried. `state_sizes`: the movable optimizer-state tensors' bytes (largest first);
+    `host_bytes`: pinned host memory for activations and state together; `step_window`: the
+    window of a windowed step where the step with all the state cannot fit (0: no windowed step).
+
+    Layouts: h blocks to the host, then c recomputed, s selective (where every block's selective
+    recomputation was measured) and the rest kept. The layouts without selective blocks go first;
+    then, for given h and c, each more selective block adds its recomputation and forward to the
+    iteration: the count stops growing once the plan fits without moving state, or its time
+    without copies cannot beat the best plan found."""
+    n = len(measured.blocks)
+    best: Optional[Plan] = None
+    tried = []
+    for with_selective in (False, True) if measured.selective_ok else (False,):
+        for hosted in range(n + 1):
+            host_activations = sum(pinned_size(b.saved_bytes) for b in measured.blocks[:hosted])
+            if host_activations > host_bytes:
+                break
+            best = _best_layout(
+                measured,
+                link,
+                limit_bytes,
+                state_sizes,
+                host_bytes - host_activations,
+                has_store,
+                hosted,
+                with_selective,
+                best,
+                step_window,
+                step_held,
+            )
+            tried.append(
+                {
+                    "host_blocks": hosted,
+                    "selective": with_selective,
+                    "best_ms": best.predicted_ms if best else None,
+                }
+            )
+    return best, tried
+
+
+# -- measuring -------------------------------------------------------------------------------------
+
+
+def steady_block_times(measured: Measurement, probes: list[int]) -> None:
+    """Every block's forward, backward and recomputation set to the median of the blocks' (one
+    class: the same ops on the same shapes); `probes` (selective in iteration 2: their spans are
+    selective recomputation's) are left out of the recomputation's median and keep theirs. The
+    measuring iterations stall where the allocator maps memory as they first grow, and a stall
+    lands in whichever block's span it falls: a few blocks' recomputations then measure several
+    times the steady figure and others a fraction of it, while planned iterations map no memory,
+    so summing the blocks as measured predicts checkpointing every block well above what it
+    takes. Block 0's backward is left as
+    measured (its span holds the embedding's too: the tail takes the excess)."""
+    blocks = measured.blocks
+    if len(blocks) < 3:
+        return
+    forward = statistics.median(b.forward_ms for b in blocks)
+    backward = statistics.median(b.backward_ms for b in blocks[1:])
+    recompute = statistics.median(blocks[i].recompute_ms for i in range(1, len(blocks)) if i not in probes)
+    for index, block in enumerate(blocks):
+        block.forward_ms = forward
+        if index > 0:
+            block.backward_ms = backward
+        if index not in probes:
+            block.recompute_ms = recompute

@@ -1,0 +1,198 @@
+"""What every mode shares: the budget it runs under, the hooks it installs and removes, the
+iteration's peak and the allocator's retries, and `clip_grad_norm_` taken over per session.
+
+A mode (`modes/`) is a `Session` with a policy: `__enter__` installs its hooks (the session's
+step hooks and iteration peak among them), the training loop runs, and `__exit__` removes them
+and brings every tensor back. docs/runtime.md says which hook fires when.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Protocol, Union
+
+import torch
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from .. import machine
+from ..options import OffloadOptions
+from ..planning import format_bytes, parse_size
+from ..sharded import parameter_bytes
+from ..store import Store
+from ..timing import IterationPeak
+from .errors import NoPlanFitsError
+
+
+class Mode(Protocol):
+    """What `teraio.offload` returns: a context around the training loop, with a report."""
+
+    def __enter__(self) -> Any: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+    def report(self) -> Any: ...
+
+
+def gpu_budget(device: torch.device, gpu_memory: Optional[Union[int, float, str]]) -> int:
+    """`gpu_memory` in bytes; default: the whole device."""
+    if gpu_memory is None:
+        if device.type == "cuda":
+            return int(torch.cuda.get_device_properties(device).total_memory)
+        raise ValueError("gpu_memory is required on a CPU device")
+    return parse_size(gpu_memory)
+
+
+def host_memory(options: OffloadOptions) -> tuple[int, dict[str, Any]]:
+    """Pinned host memory the runtime may hold, and where the figure came from."""
+    available = machine.available_host_bytes()
+    if options.host_memory == "auto":
+        ranks = machine.ranks_on_this_host()
+        chosen = machine.default_host_memory(available, machine.total_host_bytes(), ranks)
+        note = f"MemAvailable ({(available or 0) / 2**30:.1f} GiB) less a margin" + (
+            f", over {ranks} ranks on this host" if ranks > 1 else ""
+        )
+        return chosen, {"host_memory": note}
+    given = parse_size(options.host_memory)
+    if available is not None and given > available:
+        raise ValueError(
+            f"host_memory={options.host_memory!r} ({format_bytes(given)}) is more than this machine has "
+            f"available ({format_bytes(available)} MemAvailable): pinning it would end in the "
+            'kernel\'s out-of-memory killer; pass less, or "auto"'
+        )
+    return given, {"host_memory": "given"}
+
+
+@dataclass
+class Budget:
+    """What a session may use: the store (the SSD tier; None: host memory only), GPU memory the
+    iterations must fit in, pinned host memory, and where those figures came from (`machine`:
+    given or measured, for the report)."""
+
+    store: Optional[Store]
+    gpu_memory_bytes: int
+    host_memory_bytes: int
+    machine: dict[str, Any] = field(default_factory=dict)
+
+
+class Session:
+    """The state every mode starts from and the lifecycle pieces they share."""
+
+    def __init__(self, model: Module, optimizer: Optimizer, options: OffloadOptions, budget: Budget) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.options = options
+        self.store = budget.store
+        self.device = next(iter(model.parameters())).device
+        self.cuda = self.device.type == "cuda"
+        self.gpu_memory_bytes = budget.gpu_memory_bytes
+        self.host_memory_bytes = budget.host_memory_bytes
+        self.machine = budget.machine
+        #: Hook handles removed at exit (`_remove_hooks`).
+        self._hooks: list[Any] = []
+        #: Per iteration: its wall time and (CUDA) its peak allocated bytes.
+        self._step_times_ms: list[float] = []
+        self._peaks: list[int] = []
+        self._clipping: Optional[_Clipping] = None
+
+    # -- hooks in and out ------------------------------------------------------------------------
+
+    def _refuse_resident_overflow(self, remedy: str) -> None:
+        """Parameters and their gradients stay on the GPU in the tensor and block plans: a budget
+        below them cannot work (`remedy` says what to do)."""
+        params, grads = parameter_bytes(self.model)
+        if params + grads > self.gpu_memory_bytes:
+            raise NoPlanFitsError(
+                f"teraio.offload: gpu_memory={format_bytes(self.gpu_memory_bytes)} cannot hold the "
+                f"parameters ({format_bytes(params)}) and their gradients ({format_bytes(grads)})"
+                f"{remedy}"
+            )
+
+    def _install_step_hooks(self, before: Callable[..., Any], after: Callable[..., Any]) -> None:
+        """`before` and `after` around this session's optimizer's step (its own hooks, not a
+        global patch): an iteration ends at the step."""
+        self._hooks.append(self.optimizer.register_step_pre_hook(before))
+        self._hooks.append(self.optimizer.register_step_post_hook(after))
+
+    def _install_peak(self) -> None:
+        """The iteration's peak, reset as its forward begins (`timing.IterationPeak`)."""
+        self._peak = IterationPeak(self.model, self.device)
+        self._hooks.append(self._peak.handle)
+
+    def _remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+    # -- what an iteration took ------------------------------------------------------------------
+
+    def _peak_bytes(self) -> int:
+        """The allocator's peak since the last reset (the iteration's, with `_install_peak`)."""
+        return int(torch.cuda.max_memory_allocated(self.device))
+
+    def _allocator_retries(self) -> int:
+        """The CUDA caching allocator's retries so far: each is a request that found the cache
+        full of blocks it could not use, so it freed them, synchronizing the device."""
+        if not self.cuda:
+            return 0
+        return int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
+
+    # -- clipping --------------------------------------------------------------------------------
+
+    def _take_over_clipping(
+        self, owns: Callable[[list[torch.Tensor]], bool], clip: Callable[..., Any]
+    ) -> None:
+        """`torch.nn.utils.clip_grad_norm_` calls on parameter lists this session `owns` go to
+        `clip` (same arguments) until `_give_back_clipping`; other lists, and every call once
+        the session has given it back, go to the function that was there before."""
+        self._clipping = _Clipping(owns, clip)
+        _CLIPPING.append(self._clipping)
+        if len(_CLIPPING) == 1:
+            _install_clipping()
+
+    def _give_back_clipping(self) -> None:
+        if self._clipping is None:
+            return
+        _CLIPPING.remove(self._clipping)
+        self._clipping = None
+        if not _CLIPPING:
+            _remove_clipping()
+
+
+class _Clipping:
+    __slots__ = ("owns", "clip")
+
+    def __init__(self, owns: Callable[[list[torch.Tensor]], bool], clip: Callable[..., Any]) -> None:
+        self.owns = owns
+        self.clip = clip
+
+
+#: The sessions that take over `clip_grad_norm_`, innermost last, and torch's function while any
+#: does. `torch.nn.utils.clip_grad_norm_` is rebound only while the list is not empty, and each
+#: session sees only the calls on its own parameters.
+_CLIPPING: list[_Clipping] = []
+_TORCH_CLIPPING: list[Callable[..., Any]] = []
+
+
+def _install_clipping() -> None:
+    original = torch.nn.utils.clip_grad_norm_
+
+    def clip_grad_norm_(
+        parameters: Any,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: Optional[bool] = None,
+    ) -> torch.Tensor:
+        listed = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        for session in reversed(_CLIPPING):
+            if session.owns(listed):
+                return session.clip(listed, max_norm, norm_type, error_if_nonfinite, foreach)
+        return original(listed, max_norm, norm_type, error_if_nonfinite, foreach)
+
+    _TORCH_CLIPPING.append(original)
+    torch.nn.utils.clip_grad_norm_ = clip_grad_norm_  # type: ignore[assignment]
+
+
+def _remove_clipping() -> None:
+    torch.nn.utils.clip_grad_norm_ = _TORCH_CLIPPING.pop()  # type: ignore[assignment]
