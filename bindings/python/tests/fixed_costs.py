@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import pytest
-from teraio import runtime
 from teraio.profiler import Profiler
+from teraio.runtime.modes.tensor import TensorOffload
 
 
 def fixed_op_costs(monkeypatch: pytest.MonkeyPatch, costs_us: Mapping[str, float], other_us: float) -> None:
@@ -26,4 +26,4 @@ def fixed_op_costs(monkeypatch: pytest.MonkeyPatch, costs_us: Mapping[str, float
         record_op(self, func, args, kwargs, out, timing)
 
     monkeypatch.setattr(Profiler, "_record_op", record_fixed)
-    monkeypatch.setattr(runtime.offload, "_calibrate", lambda self, profiler: None)
+    monkeypatch.setattr(TensorOffload, "_calibrate", lambda self, profiler: None)

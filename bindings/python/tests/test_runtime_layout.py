@@ -266,9 +266,9 @@ def test_the_runtime_uses_public_members_only() -> None:
 
 #: Calls that copy between GPU and host memory or make host buffers for such copies.
 _COPY_CALL = re.compile(r"\.copy_\(|non_blocking\s*=|pin_memory\s*=")
-#: Where they may stand: the runtime's movers, and the link measurement (`machine.measure_link`,
-#: which times such copies on purpose).
-_COPY_HOMES = ("teraio.runtime.movers.*", "teraio.machine")
+#: Where they may stand: the runtime's movers, the link measurement (`machine.measure_link`,
+#: which times such copies on purpose), and the pinned memory they all use (`teraio.pinned`).
+_COPY_HOMES = ("teraio.runtime.movers.*", "teraio.machine", "teraio.pinned")
 
 
 def test_copies_between_gpu_and_host_live_in_the_movers() -> None:
