@@ -566,6 +566,29 @@ fn planner_commands_trace_plan_and_sim() {
     assert!(line.contains("missing.json"), "{line}");
 }
 
+/// `--png` writes the plot as a PNG beside (or instead of) the SVG; a plot path that cannot be
+/// written is a failed operation (exit 1) named in one line, as for `--svg`.
+#[test]
+fn plan_and_sim_write_png_plots_and_an_unwritable_plot_path_exits_1() {
+    let tmp = scratch();
+    let trace = tmp.path().join("tiny.json");
+    teraio().args(["trace", "--model", "tiny", "-o"]).arg(&trace).assert().success();
+    let small = ["--gpu-mem", "40MiB", "--ssd", "4x6.5GB/s", "--host-mem", "1GiB"];
+    for command in ["plan", "sim"] {
+        let (svg, png) = (tmp.path().join(format!("{command}.svg")), tmp.path().join(format!("{command}.png")));
+        teraio().arg(command).arg(&trace).args(small).arg("--svg").arg(&svg).arg("--png").arg(&png).assert().success();
+        assert!(std::fs::read_to_string(&svg).unwrap().starts_with("<svg width=\"1000\" height=\"560\""));
+        let bytes = std::fs::read(&png).unwrap();
+        assert!(bytes.starts_with(b"\x89PNG\r\n\x1a\n"), "{command} --png writes a PNG");
+        // IHDR: width and height, big-endian, after the signature and the chunk's length and type.
+        assert_eq!((&bytes[16..20], &bytes[20..24]), (&1000u32.to_be_bytes()[..], &560u32.to_be_bytes()[..]));
+        let unwritable = tmp.path().join("no-such-directory").join("plot.png");
+        let line = one_line_error(teraio().arg(command).arg(&trace).args(small).arg("--png").arg(&unwritable), 1);
+        assert!(line.contains("cannot write the plot to") && line.contains("plot.png"), "{line}");
+        assert!(!unwritable.exists());
+    }
+}
+
 /// One exit-code convention for every subcommand: 2 for bad input (flags, sizes, files that are
 /// missing or do not decode, unknown names), 1 for an operation that failed.
 #[test]

@@ -7,7 +7,7 @@ mod plot;
 #[cfg(test)]
 mod tests;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 use clap::builder::{PossibleValuesParser, TypedValueParser};
@@ -26,7 +26,7 @@ use teraio_units::ReadWriteBandwidth;
 
 use crate::error::{CliError, CliResult};
 use crate::units::{bandwidth_arg, format_duration_us, format_gib, memory_size_arg, ssd_arg};
-use plot::{plot_memory, unplanned_series};
+use plot::{plot_memory, unplanned_series, PlotFormat, Series};
 
 /// A clap parser for one of the planner's named values (`names`), listed in `--help`.
 fn named<T>(names: impl IntoIterator<Item = &'static str>) -> impl TypedValueParser<Value = T>
@@ -137,8 +137,11 @@ pub struct PlanArgs {
     /// Write an SVG of GPU memory over time, before and after the plan.
     #[arg(long)]
     pub svg: Option<PathBuf>,
-    /// Let the SVG's y axis reach the peak without offload too [default: the plan and the GPU
-    /// capacity].
+    /// Write the same plot as a PNG (1000x560 pixels).
+    #[arg(long)]
+    pub png: Option<PathBuf>,
+    /// Let the plot's y axis reach the peak without offload too (SVG and PNG) [default: the plan
+    /// and the GPU capacity].
     #[arg(long)]
     pub svg_full_y: bool,
     /// Actions to list in the table.
@@ -167,8 +170,11 @@ pub struct SimArgs {
     /// Write an SVG of GPU memory over time for every policy.
     #[arg(long)]
     pub svg: Option<PathBuf>,
-    /// Let the SVG's y axis reach the peak without offload too [default: the policies' lines
-    /// and the GPU capacity].
+    /// Write the same plot as a PNG (1000x560 pixels).
+    #[arg(long)]
+    pub png: Option<PathBuf>,
+    /// Let the plot's y axis reach the peak without offload too (SVG and PNG) [default: the
+    /// policies' lines and the GPU capacity].
     #[arg(long)]
     pub svg_full_y: bool,
     /// Print JSON instead of a table.
@@ -299,6 +305,26 @@ pub fn trace_command(args: &TraceArgs) -> CliResult<String> {
     ))
 }
 
+/// The plot files a command was asked for (`--svg`, `--png`, `--svg-full-y`).
+struct Plots<'a> {
+    svg: Option<&'a Path>,
+    png: Option<&'a Path>,
+    full_y: bool,
+}
+
+impl Plots<'_> {
+    /// Draws the same chart, memory with nothing moved and then `lines`, into each file asked for.
+    fn write(&self, trace: &Trace, capacity_bytes: u64, lines: &[Series]) -> CliResult<()> {
+        let unplanned = unplanned_series(trace);
+        for (path, format) in [(self.svg, PlotFormat::Svg), (self.png, PlotFormat::Png)] {
+            if let Some(path) = path {
+                plot_memory(path, format, &trace.description, capacity_bytes, &unplanned, lines, self.full_y)?;
+            }
+        }
+        Ok(())
+    }
+}
+
 /// `teraio trace`.
 pub fn run_trace(args: &TraceArgs) -> CliResult<()> {
     print!("{}", trace_command(args)?);
@@ -315,17 +341,11 @@ pub fn plan_command(args: &PlanArgs) -> CliResult<String> {
     if let Some(path) = &args.output {
         result.plan.save(path)?;
     }
-    if let Some(path) = &args.svg {
+    if args.svg.is_some() || args.png.is_some() {
         let after =
             (format!("{} (simulated)", result.plan.policy), result.prediction.simulated.memory_timeline.clone());
-        plot_memory(
-            path,
-            &trace.description,
-            hardware.gpu_capacity_bytes,
-            &unplanned_series(&trace),
-            &[after],
-            args.svg_full_y,
-        )?;
+        let plots = Plots { svg: args.svg.as_deref(), png: args.png.as_deref(), full_y: args.svg_full_y };
+        plots.write(&trace, hardware.gpu_capacity_bytes, &[after])?;
     }
     if args.json {
         return to_json(&result);
@@ -431,21 +451,15 @@ pub fn sim_command(args: &SimArgs) -> CliResult<(Comparison, String)> {
             sim,
         });
     }
-    if let Some(path) = &args.svg {
+    if args.svg.is_some() || args.png.is_some() {
         let mut series = Vec::new();
         for row in &comparison.rows {
             if row.policy != "ideal" && !row.sim.memory_timeline.is_empty() {
                 series.push((row.policy.clone(), row.sim.memory_timeline.clone()));
             }
         }
-        plot_memory(
-            path,
-            &trace.description,
-            hardware.gpu_capacity_bytes,
-            &unplanned_series(&trace),
-            &series,
-            args.svg_full_y,
-        )?;
+        let plots = Plots { svg: args.svg.as_deref(), png: args.png.as_deref(), full_y: args.svg_full_y };
+        plots.write(&trace, hardware.gpu_capacity_bytes, &series)?;
     }
     let text = if args.json { to_json(&comparison)? } else { format_table(&comparison) };
     Ok((comparison, text))

@@ -1,5 +1,5 @@
-//! SVG plot of GPU memory over one iteration, one line per policy plus the capacity line
-//! (`teraio plan --svg`, `teraio sim --svg`).
+//! Plot of GPU memory over one iteration, one line per policy plus the capacity line, as SVG or
+//! PNG (`teraio plan --svg/--png`, `teraio sim --svg/--png`): one drawing, either backend.
 //!
 //! What makes it readable: the title and the trace's description are wrapped to the width; each
 //! line after the first is dashed in its own pattern, so a line drawn over an identical one still
@@ -8,6 +8,7 @@
 
 use std::path::Path;
 
+use plotters::coord::Shift;
 use plotters::element::DashedPathElement;
 use plotters::prelude::*;
 use teraio_planner::lifetime::{base_pressure_bytes, Timeline};
@@ -88,107 +89,175 @@ fn y_top_gib(capacity_gib: f64, lines: &[(String, Vec<(f64, f64)>)]) -> f64 {
     lines.iter().flat_map(|(_, p)| p.iter().map(|(_, y)| *y)).fold(capacity_gib, f64::max) * 1.1
 }
 
-/// Draws memory over time (seconds, GiB) into an SVG file: `unconstrained` (memory with nothing
-/// moved) and `planned` (one line per plan or policy) against `capacity_bytes`. The y axis spans
-/// the planned lines and the capacity; with `full_y` also the unconstrained peak.
+/// The file format of a plot: the same chart either way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PlotFormat {
+    /// Vector; text is drawn by the viewer in its own sans-serif font.
+    Svg,
+    /// Bitmap of `PLOT_SIZE` pixels; text is drawn in the embedded DejaVu Sans.
+    Png,
+}
+
+/// DejaVu Sans (cli/assets/fonts/, with its license): the PNG's text, and the text metrics both
+/// formats lay out with, so the binary needs no system font.
+static FONT: &[u8] = include_bytes!("../../assets/fonts/DejaVuSans.ttf");
+
+/// Registers the embedded font as "sans-serif", once: plotters' text layout (SVG) and text
+/// drawing (PNG) look fonts up by name and fail on one never registered.
+fn register_font() {
+    static REGISTERED: std::sync::Once = std::sync::Once::new();
+    REGISTERED.call_once(|| {
+        let registered = plotters::style::register_font("sans-serif", FontStyle::Normal, FONT).is_ok();
+        assert!(registered, "the embedded DejaVu Sans parses");
+    });
+}
+
+/// What one plot draws, worked out once for either format.
+struct MemoryChart {
+    title: Vec<String>,
+    described: Vec<String>,
+    header_px: u32,
+    capacity_gib: f64,
+    x_max: f64,
+    y_max: f64,
+    /// The unconstrained line first, then the planned ones.
+    lines: Vec<(String, Vec<(f64, f64)>)>,
+}
+
+impl MemoryChart {
+    fn new(description: &str, capacity_bytes: u64, unconstrained: &Series, planned: &[Series], full_y: bool) -> Self {
+        let capacity_gib = capacity_bytes as f64 / (1u64 << 30) as f64;
+        let unconstrained_line = thin(&unconstrained.1);
+        let planned_lines: Vec<(String, Vec<(f64, f64)>)> =
+            planned.iter().map(|(label, points)| (label.clone(), thin(points))).collect();
+        let unconstrained_peak = unconstrained_line.iter().map(|(_, y)| *y).fold(0.0, f64::max);
+        let y_max = if full_y || planned_lines.is_empty() {
+            y_top_gib(capacity_gib, &planned_lines).max(unconstrained_peak * 1.1)
+        } else {
+            y_top_gib(capacity_gib, &planned_lines)
+        };
+        let unconstrained_label = if unconstrained_peak > y_max {
+            format!("{} (peak {unconstrained_peak:.1} GiB, above the chart; --svg-full-y shows it)", unconstrained.0)
+        } else {
+            unconstrained.0.clone()
+        };
+        let lines: Vec<_> = std::iter::once((unconstrained_label, unconstrained_line)).chain(planned_lines).collect();
+        let x_max = lines.iter().flat_map(|(_, p)| p.iter().map(|(x, _)| *x)).fold(1e-9, f64::max);
+        let text_width = PLOT_SIZE.0 - 2 * MARGIN;
+        let title = wrap("GPU memory over one iteration", chars_fitting(text_width, TITLE_FONT), 1);
+        let described = wrap(description, chars_fitting(text_width, DESCRIPTION_FONT), DESCRIPTION_LINES_MAX);
+        let header_px =
+            MARGIN + (TITLE_FONT + 6) * title.len() as u32 + (DESCRIPTION_FONT + 4) * described.len() as u32;
+        MemoryChart { title, described, header_px, capacity_gib, x_max, y_max, lines }
+    }
+
+    /// Draws the chart on `root`, whatever its backend (SVG or bitmap).
+    fn draw<DB: DrawingBackend>(
+        &self,
+        root: &DrawingArea<DB, Shift>,
+    ) -> Result<(), DrawingAreaErrorKind<DB::ErrorType>> {
+        root.fill(&WHITE)?;
+        let (header, body) = root.split_vertically(self.header_px + MARGIN);
+        let mut y = MARGIN as i32;
+        for line in &self.title {
+            header.draw(&Text::new(line.clone(), (MARGIN as i32, y), ("sans-serif", TITLE_FONT).into_font()))?;
+            y += (TITLE_FONT + 6) as i32;
+        }
+        for line in &self.described {
+            header.draw(&Text::new(line.clone(), (MARGIN as i32, y), ("sans-serif", DESCRIPTION_FONT).into_font()))?;
+            y += (DESCRIPTION_FONT + 4) as i32;
+        }
+        assert!(
+            y as u32 <= self.header_px + MARGIN && self.header_px < PLOT_SIZE.1 / 2,
+            "the header leaves room for the chart"
+        );
+
+        let (x_max, capacity_gib) = (self.x_max, self.capacity_gib);
+        let mut chart = ChartBuilder::on(&body)
+            .margin(MARGIN)
+            .x_label_area_size(40)
+            .y_label_area_size(60)
+            .build_cartesian_2d(0.0..x_max, 0.0..self.y_max)?;
+        chart.configure_mesh().x_desc("time in iteration (s)").y_desc("GPU memory (GiB)").draw()?;
+        chart
+            .draw_series(LineSeries::new(vec![(0.0, capacity_gib), (x_max, capacity_gib)], BLACK.stroke_width(2)))?
+            .label(format!("GPU capacity ({capacity_gib:.2} GiB)"))
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK));
+        for (index, (label, points)) in self.lines.iter().enumerate() {
+            let color = Palette99::pick(index).to_rgba();
+            let style = color.stroke_width(2);
+            let points = points.iter().copied();
+            // Points above the axis are clipped to the chart area.
+            if index == 0 {
+                chart
+                    .draw_series(LineSeries::new(points, style))?
+                    .label(label)
+                    .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], style));
+            } else {
+                let (dash, gap) = DASHES[(index - 1) % DASHES.len()];
+                chart
+                    .draw_series(DashedLineSeries::new(points, dash, gap, style))?
+                    .label(label)
+                    .legend(move |(x, y)| DashedPathElement::new(vec![(x, y), (x + 24, y)], dash, gap, style));
+            }
+        }
+        chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
+        root.present()
+    }
+}
+
+/// Draws memory over time (seconds, GiB) into `path` as `format`: `unconstrained` (memory with
+/// nothing moved) and `planned` (one line per plan or policy) against `capacity_bytes`. The y
+/// axis spans the planned lines and the capacity; with `full_y` also the unconstrained peak.
+/// The picture is drawn in memory and then written, so a path that cannot be written is an
+/// error of its own (exit 1) and leaves no partial file.
 pub fn plot_memory(
     path: &Path,
+    format: PlotFormat,
     description: &str,
     capacity_bytes: u64,
     unconstrained: &Series,
     planned: &[Series],
     full_y: bool,
 ) -> CliResult<()> {
+    register_font();
     let plot_error = |reason: String| CliError::failed(format!("plot {}: {reason}", path.display()));
-    let capacity_gib = capacity_bytes as f64 / (1u64 << 30) as f64;
-    let unconstrained_line = thin(&unconstrained.1);
-    let planned_lines: Vec<(String, Vec<(f64, f64)>)> =
-        planned.iter().map(|(label, points)| (label.clone(), thin(points))).collect();
-    let unconstrained_peak = unconstrained_line.iter().map(|(_, y)| *y).fold(0.0, f64::max);
-    let y_max = if full_y || planned_lines.is_empty() {
-        y_top_gib(capacity_gib, &planned_lines).max(unconstrained_peak * 1.1)
-    } else {
-        y_top_gib(capacity_gib, &planned_lines)
-    };
-    let unconstrained_label = if unconstrained_peak > y_max {
-        format!("{} (peak {unconstrained_peak:.1} GiB, above the chart; --svg-full-y shows it)", unconstrained.0)
-    } else {
-        unconstrained.0.clone()
-    };
-    let x_max = planned_lines
-        .iter()
-        .chain(std::iter::once(&(String::new(), unconstrained_line.clone())))
-        .flat_map(|(_, p)| p.iter().map(|(x, _)| *x))
-        .fold(1e-9, f64::max);
-
-    let (width, height) = PLOT_SIZE;
-    let text_width = width - 2 * MARGIN;
-    let title = wrap("GPU memory over one iteration", chars_fitting(text_width, TITLE_FONT), 1);
-    let described = wrap(description, chars_fitting(text_width, DESCRIPTION_FONT), DESCRIPTION_LINES_MAX);
-    let header_px = MARGIN + (TITLE_FONT + 6) * title.len() as u32 + (DESCRIPTION_FONT + 4) * described.len() as u32;
-    let root = SVGBackend::new(path, PLOT_SIZE).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| plot_error(e.to_string()))?;
-    let (header, body) = root.split_vertically(header_px + MARGIN);
-    let mut y = MARGIN as i32;
-    for line in &title {
-        header
-            .draw(&Text::new(line.clone(), (MARGIN as i32, y), ("sans-serif", TITLE_FONT).into_font()))
-            .map_err(|e| plot_error(e.to_string()))?;
-        y += (TITLE_FONT + 6) as i32;
-    }
-    for line in &described {
-        header
-            .draw(&Text::new(line.clone(), (MARGIN as i32, y), ("sans-serif", DESCRIPTION_FONT).into_font()))
-            .map_err(|e| plot_error(e.to_string()))?;
-        y += (DESCRIPTION_FONT + 4) as i32;
-    }
-    assert!(y as u32 <= header_px + MARGIN && header_px < height / 2, "the header leaves room for the chart");
-
-    let mut chart = ChartBuilder::on(&body)
-        .margin(MARGIN)
-        .x_label_area_size(40)
-        .y_label_area_size(60)
-        .build_cartesian_2d(0.0..x_max, 0.0..y_max)
-        .map_err(|e| plot_error(e.to_string()))?;
-    chart
-        .configure_mesh()
-        .x_desc("time in iteration (s)")
-        .y_desc("GPU memory (GiB)")
-        .draw()
-        .map_err(|e| plot_error(e.to_string()))?;
-    chart
-        .draw_series(LineSeries::new(vec![(0.0, capacity_gib), (x_max, capacity_gib)], BLACK.stroke_width(2)))
-        .map_err(|e| plot_error(e.to_string()))?
-        .label(format!("GPU capacity ({capacity_gib:.2} GiB)"))
-        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK));
-    let lines = std::iter::once((unconstrained_label, unconstrained_line)).chain(planned_lines);
-    for (index, (label, points)) in lines.enumerate() {
-        let color = Palette99::pick(index).to_rgba();
-        let style = color.stroke_width(2);
-        // Points above the axis are clipped to the chart area.
-        if index == 0 {
+    let chart = MemoryChart::new(description, capacity_bytes, unconstrained, planned, full_y);
+    let bytes = match format {
+        PlotFormat::Svg => {
+            let mut svg = String::new();
             chart
-                .draw_series(LineSeries::new(points, style))
-                .map_err(|e| plot_error(e.to_string()))?
-                .label(label)
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], style));
-        } else {
-            let (dash, gap) = DASHES[(index - 1) % DASHES.len()];
-            chart
-                .draw_series(DashedLineSeries::new(points, dash, gap, style))
-                .map_err(|e| plot_error(e.to_string()))?
-                .label(label)
-                .legend(move |(x, y)| DashedPathElement::new(vec![(x, y), (x + 24, y)], dash, gap, style));
+                .draw(&SVGBackend::with_string(&mut svg, PLOT_SIZE).into_drawing_area())
+                .map_err(|e| plot_error(e.to_string()))?;
+            svg.into_bytes()
         }
-    }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()
-        .map_err(|e| plot_error(e.to_string()))?;
-    root.present().map_err(|e| plot_error(e.to_string()))?;
-    Ok(())
+        PlotFormat::Png => {
+            let (width, height) = PLOT_SIZE;
+            let mut rgb = vec![0u8; width as usize * height as usize * 3];
+            chart
+                .draw(&BitMapBackend::with_buffer(&mut rgb, PLOT_SIZE).into_drawing_area())
+                .map_err(|e| plot_error(e.to_string()))?;
+            encode_png(&rgb, PLOT_SIZE).map_err(|e| plot_error(e.to_string()))?
+        }
+    };
+    std::fs::write(path, bytes).map_err(|e| {
+        CliError::failed(format!(
+            "cannot write the plot to {}: {e}; name a file in a directory that exists and is writable",
+            path.display()
+        ))
+    })
+}
+
+/// `rgb` (8-bit RGB rows of `width` pixels) as a PNG file's bytes.
+fn encode_png(rgb: &[u8], (width, height): (u32, u32)) -> Result<Vec<u8>, png::EncodingError> {
+    let mut out = Vec::new();
+    let mut encoder = png::Encoder::new(&mut out, width, height);
+    encoder.set_color(png::ColorType::Rgb);
+    encoder.set_depth(png::BitDepth::Eight);
+    let mut writer = encoder.write_header()?;
+    writer.write_image_data(rgb)?;
+    writer.finish()?;
+    Ok(out)
 }
 
 /// Memory with nothing moved, on the stall-free time axis (the "before" line of the plot).
@@ -215,7 +284,8 @@ mod tests {
         dir.join(format!("teraio-plot-{name}-{}.svg", std::process::id()))
     }
 
-    /// A text element of an SVG: font size, left and right edges (px, from its anchor), whether
+    /// A text element of an SVG: font size, left and right edges (px, from its anchor and its width
+    /// in the embedded font), whether
     /// it is rotated, and its text.
     struct SvgText {
         font: f64,
@@ -226,6 +296,7 @@ mod tests {
     }
 
     fn texts(svg: &str) -> Vec<SvgText> {
+        register_font();
         let attribute = |element: &str, name: &str| -> Option<String> {
             let start = element.find(&format!(" {name}=\"")).map(|i| i + name.len() + 3)?;
             element[start..].split('"').next().map(str::to_string)
@@ -237,7 +308,9 @@ mod tests {
                 let text = after.split("</text>").next().unwrap().trim().to_string();
                 let font: f64 = attribute(element, "font-size").unwrap().parse().unwrap();
                 let x: f64 = attribute(element, "x").unwrap().parse().unwrap();
-                let width = GLYPH_WIDTH_SHARE * font * text.chars().count() as f64;
+                // Measured in the embedded DejaVu Sans, the font the layout was computed with (one
+                // of the widest sans-serif fonts a viewer may substitute).
+                let width = f64::from(("sans-serif", font).into_font().box_size(&text).unwrap().0);
                 let left = match attribute(element, "text-anchor").as_deref() {
                     Some("end") => x - width,
                     Some("middle") => x - width / 2.0,
@@ -264,6 +337,7 @@ mod tests {
         let path = svg_path("title");
         plot_memory(
             &path,
+            PlotFormat::Svg,
             description,
             94 * GIB,
             &series("no offload", 526 * GIB),
@@ -296,12 +370,14 @@ mod tests {
     fn the_y_axis_spans_the_plan_and_the_budget_unless_asked_for_the_unconstrained_peak() {
         let path = svg_path("axis");
         let unconstrained = series("no offload", 526 * GIB);
-        plot_memory(&path, "t", 94 * GIB, &unconstrained, &[series("teraio", 90 * GIB)], false).unwrap();
+        plot_memory(&path, PlotFormat::Svg, "t", 94 * GIB, &unconstrained, &[series("teraio", 90 * GIB)], false)
+            .unwrap();
         let svg = std::fs::read_to_string(&path).unwrap();
         let top = y_ticks(&svg).into_iter().fold(0.0, f64::max);
         assert!((94.0..=94.0 * 1.1).contains(&top), "top tick {top} GiB: the budget, not the 526 GiB peak");
         assert!(svg.contains("no offload (peak 526.0 GiB, above the chart; --svg-full-y shows it)"), "{svg}");
-        plot_memory(&path, "t", 94 * GIB, &unconstrained, &[series("teraio", 90 * GIB)], true).unwrap();
+        plot_memory(&path, PlotFormat::Svg, "t", 94 * GIB, &unconstrained, &[series("teraio", 90 * GIB)], true)
+            .unwrap();
         let svg = std::fs::read_to_string(&path).unwrap();
         let top = y_ticks(&svg).into_iter().fold(0.0, f64::max);
         assert!(top >= 500.0, "with full_y the axis reaches the peak: top tick {top}");
@@ -314,7 +390,8 @@ mod tests {
         let path = svg_path("dashes");
         let same = series("teraio", 90 * GIB);
         let other = ("teraio-ssd".to_string(), same.1.clone());
-        plot_memory(&path, "t", 94 * GIB, &series("no offload", 100 * GIB), &[same, other], false).unwrap();
+        plot_memory(&path, PlotFormat::Svg, "t", 94 * GIB, &series("no offload", 100 * GIB), &[same, other], false)
+            .unwrap();
         let svg = std::fs::read_to_string(&path).unwrap();
         // A solid line is one polyline; a dashed one is drawn as many short segments.
         let polylines = svg.matches("<polyline").count();
@@ -323,6 +400,78 @@ mod tests {
         let labels: Vec<String> = texts(&svg).into_iter().map(|t| t.text).collect();
         assert!(labels.contains(&"teraio".to_string()) && labels.contains(&"teraio-ssd".to_string()), "{labels:?}");
         std::fs::remove_file(&path).unwrap();
+    }
+
+    /// A decoded PNG: width, height and 8-bit RGB pixels.
+    fn decode_png(bytes: &[u8]) -> (u32, u32, Vec<[u8; 3]>) {
+        let mut reader = png::Decoder::new(bytes).read_info().unwrap();
+        let mut buffer = vec![0; reader.output_buffer_size()];
+        let frame = reader.next_frame(&mut buffer).unwrap();
+        assert_eq!((frame.color_type, frame.bit_depth), (png::ColorType::Rgb, png::BitDepth::Eight));
+        let pixels = buffer[..frame.buffer_size()].chunks(3).map(|p| [p[0], p[1], p[2]]).collect();
+        (frame.width, frame.height, pixels)
+    }
+
+    #[test]
+    fn the_png_is_the_svg_chart_in_pixels_with_nothing_past_its_edges() {
+        let description = "Llama3 70B Fp32 layers 80 (this stage 40..80) hidden 8192 heads 64/8 ffn 28672 vocab \
+                           128256 seq 2048 batch 2 on h100-nvl, 4 SSDs of 6.7/6.5 GB/s and 385 GiB of host memory";
+        let (png_path, svg_path) = (svg_path("bitmap").with_extension("png"), svg_path("bitmap"));
+        let planned = [series("teraio", 90 * GIB), series("lru", 80 * GIB)];
+        for (path, format) in [(&png_path, PlotFormat::Png), (&svg_path, PlotFormat::Svg)] {
+            plot_memory(path, format, description, 94 * GIB, &series("no offload", 526 * GIB), &planned, false)
+                .unwrap();
+        }
+        let bytes = std::fs::read(&png_path).unwrap();
+        assert!(bytes.starts_with(b"\x89PNG\r\n\x1a\n"), "a PNG signature");
+        let (width, height, pixels) = decode_png(&bytes);
+        let svg = std::fs::read_to_string(&svg_path).unwrap();
+        let svg_size = format!("<svg width=\"{width}\" height=\"{height}\"");
+        assert!(svg.starts_with(&svg_size), "the PNG's size ({width}x{height}) is the SVG's: {}", &svg[..80]);
+        assert_eq!((width, height), PLOT_SIZE);
+        let at = |x: u32, y: u32| pixels[(y * width + x) as usize];
+        const WHITE_PIXEL: [u8; 3] = [255, 255, 255];
+        // Nothing is drawn in the outermost pixels: no text or line runs past an edge.
+        for x in 0..width {
+            for y in [0, 1, height - 2, height - 1] {
+                assert_eq!(at(x, y), WHITE_PIXEL, "pixel ({x}, {y}) is drawn on");
+            }
+        }
+        for y in 0..height {
+            for x in [0, 1, width - 2, width - 1] {
+                assert_eq!(at(x, y), WHITE_PIXEL, "pixel ({x}, {y}) is drawn on");
+            }
+        }
+        // The title is drawn (dark pixels at its place), and every line in its own colour.
+        let title_rows = MARGIN..MARGIN + TITLE_FONT;
+        let dark = title_rows.flat_map(|y| (0..width).map(move |x| (x, y))).filter(|&(x, y)| at(x, y)[0] < 128).count();
+        assert!(dark > 200, "{dark} dark pixels where the title is");
+        for index in 0..=planned.len() {
+            let (r, g, b) = Palette99::pick(index).to_rgba().rgb();
+            let drawn = pixels.iter().filter(|&&p| p == [r, g, b]).count();
+            assert!(drawn > 50, "line {index} (#{r:02X}{g:02X}{b:02X}) has {drawn} pixels");
+        }
+        std::fs::remove_file(&png_path).unwrap();
+        std::fs::remove_file(&svg_path).unwrap();
+    }
+
+    #[test]
+    fn wrapped_header_lines_fit_the_picture_in_the_embedded_font() {
+        register_font();
+        let description = "Llama3 70B Fp32 layers 80 (this stage 40..80) hidden 8192 heads 64/8 ffn 28672 vocab \
+                           128256 seq 2048 batch 2 on h100-nvl, 4 SSDs of 6.7/6.5 GB/s and 385 GiB of host memory, \
+                           MMMM WWWW mmmm wwww 0000 MMMM WWWW mmmm wwww 0000";
+        let chart = MemoryChart::new(description, GIB, &series("no offload", GIB), &[], false);
+        let text_width = f64::from(PLOT_SIZE.0 - 2 * MARGIN);
+        let lines =
+            chart.title.iter().map(|l| (l, TITLE_FONT)).chain(chart.described.iter().map(|l| (l, DESCRIPTION_FONT)));
+        for (line, font) in lines {
+            let (width, _) = ("sans-serif", font).into_font().box_size(line).unwrap();
+            assert!(
+                f64::from(width) <= text_width,
+                "{line:?} is {width} px wide in DejaVu Sans, more than {text_width}"
+            );
+        }
     }
 
     #[test]
