@@ -30,12 +30,14 @@ class RegisteredBuffer:
         start = (-raw.data_ptr()) % PAGE_BYTES
         pages = raw[start : start + span]
         cudart = torch.cuda.cudart()
-        error = cudart.cudaHostRegister(pages.data_ptr(), span, 0)
-        if error != cudart.cudaError.success:
-            raise MemoryError(f"teraio: cudaHostRegister of {span} bytes failed ({error})")
+        try:
+            cudart.cudaHostRegister(pages.data_ptr(), span, 0)  # raises on a CUDA error
+        except RuntimeError as error:
+            raise MemoryError(f"teraio: pinning {span} bytes of host memory failed: {error}") from error
         self.tensor = pages[:nbytes]
         # Runs once: at `release`, or before the memory goes back where `release` was not called.
         self._unpin = weakref.finalize(self, cudart.cudaHostUnregister, pages.data_ptr())
+        self._unpin.atexit = False  # the process's end gives everything back; CUDA may be gone by then
 
     def release(self) -> None:
         """Unpins and frees the memory; the caller has no copy in flight on it."""
