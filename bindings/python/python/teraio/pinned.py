@@ -11,6 +11,7 @@ its bytes, and gives them back at `release`.
 from __future__ import annotations
 
 import mmap
+import os
 import weakref
 
 import torch
@@ -30,10 +31,12 @@ class RegisteredBuffer:
         start = (-raw.data_ptr()) % PAGE_BYTES
         pages = raw[start : start + span]
         cudart = torch.cuda.cudart()
-        try:
-            cudart.cudaHostRegister(pages.data_ptr(), span, 0)  # raises on a CUDA error
-        except RuntimeError as error:
-            raise MemoryError(f"teraio: pinning {span} bytes of host memory failed: {error}") from error
+        error = cudart.cudaHostRegister(pages.data_ptr(), span, 0)
+        if error != cudart.cudaError.success:
+            # torch's binding returns the error and leaves it as CUDA's last error, where torch's
+            # next kernel launch check would raise it as its own: take it back first.
+            _take_last_cuda_error()
+            raise MemoryError(f"teraio: pinning {span} bytes of host memory failed (CUDA error {error})")
         self.tensor = pages[:nbytes]
         # Runs once: at `release`, or before the memory goes back where `release` was not called.
         self._unpin = weakref.finalize(self, cudart.cudaHostUnregister, pages.data_ptr())
@@ -43,3 +46,16 @@ class RegisteredBuffer:
         """Unpins and frees the memory; the caller has no copy in flight on it."""
         self._unpin()
         self.tensor = torch.empty(0, dtype=torch.uint8)
+
+
+def _take_last_cuda_error() -> None:
+    """`cudaGetLastError` of the CUDA runtime torch loaded (torch's binding has none)."""
+    import ctypes
+
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL).cudaGetLastError()
+            return
+        except OSError:
+            continue
+    raise RuntimeError("teraio: the CUDA runtime torch loaded was not found to clear its error")
