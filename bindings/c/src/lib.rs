@@ -394,6 +394,31 @@ pub unsafe extern "C" fn teraio_create(
     })
 }
 
+/// `teraio_open` and `teraio_open_read_only`: the same arguments, checked the same way, and the
+/// engine's writer or reader open.
+///
+/// # Safety
+/// As `teraio_create`.
+unsafe fn open_existing(
+    paths: *const *const c_char,
+    path_count: usize,
+    options: *const teraio_open_options,
+    out_store: *mut *mut teraio_store,
+    open: fn(&[PathBuf], OpenConfig) -> Result<Store, Error>,
+) -> teraio_status {
+    guard(|| {
+        require_out(out_store, "out_store")?;
+        // SAFETY: caller contract for each pointer.
+        let paths = unsafe { device_paths(paths, path_count)? };
+        let options =
+            unsafe { types::read_versioned(options, "teraio_open_options")? }.unwrap_or_else(default_open_options);
+        let store = open(&paths, open_config(&options)?)?;
+        // SAFETY: checked non-NULL; caller contract.
+        unsafe { hand_out_store(store, out_store) };
+        Ok(())
+    })
+}
+
 /// Opens the existing store whose devices are `paths[0..path_count]` (all of them, in any
 /// order). `options` may be NULL for the defaults.
 ///
@@ -411,17 +436,8 @@ pub unsafe extern "C" fn teraio_open(
     options: *const teraio_open_options,
     out_store: *mut *mut teraio_store,
 ) -> teraio_status {
-    guard(|| {
-        require_out(out_store, "out_store")?;
-        // SAFETY: caller contract for each pointer.
-        let paths = unsafe { device_paths(paths, path_count)? };
-        let options =
-            unsafe { types::read_versioned(options, "teraio_open_options")? }.unwrap_or_else(default_open_options);
-        let store = Store::open(&paths, open_config(&options)?)?;
-        // SAFETY: checked non-NULL; caller contract.
-        unsafe { hand_out_store(store, out_store) };
-        Ok(())
-    })
+    // SAFETY: the caller's contract, passed on.
+    unsafe { open_existing(paths, path_count, options, out_store, Store::open) }
 }
 
 /// Opens the existing store whose devices are `paths[0..path_count]` read-only: beside a writer
@@ -445,17 +461,8 @@ pub unsafe extern "C" fn teraio_open_read_only(
     options: *const teraio_open_options,
     out_store: *mut *mut teraio_store,
 ) -> teraio_status {
-    guard(|| {
-        require_out(out_store, "out_store")?;
-        // SAFETY: caller contract for each pointer.
-        let paths = unsafe { device_paths(paths, path_count)? };
-        let options =
-            unsafe { types::read_versioned(options, "teraio_open_options")? }.unwrap_or_else(default_open_options);
-        let store = Store::open_read_only(&paths, open_config(&options)?)?;
-        // SAFETY: checked non-NULL; caller contract.
-        unsafe { hand_out_store(store, out_store) };
-        Ok(())
-    })
+    // SAFETY: the caller's contract, passed on.
+    unsafe { open_existing(paths, path_count, options, out_store, Store::open_read_only) }
 }
 
 /// Closes the store: waits for every put and get in flight, writes a final checkpoint, stops
