@@ -51,6 +51,7 @@
 #                             #   per row (summary in the log, trace in logs.tgz); ZI_STEPS=N: the
 #                             #   zero_infinity row takes N steps (its set-up ~3 min, ~33 s per step);
 #                             #   TERAIO_OPTIONS="name=value,...": more teraio.offload options for its rows
+# PY_OVERLAY=DIR (any mode): DIR's teraio *.py files over the wheel's.
 # Needs .whl-py/ (ignored by git; carry it): the teraio wheel built on the dev machine
 # (`maturin build --release --strip -m bindings/python/Cargo.toml -o .whl-py`), torchtune 0.6.1
 # (`pip download --no-deps torchtune==0.6.1 -d .whl-py`), and for `baselines` .whl-py/ds/: DeepSpeed
@@ -65,6 +66,12 @@ mkdir -p "$OUT"
 what=${1:-tests}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
   .whl-py/teraio-*.whl .whl-py/torchtune-*.whl || exit 1
+# PY_OVERLAY=DIR: DIR's *.py files (a teraio package tree, no compiled module) replace the wheel's,
+# so a change to the Python runtime runs on the GPU without rebuilding the wheel.
+if [ -n "${PY_OVERLAY:-}" ]; then
+  [ -d "$PY_OVERLAY" ] || { echo "PY_OVERLAY=$PY_OVERLAY is not a folder" >&2; exit 2; }
+  (cd "$PY_OVERLAY" && find . -name '*.py' -exec cp --parents {} /tmp/site/teraio/ \;) || exit 1
+fi
 export PYTHONPATH=/tmp/site
 export PYTHONUNBUFFERED=1
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
