@@ -308,6 +308,9 @@ def run_config(
             )
 
         model.get_output_embeddings().register_forward_hook(at_head)
+    sys.path.insert(0, HERE)
+    from timeline import profiled
+
     dist.barrier()
     if handle is not None:
         handle.__enter__()
@@ -319,8 +322,10 @@ def run_config(
             if peaks is not None and step in args.peak_steps:
                 peaks.begin()
             started = time.perf_counter()
-            losses.append(train_step(model, optimizer, batch))
-            sync(device)
+            timeline_path = os.path.join(args.trace_dir or ".", f"timeline-{args.family}-{config}.json")
+            with profiled(step == args.profile_step and rank == 0, timeline_path):
+                losses.append(train_step(model, optimizer, batch))
+                sync(device)
             times_ms.append((time.perf_counter() - started) * 1e3)
             if peaks is not None and step in args.peak_steps:
                 peaks.end(f"[{config}] rank {rank} step {step}")
@@ -492,6 +497,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         "plan's bound beside its parts",
     )
     parser.add_argument("--trace-dir", default="", help="rank 0 writes teraio's profiled traces here")
+    parser.add_argument(
+        "--profile-step",
+        type=int,
+        default=-1,
+        help="rank 0 records this step of every configuration with torch.profiler: the timeline "
+        "(gzipped, in --trace-dir) and a summary of where the GPU's time went (timeline.py)",
+    )
     args = parser.parse_args(argv)
     cuda = args.device == "cuda"
     args.family = args.family or ("llama" if cuda else "mlp")

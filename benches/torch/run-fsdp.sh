@@ -2,6 +2,10 @@
 # FSDP2 with teraio offload on the 2-GPU machine (nvidia-h200-x2), in one call:
 #   benches/torch/run-fsdp.sh                       # each of $FAMILIES: the five 50% configurations
 #   BIG=1 FAMILIES= benches/torch/run-fsdp.sh       # the model FSDP2 alone cannot hold
+#   CONFIGS="fsdp fsdp_teraio": only those configurations per family (fsdp_teraio needs fsdp's peak);
+#   PROFILE_STEP=N: rank 0 records step N of each configuration with torch.profiler (timeline.py's
+#   summary in the log, the gzipped timeline in $OUT); PY_OVERLAY=DIR: DIR's teraio *.py files over
+#   the wheel's
 # bench_fsdp.py starts both ranks itself (NCCL) and trains $STEPS steps each (its docstring lists
 # the configurations; teraio gets one store per rank: $STORE_DIR/rank<r>/dev0). RESULT lines
 # (results-fsdp.jsonl), the log and rank 0's profiled traces (gzipped) go to $OUT.
@@ -19,6 +23,10 @@ DEADLINE=${DEADLINE:-540}  # seconds for all the runs together
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
   .whl-py/teraio-*.whl || exit 1
+if [ -n "${PY_OVERLAY:-}" ]; then
+  [ -d "$PY_OVERLAY" ] || { echo "PY_OVERLAY=$PY_OVERLAY is not a folder" >&2; exit 2; }
+  (cd "$PY_OVERLAY" && find . -name '*.py' -exec cp --parents {} /tmp/site/teraio/ \;) || exit 1
+fi
 export PYTHONPATH=/tmp/site
 export PYTHONUNBUFFERED=1
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
@@ -33,7 +41,10 @@ python3 -c 'import torch, sys; print("python", sys.version.split()[0], "torch", 
 status=0
 : > "$OUT/fsdp.log"
 runs=()
-for family in $FAMILIES; do runs+=("--family $family"); done
+extra=""
+[ -n "${CONFIGS:-}" ] && extra="--configs $CONFIGS"
+[ -n "${PROFILE_STEP:-}" ] && extra="$extra --profile-step $PROFILE_STEP"
+for family in $FAMILIES; do runs+=("--family $family $extra"); done
 [ "$BIG" = 1 ] && runs+=("--configs big_teraio big_fsdp")
 for run in "${runs[@]}"; do
   left=$((DEADLINE - SECONDS))
@@ -45,6 +56,8 @@ for run in "${runs[@]}"; do
   rm -rf "$STORE_DIR"
 done
 gzip -f "$OUT"/trace-*.json 2>/dev/null
+# Many traces: one archive (what comes back from the machine is limited in files).
+ls "$OUT"/*.json.gz > /dev/null 2>&1 && tar -C "$OUT" -czf "$OUT/traces.tgz" $(cd "$OUT" && ls ./*.json.gz) && rm -f "$OUT"/*.json.gz
 grep -v RESULT "$OUT/fsdp.log" | grep -vE "^W[0-9]+ " | grep -E "^==|Error|error|iteration:|peak GPU|per iteration|plan:|host time in teraio" \
   | tail -80 | cut -c1-300
 python3 - "$RESULTS" <<'PY'
