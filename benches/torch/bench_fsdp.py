@@ -284,6 +284,9 @@ def run_config(
                 ssd_bandwidth="2GB/s",
                 host_link_bandwidth="25GB/s",
             )
+        for item in filter(None, args.teraio_options.split(",")):
+            name, _, value = item.partition("=")
+            options[name.strip()] = int(value) if value.strip().isdigit() else value.strip()
         handle = teraio.offload(model, optimizer, **options)
     times_ms, losses = [], []
     peaks = None
@@ -497,6 +500,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         "plan's bound beside its parts",
     )
     parser.add_argument("--trace-dir", default="", help="rank 0 writes teraio's profiled traces here")
+    parser.add_argument(
+        "--teraio-options", default="", help="more teraio.offload options: name=value,... (e.g. reserve=2GiB)"
+    )
     parser.add_argument(
         "--profile-step",
         type=int,
