@@ -359,6 +359,11 @@ def run_config(
         if report.peak_gpu_bytes is not None:
             mine["peak_bytes"] = report.peak_gpu_bytes  # teraio resets the peak at each step
         mine["planned_peak_bytes"] = report.predicted_peak_bytes
+        # The median of the iterations with the plan as chosen (after measuring, planning and the
+        # A/B trial), and how many there were: the speed a long run settles at.
+        mine["settled_ms_per_iter"] = getattr(report, "measured_iteration_ms", None)
+        mine["settled_steps"] = getattr(report, "planned_steps", None)
+        mine["predicted_ms_per_iter"] = getattr(report, "predicted_iteration_ms", None)
         mine["stalls"] = report.stalls
         mine["plan"] = type(report).__name__
         # The block plan's (the default for these models) or the tensor plan's own figures.

@@ -16,7 +16,10 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/teraio-fsdp-out}
 STORE_DIR=${STORE_DIR:-/root/teraio-fsdp}  # a real file system: the store uses O_DIRECT (not tmpfs)
-STEPS=${STEPS:-10}
+# 30 steps, the first 20 left out of ms/iter: teraio measures, plans and runs its A/B trial in
+# those, so ms/iter is the speed a long run settles at, for every configuration alike.
+STEPS=${STEPS:-30}
+WARMUP=${WARMUP:-20}
 FAMILIES=${FAMILIES-llama qwen2 llama-wide}
 BIG=${BIG:-0}
 DEADLINE=${DEADLINE:-540}  # seconds for all the runs together
@@ -52,7 +55,7 @@ for run in "${runs[@]}"; do
   [ "$left" -gt 30 ] || { echo "no time left for: $run"; status=1; continue; }
   echo "== $run (${left}s left)" | tee -a "$OUT/fsdp.log"
   # shellcheck disable=SC2086  # $run is a list of arguments
-  timeout -k 10 "$left" python3 benches/torch/bench_fsdp.py --device cuda --steps "$STEPS" $run \
+  timeout -k 10 "$left" python3 benches/torch/bench_fsdp.py --device cuda --steps "$STEPS" --warmup "$WARMUP" $run \
     --store-dir "$STORE_DIR" --out "$RESULTS" --trace-dir "$OUT" >> "$OUT/fsdp.log" 2>&1 || status=$?
   rm -rf "$STORE_DIR"
 done
@@ -73,6 +76,11 @@ for line in open(sys.argv[1]):
     print(f"{name} {r['ms_per_iter']:8.1f} ms/iter  speed vs fsdp {r.get('speed_vs_fsdp', 0):.2f}  "
           f"peak GiB/rank [{peaks}]  losses bitwise {r.get('losses_bitwise_equal')} "
           f"(max diff {r.get('max_abs_loss_diff', 0):.2e})")
+    for rank in r["ranks"]:
+        if rank.get("predicted_ms_per_iter") is not None:
+            tiers = ", ".join(f"{t} {v['offloaded'] / 2**30:.2f} GiB out" for t, v in rank["tiers"].items())
+            print(f"    rank {rank['rank']}: plan settled at {rank['settled_ms_per_iter']:.1f} ms/iter over "
+                  f"{rank['settled_steps']} steps, predicted {rank['predicted_ms_per_iter']:.1f}; {tiers}")
 PY
 echo "took ${SECONDS}s"
 exit $status
