@@ -2,9 +2,9 @@
 //! (`op_started`), counted down once per finished request (`request_done`), then finalized: a put
 //! goes to the commit thread, a get is verified and finished (`finish_op`).
 
+use super::crcs::unit_crcs_from_pieces;
 use super::object::Object;
 use super::ticket::Completion;
-use super::verify::unit_crcs_from_pieces;
 use super::Shared;
 use crate::error::{Error, Result};
 use crate::gpu::handoff::HandoffSlot;
