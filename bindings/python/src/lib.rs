@@ -1,8 +1,9 @@
 //! `teraio._native`: the Rust core of the Python package.
 //!
 //! Thin on purpose (the work is in `teraio-engine` and `teraio-planner`): a `Store` whose put/get
-//! take raw host pointers with an owner object that keeps the memory alive, `Handle`s to wait on
-//! with the GIL released, engine errors as specific Python exceptions carrying the engine's
+//! take raw host pointers with an owner object that keeps the memory alive (and CUDA device
+//! pointers, optionally after a CUDA event), `Handle`s to wait on with the GIL released or to
+//! make a CUDA stream wait for, engine errors as specific Python exceptions carrying the engine's
 //! message, and the planner (`plan`: `teraio_planner::predict::plan_and_predict`, `simulate_plan`,
 //! `replay_schedule`) on JSON traces. The typed Python face is
 //! `teraio/__init__.py` and `teraio/_native.pyi`.
