@@ -274,9 +274,17 @@ mod tests {
         }
     }
 
+    /// A store whose GPU state for device 0 is set up by a first GPU op: setting it up (pinning,
+    /// streams, maybe measuring) may synchronize the device, which must not happen while a
+    /// stream is held.
     fn gpu_store(dir: &std::path::Path) -> Store {
         let format = FormatConfig { create_file_bytes: Some(64 * MIB), ..Default::default() };
-        Store::create(&[dir.join("dev0")], &format, OpenConfig { direct_io: false, ..Default::default() }).unwrap()
+        let store =
+            Store::create(&[dir.join("dev0")], &format, OpenConfig { direct_io: false, ..Default::default() }).unwrap();
+        let mut first = DeviceBuffer::new(0, 4096).unwrap();
+        first.fill(1).unwrap();
+        store.put_gpu(99, first, b"", Priority::Normal).unwrap().wait().unwrap();
+        store
     }
 
     /// A put after an event on a stream that is still to write the source stores the bytes the
