@@ -258,7 +258,7 @@ class Store:
         `put_async`). With `stream` (a `torch.cuda.Stream` of the tensor's device), the get's
         completion is enqueued on that stream (`Handle.enqueue_stream_wait`): kernels queued on
         it after this call see the data, and the CPU does not wait. The handle still tells the
-        outcome: `wait()` on it before trusting the data on the host side of a failure.
+        outcome: the data is good only if its `wait()` succeeds.
 
         The get reads one version of the object, whole, even if another thread replaces it
         meanwhile; `handle.object_len_bytes` is that version's length. A wrong `out` raises
