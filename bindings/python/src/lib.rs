@@ -1,8 +1,9 @@
 //! `teraio._native`: the Rust core of the Python package.
 //!
 //! Thin on purpose (the work is in `teraio-engine` and `teraio-planner`): a `Store` whose put/get
-//! take raw host pointers with an owner object that keeps the memory alive, `Handle`s to wait on
-//! with the GIL released, engine errors as specific Python exceptions carrying the engine's
+//! take raw host pointers with an owner object that keeps the memory alive (and CUDA device
+//! pointers, optionally after a CUDA event), `Handle`s to wait on with the GIL released or to
+//! make a CUDA stream wait for, engine errors as specific Python exceptions carrying the engine's
 //! message, and the planner (`plan`: `teraio_planner::predict::plan_and_predict`, `simulate_plan`,
 //! `replay_schedule`) on JSON traces. The typed Python face is
 //! `teraio/__init__.py` and `teraio/_native.pyi`.
@@ -125,6 +126,18 @@ fn planner_err(error: teraio_planner::Error) -> PyErr {
     PlannerError::new_err(error.to_string())
 }
 
+/// A `CUevent` handle from Python as an address (sent to the engine's thread as one): 0 is
+/// refused, since no live event has it.
+fn raw_event(after: Option<u64>) -> PyResult<Option<usize>> {
+    match after {
+        Some(0) => Err(InvalidArgumentError::new_err(
+            "after=0 is not a CUDA event; pass a recorded event's handle, or None to start at once",
+        )),
+        Some(handle) => Ok(Some(handle as usize)),
+        None => Ok(None),
+    }
+}
+
 fn priority(urgent: bool) -> Priority {
     if urgent {
         Priority::Urgent
@@ -179,19 +192,21 @@ struct Handle {
     result: Option<Result<(), EngineError>>,
     /// A get: the length of the object version it reads (`Ticket::object_len_bytes`).
     object_len_bytes: Option<u64>,
+    /// An op on CUDA device memory (a stream can wait for it).
+    gpu: bool,
 }
 
 impl Handle {
     /// The handle of an op the engine accepted, or of one it refused: as async APIs do, the
     /// refusal (no space, not found, metadata too large, closed meanwhile) is raised by `wait`,
     /// not by the call that started the op.
-    fn started(ticket: Result<AnyTicket, EngineError>, owner: PyObject) -> Self {
+    fn started(ticket: Result<AnyTicket, EngineError>, owner: PyObject, gpu: bool) -> Self {
         match ticket {
             Ok(ticket) => {
                 let object_len_bytes = ticket.object_len_bytes();
-                Handle { ticket: Some(ticket), owner: Some(owner), result: None, object_len_bytes }
+                Handle { ticket: Some(ticket), owner: Some(owner), result: None, object_len_bytes, gpu }
             }
-            Err(e) => Handle { ticket: None, owner: None, result: Some(Err(e)), object_len_bytes: None },
+            Err(e) => Handle { ticket: None, owner: None, result: Some(Err(e)), object_len_bytes: None, gpu },
         }
     }
 
@@ -243,6 +258,31 @@ impl Handle {
                     Ok(false)
                 }
             }
+        }
+    }
+
+    /// Makes CUDA stream `stream` (a `CUstream` handle of the op's device; 0 is the legacy
+    /// default stream) wait for this GPU op on the GPU: work queued on it after this call starts
+    /// once the op has finished. The CPU does not wait. The op's outcome still comes from `wait`
+    /// (the stream is released on failure too, and the data must then not be used). A finished
+    /// op makes the stream wait for nothing; an op the engine refused raises its error here.
+    ///
+    /// Unsafe contract (the Python layer keeps it): `stream` is a live stream of the primary
+    /// context of the op's device.
+    fn enqueue_stream_wait(&self, stream: u64) -> PyResult<()> {
+        if !self.gpu {
+            return Err(InvalidArgumentError::new_err(
+                "only the handle of a put or get of CUDA memory can make a CUDA stream wait; wait for a host op with wait()",
+            ));
+        }
+        match (&self.ticket, &self.result) {
+            // SAFETY: as documented above.
+            (Some(AnyTicket::Gpu(ticket)), _) => {
+                unsafe { ticket.enqueue_stream_wait(stream as usize as _) }.map_err(to_py_err)
+            }
+            (Some(AnyTicket::Host(_)), _) => unreachable!("a GPU handle holds a GPU ticket"),
+            (None, Some(result)) => result.clone().map_err(to_py_err),
+            (None, None) => unreachable!("a handle holds a ticket until it has a result"),
         }
     }
 
@@ -465,7 +505,7 @@ impl Store {
         let ticket = py.allow_threads(|| unsafe {
             store.put_raw_ticket(id, address as *const u8, length, &meta_bytes(meta), priority(urgent))
         });
-        Ok(Handle::started(ticket.map(AnyTicket::Host), owner))
+        Ok(Handle::started(ticket.map(AnyTicket::Host), owner, false))
     }
 
     /// Starts reading object `id` from byte `offset` into `length` bytes at `address`. With
@@ -495,17 +535,22 @@ impl Store {
         let ticket = py.allow_threads(|| unsafe {
             store.get_raw_ticket(id, offset, address as *mut u8, length, whole, priority(urgent))
         });
-        Ok(Handle::started(ticket.map(AnyTicket::Host), owner))
+        Ok(Handle::started(ticket.map(AnyTicket::Host), owner, false))
     }
 
     /// Starts writing `length` bytes of CUDA device memory at `address` (device `device`) as
     /// object `id`, through the store's GPU path (pinned bounce or cuFile; `gpu_report` says
     /// which and why).
     ///
+    /// With `after` (a `CUevent` handle), the engine starts reading the memory once that event
+    /// has completed, as it was recorded when this is called (the event may be recorded again or
+    /// destroyed afterwards); without it, at once.
+    ///
     /// Unsafe contract (the Python layer keeps it): the memory is device memory of that device,
-    /// its contents are final (the producing stream was synchronized) and unchanged until the
-    /// handle is done; `owner` is kept alive by the handle until then.
-    #[pyo3(signature = (id, address, length, device, owner, meta=None, urgent=false))]
+    /// its contents are final (the producing stream was synchronized, or its work is recorded in
+    /// `after`) and unchanged until the handle is done; `after` is a live event; `owner` is kept
+    /// alive by the handle until then.
+    #[pyo3(signature = (id, address, length, device, owner, meta=None, urgent=false, after=None))]
     #[allow(clippy::too_many_arguments)]
     fn put_device(
         &self,
@@ -517,21 +562,29 @@ impl Store {
         owner: PyObject,
         meta: Option<MetaBytes>,
         urgent: bool,
+        after: Option<u64>,
     ) -> PyResult<Handle> {
         let id = id.0;
+        let after = raw_event(after)?;
         let store = self.store()?;
         let slice = teraio_engine::gpu::DeviceSlice { ptr: address, len: length, device };
         // SAFETY: as documented above; the engine checks that the pointer is device memory.
-        let ticket = py.allow_threads(|| unsafe { store.put_gpu_raw(id, slice, &meta_bytes(meta), priority(urgent)) });
-        Ok(Handle::started(ticket.map(AnyTicket::Gpu), owner))
+        let ticket = py.allow_threads(|| unsafe {
+            store.put_gpu_raw_after(id, slice, &meta_bytes(meta), priority(urgent), after.map(|e| e as _))
+        });
+        Ok(Handle::started(ticket.map(AnyTicket::Gpu), owner, true))
     }
 
     /// Starts reading object `id` from byte `offset` into `length` bytes of CUDA device memory at
     /// `address` through the store's GPU path. With `whole`, the whole object is read.
     ///
+    /// With `after` (a `CUevent` handle), the engine starts once that event has completed (as
+    /// `put_device`).
+    ///
     /// Unsafe contract: the memory is device memory of that device, not otherwise used until the
-    /// handle is done; `owner` is kept alive by the handle until then.
-    #[pyo3(signature = (id, address, length, device, owner, offset=0, whole=true, urgent=false))]
+    /// handle is done (with `after`: from the event's completion on); `after` is a live event;
+    /// `owner` is kept alive by the handle until then.
+    #[pyo3(signature = (id, address, length, device, owner, offset=0, whole=true, urgent=false, after=None))]
     #[allow(clippy::too_many_arguments)]
     fn get_device(
         &self,
@@ -544,13 +597,17 @@ impl Store {
         offset: u64,
         whole: bool,
         urgent: bool,
+        after: Option<u64>,
     ) -> PyResult<Handle> {
         let id = id.0;
+        let after = raw_event(after)?;
         let store = self.store()?;
         let slice = teraio_engine::gpu::DeviceSlice { ptr: address, len: length, device };
         // SAFETY: as documented above.
-        let ticket = py.allow_threads(|| unsafe { store.get_gpu_raw(id, offset, slice, whole, priority(urgent)) });
-        Ok(Handle::started(ticket.map(AnyTicket::Gpu), owner))
+        let ticket = py.allow_threads(|| unsafe {
+            store.get_gpu_raw_after(id, offset, slice, whole, priority(urgent), after.map(|e| e as _))
+        });
+        Ok(Handle::started(ticket.map(AnyTicket::Gpu), owner, true))
     }
 
     /// What the store chose for GPU I/O and why (one line), or None before the first GPU op.

@@ -52,6 +52,120 @@ def test_cuda_tensors_take_the_engine_gpu_path(path: str, store_dir: Any) -> Non
             store.get(7, torch.empty(10, device=DEVICE))
 
 
+class _HeldStream:
+    """A CUDA stream held on a flag in pinned host memory (`cuStreamWaitValue32` on memory
+    registered as the engine registers its hand-off flags): work queued on it runs only once
+    `release()` is called, so the ordering checks below hold whatever the timing. Allocate
+    before holding: nothing that synchronizes the device may run while the stream is held."""
+
+    def __init__(self) -> None:
+        import ctypes
+        import mmap
+
+        self._cuda = cuda = ctypes.CDLL("libcuda.so.1")
+        self._page = mmap.mmap(-1, mmap.PAGESIZE)
+        self.flag = ctypes.c_uint32.from_buffer(self._page)
+        self._address = ctypes.addressof(self.flag)
+        # CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP
+        result = cuda.cuMemHostRegister_v2(
+            ctypes.c_void_p(self._address), ctypes.c_size_t(mmap.PAGESIZE), 0x3
+        )
+        assert result == 0, f"cuMemHostRegister failed: CUresult {result}"
+        device_address = ctypes.c_uint64(0)
+        result = cuda.cuMemHostGetDevicePointer_v2(
+            ctypes.byref(device_address), ctypes.c_void_p(self._address), ctypes.c_uint(0)
+        )
+        assert result == 0, f"cuMemHostGetDevicePointer failed: CUresult {result}"
+        self.stream = torch.cuda.Stream(DEVICE)
+        wait = cuda.cuStreamWaitValue32_v2
+        wait.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        wait.restype = ctypes.c_int
+        # Flags 0: CU_STREAM_WAIT_VALUE_GEQ.
+        result = wait(self.stream.cuda_stream, device_address.value, 1, 0)
+        assert result == 0, f"cuStreamWaitValue32 failed: CUresult {result}"
+
+    def release(self) -> None:
+        import ctypes
+
+        self.flag.value = 1
+        self.stream.synchronize()
+        self._cuda.cuMemHostUnregister(ctypes.c_void_p(self._address))
+        del self.flag  # the buffer's export, before the page can be closed
+        self._page.close()
+
+
+def _gpu_store(store_dir: Any, path: str) -> teraio.Store:
+    store = teraio.Store.create([store_dir / "dev0"], file_size_bytes=256 << 20, durable=False, gpu=path)
+    # The first GPU op sets up the GPU path (pinning, streams): done here, before a stream is held.
+    store.put(99, torch.ones(4096, dtype=torch.uint8, device=DEVICE))
+    return store
+
+
+@pytest.mark.parametrize("path", ["bounce", "cufile"])
+def test_a_put_after_an_event_stores_the_bytes_written_before_the_event(path: str, store_dir: Any) -> None:
+    with _gpu_store(store_dir, path) as store:
+        n = (6 << 20) + 123
+        src = torch.zeros(n, dtype=torch.uint8, device=DEVICE)
+        final = torch.randint(0, 256, (n,), dtype=torch.uint8, device=DEVICE)
+        back = torch.empty_like(src)
+        torch.cuda.synchronize()
+        held = _HeldStream()
+        try:
+            with torch.cuda.stream(held.stream):
+                src.copy_(final)  # still to run when the put is called
+                event = torch.cuda.Event()
+                event.record()
+            handle = store.put_async(3, src, after=event)
+            event.record(torch.cuda.current_stream())  # the put took the event as it was at the call
+            assert not handle.is_done(), "the put finished before the work it was to follow"
+        finally:
+            held.release()
+        assert handle.wait(timeout_s=120.0) is True
+        store.get(3, back)
+        assert torch.equal(back, final)
+
+
+@pytest.mark.parametrize("path", ["bounce", "cufile"])
+def test_a_get_after_an_event_lands_after_the_work_before_the_event(path: str, store_dir: Any) -> None:
+    with _gpu_store(store_dir, path) as store:
+        data = torch.randint(0, 256, ((6 << 20) + 77,), dtype=torch.uint8, device=DEVICE)
+        store.put(4, data)
+        out = torch.zeros_like(data)
+        torch.cuda.synchronize()
+        held = _HeldStream()
+        try:
+            with torch.cuda.stream(held.stream):
+                out.fill_(0xEE)  # a last use of the target, still to run when the get is called
+                event = torch.cuda.Event()
+                event.record()
+            handle = store.get_async(4, out, after=event)
+            assert not handle.is_done(), "the get finished before the work it was to follow"
+        finally:
+            held.release()
+        assert handle.wait(timeout_s=120.0) is True
+        assert torch.equal(out, data)
+
+
+@pytest.mark.parametrize("path", ["bounce", "cufile"])
+def test_a_kernel_after_a_get_with_a_stream_sees_the_data(path: str, store_dir: Any) -> None:
+    with _gpu_store(store_dir, path) as store:
+        data = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, device=DEVICE)
+        store.put(5, data)
+        out = torch.zeros_like(data)
+        side = torch.cuda.Stream(DEVICE)
+        torch.cuda.synchronize()
+        handle = store.get_async(5, out, stream=side)
+        with torch.cuda.stream(side):
+            seen = out.clone()  # queued at once: it runs only after the get, on the GPU
+        side.synchronize()
+        assert handle.wait() is True
+        assert torch.equal(seen, data)
+        # A later stream wait on a finished get passes at once; a host op's handle refuses one.
+        handle.enqueue_stream_wait(side)
+        with pytest.raises(teraio.InvalidArgumentError, match="host op"):
+            store.put_async(6, b"host").enqueue_stream_wait(side)
+
+
 def _reference() -> tuple[list[float], dict[str, Any], int]:
     model, optimizer = make(device=DEVICE)
     data = batches(STEPS, rows=ROWS, device=DEVICE)

@@ -352,3 +352,61 @@ def test_close_waits_for_calls_in_flight_in_other_threads(store_dir: pathlib.Pat
     assert store.closed
     with teraio.Store.open(paths) as again:  # closed cleanly: the devices are free again
         assert np.array_equal(again.get(0, np.empty_like(data)), data)
+
+
+def test_cuda_ordering_arguments_are_refused_for_host_memory(store: teraio.Store) -> None:
+    torch = pytest.importorskip("torch")
+    store.put(1, b"x" * 64)
+    event = torch.cuda.Event()  # made without CUDA; never recorded
+    cpu = torch.zeros(64, dtype=torch.uint8)
+    refused = {
+        "put after on a CPU tensor": lambda: store.put_async(2, cpu, after=event),
+        "put after on numpy": lambda: store.put_async(2, np.zeros(8, dtype=np.uint8), after=event),
+        "put after on bytes": lambda: store.put_async(2, b"z", after=event),
+        "start_put after on a CPU tensor": lambda: store.start_put(2, cpu, 64, after=event),
+        "get after on a CPU tensor": lambda: store.get_async(1, cpu, after=event),
+        "get after on a bytearray": lambda: store.get_async(1, bytearray(64), after=event),
+        "start_get after on a CPU tensor": lambda: store.start_get(1, cpu, 64, after=event),
+    }
+    for name, call in refused.items():
+        with pytest.raises(teraio.InvalidArgumentError, match="after= applies to CUDA tensors only"):
+            call()
+            pytest.fail(f"{name}: no error")
+    assert store.stat(2) is None  # nothing was started
+    assert bytes(cpu.numpy()) == bytes(64)
+
+
+def test_cuda_ordering_arguments_of_the_wrong_type_are_refused(store: teraio.Store) -> None:
+    torch = pytest.importorskip("torch")
+    store.put(1, b"x" * 64)
+    out = torch.zeros(64, dtype=torch.uint8)
+    with pytest.raises(teraio.InvalidArgumentError, match="after must be a torch.cuda.Event"):
+        store.put_async(2, out, after=0)  # type: ignore[arg-type]
+    with pytest.raises(teraio.InvalidArgumentError, match="after must be a torch.cuda.Event"):
+        store.start_get(1, out, 64, after="event")  # type: ignore[arg-type]
+    with pytest.raises(teraio.InvalidArgumentError, match="stream must be a torch.cuda.Stream"):
+        store.get_async(1, out, stream=123)  # type: ignore[arg-type]
+    with pytest.raises(teraio.InvalidArgumentError, match="stream must be a torch.cuda.Stream"):
+        store.get_async(1, bytearray(64), stream=object())  # type: ignore[arg-type]
+    assert store.stat(2) is None
+    assert bytes(out.numpy()) == bytes(64)
+
+
+def test_a_host_handle_cannot_make_a_stream_wait(store: teraio.Store) -> None:
+    handle = store.put_async(1, b"host bytes")
+    with pytest.raises(teraio.InvalidArgumentError, match="wait for a host op with wait"):
+        handle.enqueue_stream_wait(None)  # type: ignore[arg-type]
+    assert handle.wait() is True
+    native = store._native.put_address(2, 0, 0, None)
+    with pytest.raises(teraio.InvalidArgumentError, match="only the handle of a put or get of CUDA memory"):
+        native.enqueue_stream_wait(0)
+    native.wait()
+
+
+def test_the_native_gpu_calls_refuse_a_null_event(store: teraio.Store) -> None:
+    for call in (
+        lambda: store._native.put_device(1, 0x1000, 16, 0, None, after=0),
+        lambda: store._native.get_device(1, 0x1000, 16, 0, None, after=0),
+    ):
+        with pytest.raises(teraio.InvalidArgumentError, match="after=0 is not a CUDA event"):
+            call()

@@ -5,12 +5,24 @@
 //! ones are ordinary page-aligned allocations. Pinned buffers are also locked in RAM. GPU
 //! buffers are CUDA device allocations, moved by the engine's GPU paths (pinned bounce or cuFile).
 
-use super::workload::BufferKind;
 use crate::error::{CliError, CliResult};
 use crate::units::format_bytes;
+use serde::Serialize;
 use std::ops::{Deref, DerefMut};
 use teraio_engine::gpu::{DeviceBuffer, GpuTicket};
 use teraio_engine::{AlignedBuf, IoBuf, IoBufMut, Priority, Store, Ticket};
+
+/// Where the bench's I/O buffers live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum BufferKind {
+    /// Page-aligned host memory.
+    Host,
+    /// Page-aligned host memory locked in RAM (mlock), as pinned buffers for GPU copies are.
+    Pinned,
+    /// CUDA device memory, moved by the engine's GPU path (pinned bounce or cuFile).
+    Gpu,
+}
 
 /// Size and alignment of a transparent huge page on x86-64 and arm64 (4 KiB base pages).
 const HUGE_PAGE_BYTES: usize = 2 << 20;

@@ -19,6 +19,7 @@ use crate::targets::{
     check_free_space, check_writable_targets, free_bytes, space_needed, CreatedFiles, Intent, TempStore,
 };
 use crate::units::{duration_arg, format_bytes, size_arg};
+use buffer::BufferKind;
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use report::BenchReport;
@@ -28,7 +29,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 use teraio_engine::backend::throttle::DeviceModel;
 use teraio_engine::{BackendKind, FormatConfig, GpuOptions, GpuPath, OpenConfig, Store, GIB, MIB};
-use workload::{BufferKind, Limit, Pattern, Progress, Workload};
+use workload::{Limit, Pattern, Progress, Workload};
 
 /// Default data set: 4 GiB, shrunk to fit the targets.
 const DEFAULT_DATA_BYTES: u64 = 4 * GIB;

@@ -17,7 +17,7 @@
 //!   the old one is freed) deletes other objects of the random-write set, in turn, until it
 //!   fits, so a time-based run keeps going; the report counts those deletes.
 
-use super::buffer::{HostBuf, OpBuf, OpTicket};
+use super::buffer::{BufferKind, HostBuf, OpBuf, OpTicket};
 use super::pattern::{self, Rng};
 use crate::error::{CliError, CliResult};
 use crate::units::format_bytes;
@@ -38,18 +38,6 @@ pub const RANDOM_WRITE_IDS: u64 = 16_384;
 pub enum Pattern {
     Sequential,
     Random,
-}
-
-/// Where the bench's I/O buffers live.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum BufferKind {
-    /// Page-aligned host memory.
-    Host,
-    /// Page-aligned host memory locked in RAM (mlock), as pinned buffers for GPU copies are.
-    Pinned,
-    /// CUDA device memory, moved by the engine's GPU path (pinned bounce or cuFile).
-    Gpu,
 }
 
 /// One workload, fully resolved.

@@ -8,13 +8,17 @@
 //!   works on other chunks.
 //! - The cuFile path ([`crate::backend::cufile`]): pieces go to libcufile straight from/to GPU
 //!   memory, in true GDS mode where nvidia-fs serves the file, else in cuFile's compatibility mode.
-//! - [`GpuTicket`] adds the stream hand-off ([`handoff`]) to an ordinary ticket.
+//! - [`GpuTicket`] adds the stream hand-off ([`handoff`]) to an ordinary ticket: a caller's stream
+//!   waits for the op on the GPU.
+//! - The other way round, an op can start after a caller's CUDA event ([`gate`]): the engine waits
+//!   for the event on its own thread before it touches the caller's GPU memory.
 //!
 //! Which path a store uses is decided on its first GPU op ([`GpuPathReport`] says which and why).
 
 pub mod copy;
 pub mod cuda;
 pub mod cufile;
+pub mod gate;
 pub mod handoff;
 pub mod memory;
 pub mod probe;
@@ -22,6 +26,7 @@ pub(crate) mod runtime;
 pub(crate) mod select;
 
 pub use cuda::DevicePtr;
+pub use gate::RawEvent;
 pub use memory::{DeviceBuffer, DeviceIoBuf, DeviceSlice};
 pub use probe::{gds_obstacles, probe, GpuProbe};
 
@@ -200,6 +205,14 @@ mod tests {
                     Err(other) => panic!("expected BackendUnavailable(cuda), got {other}"),
                     Ok(_) => panic!("a GPU put succeeded without CUDA"),
                 }
+                // A put or get after an event says the same, before it looks at the event.
+                let event = 0x2000 as RawEvent;
+                // SAFETY: with no CUDA nothing is queued and the event is never used.
+                let after = unsafe { store.put_gpu_raw_after(3, slice, b"", Priority::Normal, Some(event)) };
+                assert!(matches!(after, Err(crate::Error::BackendUnavailable { backend: "cuda", .. })));
+                // SAFETY: as above.
+                let after = unsafe { store.get_gpu_raw_after(1, 0, slice, true, Priority::Normal, Some(event)) };
+                assert!(matches!(after, Err(crate::Error::BackendUnavailable { backend: "cuda", .. })));
                 assert!(store.gpu_report().is_none());
                 assert!(DeviceBuffer::new(0, 16).is_err());
             }
@@ -209,6 +222,123 @@ mod tests {
             }
         }
         assert_eq!(store.get_to_vec(1).unwrap(), b"host bytes");
+        store.close().unwrap();
+    }
+
+    /// A caller's stream held on a flag that only the test sets (the hand-off's
+    /// `cuStreamWaitValue32`), then the work queued behind it, then an event: an op after that
+    /// event cannot run before the test releases the stream, whatever the timing.
+    struct HeldStream {
+        ctx: &'static cuda::Context,
+        stream: cuda::Stream,
+        flags: handoff::HandoffFlags,
+        slot: HandoffSlot,
+        // Declared before `memory`: unregistered before it is freed.
+        _registration: cuda::PinnedRegistration,
+        _memory: crate::AlignedBuf,
+    }
+
+    impl HeldStream {
+        /// A held stream that will copy `bytes` into `dst` once released.
+        fn copying(bytes: &[u8], dst: DevicePtr) -> HeldStream {
+            let ctx = cuda::context(0).unwrap();
+            let stream = cuda::Stream::new(ctx).unwrap();
+            let flags = handoff::HandoffFlags::new(ctx).unwrap();
+            let slot = flags.claim().unwrap();
+            let mut memory = crate::AlignedBuf::new(bytes.len(), 4096).unwrap();
+            memory.copy_from_slice(bytes);
+            // SAFETY: `memory` outlives the registration (field order).
+            let registration =
+                unsafe { cuda::PinnedRegistration::new(ctx, memory.as_mut_ptr(), memory.len()) }.unwrap();
+            // SAFETY: our stream; the flags and the pinned source live as long as `self`, which
+            // the test releases and synchronizes before dropping.
+            unsafe {
+                flags.enqueue_wait(slot, stream.raw).unwrap();
+                cuda::copy_to_device_async(dst, memory.as_ptr(), bytes.len(), &stream).unwrap();
+            }
+            HeldStream { ctx, stream, flags, slot, _registration: registration, _memory: memory }
+        }
+
+        /// An event after the held copy (the caller may destroy it once the op has started).
+        fn event(&self) -> cuda::Event {
+            let event = cuda::Event::new(self.ctx).unwrap();
+            event.record(&self.stream).unwrap();
+            event
+        }
+
+        fn release(self) {
+            self.flags.signal(self.slot);
+            let done = cuda::Event::new(self.ctx).unwrap();
+            done.record(&self.stream).unwrap();
+            done.synchronize().unwrap();
+        }
+    }
+
+    /// A store whose GPU state for device 0 is set up by a first GPU op: setting it up (pinning,
+    /// streams, maybe measuring) may synchronize the device, which must not happen while a
+    /// stream is held.
+    fn gpu_store(dir: &std::path::Path) -> Store {
+        let format = FormatConfig { create_file_bytes: Some(64 * MIB), ..Default::default() };
+        let store =
+            Store::create(&[dir.join("dev0")], &format, OpenConfig { direct_io: false, ..Default::default() }).unwrap();
+        let mut first = DeviceBuffer::new(0, 4096).unwrap();
+        first.fill(1).unwrap();
+        store.put_gpu(99, first, b"", Priority::Normal).unwrap().wait().unwrap();
+        store
+    }
+
+    /// A put after an event on a stream that is still to write the source stores the bytes the
+    /// stream writes, not those the source held when the put was called. Needs a GPU (skipped
+    /// without CUDA: `gpu_calls_report_what_is_missing` covers that case).
+    #[test]
+    fn a_put_after_an_event_stores_the_bytes_written_before_it() {
+        if cuda::driver().is_err() {
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let store = gpu_store(dir.path());
+        let len = 3 * MIB as usize + 512;
+        let final_bytes: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
+        let mut src = DeviceBuffer::new(0, len).unwrap();
+        src.fill(0x11).unwrap();
+        let held = HeldStream::copying(&final_bytes, src.ptr());
+        let event = held.event();
+        // SAFETY: `src` lives until the ticket is waited for; the event is live for the call.
+        let ticket =
+            unsafe { store.put_gpu_raw_after(7, src.slice(0, len), b"", Priority::Normal, Some(event.raw)) }.unwrap();
+        drop(event); // the engine took the event as recorded at the call
+        assert!(!ticket.is_done(), "the put ran before the event it was to start after");
+        held.release();
+        ticket.wait().unwrap();
+        assert!(store.get_to_vec(7).unwrap() == final_bytes, "the put stored the bytes from before the event");
+        store.close().unwrap();
+    }
+
+    /// A get after an event on a stream that still writes the target lands after that write.
+    #[test]
+    fn a_get_after_an_event_writes_after_the_work_before_it() {
+        if cuda::driver().is_err() {
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let store = gpu_store(dir.path());
+        let len = 2 * MIB as usize + 4096;
+        let object: Vec<u8> = (0..len).map(|i| (i * 7 % 253) as u8).collect();
+        store.put_blocking(9, &object, b"").unwrap();
+        let dst = DeviceBuffer::new(0, len).unwrap();
+        let held = HeldStream::copying(&vec![0xEE; len], dst.ptr());
+        let event = held.event();
+        // SAFETY: `dst` lives until the ticket is waited for; the event is live for the call.
+        let ticket =
+            unsafe { store.get_gpu_raw_after(9, 0, dst.slice(0, len), true, Priority::Normal, Some(event.raw)) }
+                .unwrap();
+        assert!(!ticket.is_done(), "the get ran before the event it was to start after");
+        held.release();
+        ticket.wait().unwrap();
+        let mut back = vec![0u8; len];
+        dst.copy_to_host(0, &mut back).unwrap();
+        assert!(back == object, "the stream's earlier write landed over the get");
+        drop(event);
         store.close().unwrap();
     }
 }

@@ -1,8 +1,10 @@
 //! A store's GPU state, built on its first GPU op: the pinned registration of the bounce slab,
-//! per CUDA device a copy engine and hand-off flags, and the cuFile queues when that path is used.
+//! per CUDA device a copy engine, hand-off flags and a gate (ops that start after a caller's
+//! event), and the cuFile queues when that path is used.
 
 use super::copy::CopyEngine;
 use super::cuda::{self, PinnedRegistration};
+use super::gate::Gate;
 use super::handoff::HandoffFlags;
 use super::GpuPathReport;
 use crate::error::Result;
@@ -14,12 +16,17 @@ use std::sync::{Arc, Mutex};
 pub(crate) struct GpuDevice {
     pub copy: CopyEngine,
     pub handoff: Arc<HandoffFlags>,
+    pub gate: Gate,
 }
 
 impl GpuDevice {
     pub fn new(ordinal: u32, copy_streams: usize) -> Result<GpuDevice> {
         let ctx = cuda::context(ordinal)?;
-        Ok(GpuDevice { copy: CopyEngine::new(ordinal, copy_streams)?, handoff: Arc::new(HandoffFlags::new(ctx)?) })
+        Ok(GpuDevice {
+            copy: CopyEngine::new(ordinal, copy_streams)?,
+            handoff: Arc::new(HandoffFlags::new(ctx)?),
+            gate: Gate::new(ordinal)?,
+        })
     }
 }
 

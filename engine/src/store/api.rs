@@ -9,7 +9,7 @@ use super::Store;
 use crate::buffer::AlignedBuf;
 use crate::error::{Error, Result};
 use crate::gpu::handoff::{HandoffFlags, HandoffSlot};
-use crate::gpu::DeviceSlice;
+use crate::gpu::{DeviceSlice, RawEvent};
 use crate::layout::codec::{round_down, round_up};
 use crate::layout::table::ObjectRecord;
 use crate::queue::Priority;
@@ -115,10 +115,12 @@ impl Store {
     /// queues it.
     ///
     /// # Safety
-    /// `memory` must be valid for reads, unchanged, until the op is done.
+    /// `memory` must be valid for reads, unchanged, until the op is done (GPU memory with an event:
+    /// from the event's completion on), and its event, if any, live for this call.
     pub(super) unsafe fn start_put(&self, spec: PutSpec, memory: Memory) -> Result<Started> {
         self.check_writable()?;
-        let target = self.target(memory)?;
+        // SAFETY: forwarded contract (`memory` includes its event).
+        let target = unsafe { self.target(memory)? };
         self.check_meta(spec.meta)?;
         self.shared.op_started()?;
         let len = memory.len() as u64;
@@ -144,7 +146,9 @@ impl Store {
     /// queues the op.
     ///
     /// # Safety
-    /// `memory` must be valid for writes, and not otherwise accessed, until the op is done.
+    /// `memory` must be valid for writes, and not otherwise accessed, until the op is done (GPU
+    /// memory with an event: from the event's completion on), and its event, if any, live for
+    /// this call.
     pub(super) unsafe fn start_get(&self, spec: GetSpec, memory: Memory) -> Result<Started> {
         let object = self.current_version(spec.id)?;
         // SAFETY: forwarded contract.
@@ -179,7 +183,8 @@ impl Store {
             }
             end
         };
-        let target = self.target(memory)?;
+        // SAFETY: forwarded contract (`memory` includes its event).
+        let target = unsafe { self.target(memory)? };
         self.shared.op_started()?;
         // On the cuFile path the bytes never pass through host memory: nothing to check them
         // in (the GPU report and docs/gpu.md say so).
@@ -198,19 +203,44 @@ impl Store {
     }
 
     /// Where `memory` is, as an op sees it (for GPU memory: the device's state and path).
-    fn target(&self, memory: Memory) -> Result<Target> {
+    ///
+    /// # Safety
+    /// A GPU memory's `after` event, if any, must be live for this call's length.
+    unsafe fn target(&self, memory: Memory) -> Result<Target> {
         match memory {
             Memory::Host { ptr, .. } => Ok(Target::Host(ptr)),
-            Memory::Gpu(slice) => Ok(Target::Gpu { ptr: slice.ptr, gpu: self.gpu_op(slice)? }),
+            Memory::Gpu { slice, after } => {
+                // SAFETY: forwarded contract.
+                let gpu = unsafe { self.gpu_op(slice, after)? };
+                Ok(Target::Gpu { ptr: slice.ptr, gpu })
+            }
         }
     }
 
-    /// Queues `op` for object bytes `start..end` (block-aligned).
-    fn start(&self, op: Op, start: u64, end: u64) -> Started {
+    /// Queues `op` for object bytes `start..end` (block-aligned); a GPU op with an event to start
+    /// after is queued by the device's gate once the event has completed.
+    fn start(&self, mut op: Op, start: u64, end: u64) -> Started {
         let handoff = op.gpu.as_ref().and_then(|g| g.handoff.map(|slot| (g.device.handoff.clone(), slot)));
+        let gated = op.gpu.as_mut().and_then(|g| g.after.take().map(|mark| (g.device.clone(), mark)));
         let op = Arc::new(op);
         let started = Started { completion: op.completion.clone(), handoff };
-        self.shared.enqueue(op, start, end);
+        match gated {
+            None => self.shared.enqueue(op, start, end),
+            Some((device, mark)) => {
+                let shared = self.shared.clone();
+                device.gate.pass(
+                    mark,
+                    Box::new(move |passed| match passed {
+                        Ok(()) => shared.enqueue(op, start, end),
+                        Err(e) => {
+                            // Nothing was queued: the op's own hold is its last request.
+                            op.set_error(e);
+                            shared.request_done(&op);
+                        }
+                    }),
+                );
+            }
+        }
         started
     }
 
@@ -320,15 +350,22 @@ impl Store {
 /// The caller's memory of a new op, before it is checked.
 #[derive(Clone, Copy)]
 pub(super) enum Memory {
-    Host { ptr: usize, len: usize },
-    Gpu(DeviceSlice),
+    Host {
+        ptr: usize,
+        len: usize,
+    },
+    /// Device memory; with `after`, the op starts once that CUDA event has completed.
+    Gpu {
+        slice: DeviceSlice,
+        after: Option<RawEvent>,
+    },
 }
 
 impl Memory {
     fn len(&self) -> usize {
         match self {
             Memory::Host { len, .. } => *len,
-            Memory::Gpu(slice) => slice.len,
+            Memory::Gpu { slice, .. } => slice.len,
         }
     }
 }

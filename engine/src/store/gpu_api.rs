@@ -7,7 +7,7 @@ use super::ticket::Ticket;
 use super::Store;
 use crate::error::Result;
 use crate::gpu::runtime::StoreGpu;
-use crate::gpu::GpuTicket;
+use crate::gpu::{GpuTicket, RawEvent};
 use crate::queue::Priority;
 use std::sync::atomic::AtomicBool;
 
@@ -87,7 +87,27 @@ impl Store {
         priority: Priority,
     ) -> Result<GpuTicket<()>> {
         // SAFETY: forwarded contract.
-        let started = unsafe { self.start_put(PutSpec { id, meta, priority }, Memory::Gpu(src))? };
+        unsafe { self.put_gpu_raw_after(id, src, meta, priority, None) }
+    }
+
+    /// `put_gpu_raw` that starts once CUDA event `after` has completed (as recorded when this is
+    /// called; the caller may record or destroy the event afterwards): the work recorded in it
+    /// may still be writing `src` when this is called. The engine waits for the event on its own
+    /// thread; nothing blocks the caller. With `None`, as `put_gpu_raw`.
+    ///
+    /// # Safety
+    /// `src` must be device memory of `src.device`, allocated until the ticket is done and
+    /// unchanged from the event's completion until then; `after` must be a live CUDA event.
+    pub unsafe fn put_gpu_raw_after(
+        &self,
+        id: u64,
+        src: crate::gpu::DeviceSlice,
+        meta: &[u8],
+        priority: Priority,
+        after: Option<RawEvent>,
+    ) -> Result<GpuTicket<()>> {
+        // SAFETY: forwarded contract.
+        let started = unsafe { self.start_put(PutSpec { id, meta, priority }, Memory::Gpu { slice: src, after })? };
         Ok(GpuTicket { ticket: Ticket { completion: started.completion, buffer: Some(()) }, handoff: started.handoff })
     }
 
@@ -105,19 +125,46 @@ impl Store {
         priority: Priority,
     ) -> Result<GpuTicket<()>> {
         // SAFETY: forwarded contract.
-        let started = unsafe { self.start_get(GetSpec { id, offset, whole, priority }, Memory::Gpu(dst))? };
+        unsafe { self.get_gpu_raw_after(id, offset, dst, whole, priority, None) }
+    }
+
+    /// `get_gpu_raw` that starts once CUDA event `after` has completed (as recorded when this is
+    /// called): the work recorded in it may still be using `dst` when this is called. With
+    /// `None`, as `get_gpu_raw`.
+    ///
+    /// # Safety
+    /// `dst` must be device memory of `dst.device`, allocated until the ticket is done and not
+    /// accessed from the event's completion until then; `after` must be a live CUDA event.
+    pub unsafe fn get_gpu_raw_after(
+        &self,
+        id: u64,
+        offset: u64,
+        dst: crate::gpu::DeviceSlice,
+        whole: bool,
+        priority: Priority,
+        after: Option<RawEvent>,
+    ) -> Result<GpuTicket<()>> {
+        // SAFETY: forwarded contract.
+        let started =
+            unsafe { self.start_get(GetSpec { id, offset, whole, priority }, Memory::Gpu { slice: dst, after })? };
         Ok(GpuTicket { ticket: Ticket { completion: started.completion, buffer: Some(()) }, handoff: started.handoff })
     }
 
-    /// The GPU part of a new op on `mem`: checks the pointer, finds the device's state and path.
-    pub(super) fn gpu_op(&self, mem: crate::gpu::DeviceSlice) -> Result<GpuOp> {
+    /// The GPU part of a new op on `mem`: checks the pointer, finds the device's state and path,
+    /// and captures `after` on the device's gate.
+    ///
+    /// # Safety
+    /// `after`, if any, must be a live CUDA event for this call's length.
+    pub(super) unsafe fn gpu_op(&self, mem: crate::gpu::DeviceSlice, after: Option<RawEvent>) -> Result<GpuOp> {
         let state = self.gpu_state(mem.device)?;
         if mem.len > 0 {
             crate::gpu::cuda::check_device_pointer(mem.ptr, mem.len, mem.device)?;
         }
         let device = state.device(mem.device)?;
         let use_cufile = state.uses_cufile(mem.device);
+        // SAFETY: forwarded contract.
+        let after = after.map(|event| unsafe { device.gate.mark(event) }).transpose()?;
         let handoff = device.handoff.claim();
-        Ok(GpuOp { device, use_cufile, handoff, handoff_signalled: AtomicBool::new(false) })
+        Ok(GpuOp { device, use_cufile, handoff, handoff_signalled: AtomicBool::new(false), after })
     }
 }

@@ -7,6 +7,7 @@
 
 mod api;
 mod commit;
+mod crcs;
 mod dispatch;
 mod fsck;
 mod gpu_api;

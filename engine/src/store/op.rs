@@ -2,11 +2,12 @@
 //! (`op_started`), counted down once per finished request (`request_done`), then finalized: a put
 //! goes to the commit thread, a get is verified and finished (`finish_op`).
 
+use super::crcs::unit_crcs_from_pieces;
 use super::object::Object;
 use super::ticket::Completion;
-use super::verify::unit_crcs_from_pieces;
 use super::Shared;
 use crate::error::{Error, Result};
+use crate::gpu::gate::GateMark;
 use crate::gpu::handoff::HandoffSlot;
 use crate::gpu::runtime::GpuDevice;
 use crate::layout::stripe::Piece;
@@ -95,6 +96,9 @@ pub(crate) struct GpuOp {
     pub use_cufile: bool,
     pub handoff: Option<HandoffSlot>,
     pub handoff_signalled: AtomicBool,
+    /// The caller's event the op starts after, captured on the device's gate; taken when the op
+    /// is queued (`Store::start`).
+    pub after: Option<GateMark>,
 }
 
 impl GpuOp {

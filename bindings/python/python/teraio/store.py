@@ -79,11 +79,27 @@ class Handle:
     """An I/O in flight: `wait()` blocks (without the GIL) and raises the engine's error, if any.
 
     A handle keeps the memory it reads or writes alive until the I/O is done; for a CUDA tensor,
-    done means the bytes are in GPU memory (get) or on the store (put).
+    done means the bytes are in GPU memory (get) or on the store (put). The handle of a CUDA
+    tensor's op can also make a CUDA stream wait for it on the GPU (`enqueue_stream_wait`).
     """
 
-    def __init__(self, native: _native.Handle) -> None:
+    def __init__(self, native: _native.Handle, cuda_device: Optional[int] = None) -> None:
         self._native = native
+        self._cuda_device = cuda_device  # the op's CUDA device; None for host memory
+
+    def enqueue_stream_wait(self, stream: torch.cuda.Stream) -> None:
+        """Makes `stream` (a `torch.cuda.Stream` of the op's device) wait for the op on the GPU:
+        kernels queued on it after this call run once the op has finished (a get's data is in
+        place, a put's source is no longer read). The CPU does not wait. The op's outcome still
+        comes from `wait()`: the stream goes on after a failed op too, whose data must not be
+        used. Raises InvalidArgumentError for a host op's handle or a stream of another device,
+        and the op's error for one the engine refused when it started."""
+        if self._cuda_device is None:
+            raise _native.InvalidArgumentError(
+                "only the handle of a CUDA tensor's put or get can make a CUDA stream wait; "
+                "wait for a host op with wait()"
+            )
+        self._native.enqueue_stream_wait(_stream_handle(stream, self._cuda_device))
 
     def wait(self, timeout_s: Optional[float] = None) -> bool:
         """Waits until done; returns False if `timeout_s` passed first. Raises the op's error
@@ -151,7 +167,12 @@ class Store:
     # -- writes -----------------------------------------------------------------------------
 
     def put_async(
-        self, object_id: int, data: Any, meta: Optional[bytes] = b"", urgent: bool = False
+        self,
+        object_id: int,
+        data: Any,
+        meta: Optional[bytes] = b"",
+        urgent: bool = False,
+        after: Optional[torch.cuda.Event] = None,
     ) -> Handle:
         """Starts writing `data` (torch tensor, numpy array, bytes-like) as object `object_id`,
         with `meta` (bytes-like, at most the store's `max_meta_bytes`; None for none).
@@ -159,14 +180,21 @@ class Store:
         Host memory is written in place: do not change it until the handle is done. A CUDA tensor
         goes through the engine's GPU path; this call first waits for the work queued on the
         current CUDA stream (the tensor's producer), then the engine reads it on its own streams.
+        With `after` (a `torch.cuda.Event` recorded after the tensor's producer) this call does
+        not wait: the engine starts reading once the event has completed, waiting for it on its
+        own thread. The event is taken as recorded at the call (it may be recorded again right
+        after); one never recorded has nothing to wait for, as in CUDA. `after` is for CUDA
+        tensors only (InvalidArgumentError otherwise).
         Argument mistakes (an id, a type) raise InvalidArgumentError here; what the engine
         refuses (NoSpaceError, metadata too large, a read-only or closing store) is raised by
         the handle's `wait()`.
         """
         urgent = _flag("urgent", urgent)
+        event = _event_handle(after)
+        if _is_tensor(data) and data.device.type == "cuda":
+            return self._put_cuda(object_id, data, meta, urgent, event)
+        _host_only(after, None, data)
         if _is_tensor(data):
-            if data.device.type == "cuda":
-                return self._put_cuda(object_id, data, meta, urgent)
             if data.device.type != "cpu":
                 raise _native.InvalidArgumentError(
                     f"tensors on {data.device} are not supported (cpu and cuda are)"
@@ -186,33 +214,69 @@ class Store:
         """Writes `data` as object `object_id` and waits until the engine acknowledges it."""
         self.put_async(object_id, data, meta).wait()
 
-    def _put_cuda(self, object_id: int, tensor: torch.Tensor, meta: Optional[bytes], urgent: bool) -> Handle:
+    def _put_cuda(
+        self,
+        object_id: int,
+        tensor: torch.Tensor,
+        meta: Optional[bytes],
+        urgent: bool,
+        event: Optional[_Event],
+    ) -> Handle:
         import torch
 
         address, length = _tensor_address(tensor)
-        # The engine copies on its own CUDA streams: whatever produces the tensor must be done.
-        torch.cuda.current_stream(tensor.device).synchronize()
+        index = _cuda_index(tensor)
+        if event is None:
+            # The engine copies on its own CUDA streams: whatever produces the tensor must be done.
+            torch.cuda.current_stream(tensor.device).synchronize()
         return Handle(
-            self._native.put_device(object_id, address, length, _cuda_index(tensor), tensor, meta, urgent)
+            self._native.put_device(
+                object_id, address, length, index, tensor, meta, urgent, after=_after_handle(event)
+            ),
+            index,
         )
 
     # -- reads ------------------------------------------------------------------------------
 
-    def get_async(self, object_id: int, out: Any, urgent: bool = False) -> Handle:
+    def get_async(
+        self,
+        object_id: int,
+        out: Any,
+        urgent: bool = False,
+        after: Optional[torch.cuda.Event] = None,
+        stream: Optional[torch.cuda.Stream] = None,
+    ) -> Handle:
         """Starts reading object `object_id` into `out` (torch tensor, writable numpy array or
         writable bytes-like object such as a bytearray), which must be at least as large as the
         object. Do not use `out` until the handle is done. A CUDA tensor is filled through the
         engine's GPU path (after the work already queued on the current CUDA stream, which may
-        still be using it).
+        still be using it: this call waits for it).
+
+        For CUDA tensors only (InvalidArgumentError otherwise): with `after` (a
+        `torch.cuda.Event` recorded after the last work that uses `out`) this call does not wait
+        for the current stream; the engine starts writing `out` once the event has completed (as
+        `put_async`). With `stream` (a `torch.cuda.Stream` of the tensor's device), the get's
+        completion is enqueued on that stream (`Handle.enqueue_stream_wait`): kernels queued on
+        it after this call see the data, and the CPU does not wait. The handle still tells the
+        outcome: the data is good only if its `wait()` succeeds.
 
         The get reads one version of the object, whole, even if another thread replaces it
         meanwhile; `handle.object_len_bytes` is that version's length. A wrong `out` raises
         InvalidArgumentError here; NotFoundError, a too small `out` (InvalidArgumentError) and
         CorruptError are raised by the handle's `wait()`."""
         urgent = _flag("urgent", urgent)
+        event = _event_handle(after)
+        if stream is not None:
+            _check_stream_type(stream)
+        if _is_tensor(out) and out.device.type == "cuda":
+            # Checked before the get starts: a refused stream leaves no get running.
+            wait_on = None if stream is None else _stream_handle(stream, _cuda_index(out))
+            handle = self._get_cuda(object_id, out, urgent, event)
+            if wait_on is not None:
+                handle._native.enqueue_stream_wait(wait_on)
+            return handle
+        _host_only(after, stream, out)
         if _is_tensor(out):
-            if out.device.type == "cuda":
-                return self._get_cuda(object_id, out, urgent)
             if out.device.type != "cpu":
                 raise _native.InvalidArgumentError(
                     f"tensors on {out.device} are not supported (cpu and cuda are)"
@@ -233,13 +297,20 @@ class Store:
         self.get_async(object_id, out).wait()
         return out
 
-    def _get_cuda(self, object_id: int, tensor: torch.Tensor, urgent: bool) -> Handle:
+    def _get_cuda(
+        self, object_id: int, tensor: torch.Tensor, urgent: bool, event: Optional[_Event]
+    ) -> Handle:
         import torch
 
         address, length = _tensor_address(tensor)
-        torch.cuda.current_stream(tensor.device).synchronize()
+        index = _cuda_index(tensor)
+        if event is None:
+            torch.cuda.current_stream(tensor.device).synchronize()
         return Handle(
-            self._native.get_device(object_id, address, length, _cuda_index(tensor), tensor, urgent=urgent)
+            self._native.get_device(
+                object_id, address, length, index, tensor, urgent=urgent, after=_after_handle(event)
+            ),
+            index,
         )
 
     def get_bytes(self, object_id: int) -> bytes:
@@ -310,27 +381,118 @@ class Store:
 
     # -- the offload runtime's movers -------------------------------------------------------
 
-    def start_put(self, object_id: int, memory: Any, nbytes: int, urgent: bool = False) -> Handle:
+    def start_put(
+        self,
+        object_id: int,
+        memory: Any,
+        nbytes: int,
+        urgent: bool = False,
+        after: Optional[torch.cuda.Event] = None,
+    ) -> Handle:
         """Starts writing the first `nbytes` of `memory` (a contiguous torch tensor: host memory
-        through the engine's host path, CUDA memory through its GPU path) as object `object_id`,
-        now. Unlike `put_async` it does not wait for the current CUDA stream: the caller has
-        already ordered the write after the tensor's producer. Keep `memory` unchanged and alive
-        until the handle is done."""
+        through the engine's host path, CUDA memory through its GPU path) as object `object_id`.
+        Unlike `put_async` it never waits for the current CUDA stream: the caller has ordered
+        the write after the tensor's producer, or passes `after` (CUDA memory only, as in
+        `put_async`). Keep `memory` unchanged and alive until the handle is done."""
+        event = _event_handle(after)
         address = _start_address(memory, nbytes)
         if memory.device.type == "cuda":
             index = _cuda_index(memory)
-            return Handle(self._native.put_device(object_id, address, nbytes, index, memory, b"", urgent))
+            return Handle(
+                self._native.put_device(
+                    object_id, address, nbytes, index, memory, b"", urgent, after=_after_handle(event)
+                ),
+                index,
+            )
+        _host_only(after, None, memory)
         return Handle(self._native.put_address(object_id, address, nbytes, memory, b"", urgent))
 
-    def start_get(self, object_id: int, memory: Any, nbytes: int, urgent: bool = False) -> Handle:
+    def start_get(
+        self,
+        object_id: int,
+        memory: Any,
+        nbytes: int,
+        urgent: bool = False,
+        after: Optional[torch.cuda.Event] = None,
+    ) -> Handle:
         """Starts reading the whole object `object_id` (`nbytes` long) into the start of `memory`
-        (as `start_put`), now: the caller has ordered the read after every use of the memory.
-        Do not use `memory` until the handle is done."""
+        (as `start_put`): the caller has ordered the read after every use of the memory, or
+        passes `after` (CUDA memory only). Do not use `memory` until the handle is done (for
+        CUDA memory: make the stream that uses it wait with `Handle.enqueue_stream_wait`)."""
+        event = _event_handle(after)
         address = _start_address(memory, nbytes)
         if memory.device.type == "cuda":
             index = _cuda_index(memory)
-            return Handle(self._native.get_device(object_id, address, nbytes, index, memory, urgent=urgent))
+            return Handle(
+                self._native.get_device(
+                    object_id, address, nbytes, index, memory, urgent=urgent, after=_after_handle(event)
+                ),
+                index,
+            )
+        _host_only(after, None, memory)
         return Handle(self._native.get_address(object_id, address, nbytes, memory, urgent=urgent))
+
+
+class _Event:
+    """A `torch.cuda.Event` passed as `after`, with its CUDA handle read at the call (0: never
+    recorded)."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+
+def _event_handle(after: Any) -> Optional[_Event]:
+    """`after` checked: None, or a `torch.cuda.Event`."""
+    if after is None:
+        return None
+    torch = _torch_or_none()
+    if torch is None or not isinstance(after, torch.cuda.Event):
+        raise _native.InvalidArgumentError(
+            f"after must be a torch.cuda.Event recorded after the work the op must follow, or None; "
+            f"not {type(after).__name__}"
+        )
+    return _Event(int(after.cuda_event))
+
+
+def _after_handle(event: Optional[_Event]) -> Optional[int]:
+    """The engine's `after`: the event's handle, or None for no event or one never recorded
+    (CUDA waits for nothing on such an event)."""
+    if event is None or event.handle == 0:
+        return None
+    return event.handle
+
+
+def _check_stream_type(stream: Any) -> None:
+    torch = _torch_or_none()
+    if torch is None or not isinstance(stream, torch.cuda.Stream):
+        raise _native.InvalidArgumentError(
+            f"stream must be a torch.cuda.Stream (e.g. torch.cuda.current_stream()) or None; "
+            f"not {type(stream).__name__}"
+        )
+
+
+def _stream_handle(stream: Any, device: int) -> int:
+    """The CUstream of `stream`, a `torch.cuda.Stream` of CUDA device `device`."""
+    _check_stream_type(stream)
+    if stream.device.index != device:
+        raise _native.InvalidArgumentError(
+            f"stream is on {stream.device} but the op is on cuda:{device}; "
+            "use a stream of the tensor's device"
+        )
+    return int(stream.cuda_stream)
+
+
+def _host_only(after: Any, stream: Any, memory: Any) -> None:
+    """Refuses `after` and `stream` for an op on host memory, which the engine does not order
+    against CUDA work."""
+    for name, value in (("after", after), ("stream", stream)):
+        if value is not None:
+            raise _native.InvalidArgumentError(
+                f"{name}= applies to CUDA tensors only, not to {type(memory).__name__} in host "
+                "memory: synchronize the CUDA work first (e.g. event.synchronize()) and leave it out"
+            )
 
 
 def _flag(name: str, value: Any) -> bool:
