@@ -192,9 +192,7 @@ def choose_update_site(
         return UpdateSite(GPU_UPDATE, "update='gpu'", gpu_s, cpu_s)
     if requested == CPU_UPDATE:
         if refusal is not None:
-            raise ValueError(
-                f"teraio.offload(update='cpu'): {refusal}; use update='gpu' (or 'auto') instead"
-            )
+            raise ValueError(f"teraio.offload(update='cpu'): {refusal}; use update='gpu' (or 'auto') instead")
         return UpdateSite(CPU_UPDATE, "update='cpu'", gpu_s, cpu_s)
     assert requested == "auto", requested
     if refusal is not None:
