@@ -104,6 +104,9 @@ def test_cpu_step_is_torchs_fused_cpu_adamw(kwargs: dict[str, Any]) -> None:
     report = result[4].report()
     assert report.update == "cpu" and report.cpu_update_ms is not None
     assert "update on the CPU" in str(report)
+    # The simulator replays GPU ops and link transfers: no prediction, and the report says why.
+    assert report.predicted_iteration_ms is None
+    assert any("does not model the CPU step" in w for w in report.warnings)
     # After exit the state is the user's optimizer's own again, on the model's device.
     optimizer = result[1]
     assert all(state["exp_avg"].device.type == "cpu" for state in optimizer.state.values())
@@ -233,7 +236,15 @@ def test_byte_accounting_equals_the_transfers_made(monkeypatch: pytest.MonkeyPat
         assert reported == made[step], step
     params = sum(p.untyped_storage().nbytes() for p in model.parameters())
     moved = run.report().bytes_per_iteration
+    # Next to the least this placement needs: the CPU step's gradients leave exactly once.
+    least = run.report().minimum_bytes_per_iteration
+    for direction, tiers in moved.items():
+        for kind, nbytes in tiers["host"].items():
+            assert nbytes >= least[direction]["host"][kind], (direction, kind)
+    # The GPU step reads each parameter a second time (forward, step).
+    assert least["in"]["host"]["parameter"] == (params if update == "cpu" else 2 * params)
     if update == "cpu":
+        assert least == {"in": {"host": {"parameter": params}}, "out": {"host": {"gradient": params}}}
         # Parameters in for forward and recomputation, gradients out: nothing else crosses.
         assert set(moved["in"]["host"]) == {"parameter"} and set(moved["out"]["host"]) == {"gradient"}
         assert moved["out"]["host"]["gradient"] == params

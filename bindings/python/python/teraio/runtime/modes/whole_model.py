@@ -205,6 +205,10 @@ class WholeModelReport:
     #: forward pass), and the model's per-iteration cost of each site (`choose_update_site`).
     cpu_update_ms: Optional[float] = None
     update_model_ms: dict[str, Optional[float]] = field(default_factory=dict)
+    #: The least this placement and update site must move per iteration, shaped as
+    #: `bytes_per_iteration`: each parameter off the GPU read in once, each gradient out once,
+    #: and for a step on the GPU what it reads and writes back (`ModelOffload.minimum_bytes`).
+    minimum_bytes_per_iteration: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -241,7 +245,10 @@ class WholeModelReport:
         for direction, tiers in self.bytes_per_iteration.items():
             for tier, kinds in tiers.items():
                 if any(kinds.values()):
-                    moved = ", ".join(f"{k} {gib(v)}" for k, v in kinds.items() if v)
+                    least = self.minimum_bytes_per_iteration.get(direction, {}).get(tier, {})
+                    moved = ", ".join(
+                        f"{k} {gib(v)} (least {gib(least.get(k, 0))})" for k, v in kinds.items() if v
+                    )
                     lines.append(f"  {direction} per iteration, {tier}: {moved}")
         if self.peak_gpu_bytes is not None and self.peak_gpu_bytes > self.gpu_memory_bytes:
             lines.append(
@@ -1180,7 +1187,11 @@ class ModelOffload(Session):
             for slot in group:
                 slot.update = future
                 slot.grad_held = False
-                slot.stale = slot.tiers[cp.PARAMETER] == GPU
+                if slot.tiers[cp.PARAMETER] == GPU:
+                    # Its GPU copy is outdated: for the record, dropped here and read back at
+                    # its next use (`_acquire`).
+                    slot.stale = True
+                    self.recorder.left((cp.PARAMETER, slot.index), HOST)
         self._updates_pending = True
 
     def _update_groups(self, stepped: list[_Slot]) -> list[list[_Slot]]:
@@ -1338,7 +1349,9 @@ class ModelOffload(Session):
     # -- iterations and the report ---------------------------------------------------------------
 
     def _begin_iteration(self) -> None:
-        if self.steps == RECORDED_ITERATION:
+        # The simulator replays GPU ops and link transfers; the CPU step is neither (a gradient
+        # leaves for good), so an iteration with it is not recorded.
+        if self.steps == RECORDED_ITERATION and self.update_site.site != cp.CPU_UPDATE:
             self.recorder.start()
         self._position = 0
         self._step_started = time.perf_counter()
@@ -1456,20 +1469,54 @@ class ModelOffload(Session):
             "recorded_iteration": RECORDED_ITERATION,
         }
 
+    def minimum_bytes(self) -> dict[str, dict[str, dict[str, int]]]:
+        """The least an iteration must move with the current placement (parameters kept on the
+        GPU move nothing) and update site, shaped as `WholeModelReport.bytes_per_iteration`:
+        forward reads each parameter once and backward sends each gradient out once; a step on
+        the GPU also reads each gradient back and moves the parameters it updates and their
+        optimizer state both ways (the step in backward keeps the gradients on the GPU)."""
+        counts = _Counts()
+        on_gpu = self.update_site.site == cp.GPU_UPDATE
+        for slot in self.slots:
+            moved_param = slot.tiers[cp.PARAMETER] != GPU
+            if moved_param:
+                counts.add("in", slot.tiers[cp.PARAMETER], cp.PARAMETER, slot.nbytes)
+            if not slot.param.requires_grad:
+                continue
+            if not self.step_in_backward:
+                counts.add("out", slot.tiers[cp.GRADIENT], cp.GRADIENT, slot.nbytes)
+            if not on_gpu:
+                continue
+            if not self.step_in_backward:
+                counts.add("in", slot.tiers[cp.GRADIENT], cp.GRADIENT, slot.nbytes)
+                if moved_param:
+                    counts.add("in", slot.tiers[cp.PARAMETER], cp.PARAMETER, slot.nbytes)
+            if moved_param:
+                counts.add("out", slot.tiers[cp.PARAMETER], cp.PARAMETER, slot.nbytes)
+            for direction in ("in", "out"):
+                counts.add(direction, slot.tiers[cp.STATE], cp.STATE, self._state_bytes[slot.index])
+        return counts.moved()
+
     def report(self) -> WholeModelReport:
         later = self._iterations[1:] or self._iterations
         middle = later[len(later) // 2] if later else _Counts()
         times = self._step_times_ms[1:] or self._step_times_ms
         measured = statistics.median(times) if times else None
-        try:
-            prediction = self.predict()
-        except PlannerError as failure:  # a schedule the replay cannot pair up: say so
+        if self.update_site.site == cp.CPU_UPDATE:
             prediction, failure_text = (
                 None,
-                f"no prediction: the recorded schedule does not replay ({failure})",
+                "no prediction: the simulator does not model the CPU step (update='cpu')",
             )
         else:
-            failure_text = ""
+            try:
+                prediction = self.predict()
+            except PlannerError as failure:  # a schedule the replay cannot pair up: say so
+                prediction, failure_text = (
+                    None,
+                    f"no prediction: the recorded schedule does not replay ({failure})",
+                )
+            else:
+                failure_text = ""
         predicted = prediction["iteration_ms"] if prediction else None
         error, warning = check_prediction(measured, predicted)
         warning = warning or failure_text
@@ -1513,6 +1560,7 @@ class ModelOffload(Session):
             cpu_update_ms=statistics.median(self._cpu_update_ms[1:] or self._cpu_update_ms)
             if self._cpu_update_ms
             else None,
+            minimum_bytes_per_iteration=self.minimum_bytes(),
             update_model_ms={
                 "gpu": None if self.update_site.gpu_step_s is None else self.update_site.gpu_step_s * 1e3,
                 "cpu": None if self.update_site.cpu_step_s is None else self.update_site.cpu_step_s * 1e3,
