@@ -36,6 +36,14 @@ are issued first, so they overlap), `param.grad` is set for the window only, the
 steps (torch optimizers skip parameters whose `grad` is None), and the updated parameters and
 state go back to their tiers. The step's GPU memory is bounded by two windows.
 
+The step on the CPU (`update="cpu"`, or "auto" where `capacity.choose_update_site` finds it
+cheaper; `cpu_update.py`). With every kind in host memory, each parameter's fp32 master is its
+pinned host buffer and its optimizer state CPU memory; `optimizer.step()` queues a CPU
+instance of the user's optimizer on a worker thread, unit by unit in forward order, and each
+unit's entry in the next forward waits for its own update (`_acquire`). Only parameters (in)
+and gradients (out) cross the link. Parameters kept resident on the GPU are read again from
+their updated master.
+
 The step in backward (`step_in_backward=True`, opt-in). A parameter's gradient is complete when its
 post-accumulate-grad hook runs; the parameter is then still on the GPU, where backward used it.
 Its optimizer state is read in ahead of it (with the parameters of the next units backward
