@@ -237,7 +237,7 @@ def test_byte_accounting_equals_the_transfers_made(monkeypatch: pytest.MonkeyPat
     params = sum(p.untyped_storage().nbytes() for p in model.parameters())
     moved = run.report().bytes_per_iteration
     # Next to the least this placement needs: the CPU step's gradients leave exactly once.
-    least = run.report().minimum_bytes_per_iteration
+    least = run.report().minimum_bytes_moved
     for direction, tiers in moved.items():
         for kind, nbytes in tiers["host"].items():
             assert nbytes >= least[direction]["host"][kind], (direction, kind)

@@ -216,7 +216,7 @@ class WholeModelReport:
     #: The least this placement and update site must move per iteration, shaped as
     #: `bytes_per_iteration`: each parameter off the GPU read in once, each gradient out once,
     #: and for a step on the GPU what it reads and writes back (`ModelOffload.minimum_bytes`).
-    minimum_bytes_per_iteration: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
+    minimum_bytes_moved: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -253,7 +253,7 @@ class WholeModelReport:
         for direction, tiers in self.bytes_per_iteration.items():
             for tier, kinds in tiers.items():
                 if any(kinds.values()):
-                    least = self.minimum_bytes_per_iteration.get(direction, {}).get(tier, {})
+                    least = self.minimum_bytes_moved.get(direction, {}).get(tier, {})
                     moved = ", ".join(
                         f"{k} {gib(v)} (least {gib(least.get(k, 0))})" for k, v in kinds.items() if v
                     )
@@ -1568,7 +1568,7 @@ class ModelOffload(Session):
             cpu_update_ms=statistics.median(self._cpu_update_ms[1:] or self._cpu_update_ms)
             if self._cpu_update_ms
             else None,
-            minimum_bytes_per_iteration=self.minimum_bytes(),
+            minimum_bytes_moved=self.minimum_bytes(),
             update_model_ms={
                 "gpu": None if self.update_site.gpu_step_s is None else self.update_site.gpu_step_s * 1e3,
                 "cpu": None if self.update_site.cpu_step_s is None else self.update_site.cpu_step_s * 1e3,
