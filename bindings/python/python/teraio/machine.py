@@ -18,6 +18,9 @@
 - **Host memory** (`default_host_memory`): MemAvailable (/proc/meminfo) at the start less a
   margin (`HOST_MEMORY_MARGIN_BYTES`, or `HOST_MEMORY_MARGIN_SHARE` of MemTotal where that is
   more), shared by the ranks on the host.
+- **CPU step** (`measure_cpu_update`): torch's CPU AdamW (fused where the build has it) over
+  `CPU_UPDATE_PROBE_BYTES` of fp32 parameters, once per process: the rate whole-model mode's
+  choice of update site (`update="auto"`) assumes for a step on the CPU.
 - **Reserve**: from the allocator's own behaviour in the profiled iteration
   (`reserve_from_allocator`).
 
@@ -183,6 +186,38 @@ def measure_link(device: torch.device, nbytes: int = LINK_PROBE_BYTES) -> tuple[
     finally:
         for buffer in pinned:  # every copy was waited for
             buffer.release()
+
+
+#: fp32 parameter bytes the CPU step's probe updates (its gradient and AdamW state: 3x more).
+CPU_UPDATE_PROBE_BYTES = 64 << 20
+
+_cpu_update_rate: Optional[float] = None
+
+
+def measure_cpu_update(nbytes: int = CPU_UPDATE_PROBE_BYTES) -> float:
+    """Parameter + gradient + state bytes per second a CPU AdamW step updates: best of three
+    steps after a first that allocates the state, fused where the build supports it on the CPU
+    (as the whole-model CPU step runs it). Measured once per process (the default size)."""
+    global _cpu_update_rate
+    if nbytes == CPU_UPDATE_PROBE_BYTES and _cpu_update_rate is not None:
+        return _cpu_update_rate
+    param = torch.zeros(nbytes // 4, dtype=torch.float32, requires_grad=True)
+    param.grad = torch.full_like(param, 1e-3)
+    try:
+        optimizer = torch.optim.AdamW([param], fused=True)
+        optimizer.step()
+    except (RuntimeError, TypeError, ValueError):  # no fused CPU kernel in this build
+        optimizer = torch.optim.AdamW([param], foreach=False)
+        optimizer.step()
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        optimizer.step()
+        best = min(best, time.perf_counter() - started)
+    rate = 4 * nbytes / max(best, 1e-9)  # parameter, gradient, exp_avg, exp_avg_sq
+    if nbytes == CPU_UPDATE_PROBE_BYTES:
+        _cpu_update_rate = rate
+    return rate
 
 
 def measure_store(store: Any, cuda: bool) -> tuple[float, float]:

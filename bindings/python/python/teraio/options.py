@@ -58,6 +58,17 @@ class OffloadOptions:
             again; the loop then must not clip gradients nor accumulate them over backward passes
             (both raise), and every backward updates the model (`optimizer.step()` only ends
             the iteration). The update is the optimizer's own, so losses match the default's.
+        update: whole-model mode: where the optimizer step runs: "auto" (default: on the CPU where
+            parameters, gradients and optimizer state all live in host memory, the optimizer
+            can step on the CPU and `capacity.choose_update_site`'s model says it is faster than
+            streaming them through the GPU; else on the GPU; on a CPU "device" always "gpu"),
+            "gpu" (the streamed step, or `step_in_backward`) or "cpu" (gradients go out to host
+            memory, where the fp32 master and the optimizer state stay; a CPU copy of the
+            user's optimizer class updates them with its param_groups' hyperparameters read at
+            each step; an error where the plan puts any of them on the store).
+        cpu_update_bandwidth: the CPU step's rate the choice of `update` assumes, in parameter +
+            gradient + state bytes per second ("auto": measured once per process on a 64 MiB
+            AdamW step, `machine.measure_cpu_update`).
         checkpoint: whole-block recomputation (activation checkpointing of the repeated blocks,
             e.g. transformer layers): None (the default: "off", and "all" in whole-model mode),
             "off", "auto" (plans with 0, 1/4, 1/2, 3/4 and all blocks checkpointed and keeps the
@@ -101,6 +112,8 @@ class OffloadOptions:
     whole_model: str = "auto"
     step_window: Size = "auto"
     step_in_backward: bool = False
+    update: str = "auto"
+    cpu_update_bandwidth: Bandwidth = "auto"
     tier_preference: str = "auto"
     offload_optimizer_state: bool = True
     offload_parameters: bool = False
@@ -124,6 +137,7 @@ class OffloadOptions:
             "recompute": ("auto", "on", "off"),
             "checkpoint": (None, "auto", "off", "all"),
             "whole_model": ("auto", "on", "off"),
+            "update": ("auto", "gpu", "cpu"),
             "tier_preference": ("auto", "host", "ssd"),
             "if_no_fit": ("raise", "run"),
             "loss_head": ("chunked", "model"),

@@ -36,6 +36,14 @@ are issued first, so they overlap), `param.grad` is set for the window only, the
 steps (torch optimizers skip parameters whose `grad` is None), and the updated parameters and
 state go back to their tiers. The step's GPU memory is bounded by two windows.
 
+The step on the CPU (`update="cpu"`, or "auto" where `capacity.choose_update_site` finds it
+cheaper; `cpu_update.py`). With every kind in host memory, each parameter's fp32 master is its
+pinned host buffer and its optimizer state CPU memory; `optimizer.step()` queues a CPU
+instance of the user's optimizer on a worker thread, unit by unit in forward order, and each
+unit's entry in the next forward waits for its own update (`_acquire`). Only parameters (in)
+and gradients (out) cross the link. Parameters kept resident on the GPU are read again from
+their updated master.
+
 The step in backward (`step_in_backward=True`, opt-in). A parameter's gradient is complete when its
 post-accumulate-grad hook runs; the parameter is then still on the GPU, where backward used it.
 Its optimizer state is read in ahead of it (with the parameters of the next units backward
@@ -51,10 +59,12 @@ capacity plan's (`runtime/plans/capacity.py`).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import resource
 import statistics
 import time
+import types
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -70,7 +80,7 @@ from torch.utils._foreach_utils import (
 
 from ... import blocks as bk
 from ... import ids
-from ...machine import reserve_from_allocator, resolve_link
+from ...machine import measure_cpu_update, reserve_from_allocator, resolve_link
 from ...options import OffloadOptions
 from ...planning import format_bytes, parse_bandwidth, parse_size
 from ...schedule_record import ScheduleRecorder
@@ -80,6 +90,7 @@ from ..movers.tiers import GPU, HOST, SSD, HostTier, SsdTier, Transfer
 from ..plans import capacity as cp
 from ..report import check_prediction
 from ..session import Budget, Session
+from . import cpu_update
 
 #: Whole-model mode starts when parameters + gradients + optimizer state exceed this share of the
 #: GPU budget: a step with all of them resident peaks higher still (AdamW's foreach update holds
@@ -195,6 +206,17 @@ class WholeModelReport:
     #: Parameters, gradients and optimizer state together: what training without offload holds
     #: on the GPU before any activation.
     model_state_bytes: int = 0
+    #: Where the optimizer stepped ("gpu" or "cpu": `OffloadOptions.update`) and why.
+    update: str = "gpu"
+    update_reason: str = ""
+    #: The CPU step's time in its worker thread per iteration (ms, median; it overlaps the next
+    #: forward pass), and the model's per-iteration cost of each site (`choose_update_site`).
+    cpu_update_ms: Optional[float] = None
+    update_model_ms: dict[str, Optional[float]] = field(default_factory=dict)
+    #: The least this placement and update site must move per iteration, shaped as
+    #: `bytes_per_iteration`: each parameter off the GPU read in once, each gradient out once,
+    #: and for a step on the GPU what it reads and writes back (`ModelOffload.minimum_bytes`).
+    minimum_bytes_moved: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -209,7 +231,15 @@ class WholeModelReport:
             f"teraio whole-model offload: {self.steps} steps, {self.units} units, "
             f"{self.checkpointed_blocks} blocks checkpointed",
             f"  iteration: {ms} (median after the first); "
-            + ("step in backward, unit by unit" if self.step_in_backward else step),
+            + (
+                "step in backward, unit by unit"
+                if self.step_in_backward
+                else f"step on the CPU, {self.cpu_update_ms or 0:.1f} ms in its worker (overlapping "
+                "the next forward pass)"
+                if self.update == "cpu"
+                else step
+            ),
+            f"  update on the {self.update.upper()}: {self.update_reason}",
             f"  peak GPU memory {gib(self.peak_gpu_bytes)} (budget {gib(self.gpu_memory_bytes)}), "
             f"step windows {gib(self.peak_step_window_bytes)}",
             f"  without offload: parameters, gradients and optimizer state alone take "
@@ -223,7 +253,10 @@ class WholeModelReport:
         for direction, tiers in self.bytes_per_iteration.items():
             for tier, kinds in tiers.items():
                 if any(kinds.values()):
-                    moved = ", ".join(f"{k} {gib(v)}" for k, v in kinds.items() if v)
+                    least = self.minimum_bytes_moved.get(direction, {}).get(tier, {})
+                    moved = ", ".join(
+                        f"{k} {gib(v)} (least {gib(least.get(k, 0))})" for k, v in kinds.items() if v
+                    )
                     lines.append(f"  {direction} per iteration, {tier}: {moved}")
         if self.peak_gpu_bytes is not None and self.peak_gpu_bytes > self.gpu_memory_bytes:
             lines.append(
@@ -278,6 +311,8 @@ class _Slot:
         "incoming_grad",
         "incoming_state",
         "units",
+        "update",
+        "stale",
     )
 
     def __init__(self, index: int, name: str, param: torch.nn.Parameter, tiers: dict[str, str]) -> None:
@@ -295,6 +330,10 @@ class _Slot:
         self.incoming_grad: Optional[tuple[torch.Tensor, Transfer]] = None  # read for the step
         self.incoming_state: Optional[list[Transfer]] = None  # state reads for a step in backward
         self.units: list[int] = []
+        # The CPU step (update="cpu"): its update of this parameter's master, if not done yet,
+        # and whether the GPU copy of a parameter kept resident is older than its master.
+        self.update: Optional[concurrent.futures.Future[None]] = None
+        self.stale = False
 
 
 @dataclass
@@ -348,6 +387,15 @@ class ModelOffload(Session):
             raise kind(f"teraio.offload: {error}") from None
         # The bandwidths the prediction assumes (measured once, cached with the store).
         self.link = resolve_link(self.device, self.store, options, self.machine)
+        self.update_site = self._choose_update_site(sizes, [p for _, p in named if id(p) in trained])
+        self.machine["update"] = f"{self.update_site.site}: {self.update_site.reason}"
+        # The CPU step: made at `__enter__`, once the masters are in their host buffers.
+        self.cpu_update: Optional[cpu_update.CpuUpdate] = None
+        self._cpu_worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._cpu_update_s = 0.0  # the worker's time in the CPU step, this iteration's so far
+        self._cpu_update_ms: list[float] = []
+        self._updates_pending = False
+        self._original_state_dict: Optional[Callable[..., Any]] = None
         streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) if self.cuda else None
         self.host = HostTier(self.device, self.host_memory_bytes, streams)
         self.ssd: dict[str, SsdTier] = {}
@@ -418,6 +466,51 @@ class ModelOffload(Session):
         share = state_bytes_estimate(self.model, self.optimizer) / total if total else 0
         return {id(p): int(share * _nbytes(p)) for p in params if id(p) in trained}
 
+    def _choose_update_site(
+        self, sizes: list[cp.SlotSize], trained: list[torch.nn.Parameter]
+    ) -> cp.UpdateSite:
+        """Where the optimizer steps (`options.update`, `capacity.choose_update_site`)."""
+        refusal = None
+        if self.options.step_in_backward:
+            refusal = "step_in_backward=True updates each parameter on the GPU in backward"
+        elif not self.cuda and self.options.update == "auto":
+            refusal = 'the device is the CPU, where the "gpu" step already runs'
+        else:
+            refusal = cpu_update.refusal(self.optimizer, trained)
+        given = self.options.cpu_update_bandwidth
+        rate: Optional[float] = None
+        if given != "auto":
+            rate = parse_bandwidth(given)
+        elif self.options.update == "auto" and refusal is None and not self.plan.ssd_total:
+            rate = measure_cpu_update()
+            self.machine["cpu_update_bytes_per_s"] = rate
+        return cp.choose_update_site(
+            sizes,
+            self.plan,
+            requested=self.options.update,
+            host_link_bytes_per_s=min(self.link.d2h, self.link.h2d),
+            cpu_update_bytes_per_s=rate,
+            cpu_refusal=refusal,
+        )
+
+    def _start_cpu_update(self) -> None:
+        """The CPU step over the host buffers the parameters and gradients now live in."""
+        trained = [slot for slot in self.slots if slot.param.requires_grad]
+        self.cpu_update = cpu_update.CpuUpdate(
+            self.optimizer,
+            {id(s.param): self.host.buffers[(cp.PARAMETER, s.index)] for s in trained},
+            {id(s.param): self.host.buffers[(cp.GRADIENT, s.index)] for s in trained},
+        )
+        self._cpu_worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="teraio-cpu-step")
+        self._original_state_dict = self.optimizer.state_dict
+
+        def state_dict() -> dict[str, Any]:
+            self._await_updates()  # the state as the last step left it
+            assert self._original_state_dict is not None
+            return self._original_state_dict()
+
+        self.optimizer.state_dict = state_dict  # type: ignore[method-assign]
+
     def _find_units(self) -> list[_Unit]:
         """The blocks and every other module owning parameters directly, in registration order."""
         blocks = bk.find_blocks(self.model)
@@ -449,6 +542,8 @@ class ModelOffload(Session):
                 if slot.tiers[kind] == HOST:
                     self.host.reserve((kind, slot.index), slot.nbytes)
         self._move_out_at_start()
+        if self.update_site.site == cp.CPU_UPDATE:
+            self._start_cpu_update()
         for index, unit in enumerate(self.units):
             unit.module.forward = self._wrapped_forward(index, unit.module.forward)  # type: ignore[method-assign]
         self.checkpointer.apply({name for name, _ in self.blocks})
@@ -459,7 +554,7 @@ class ModelOffload(Session):
         self._saved_hooks.__enter__()
         self._original_step = self.optimizer.step
         self._original_zero_grad = self.optimizer.zero_grad
-        self.optimizer.step = self._streamed_step  # type: ignore[method-assign]
+        self.optimizer.step = types.MethodType(_session_step(self), self.optimizer)  # type: ignore[method-assign]
         self.optimizer.zero_grad = self._zero_grad  # type: ignore[method-assign]
         self._take_over_clipping(self._owns, self._clip_grad_norm)
         self._install_peak()
@@ -490,6 +585,7 @@ class ModelOffload(Session):
                 "to clip)"
             )
         norm_type = float(norm_type)
+        self._await_updates()
         self._gradients_complete()  # what backward left (nothing unless it failed)
         self._apply_pending_clip()  # a second call sees the gradients the first one scaled
         grads: list[torch.Tensor] = []  # each gradient's dtype and device (held ones: empty)
@@ -563,20 +659,32 @@ class ModelOffload(Session):
         for unit in self.units:
             unit.module.__dict__.pop("forward", None)
         self._give_back_clipping()
+        self._await_updates()
         if self._original_step is not None:
             self.optimizer.__dict__.pop("step", None)
             self.optimizer.__dict__.pop("zero_grad", None)
+            self.optimizer.__dict__.pop("state_dict", None)
+        if self._cpu_worker is not None:
+            self._cpu_worker.shutdown()
+            self._cpu_worker = None
         self._bring_everything_back()
         self.host.close()
         for tier in self.ssd.values():
             tier.close()
+
+    @property
+    def _state_in_tiers(self) -> bool:
+        """Whether optimizer state moves through the tiers: not where the optimizer steps on
+        the CPU (`update_site`), whose state stays in CPU memory."""
+        return self.update_site.site != cp.CPU_UPDATE
 
     def _move_out_at_start(self) -> None:
         for slot in self.slots:
             slot.write = self._write(slot, cp.PARAMETER, flat_bytes(slot.param))
             if slot.param.grad is not None:
                 self._move_gradient_out(slot)
-            for name, value in _state_tensors(self.optimizer, slot.param):
+            # The CPU step copies the state it finds to CPU memory (`CpuUpdate`) instead.
+            for name, value in _state_tensors(self.optimizer, slot.param) if self._state_in_tiers else []:
                 if self._state_out(slot, name, value):
                     value.untyped_storage().resize_(0)
             self._release(slot, wait=True)
@@ -594,6 +702,8 @@ class ModelOffload(Session):
             if self._fits_back():
                 for slot in self.slots:
                     self._back_to_gpu(slot)
+                if self.cpu_update is not None:
+                    self.cpu_update.give_back(self.device)
                 if self.cuda:
                     torch.cuda.current_stream(self.device).synchronize()
                 return
@@ -606,6 +716,8 @@ class ModelOffload(Session):
             "not back on it is left in CPU memory (model.to(device) once there is room)",
             stacklevel=3,
         )
+        if self.cpu_update is not None:
+            self.cpu_update.give_back(None)
         for slot in self.slots:
             self._move_to_cpu(slot)
 
@@ -624,7 +736,10 @@ class ModelOffload(Session):
         if not self.cuda:
             return True  # CPU "device": it is CPU memory either way
         params = sum(slot.nbytes * (1 + slot.grad_held) for slot in self.slots)
-        return params + sum(self._state_nbytes.values()) <= self.gpu_memory_bytes
+        state = sum(self._state_nbytes.values())
+        if self.cpu_update is not None:
+            state += self.cpu_update.state_bytes()
+        return params + state <= self.gpu_memory_bytes
 
     def _move_to_cpu(self, slot: _Slot) -> None:
         def fetched(kind: Any, like: torch.Tensor) -> torch.Tensor:
@@ -698,17 +813,31 @@ class ModelOffload(Session):
 
     # -- parameters ----------------------------------------------------------------------------
 
-    def _acquire(self, slot: _Slot) -> None:
-        """Makes the parameter's storage resident (a read is queued if it was released)."""
+    def _acquire(self, slot: _Slot, wait: bool = True) -> bool:
+        """Makes the parameter's storage resident (a read is queued if it was released). Where
+        the CPU step has not updated its master yet: waits for it, or (not `wait`: a prefetch)
+        leaves it for later and returns False."""
+        if slot.update is not None:
+            if not wait and not slot.update.done():
+                return False
+            self._await_update(slot)
+        if slot.stale:
+            # Kept on the GPU, updated on the CPU: the new master comes up over the old copy.
+            slot.stale = False
+            self._counts.add("in", HOST, cp.PARAMETER, slot.nbytes)
+            self.recorder.read((cp.PARAMETER, slot.index), HOST)
+            slot.fetch = self.host.read((cp.PARAMETER, slot.index), flat_bytes(slot.param))
+            return True
         if slot.release_pending:
             # Its release waited for a write, which goes on: kept after all.
             self.recorder.returned((cp.PARAMETER, slot.index), slot.tiers[cp.PARAMETER])
         slot.release_pending = False
         if slot.resident:
-            return
+            return True
         slot.fetch = self._read(slot, cp.PARAMETER, slot.param)
         slot.resident = True
         self._slot_at[slot.param.untyped_storage().data_ptr()] = slot
+        return True
 
     def _join(self, slot: _Slot) -> None:
         fetch, slot.fetch = slot.fetch, None
@@ -794,7 +923,7 @@ class ModelOffload(Session):
         for unit in horizon:
             with self.host.batched():
                 for slot in unit:
-                    self._acquire(slot)
+                    self._acquire(slot, wait=False)
         if not (self.step_in_backward and torch._C._current_graph_task_id() != -1):
             return
         if current is not None:
@@ -844,6 +973,7 @@ class ModelOffload(Session):
 
     def _gradient_ready(self, param: torch.Tensor) -> None:
         started = time.perf_counter()
+        self._await_updates()  # units the forward pass did not enter: their gradients land now
         slot = self._slot_of[id(param)]
         task = torch._C._current_graph_task_id()
         if task != self._watched_task:
@@ -988,6 +1118,22 @@ class ModelOffload(Session):
         for slot in self.slots:  # gradients set outside backward (e.g. by hand) move out too
             if slot.param.grad is not None:
                 self._move_gradient_out(slot)
+        result = self._cpu_step() if self.cpu_update is not None else self._gpu_step()
+        for slot in self.slots:
+            slot.saved = False
+            self._release(slot)
+        self._clip = None
+        self._position = 0
+        self._prefetch_ahead()  # the next forward pass's first units
+        elapsed = time.perf_counter() - started
+        self._counts.wait_s["step"] += elapsed
+        self._step_ms.append(elapsed * 1e3)
+        self._end_iteration()
+        return result
+
+    def _gpu_step(self) -> Any:
+        """The streamed step: window by window, parameters, gradients and state in, the user's
+        optimizer steps on the GPU, parameters and state out."""
         windows = [w for w in self.plan.windows if any(self.slots[i].grad_held for i in w)]
         assert self._original_step is not None
         result = None
@@ -1019,17 +1165,77 @@ class ModelOffload(Session):
                 self._write_back(stepped)
                 self._poll_tiers()
             pending = following
-        for slot in self.slots:
-            slot.saved = False
-            self._release(slot)
-        self._clip = None
-        self._position = 0
-        self._prefetch_ahead()  # the next forward pass's first units
-        elapsed = time.perf_counter() - started
-        self._counts.wait_s["step"] += elapsed
-        self._step_ms.append(elapsed * 1e3)
-        self._end_iteration()
         return result
+
+    def _cpu_step(self) -> None:
+        """The CPU step (`cpu_update`): once the gradients are in host memory, a worker thread
+        updates the masters unit by unit, in the order the next forward pass enters the units,
+        whose entry waits for its own (`_acquire`): the update overlaps that forward pass.
+        Hyperparameters and the clip coefficient are taken now, so a scheduler stepping after
+        `optimizer.step()` sets the next step's."""
+        self._await_updates()  # a step with no forward pass since the last one
+        if self._cpu_update_s:
+            self._cpu_update_ms.append(self._cpu_update_s * 1e3)
+            self._cpu_update_s = 0.0
+        stepped = [slot for slot in self.slots if slot.grad_held]
+        if not stepped:
+            return
+        if self.cuda:
+            self.host.flush()
+            self.host.d2h.synchronize()  # the gradients are in host memory
+            self.host.h2d.synchronize()  # and no read of a master is in flight
+        assert self.cpu_update is not None and self._cpu_worker is not None
+        self.cpu_update.sync_hyperparameters()
+        clip = None
+        if self._clip is not None:
+            coef, _, held = self._clip
+            clip = (coef.to("cpu"), {id(self.slots[i].param) for i in held})
+        for group in self._update_groups(stepped):
+            future = self._cpu_worker.submit(self._run_cpu_update, [slot.param for slot in group], clip)
+            for slot in group:
+                slot.update = future
+                slot.grad_held = False
+                if slot.tiers[cp.PARAMETER] == GPU:
+                    # Its GPU copy is outdated: for the record, dropped here and read back at
+                    # its next use (`_acquire`).
+                    slot.stale = True
+                    self.recorder.left((cp.PARAMETER, slot.index), HOST)
+        self._updates_pending = True
+
+    def _update_groups(self, stepped: list[_Slot]) -> list[list[_Slot]]:
+        """`stepped` by unit, in the order the forward pass first enters them (the rest last)."""
+        left = {slot.index: slot for slot in stepped}
+        groups = []
+        for unit in dict.fromkeys(self._recorded or self._order):
+            group = [left.pop(i) for i in self.units[unit].slots if i in left]
+            if group:
+                groups.append(group)
+        if left:
+            groups.append(list(left.values()))
+        return groups
+
+    def _run_cpu_update(self, params: list[torch.Tensor], clip: Any) -> None:
+        started = time.perf_counter()
+        assert self.cpu_update is not None
+        self.cpu_update.step(params, clip)
+        self._cpu_update_s += time.perf_counter() - started
+
+    def _await_update(self, slot: _Slot) -> None:
+        future, slot.update = slot.update, None
+        if future is None:
+            return
+        started = time.perf_counter()
+        future.result()
+        waits = self._counts.wait_s
+        waits["cpu step"] = waits.get("cpu step", 0.0) + time.perf_counter() - started
+
+    def _await_updates(self) -> None:
+        """Waits for every update the CPU step has queued."""
+        if not self._updates_pending:
+            return
+        self._updates_pending = False
+        for slot in self.slots:
+            self._await_update(slot)
 
     def _fetch_window(self, window: list[int]) -> list[Transfer]:
         """Issues the reads of a window's parameters, gradients and optimizer state (the host
@@ -1151,7 +1357,9 @@ class ModelOffload(Session):
     # -- iterations and the report ---------------------------------------------------------------
 
     def _begin_iteration(self) -> None:
-        if self.steps == RECORDED_ITERATION:
+        # The simulator replays GPU ops and link transfers; the CPU step is neither (a gradient
+        # leaves for good), so an iteration with it is not recorded.
+        if self.steps == RECORDED_ITERATION and self.update_site.site != cp.CPU_UPDATE:
             self.recorder.start()
         self._position = 0
         self._step_started = time.perf_counter()
@@ -1269,20 +1477,54 @@ class ModelOffload(Session):
             "recorded_iteration": RECORDED_ITERATION,
         }
 
+    def minimum_bytes(self) -> dict[str, dict[str, dict[str, int]]]:
+        """The least an iteration must move with the current placement (parameters kept on the
+        GPU move nothing) and update site, shaped as `WholeModelReport.bytes_per_iteration`:
+        forward reads each parameter once and backward sends each gradient out once; a step on
+        the GPU also reads each gradient back and moves the parameters it updates and their
+        optimizer state both ways (the step in backward keeps the gradients on the GPU)."""
+        counts = _Counts()
+        on_gpu = self.update_site.site == cp.GPU_UPDATE
+        for slot in self.slots:
+            moved_param = slot.tiers[cp.PARAMETER] != GPU
+            if moved_param:
+                counts.add("in", slot.tiers[cp.PARAMETER], cp.PARAMETER, slot.nbytes)
+            if not slot.param.requires_grad:
+                continue
+            if not self.step_in_backward:
+                counts.add("out", slot.tiers[cp.GRADIENT], cp.GRADIENT, slot.nbytes)
+            if not on_gpu:
+                continue
+            if not self.step_in_backward:
+                counts.add("in", slot.tiers[cp.GRADIENT], cp.GRADIENT, slot.nbytes)
+                if moved_param:
+                    counts.add("in", slot.tiers[cp.PARAMETER], cp.PARAMETER, slot.nbytes)
+            if moved_param:
+                counts.add("out", slot.tiers[cp.PARAMETER], cp.PARAMETER, slot.nbytes)
+            for direction in ("in", "out"):
+                counts.add(direction, slot.tiers[cp.STATE], cp.STATE, self._state_bytes[slot.index])
+        return counts.moved()
+
     def report(self) -> WholeModelReport:
         later = self._iterations[1:] or self._iterations
         middle = later[len(later) // 2] if later else _Counts()
         times = self._step_times_ms[1:] or self._step_times_ms
         measured = statistics.median(times) if times else None
-        try:
-            prediction = self.predict()
-        except PlannerError as failure:  # a schedule the replay cannot pair up: say so
+        if self.update_site.site == cp.CPU_UPDATE:
             prediction, failure_text = (
                 None,
-                f"no prediction: the recorded schedule does not replay ({failure})",
+                "no prediction: the simulator does not model the CPU step (update='cpu')",
             )
         else:
-            failure_text = ""
+            try:
+                prediction = self.predict()
+            except PlannerError as failure:  # a schedule the replay cannot pair up: say so
+                prediction, failure_text = (
+                    None,
+                    f"no prediction: the recorded schedule does not replay ({failure})",
+                )
+            else:
+                failure_text = ""
         predicted = prediction["iteration_ms"] if prediction else None
         error, warning = check_prediction(measured, predicted)
         warning = warning or failure_text
@@ -1321,6 +1563,16 @@ class ModelOffload(Session):
             prediction=prediction or {},
             warnings=[warning] if warning else [],
             machine=dict(self.machine),
+            update=self.update_site.site,
+            update_reason=self.update_site.reason,
+            cpu_update_ms=statistics.median(self._cpu_update_ms[1:] or self._cpu_update_ms)
+            if self._cpu_update_ms
+            else None,
+            minimum_bytes_moved=self.minimum_bytes(),
+            update_model_ms={
+                "gpu": None if self.update_site.gpu_step_s is None else self.update_site.gpu_step_s * 1e3,
+                "cpu": None if self.update_site.cpu_step_s is None else self.update_site.cpu_step_s * 1e3,
+            },
         )
 
 
@@ -1344,6 +1596,17 @@ class _Counts:
         for (direction, tier, kind), nbytes in sorted(self.bytes.items()):
             out.setdefault(direction, {}).setdefault(tier, {})[kind] = nbytes
         return out
+
+
+def _session_step(session: ModelOffload) -> Callable[..., Any]:
+    """The streamed step as a function of the optimizer, installed as its bound method: an LR
+    scheduler made later rebinds `optimizer.step.__func__` to the optimizer (torch's
+    `patch_track_step_called`), which a bound method of the session would not survive."""
+
+    def step(optimizer: Optimizer, closure: Optional[Callable[[], Any]] = None) -> Any:
+        return session._streamed_step(closure)
+
+    return step
 
 
 def _uses_foreach(tensor: torch.Tensor, foreach: Optional[bool]) -> bool:

@@ -138,3 +138,78 @@ def place(
     assert overflow <= 0 or not any(host.values()), "host memory over its cap"
     assert sorted(i for w in windows for i in w) == list(range(len(sizes)))
     return plan
+
+
+#: Where the optimizer step runs (`choose_update_site`).
+GPU_UPDATE = "gpu"
+CPU_UPDATE = "cpu"
+
+
+@dataclass(frozen=True)
+class UpdateSite:
+    """Where the step runs, why, and the model's per-iteration cost of each site (seconds;
+    None where the site cannot run)."""
+
+    site: str
+    reason: str
+    gpu_step_s: Optional[float] = None
+    cpu_step_s: Optional[float] = None
+
+
+def choose_update_site(
+    sizes: list[SlotSize],
+    plan: CapacityPlan,
+    *,
+    requested: str,
+    host_link_bytes_per_s: float,
+    cpu_update_bytes_per_s: Optional[float],
+    cpu_refusal: Optional[str] = None,
+) -> UpdateSite:
+    """Where the optimizer step runs ("auto" `requested`: the cheaper by this model).
+
+    Both sites move every gradient out once and read the parameters in for forward and
+    recomputation. On top of that the GPU step moves, per iteration, each parameter in and out
+    again, each gradient back in and the optimizer state both ways: (2 P + G + 2 S) bytes over
+    the host link. The CPU step moves nothing more over the link; it reads and writes
+    (P + G + S) bytes in host memory at `cpu_update_bytes_per_s` (measured). The CPU step needs
+    all three kinds in host memory (`cpu_refusal`: why it cannot run otherwise, e.g. an
+    optimizer without a CPU implementation). The model leaves out the CPU step's overlap with
+    the next forward pass, so it favours the GPU where the two are close."""
+    params = sum(s.parameter for s in sizes if s.gradient or s.state)
+    grads = sum(s.gradient for s in sizes)
+    state = sum(s.state for s in sizes)
+    gpu_s = (2 * params + grads + 2 * state) / host_link_bytes_per_s
+    refusal = cpu_refusal
+    if refusal is None and plan.ssd_total:
+        refusal = (
+            f"the plan puts {_gib(plan.ssd_total)} of the model's state on the store (host_memory "
+            f"holds {_gib(plan.host_total)}); the CPU step needs it all in host memory"
+        )
+    cpu_s = None
+    if refusal is None and cpu_update_bytes_per_s:
+        cpu_s = (params + grads + state) / cpu_update_bytes_per_s
+    if requested == GPU_UPDATE:
+        return UpdateSite(GPU_UPDATE, "update='gpu'", gpu_s, cpu_s)
+    if requested == CPU_UPDATE:
+        if refusal is not None:
+            raise ValueError(f"teraio.offload(update='cpu'): {refusal}; use update='gpu' (or 'auto') instead")
+        return UpdateSite(CPU_UPDATE, "update='cpu'", gpu_s, cpu_s)
+    assert requested == "auto", requested
+    if refusal is not None:
+        return UpdateSite(GPU_UPDATE, f"the CPU step cannot run: {refusal}", gpu_s, None)
+    assert cpu_s is not None, "auto needs the CPU step's measured rate"
+    if cpu_s < gpu_s:
+        return UpdateSite(
+            CPU_UPDATE,
+            f"the CPU step ({cpu_s * 1e3:.0f} ms) is cheaper than streaming the step's bytes through "
+            f"the GPU ({gpu_s * 1e3:.0f} ms)",
+            gpu_s,
+            cpu_s,
+        )
+    return UpdateSite(
+        GPU_UPDATE,
+        f"streaming the step through the GPU ({gpu_s * 1e3:.0f} ms) is cheaper than the CPU step "
+        f"({cpu_s * 1e3:.0f} ms)",
+        gpu_s,
+        cpu_s,
+    )

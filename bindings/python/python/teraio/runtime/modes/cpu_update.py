@@ -1,0 +1,155 @@
+"""The optimizer step on the CPU, for whole-model mode's `update="cpu"`.
+
+The fp32 master of each parameter is its host-tier buffer (pinned host memory, where the forward
+pass reads it from), its gradient is the host-tier buffer backward wrote it to, and its optimizer
+state is CPU memory. A second instance of the user's optimizer class steps CPU "shadow"
+parameters that view those buffers, so the arithmetic is torch's own (fused on the CPU where the
+build has it). The user's optimizer keeps its `param_groups`, whose hyperparameters (`lr` after a
+scheduler, `weight_decay`, ...) are copied to the CPU optimizer at each `optimizer.step()`, and its
+`state` holds, for each parameter, the very dict the CPU optimizer updates: `state_dict()` gives
+the current state, as CPU tensors, while the model is offloaded.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+#: Group keys that choose the CPU optimizer's implementation, not its arithmetic: not copied
+#: from the user's groups.
+IMPLEMENTATION_KEYS = ("params", "fused", "foreach", "capturable", "differentiable")
+
+
+def refusal(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> Optional[str]:
+    """Why the CPU step cannot run this optimizer over these parameters (None: it can)."""
+    cls = type(optimizer)
+    if not cls.__module__.startswith("torch.optim"):
+        return (
+            f"the optimizer is a {cls.__name__}, not one of torch.optim's, whose CPU "
+            "implementation the step runs"
+        )
+    if any(group.get("differentiable") for group in optimizer.param_groups):
+        return "the optimizer is differentiable=True"
+    for param in params:
+        if not param.is_contiguous() or param.storage_offset() != 0:
+            return "a parameter is a view into a larger storage (it needs its own contiguous tensor)"
+        if param.untyped_storage().nbytes() != param.numel() * param.element_size():
+            return "a parameter's storage holds more than the parameter"
+        if param.is_complex():
+            return "a parameter is complex"
+    return None
+
+
+def _view(buffer: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`buffer` (flat bytes) as a tensor of `like`'s dtype and shape."""
+    return buffer.view(like.dtype).view(like.shape)
+
+
+class CpuUpdate:
+    """A CPU copy of the user's optimizer over the host-tier buffers (see the module docstring).
+    `masters` and `grads`: each trained parameter's host buffers (flat bytes), by `id`."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        masters: dict[int, torch.Tensor],
+        grads: dict[int, torch.Tensor],
+    ) -> None:
+        self.optimizer = optimizer
+        self.shadow: dict[int, torch.nn.Parameter] = {}
+        self.grad: dict[int, torch.Tensor] = {}
+        groups = []
+        for group in optimizer.param_groups:
+            shadows = []
+            for param in group["params"]:
+                if not param.requires_grad:
+                    continue
+                shadow = torch.nn.Parameter(_view(masters[id(param)], param))
+                self.shadow[id(param)] = shadow
+                self.grad[id(param)] = _view(grads[id(param)], param)
+                shadows.append(shadow)
+            groups.append(
+                {k: v for k, v in group.items() if k not in IMPLEMENTATION_KEYS} | {"params": shadows}
+            )
+        self.fused = "fused" in optimizer.defaults
+        cls = type(optimizer)
+        try:
+            self.cpu = cls(groups, **({"fused": True} if self.fused else {}))
+        except (RuntimeError, TypeError, ValueError):
+            # No fused CPU kernel in this build: the single-tensor loop.
+            self.fused = False
+            self.cpu = cls(groups, **({"foreach": False} if "foreach" in optimizer.defaults else {}))
+        # The user's state dicts become the CPU optimizer's (state the user's optimizer already
+        # had is copied to the CPU once).
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                shadow = self.shadow.get(id(param))
+                if shadow is None:
+                    continue
+                held = optimizer.state.get(param, {})
+                moved = self.cpu.state[shadow]
+                for name, value in held.items():
+                    moved[name] = (
+                        value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
+                    )
+                optimizer.state[param] = moved
+        self.sync_hyperparameters()
+
+    def sync_hyperparameters(self) -> None:
+        """The user's groups' hyperparameters (as a scheduler left them) into the CPU optimizer:
+        at `optimizer.step()`, before the step runs."""
+        for mine, theirs in zip(self.cpu.param_groups, self.optimizer.param_groups):
+            for key, value in theirs.items():
+                if key not in IMPLEMENTATION_KEYS:
+                    mine[key] = value
+
+    def step(self, params: list[torch.Tensor], clip: Optional[tuple[torch.Tensor, set[int]]] = None) -> None:
+        """Updates `params` (the user's parameters; their gradients are in the host buffers),
+        scaling first the gradients of those in `clip`'s set (ids) by its coefficient, as torch's
+        `clip_grad_norm_` would have scaled them in place."""
+        shadows = []
+        for param in params:
+            shadow = self.shadow[id(param)]
+            grad = self.grad[id(param)]
+            if clip is not None and id(param) in clip[1]:
+                grad.mul_(clip[0])
+            shadow.grad = grad
+            shadows.append(shadow)
+        try:
+            self.cpu.step()
+        finally:
+            for shadow in shadows:
+                shadow.grad = None
+
+    def state_bytes(self) -> int:
+        return sum(
+            int(v.untyped_storage().nbytes())
+            for state in self.cpu.state.values()
+            for v in state.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        )
+
+    def give_back(self, device: Optional[torch.device]) -> None:
+        """Ends the CPU step: each parameter's state becomes its own again, moved to `device`
+        (None: left in CPU memory), with `step` where the user's optimizer expects it (on the
+        device for a fused or capturable group)."""
+        for group in self.optimizer.param_groups:
+            on_device = bool(group.get("fused") or group.get("capturable"))
+            for param in group["params"]:
+                if id(param) not in self.shadow:
+                    continue
+                state = self.optimizer.state.get(param)
+                if not state:
+                    continue
+                moved: dict[str, Any] = {}
+                for name, value in state.items():
+                    if (
+                        isinstance(value, torch.Tensor)
+                        and device is not None
+                        and (value.dim() > 0 or on_device)
+                    ):
+                        value = value.to(device)
+                    moved[name] = value
+                self.optimizer.state[param] = moved
+        self.cpu.state.clear()

@@ -1,0 +1,253 @@
+"""Whole-model mode's update site (`update="auto"|"gpu"|"cpu"`): the choice on fake machines, the
+CPU step's arithmetic against torch's CPU AdamW, and the bytes each site moves."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import pytest
+import teraio
+import torch
+from teraio.runtime.modes.whole_model import ModelOffload
+from teraio.runtime.movers.tiers import HostTier
+from teraio.runtime.plans import capacity as cp
+from test_whole_model import TiedLM, _tokens
+
+STEPS = 4
+GB = 1e9
+
+
+def _build(fused: Optional[bool] = True, seed: int = 0) -> tuple[TiedLM, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = TiedLM()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=fused)
+
+
+def _loop(
+    model: Any,
+    optimizer: Any,
+    data: list[torch.Tensor],
+    *,
+    clip: Optional[float] = None,
+    accumulate: int = 1,
+    on_step: Any = None,
+) -> list[float]:
+    """Trains with a scheduler that changes lr each step, optional clipping and accumulation."""
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    losses = []
+    for x in data:
+        for _ in range(accumulate):
+            loss = model(x)
+            (loss / accumulate).backward()
+            losses.append(loss.item())
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if on_step is not None:
+            on_step(optimizer)
+    return losses
+
+
+def _state_of(optimizer: torch.optim.Optimizer) -> list[dict[str, torch.Tensor]]:
+    packed = optimizer.state_dict()["state"]
+    return [{k: v.detach().clone() for k, v in packed[i].items()} for i in sorted(packed)]
+
+
+def _train(offloaded: bool, fused: Optional[bool] = True, **kwargs: Any) -> Any:
+    model, optimizer = _build(fused)
+    data = _tokens(STEPS)
+    states: list[Any] = []
+    options = {"gpu_memory": 4096, "host_memory": 1 << 30, "update": "cpu"} | kwargs.pop("options", {})
+    if offloaded:
+        # The streamed step's state between steps is in its tiers (placeholders in the
+        # optimizer): its state is compared after exit only.
+        collect = options["update"] == "cpu"
+        with teraio.offload(model, optimizer, **options) as run:
+            assert isinstance(run, ModelOffload)
+            on_step = (lambda o: states.append(_state_of(o))) if collect else None
+            losses = _loop(model, optimizer, data, on_step=on_step, **kwargs)
+        if not collect:
+            states = [_state_of(optimizer)]
+        return model, optimizer, losses, states, run
+    losses = _loop(model, optimizer, data, on_step=lambda o: states.append(_state_of(o)), **kwargs)
+    return model, optimizer, losses, states, None
+
+
+def _assert_bitwise(reference: Any, other: Any) -> None:
+    ref_model, ref_opt, ref_losses, ref_states, _ = reference
+    model, optimizer, losses, states, _ = other
+    assert losses == ref_losses
+    for (name, p), q in zip(ref_model.named_parameters(), model.parameters()):
+        assert torch.equal(p, q), name
+    # Each step's state_dict, taken between steps while the model is offloaded, says the truth
+    # (or the last one's, after exit).
+    for ref_step, step in zip(ref_states[-len(states) :], states, strict=True):
+        for ref_param, param in zip(ref_step, step, strict=True):
+            assert ref_param.keys() == param.keys()
+            for key in ref_param:
+                assert torch.equal(ref_param[key].cpu(), param[key].cpu()), key
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"clip": 0.05}, {"accumulate": 2}],
+    ids=["plain", "clipped", "accumulated"],
+)
+def test_cpu_step_is_torchs_fused_cpu_adamw(kwargs: dict[str, Any]) -> None:
+    # The CPU step runs torch's fused CPU AdamW: against the same optimizer without offload the
+    # bits are the same, with a scheduler changing lr at each step, clipping and accumulation.
+    reference = _train(False, **kwargs)
+    result = _train(True, **kwargs)
+    _assert_bitwise(reference, result)
+    report = result[4].report()
+    assert report.update == "cpu" and report.cpu_update_ms is not None
+    assert "update on the CPU" in str(report)
+    # The simulator replays GPU ops and link transfers: no prediction, and the report says why.
+    assert report.predicted_iteration_ms is None
+    assert any("does not model the CPU step" in w for w in report.warnings)
+    # After exit the state is the user's optimizer's own again, on the model's device.
+    optimizer = result[1]
+    assert all(state["exp_avg"].device.type == "cpu" for state in optimizer.state.values())
+
+
+def test_cpu_step_against_the_default_single_tensor_adamw() -> None:
+    # The user's AdamW without fused/foreach runs torch's single-tensor loop on the CPU; the CPU
+    # step runs the fused kernel, whose rounding differs (it evaluates the same update in
+    # another order, in vectors): within a few fp32 ulps per step, not bitwise.
+    reference = _train(False, fused=None)
+    result = _train(True, fused=None)
+    torch.testing.assert_close(result[2], reference[2], rtol=1e-5, atol=1e-6)
+    for p, q in zip(reference[0].parameters(), result[0].parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6)
+
+
+def test_gpu_step_is_unchanged_by_the_option() -> None:
+    # update="gpu" on the CPU device is the streamed step with the user's optimizer: bitwise.
+    reference = _train(False)
+    result = _train(True, options={"update": "gpu"})
+    _assert_bitwise(reference, result)
+    assert result[4].report().update == "gpu"
+
+
+def test_auto_on_the_cpu_device_keeps_the_streamed_step() -> None:
+    model, optimizer = _build()
+    with teraio.offload(model, optimizer, gpu_memory=4096, host_memory=1 << 30) as run:
+        _loop(model, optimizer, _tokens(1))
+    report = run.report()
+    assert report.update == "gpu" and "CPU" in report.update_reason
+
+
+def test_cpu_step_with_state_on_the_store_is_refused(store: teraio.Store) -> None:
+    model, optimizer = _build()
+    with pytest.raises(ValueError, match="update='cpu'.*on the store"):
+        teraio.offload(model, optimizer, store=store, gpu_memory=4096, host_memory=0, update="cpu")
+
+
+def test_cpu_step_refuses_what_it_cannot_run() -> None:
+    class Custom(torch.optim.AdamW):
+        pass
+
+    model = TiedLM()
+    with pytest.raises(ValueError, match="not one of torch.optim's"):
+        teraio.offload(model, Custom(model.parameters()), gpu_memory=4096, host_memory=1 << 30, update="cpu")
+    model = TiedLM()
+    optimizer = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match="step_in_backward"):
+        teraio.offload(
+            model, optimizer, gpu_memory=4096, host_memory=1 << 30, update="cpu", step_in_backward=True
+        )
+    with pytest.raises(ValueError, match="update must be one of"):
+        teraio.OffloadOptions(update="host")
+
+
+# -- the choice on fake machines ---------------------------------------------------------------
+
+#: A 3B-parameter model's fp32 state in 28 equal parameters (parameter, gradient, AdamW state).
+SIZES = [cp.SlotSize(f"p{i}", 457 << 20, 457 << 20, 914 << 20) for i in range(28)]
+TOTAL = sum(s.total for s in SIZES)
+
+
+def _choose(
+    host: int, store: Optional[int], link: float, cpu: Optional[float], requested: str = "auto"
+) -> Any:
+    plan = cp.place(SIZES, host_capacity_bytes=host, ssd_capacity_bytes=store, window_bytes=2 << 30)
+    return cp.choose_update_site(
+        SIZES, plan, requested=requested, host_link_bytes_per_s=link, cpu_update_bytes_per_s=cpu
+    )
+
+
+@pytest.mark.parametrize("disk", [2 * GB, 26 * GB], ids=["slow-disk", "fast-disk"])
+def test_update_site_on_fake_machines(disk: float) -> None:
+    # The disk's speed decides nothing here: the CPU step needs the whole state in host memory,
+    # and with any of it on the store the step streams through the GPU whatever the disk.
+    del disk
+    rich = _choose(TOTAL, None, 25 * GB, 40 * GB)  # RAM-rich, a CPU step at 40 GB/s of state
+    assert rich.site == "cpu" and rich.cpu_step_s < rich.gpu_step_s
+    # The model: the GPU step moves 2 P + G + 2 S over the link; the CPU step reads P + G + S.
+    params = sum(s.parameter for s in SIZES)
+    assert rich.gpu_step_s == pytest.approx(7 * params / (25 * GB))
+    assert rich.cpu_step_s == pytest.approx(4 * params / (40 * GB))
+    slow_cpu = _choose(TOTAL, None, 25 * GB, 10 * GB)  # RAM-rich, a slow CPU (few cores)
+    assert slow_cpu.site == "gpu" and "cheaper than the CPU step" in slow_cpu.reason
+    poor = _choose(TOTAL // 2, 1 << 40, 25 * GB, 40 * GB)  # RAM-poor: state on the store
+    assert poor.site == "gpu" and "on the store" in poor.reason and poor.cpu_step_s is None
+    assert _choose(TOTAL, None, 25 * GB, 40 * GB, requested="gpu").site == "gpu"
+    with pytest.raises(ValueError, match="on the store"):
+        _choose(TOTAL // 2, 1 << 40, 25 * GB, 40 * GB, requested="cpu")
+
+
+# -- bytes ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("update", ["gpu", "cpu"])
+def test_byte_accounting_equals_the_transfers_made(monkeypatch: pytest.MonkeyPatch, update: str) -> None:
+    made: dict[int, dict[tuple[str, str], int]] = {}
+    state: dict[str, Any] = {"run": None}
+    read, write = HostTier.read, HostTier.write
+
+    def count(direction: str, key: Any, nbytes: int) -> None:
+        run = state["run"]
+        if run is not None:
+            kind = key[0][0] if isinstance(key[0], tuple) else key[0]
+            per = made.setdefault(run.steps, {})
+            per[(direction, kind)] = per.get((direction, kind), 0) + nbytes
+
+    def counted_read(self: HostTier, key: Any, target: torch.Tensor) -> Any:
+        count("in", key, target.numel())
+        return read(self, key, target)
+
+    def counted_write(self: HostTier, key: Any, source: torch.Tensor) -> Any:
+        count("out", key, source.numel())
+        return write(self, key, source)
+
+    monkeypatch.setattr(HostTier, "read", counted_read)
+    monkeypatch.setattr(HostTier, "write", counted_write)
+    model, optimizer = _build()
+    with teraio.offload(model, optimizer, gpu_memory=4096, host_memory=1 << 30, update=update) as run:
+        state["run"] = run
+        _loop(model, optimizer, _tokens(STEPS))
+        state["run"] = None
+    iterations = run._iterations
+    assert len(iterations) == STEPS
+    for step, counts in enumerate(iterations):
+        reported = {(d, kind): n for d, tiers in counts.moved().items() for kind, n in tiers["host"].items()}
+        assert reported == made[step], step
+    params = sum(p.untyped_storage().nbytes() for p in model.parameters())
+    moved = run.report().bytes_per_iteration
+    # Next to the least this placement needs: the CPU step's gradients leave exactly once.
+    least = run.report().minimum_bytes_moved
+    for direction, tiers in moved.items():
+        for kind, nbytes in tiers["host"].items():
+            assert nbytes >= least[direction]["host"][kind], (direction, kind)
+    # The GPU step reads each parameter a second time (forward, step).
+    assert least["in"]["host"]["parameter"] == (params if update == "cpu" else 2 * params)
+    if update == "cpu":
+        assert least == {"in": {"host": {"parameter": params}}, "out": {"host": {"gradient": params}}}
+        # Parameters in for forward and recomputation, gradients out: nothing else crosses.
+        assert set(moved["in"]["host"]) == {"parameter"} and set(moved["out"]["host"]) == {"gradient"}
+        assert moved["out"]["host"]["gradient"] == params
+        assert params <= moved["in"]["host"]["parameter"] <= 2 * params
+    else:
+        assert moved["in"]["host"]["optimizer_state"] == moved["out"]["host"]["optimizer_state"] == 2 * params
