@@ -147,3 +147,29 @@ def test_the_block_plan_runs_a_hugging_face_causal_lm_loss_as_teraios_and_gives_
     assert "loss_head='model'" in run.report().loss_head
     with pytest.raises(ValueError, match="loss_head must be one of"):
         teraio.offload(model, optimizer, gpu_memory="1GiB", loss_head="fused")
+
+
+def test_whole_model_mode_runs_the_chunked_loss_too_and_gives_it_back() -> None:
+    """Whole-model mode's largest tensor at a large batch is the loss head's fp32 logits: it runs
+    the chunked loss as the block plan does, and the same loss as the model's own."""
+    loss_utils = pytest.importorskip("transformers.loss.loss_utils")
+    tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(4))
+    losses = {}
+    for loss_head in ("chunked", "model"):
+        model = _hf_causal_lm()
+        optimizer = torch.optim.AdamW(model.parameters())
+        with teraio.offload(model, optimizer, gpu_memory="1GiB", whole_model="on", loss_head=loss_head) as run:
+            expected = head.causal_lm_loss if loss_head == "chunked" else loss_utils.ForCausalLMLoss
+            assert model.loss_function is expected
+            losses[loss_head] = []
+            for _ in range(2):
+                loss = model(input_ids=tokens, labels=tokens).loss
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                losses[loss_head].append(loss.item())
+        assert model.loss_function is loss_utils.ForCausalLMLoss
+        described = run.report().loss_head
+        assert ("teraio.head" in described) == (loss_head == "chunked"), described
+        assert "loss head" in str(run.report())
+    assert losses["chunked"] == losses["model"]

@@ -80,6 +80,7 @@ from torch.utils._foreach_utils import (
 
 from ... import blocks as bk
 from ... import ids
+from ...head import LossHead
 from ...machine import measure_cpu_update, reserve_from_allocator, resolve_link
 from ...options import OffloadOptions
 from ...planning import format_bytes, parse_bandwidth, parse_size
@@ -217,6 +218,8 @@ class WholeModelReport:
     #: `bytes_per_iteration`: each parameter off the GPU read in once, each gradient out once,
     #: and for a step on the GPU what it reads and writes back (`ModelOffload.minimum_bytes`).
     minimum_bytes_moved: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
+    #: The causal-LM loss as it ran (`OffloadOptions.loss_head`, `teraio.head`).
+    loss_head: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -247,6 +250,7 @@ class WholeModelReport:
             "the budget",
             f"  pinned host {gib(self.pinned_host_bytes)}, peak host RSS {gib(self.peak_host_rss_bytes)}; "
             f"parameters kept on the GPU {gib(self.resident_parameter_bytes)}",
+            f"  loss head: {self.loss_head}",
         ]
         for tier, kinds in self.placement.items():
             lines.append(f"  on {tier}: " + ", ".join(f"{k} {gib(v)}" for k, v in kinds.items()))
@@ -352,6 +356,9 @@ class ModelOffload(Session):
         # Before the state moves to the tiers (where the optimizer's own tensors are placeholders).
         self.model_state_bytes = model_state_bytes(model, optimizer)[1]
         self.recorder = ScheduleRecorder(self.device)
+        # A Hugging Face causal LM's loss in chunks: its fp32 logits would be the iteration's
+        # largest tensor (8 x 2048 tokens of a 128K vocabulary: 7.8 GiB).
+        self.loss_head = LossHead(model, enabled=options.loss_head == "chunked")
         named = _named_unique_parameters(model)
         _refuse_shared_storage(named)
         _refuse_foreign_parameters(named, optimizer)
@@ -559,6 +566,7 @@ class ModelOffload(Session):
         self._take_over_clipping(self._owns, self._clip_grad_norm)
         self._install_peak()
         self._begin_iteration()
+        self.loss_head.__enter__()
         return self
 
     def _owns(self, parameters: list[torch.Tensor]) -> bool:
@@ -651,6 +659,7 @@ class ModelOffload(Session):
         return grad
 
     def __exit__(self, *exc: object) -> None:
+        self.loss_head.__exit__()
         if self._saved_hooks is not None:
             self._saved_hooks.__exit__(None, None, None)
             self._saved_hooks = None
@@ -1563,6 +1572,7 @@ class ModelOffload(Session):
             prediction=prediction or {},
             warnings=[warning] if warning else [],
             machine=dict(self.machine),
+            loss_head=self.loss_head.describe(),
             update=self.update_site.site,
             update_reason=self.update_site.reason,
             cpu_update_ms=statistics.median(self._cpu_update_ms[1:] or self._cpu_update_ms)
