@@ -1,0 +1,221 @@
+"""teraio inside the libraries that own the training loop (`teraio.integrations`), on CPU with a
+tiny Hugging Face model: the Trainer's callback, Accelerate's prepared loop and Lightning's
+callback each train with losses and parameters bitwise equal to the same run without teraio,
+leave no hook behind (after a failing run too) and keep the report."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+
+STEPS = 6
+
+#: Settings under which the tiny model's iterations are planned and offloaded on a CPU "device"
+#: (the tensor plan, as test_training.py drives it), with a budget far below the run's needs.
+SETTINGS: dict[str, Any] = {
+    "host_memory": 1 << 30,
+    "host_link_bandwidth": "2GB/s",
+    "reserve": 0,
+    "min_bytes": 16 << 10,
+    "if_no_fit": "run",
+    "granularity": "tensor",
+}
+
+
+def _tiny_llama() -> torch.nn.Module:
+    tf = pytest.importorskip("transformers")
+    config = tf.LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(config)
+    model.config.use_cache = False
+    return model
+
+
+def _budget(model: torch.nn.Module) -> int:
+    return 6 * sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _token_rows(count: int, seed: int = 5) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 512, (128,), generator=generator) for _ in range(count)]
+
+
+def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _assert_same_state(model: torch.nn.Module, reference: dict[str, torch.Tensor]) -> None:
+    state = model.state_dict()
+    for name, value in reference.items():
+        assert torch.equal(state[name], value), name
+
+
+def _assert_no_hooks(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Nothing of a teraio session is left: module hooks and instance forwards, the optimizer's
+    step hooks and instance methods, saved-tensor hooks, torch's clip_grad_norm_."""
+    for name, module in model.named_modules():
+        assert not module._forward_pre_hooks and not module._forward_hooks, name
+        assert "forward" not in module.__dict__ or name == "", name
+    assert not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
+    assert "step" not in optimizer.__dict__ and "zero_grad" not in optimizer.__dict__
+    assert not torch._C._autograd._top_saved_tensors_default_hooks(False)
+    from teraio.runtime import session
+
+    assert not session._CLIPPING
+
+
+# -- Hugging Face Trainer ----------------------------------------------------------------------
+
+
+def _hf_trainer(tmp_path: Any, callbacks: list[Any], accumulation: int = 1, **args: Any) -> Any:
+    tf = pytest.importorskip("transformers")
+
+    class Recording(tf.Trainer):
+        """Keeps each micro-batch's loss as the Trainer computed it."""
+
+        losses: list[float]
+
+        def training_step(self, *a: Any, **k: Any) -> Any:
+            loss = super().training_step(*a, **k)
+            self.losses.append(loss.item())
+            return loss
+
+    rows = _token_rows(STEPS * 2 * accumulation)
+    data = [{"input_ids": row, "labels": row} for row in rows]
+    arguments = tf.TrainingArguments(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=accumulation,
+        max_steps=STEPS,
+        learning_rate=1e-3,
+        max_grad_norm=1.0,
+        lr_scheduler_type="linear",
+        warmup_steps=2,
+        report_to="none",
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+        **args,
+    )
+    trainer = Recording(model=_tiny_llama(), args=arguments, train_dataset=data, callbacks=callbacks)
+    trainer.losses = []
+    return trainer
+
+
+@pytest.mark.parametrize("accumulation, bf16", [(1, False), (2, True)])
+def test_trainer_callback_bitwise(tmp_path: Any, accumulation: int, bf16: bool) -> None:
+    # The Trainer's own loop: clipping (max_grad_norm=1), a scheduler, accumulation through
+    # gradient_accumulation_steps, bf16 autocast through its Accelerator.
+    from teraio.integrations.transformers import OffloadCallback
+
+    reference = _hf_trainer(tmp_path, [], accumulation, bf16=bf16)
+    reference.train()
+    ref_state = _state(reference.model)
+
+    callback = OffloadCallback(gpu_memory=_budget(_tiny_llama()), **SETTINGS)
+    trainer = _hf_trainer(tmp_path, [callback], accumulation, bf16=bf16)
+    with callback:
+        trainer.train()
+    assert len(trainer.losses) == STEPS * accumulation
+    assert trainer.losses == reference.losses
+    _assert_same_state(trainer.model, ref_state)
+    report = callback.report()
+    assert report.steps == STEPS
+    assert report.planned_steps > 0
+    _assert_no_hooks(trainer.model, trainer.optimizer.optimizer)
+
+
+class _FailAt:
+    """A Trainer callback that raises once the Trainer reaches `step` (its on_step_end)."""
+
+    def __init__(self, step: int) -> None:
+        tf = pytest.importorskip("transformers")
+        outer = self
+
+        class Fail(tf.TrainerCallback):
+            def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                if state.global_step == outer.step:
+                    raise RuntimeError("failing on purpose")
+
+        self.step = step
+        self.callback = Fail()
+
+
+def test_trainer_failure_leaves_no_hooks(tmp_path: Any) -> None:
+    from teraio.integrations.transformers import OffloadCallback
+
+    callback = OffloadCallback(gpu_memory=_budget(_tiny_llama()), **SETTINGS)
+    trainer = _hf_trainer(tmp_path, [callback, _FailAt(3).callback])
+    with pytest.raises(RuntimeError, match="failing on purpose"):
+        with callback:
+            trainer.train()
+    assert not callback._held.active
+    _assert_no_hooks(trainer.model, trainer.optimizer.optimizer)
+    assert callback.report().steps == 3
+
+
+def test_trainer_session_left_open_is_closed_by_the_next_train(tmp_path: Any) -> None:
+    # Without the context manager the Trainer's failure leaves the session open (the Trainer
+    # calls no callback then); the next train() closes it before it opens its own.
+    from teraio.integrations.transformers import OffloadCallback
+
+    callback = OffloadCallback(gpu_memory=_budget(_tiny_llama()), **SETTINGS)
+    failing = _FailAt(2)
+    trainer = _hf_trainer(tmp_path, [callback, failing.callback])
+    with pytest.raises(RuntimeError, match="failing on purpose"):
+        trainer.train()
+    first = callback.run
+    assert callback._held.active and first._hooks
+    failing.step = -1
+    trainer.train()
+    assert not first._hooks and callback.run is not first
+    _assert_no_hooks(trainer.model, trainer.optimizer.optimizer)
+    assert callback.report().steps == STEPS
+
+
+def test_trainer_gradient_checkpointing_refused(tmp_path: Any) -> None:
+    from teraio.integrations.transformers import OffloadCallback
+
+    callback = OffloadCallback(gpu_memory="1GiB")
+    tf = pytest.importorskip("transformers")
+    # transformers 5 renamed the argument and the model's method (the old names warn).
+    renamed = hasattr(tf.TrainingArguments, "activation_checkpointing")
+    with pytest.raises(ValueError, match="gradient checkpointing is on"):
+        _hf_trainer(
+            tmp_path, [callback], **{f"{'activation' if renamed else 'gradient'}_checkpointing": True}
+        )
+    # Turned on on the model itself after the Trainer was made: refused as training begins.
+    trainer = _hf_trainer(tmp_path, [callback])
+    model = trainer.model
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+    with pytest.raises(ValueError, match="gradient checkpointing is on"):
+        trainer.train()
+    assert not callback._held.active
+
+
+def test_callback_options_checked_when_made() -> None:
+    from teraio.integrations.transformers import OffloadCallback
+
+    with pytest.raises(TypeError, match="unknown teraio.offload option"):
+        OffloadCallback(gpu_memory="1GiB", bogus=1)
+    with pytest.raises(ValueError):
+        OffloadCallback(gpu_memory="lots")
+    with pytest.raises(RuntimeError, match="after training"):
+        OffloadCallback(gpu_memory="1GiB").report()
