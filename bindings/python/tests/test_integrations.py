@@ -5,7 +5,7 @@ leave no hook behind (after a failing run too) and keep the report."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 
@@ -70,7 +70,8 @@ def _assert_no_hooks(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
         assert not module._forward_pre_hooks and not module._forward_hooks, name
         assert "forward" not in module.__dict__ or name == "", name
     assert not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
-    assert "step" not in optimizer.__dict__ and "zero_grad" not in optimizer.__dict__
+    for method in ("step", "zero_grad"):  # on the instance: a scheduler's wrapper may be there
+        assert "teraio" not in (getattr(optimizer.__dict__.get(method), "__module__", None) or ""), method
     assert not torch._C._autograd._top_saved_tensors_default_hooks(False)
     from teraio.runtime import session
 
@@ -219,3 +220,95 @@ def test_callback_options_checked_when_made() -> None:
         OffloadCallback(gpu_memory="lots")
     with pytest.raises(RuntimeError, match="after training"):
         OffloadCallback(gpu_memory="1GiB").report()
+
+
+# -- Accelerate --------------------------------------------------------------------------------
+
+
+def _accelerate_loop(
+    helper: Optional[bool], accumulation: int, fail_at: int = -1
+) -> tuple[list[float], Any, Any, Any]:
+    """The loop as Accelerate's docs write it, bf16 mixed precision, `accelerator.accumulate`,
+    clipping and a scheduler; under teraio (`helper`: through the integration, else
+    `teraio.offload` on the prepared objects as they are) or not (`helper` None)."""
+    accelerate = pytest.importorskip("accelerate")
+    import teraio
+    from accelerate.utils import GradientAccumulationPlugin
+    from teraio.integrations import accelerate as teraio_accelerate
+
+    accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)
+    accelerator = accelerate.Accelerator(
+        cpu=True,
+        mixed_precision="bf16",
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=accumulation, sync_with_dataloader=False
+        ),
+    )
+    model = _tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
+    rows = torch.stack(_token_rows(STEPS * accumulation * 2)).view(STEPS * accumulation, 2, 128)
+    loader = torch.utils.data.DataLoader(list(rows), batch_size=None)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    inner = optimizer.optimizer
+
+    def train() -> list[float]:
+        losses = []
+        for index, tokens in enumerate(loader):
+            if index == fail_at:
+                raise RuntimeError("failing on purpose")
+            with accelerator.accumulate(model):
+                loss = model(input_ids=tokens, labels=tokens).loss
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    if helper is None:
+        return train(), model, inner, None
+    budget = _budget(model)
+    if helper:
+        run = teraio_accelerate.offload(accelerator, model, optimizer, gpu_memory=budget, **SETTINGS)
+    else:
+        run = teraio.offload(model, optimizer, gpu_memory=budget, **SETTINGS)
+    try:
+        with run:
+            losses = train()
+    finally:
+        _assert_no_hooks(model, inner)
+    return losses, model, inner, run
+
+
+@pytest.mark.parametrize("helper, accumulation", [(False, 1), (True, 1), (True, 2)])
+def test_accelerate_prepared_loop_bitwise(helper: bool, accumulation: int) -> None:
+    reference, model, _, _ = _accelerate_loop(None, accumulation)
+    ref_state = _state(model)
+    losses, model, _, run = _accelerate_loop(helper, accumulation)
+    assert len(losses) == STEPS * accumulation
+    assert losses == reference
+    _assert_same_state(model, ref_state)
+    report = run.report()
+    assert report.steps == STEPS  # the real steps, not the micro-batches
+    assert report.planned_steps > 0
+
+
+def test_accelerate_failure_leaves_no_hooks() -> None:
+    with pytest.raises(RuntimeError, match="failing on purpose"):
+        _accelerate_loop(True, 1, fail_at=3)
+
+
+def test_accelerate_refuses_what_is_not_an_accelerator() -> None:
+    pytest.importorskip("accelerate")
+    import teraio
+    from teraio.integrations import accelerate as teraio_accelerate
+
+    model = _tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters())
+    with pytest.raises(TypeError, match="expected an accelerate.Accelerator"):
+        teraio_accelerate.offload(object(), model, optimizer, gpu_memory="1GiB")
+    with pytest.raises(TypeError, match="expected a torch.optim.Optimizer"):
+        teraio.offload(model, object(), gpu_memory="1GiB")

@@ -1,4 +1,4 @@
-"""What the integrations share: unwrapping what a library hands over, and one `teraio.offload`
+"""What the integrations share: one `teraio.offload`
 session entered by one library hook and closed by another (or by an exception)."""
 
 from __future__ import annotations
@@ -10,28 +10,6 @@ import torch
 from ..options import OffloadOptions
 from ..planning import parse_size
 from ..runtime import offload
-
-
-def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """The torch optimizer inside a library's wrapper (Accelerate's `AcceleratedOptimizer` and
-    Lightning's `LightningOptimizer` hold it as `optimizer` / `_optimizer`): teraio's hooks go on
-    the optimizer whose `step` updates the parameters, since the wrapper's step may skip it (an
-    accumulation micro-batch) or call it once per real step."""
-    seen = 0
-    while seen < 8:
-        inner = getattr(optimizer, "optimizer", None)
-        if not isinstance(inner, torch.optim.Optimizer):
-            inner = getattr(optimizer, "_optimizer", None)
-        if not isinstance(inner, torch.optim.Optimizer) or inner is optimizer:
-            break
-        optimizer = inner
-        seen += 1
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"teraio: expected a torch.optim.Optimizer (or a wrapper holding one as `.optimizer`), "
-            f"got {type(optimizer).__name__}; pass the optimizer your training loop steps"
-        )
-    return optimizer
 
 
 class Held:

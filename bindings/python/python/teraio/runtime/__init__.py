@@ -23,6 +23,7 @@ import torch
 
 from .. import sharded
 from ..blocks import find_blocks
+from ..integrations.wrappers import unwrap_optimizer
 from ..options import OffloadOptions
 from ..store import Store
 from .errors import NoPlanFitsError
@@ -51,7 +52,8 @@ def offload(
     ```
 
     Args:
-        model, optimizer: the model being trained and its optimizer (iterations end at its step).
+        model, optimizer: the model being trained and its optimizer (iterations end at its step;
+            a wrapper holding a torch optimizer as `.optimizer`, such as Accelerate's, is unwrapped).
         options: a `teraio.OffloadOptions` (every setting, documented there); its fields can
             also be given as keywords (`host_memory="64GiB"`, `recompute="off"`, ...), which
             override the options object.
@@ -64,6 +66,9 @@ def offload(
     (`BlockOffload`) for a model with repeated blocks (`granularity`); else the tensor plan
     (`TensorOffload`).
     """
+    # A library's wrapper (Accelerate's AcceleratedOptimizer) steps the optimizer inside it: the
+    # hooks go there, so an iteration ends at the step that updates the parameters.
+    optimizer = unwrap_optimizer(optimizer)
     adapted = sharded.adapt_options(model, (options or OffloadOptions()).replace(**overrides))
     _refuse_compiled(model)
     device = next(iter(model.parameters())).device
