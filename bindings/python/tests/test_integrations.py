@@ -312,3 +312,144 @@ def test_accelerate_refuses_what_is_not_an_accelerator() -> None:
         teraio_accelerate.offload(object(), model, optimizer, gpu_memory="1GiB")
     with pytest.raises(TypeError, match="expected a torch.optim.Optimizer"):
         teraio.offload(model, object(), gpu_memory="1GiB")
+
+
+# -- PyTorch Lightning -------------------------------------------------------------------------
+
+
+def _lightning_fit(
+    offloading: bool, manual: bool, accumulation: int, fail_at: int = -1, extra: Any = None
+) -> tuple[list[float], Any, Any, Any]:
+    """A LightningModule around the tiny model, fitted in bf16 mixed precision with clipping and
+    accumulation (Lightning's own in automatic optimization, the module's in manual), with
+    teraio's callback (`offloading`) or without."""
+    pl = pytest.importorskip("lightning.pytorch")
+    from teraio.integrations.lightning import OffloadCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = _tiny_llama()
+            self.automatic_optimization = not manual
+            self.losses: list[float] = []
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.model(input_ids=tokens, labels=tokens).loss
+
+        def training_step(self, tokens: torch.Tensor, index: int) -> Any:
+            if index == fail_at:
+                raise RuntimeError("failing on purpose")
+            loss = self(tokens)
+            self.losses.append(loss.item())
+            if not manual:
+                return loss
+            optimizer = self.optimizers()
+            self.manual_backward(loss / accumulation)
+            if (index + 1) % accumulation == 0:
+                self.clip_gradients(optimizer, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+                optimizer.step()
+                optimizer.zero_grad()
+            return None
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    module = Module()
+    rows = torch.stack(_token_rows(STEPS * accumulation * 2)).view(STEPS * accumulation, 2, 128)
+    loader = torch.utils.data.DataLoader(list(rows), batch_size=None)
+    callback = OffloadCallback(gpu_memory=_budget(module), **SETTINGS) if offloading else None
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        precision="bf16-mixed",
+        max_epochs=1,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=([callback] if callback else []) + ([extra] if extra else []),
+        **({} if manual else {"gradient_clip_val": 1.0, "accumulate_grad_batches": accumulation}),
+    )
+    trainer.fit(module, loader)
+    return module.losses, module, trainer.optimizers[0], callback
+
+
+@pytest.mark.parametrize("manual, accumulation", [(False, 1), (False, 2), (True, 2)])
+def test_lightning_callback_bitwise(manual: bool, accumulation: int) -> None:
+    reference, module, _, _ = _lightning_fit(False, manual, accumulation)
+    ref_state = _state(module)
+    losses, module, optimizer, callback = _lightning_fit(True, manual, accumulation)
+    assert len(losses) == STEPS * accumulation
+    assert losses == reference
+    _assert_same_state(module, ref_state)
+    report = callback.report()
+    assert report.steps == STEPS
+    assert report.planned_steps > 0
+    _assert_no_hooks(module, optimizer)
+
+
+def test_lightning_step_hooks_fire_after_backward() -> None:
+    # Automatic optimization runs forward and backward in the closure it passes to
+    # optimizer.step: under the callback the step's hooks (teraio's, and these, registered after
+    # them) fire once backward is done, as in a plain loop.
+    pl = pytest.importorskip("lightning.pytorch")
+    order: list[str] = []
+
+    class Record(pl.Callback):
+        def on_train_start(self, trainer: Any, module: Any) -> None:
+            module.register_forward_pre_hook(lambda *_: order.append("forward"))
+            trainer.optimizers[0].register_step_pre_hook(lambda *_: order.append("step"))
+
+    _lightning_fit(True, False, 1, extra=Record())
+    assert order == ["forward", "step"] * STEPS
+
+
+def test_lightning_failure_leaves_no_hooks() -> None:
+    pl = pytest.importorskip("lightning.pytorch")
+    from teraio.integrations.lightning import OffloadCallback
+
+    seen: list[Any] = []
+    original = OffloadCallback.on_exception
+
+    def on_exception(self: Any, trainer: Any, module: Any, exception: BaseException) -> None:
+        seen.append((module, trainer.optimizers[0]))
+        original(self, trainer, module, exception)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(OffloadCallback, "on_exception", on_exception)
+        with pytest.raises(RuntimeError, match="failing on purpose"):
+            _lightning_fit(True, False, 1, fail_at=3)
+    assert pl is not None and len(seen) == 1
+    _assert_no_hooks(*seen[0])
+
+
+def test_lightning_refuses_several_optimizers() -> None:
+    pl = pytest.importorskip("lightning.pytorch")
+    from teraio.integrations.lightning import OffloadCallback
+
+    class Two(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Linear(4, 4)
+            self.b = torch.nn.Linear(4, 4)
+            self.automatic_optimization = False
+
+        def training_step(self, x: torch.Tensor, index: int) -> None:
+            return None
+
+        def configure_optimizers(self) -> Any:
+            return [torch.optim.SGD(self.a.parameters()), torch.optim.SGD(self.b.parameters())]
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[OffloadCallback(gpu_memory="1GiB")],
+    )
+    with pytest.raises(ValueError, match="configures 2 optimizers"):
+        trainer.fit(Two(), torch.utils.data.DataLoader([torch.zeros(4)]))
