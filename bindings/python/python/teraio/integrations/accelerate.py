@@ -20,8 +20,8 @@ from typing import Any, Optional, Union
 import accelerate
 
 from ..runtime import offload as _offload
+from ..runtime import unwrap_optimizer
 from ..runtime.modes.whole_model import ModelOffload
-from .wrappers import unwrap_optimizer
 
 __all__ = ["offload"]
 

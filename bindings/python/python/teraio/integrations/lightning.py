@@ -17,8 +17,8 @@ from typing import Any, Callable, Optional, Union
 import torch
 from lightning.pytorch import Callback
 
+from ..runtime import unwrap_optimizer
 from ._session import Held
-from .wrappers import unwrap_optimizer
 
 __all__ = ["OffloadCallback"]
 

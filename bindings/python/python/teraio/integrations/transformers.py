@@ -19,8 +19,8 @@ from typing import Any, Optional, Union
 
 from transformers import TrainerCallback
 
+from ..runtime import unwrap_optimizer
 from ._session import Held
-from .wrappers import unwrap_optimizer
 
 __all__ = ["OffloadCallback"]
 
