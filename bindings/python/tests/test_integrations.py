@@ -453,3 +453,48 @@ def test_lightning_refuses_several_optimizers() -> None:
     )
     with pytest.raises(ValueError, match="configures 2 optimizers"):
         trainer.fit(Two(), torch.utils.data.DataLoader([torch.zeros(4)]))
+
+
+# -- the Trainer benchmark ---------------------------------------------------------------------
+
+
+def test_bench_trainer_rows_on_cpu(tmp_path: Any) -> None:
+    # benches/torch/bench_trainer.py's rows with its tiny CPU model: the teraio row trains with
+    # the ideal row's losses, bitwise, and reports; the script's argument checks hold.
+    pytest.importorskip("transformers")
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).resolve().parents[3] / "benches" / "torch" / "bench_trainer.py"
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    common = ["--tiny", "--family", "llama", "--steps", "5", "--warmup", "2", "--batch", "2", "--seq", "64"]
+
+    def row(*extra: str) -> dict[str, Any]:
+        done = subprocess.run(
+            [sys.executable, str(script), "run", *common, *extra],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
+        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+        assert done.returncode == 0 and len(lines) == 1, done.stdout[-2000:] + done.stderr[-2000:]
+        return json.loads(lines[0][7:])
+
+    ideal = row("--mode", "ideal")
+    teraio_row = row("--mode", "teraio", "--cap-bytes", str(1 << 30), "--store-gib", "0.25")
+    assert "error" not in teraio_row, teraio_row.get("error")
+    assert len(ideal["losses"]) == 5 and teraio_row["losses"] == ideal["losses"]
+    assert teraio_row["teraio_report"]["steps"] == 5
+    # The scratch folder (store file, Trainer output) is gone (torch may leave its own).
+    assert [p for p in tmp_path.iterdir() if p.name.startswith("teraio")] == []
+    bad = subprocess.run(
+        [sys.executable, str(script), "run", *common, "--mode", "teraio", "--warmup", "9"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and "--warmup must be below --steps" in bad.stderr
