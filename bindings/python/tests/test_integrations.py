@@ -119,8 +119,21 @@ def _hf_trainer(tmp_path: Any, callbacks: list[Any], accumulation: int = 1, **ar
     return trainer
 
 
-@pytest.mark.parametrize("accumulation, bf16", [(1, False), (2, True)])
-def test_trainer_callback_bitwise(tmp_path: Any, accumulation: int, bf16: bool) -> None:
+#: The modes beside the tensor plan (SETTINGS): the block plan (the default for this model) and
+#: whole-model mode, whose gradients held off the GPU the Trainer's `model.zero_grad()` must not
+#: leave behind.
+BLOCK = {**SETTINGS, "granularity": "block"}
+WHOLE = {**SETTINGS, "whole_model": "on", "min_bytes": 0}
+
+
+@pytest.mark.parametrize(
+    "accumulation, bf16, options",
+    [(1, False, SETTINGS), (2, True, SETTINGS), (2, True, BLOCK), (2, False, WHOLE)],
+    ids=["tensor", "tensor-accumulate-bf16", "block-accumulate-bf16", "whole-model-accumulate"],
+)
+def test_trainer_callback_bitwise(
+    tmp_path: Any, accumulation: int, bf16: bool, options: dict[str, Any]
+) -> None:
     # The Trainer's own loop: clipping (max_grad_norm=1), a scheduler, accumulation through
     # gradient_accumulation_steps, bf16 autocast through its Accelerator.
     from teraio.integrations.transformers import OffloadCallback
@@ -129,7 +142,7 @@ def test_trainer_callback_bitwise(tmp_path: Any, accumulation: int, bf16: bool) 
     reference.train()
     ref_state = _state(reference.model)
 
-    callback = OffloadCallback(gpu_memory=_budget(_tiny_llama()), **SETTINGS)
+    callback = OffloadCallback(gpu_memory=_budget(_tiny_llama()), **options)
     trainer = _hf_trainer(tmp_path, [callback], accumulation, bf16=bf16)
     with callback:
         trainer.train()
@@ -138,7 +151,12 @@ def test_trainer_callback_bitwise(tmp_path: Any, accumulation: int, bf16: bool) 
     _assert_same_state(trainer.model, ref_state)
     report = callback.report()
     assert report.steps == STEPS
-    assert report.planned_steps > 0
+    mode = {id(SETTINGS): "TensorOffload", id(BLOCK): "BlockOffload", id(WHOLE): "ModelOffload"}[id(options)]
+    assert type(callback.run).__name__ == mode
+    if options is WHOLE:
+        assert report.units > 0
+    else:
+        assert report.planned_steps > 0
     _assert_no_hooks(trainer.model, trainer.optimizer.optimizer)
 
 
