@@ -189,7 +189,7 @@ def test_trainer_failure_leaves_no_hooks(tmp_path: Any) -> None:
     assert callback.report().steps == 3
 
 
-def test_trainer_session_left_open_is_closed_by_the_next_train(tmp_path: Any) -> None:
+def test_trainer_session_left_open_is_closed_by_the_next_train(tmp_path: Any, caplog: Any) -> None:
     # Without the context manager the Trainer's failure leaves the session open (the Trainer
     # calls no callback then); the next train() closes it before it opens its own.
     from teraio.integrations.transformers import OffloadCallback
@@ -202,8 +202,10 @@ def test_trainer_session_left_open_is_closed_by_the_next_train(tmp_path: Any) ->
     first = callback.run
     assert callback._held.active and first._hooks
     failing.step = -1
-    trainer.train()
+    with caplog.at_level("INFO", logger="teraio.integrations.transformers"):
+        trainer.train()
     assert not first._hooks and callback.run is not first
+    assert [r.getMessage() for r in caplog.records].count(f"teraio.offload report:\n{callback.report()}") == 1
     _assert_no_hooks(trainer.model, trainer.optimizer.optimizer)
     assert callback.report().steps == STEPS
 
