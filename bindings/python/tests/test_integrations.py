@@ -246,7 +246,7 @@ def test_callback_options_checked_when_made() -> None:
 
 
 def _accelerate_loop(
-    helper: Optional[bool], accumulation: int, fail_at: int = -1
+    helper: Optional[bool], accumulation: int, fail_at: int = -1, options: Optional[dict[str, Any]] = None
 ) -> tuple[list[float], Any, Any, Any]:
     """The loop as Accelerate's docs write it, bf16 mixed precision, `accelerator.accumulate`,
     clipping and a scheduler; under teraio (`helper`: through the integration, else
@@ -292,7 +292,9 @@ def _accelerate_loop(
         return train(), model, inner, None
     budget = _budget(model)
     if helper:
-        run = teraio_accelerate.offload(accelerator, model, optimizer, gpu_memory=budget, **SETTINGS)
+        run = teraio_accelerate.offload(
+            accelerator, model, optimizer, gpu_memory=budget, **(options or SETTINGS)
+        )
     else:
         run = teraio.offload(model, optimizer, gpu_memory=budget, **SETTINGS)
     try:
@@ -303,11 +305,15 @@ def _accelerate_loop(
     return losses, model, inner, run
 
 
-@pytest.mark.parametrize("helper, accumulation", [(False, 1), (True, 1), (True, 2)])
-def test_accelerate_prepared_loop_bitwise(helper: bool, accumulation: int) -> None:
+@pytest.mark.parametrize(
+    "helper, accumulation, options",
+    [(False, 1, SETTINGS), (True, 1, SETTINGS), (True, 2, SETTINGS), (True, 2, BLOCK)],
+    ids=["as-prepared", "helper", "helper-accumulate", "helper-accumulate-block"],
+)
+def test_accelerate_prepared_loop_bitwise(helper: bool, accumulation: int, options: dict[str, Any]) -> None:
     reference, model, _, _ = _accelerate_loop(None, accumulation)
     ref_state = _state(model)
-    losses, model, _, run = _accelerate_loop(helper, accumulation)
+    losses, model, _, run = _accelerate_loop(helper, accumulation, options=options)
     assert len(losses) == STEPS * accumulation
     assert losses == reference
     _assert_same_state(model, ref_state)
@@ -338,7 +344,12 @@ def test_accelerate_refuses_what_is_not_an_accelerator() -> None:
 
 
 def _lightning_fit(
-    offloading: bool, manual: bool, accumulation: int, fail_at: int = -1, extra: Any = None
+    offloading: bool,
+    manual: bool,
+    accumulation: int,
+    fail_at: int = -1,
+    extra: Any = None,
+    options: Optional[dict[str, Any]] = None,
 ) -> tuple[list[float], Any, Any, Any]:
     """A LightningModule around the tiny model, fitted in bf16 mixed precision with clipping and
     accumulation (Lightning's own in automatic optimization, the module's in manual), with
@@ -377,7 +388,7 @@ def _lightning_fit(
     module = Module()
     rows = torch.stack(_token_rows(STEPS * accumulation * 2)).view(STEPS * accumulation, 2, 128)
     loader = torch.utils.data.DataLoader(list(rows), batch_size=None)
-    callback = OffloadCallback(gpu_memory=_budget(module), **SETTINGS) if offloading else None
+    callback = OffloadCallback(gpu_memory=_budget(module), **(options or SETTINGS)) if offloading else None
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
@@ -396,11 +407,15 @@ def _lightning_fit(
     return module.losses, module, trainer.optimizers[0], callback
 
 
-@pytest.mark.parametrize("manual, accumulation", [(False, 1), (False, 2), (True, 2)])
-def test_lightning_callback_bitwise(manual: bool, accumulation: int) -> None:
+@pytest.mark.parametrize(
+    "manual, accumulation, options",
+    [(False, 1, SETTINGS), (False, 2, SETTINGS), (True, 2, SETTINGS), (False, 2, BLOCK)],
+    ids=["automatic", "automatic-accumulate", "manual-accumulate", "automatic-accumulate-block"],
+)
+def test_lightning_callback_bitwise(manual: bool, accumulation: int, options: dict[str, Any]) -> None:
     reference, module, _, _ = _lightning_fit(False, manual, accumulation)
     ref_state = _state(module)
-    losses, module, optimizer, callback = _lightning_fit(True, manual, accumulation)
+    losses, module, optimizer, callback = _lightning_fit(True, manual, accumulation, options=options)
     assert len(losses) == STEPS * accumulation
     assert losses == reference
     _assert_same_state(module, ref_state)
