@@ -14,6 +14,13 @@
 #                             #   weights; MODES=save_on_cpu,torchtune: only those after the ideal;
 #                             #   STEPS (8) and WARMUP (3): steps per row, and those left out of its time;
 #                             #   WHOLE_AT=0.5: one more teraio row there with whole_model='on'
+#   run-gpu.sh trainer        # the Hugging Face Trainer (bench_trainer.py): teraio's callback next to
+#                             #   Trainer(gradient_checkpointing=True) at 65% and 50% of the Trainer's
+#                             #   no-offload peak, Qwen2-1.5B and Llama-3.2-1B shapes, bf16 autocast,
+#                             #   SDPA; every ideal row first, then the 65% rows, then the 50% ones
+#                             #   (~6 min; DEADLINE (330 s): no row starts after it, cut rows are
+#                             #   recorded as skipped). FAMILIES (qwen2,llama), STEPS (8), WARMUP (3),
+#                             #   OPTIM (adamw_torch; the Trainer's own default on CUDA: adamw_torch_fused)
 #   run-gpu.sh flagship       # the fp32 0.85B Llama at half its ideal peak: ideal, teraio with the
 #                             #   machine's measured figures and with default arguments, HF
 #                             #   checkpointing; batch 8 with teraio (~6 min)
@@ -175,6 +182,17 @@ regime)
   summary
   ;;
 
+trainer)
+  deadline=${DEADLINE:-330}
+  timeout $((deadline + 200)) python3 $B/bench_trainer.py table --families "${FAMILIES:-qwen2,llama}" \
+    --fractions 0.65,0.5 --steps "${STEPS:-8}" --warmup "${WARMUP:-3}" --optim "${OPTIM:-adamw_torch}" \
+    --store-dir /root/teraio-trainer \
+    --deadline-s "$deadline" --out-dir "$OUT/trainer" 2>&1 | grep -E '^\[|^==' | tee "$OUT/trainer-progress.log"
+  cp "$OUT/trainer/results.jsonl" "$OUT/results.jsonl"
+  (cd "$OUT" && tar czf logs.tgz trainer && rm -rf trainer)
+  summary
+  ;;
+
 flagship)
   flagship ideal 90 --mode ideal --steps 15
   CAP=$(half_peak "$OUT/f-ideal.log")
@@ -309,7 +327,7 @@ sweep)
   ;;
 
 *)
-  echo "unknown mode $what: tests, regime, flagship, baselines, probe, diagnose, link, ab, capacity or sweep" >&2
+  echo "unknown mode $what: tests, regime, trainer, flagship, baselines, probe, diagnose, link, ab, capacity or sweep" >&2
   exit 2
   ;;
 esac

@@ -24,6 +24,7 @@ RUNTIME_DOC = Path(__file__).resolve().parents[3] / "docs" / "runtime.md"
 #: below the runtime; the planner's and the store's faces below them; the binding at the bottom.
 FLOORS: list[tuple[str, list[str]]] = [
     ("package face", ["teraio"]),
+    ("integrations", ["teraio.integrations", "teraio.integrations.*"]),
     ("front door", ["teraio.runtime"]),
     ("modes", ["teraio.runtime.modes", "teraio.runtime.modes.*"]),
     ("session, report", ["teraio.runtime.session", "teraio.runtime.report"]),

@@ -51,7 +51,8 @@ def offload(
     ```
 
     Args:
-        model, optimizer: the model being trained and its optimizer (iterations end at its step).
+        model, optimizer: the model being trained and its optimizer (iterations end at its step;
+            a wrapper holding a torch optimizer as `.optimizer`, such as Accelerate's, is unwrapped).
         options: a `teraio.OffloadOptions` (every setting, documented there); its fields can
             also be given as keywords (`host_memory="64GiB"`, `recompute="off"`, ...), which
             override the options object.
@@ -64,6 +65,9 @@ def offload(
     (`BlockOffload`) for a model with repeated blocks (`granularity`); else the tensor plan
     (`TensorOffload`).
     """
+    # A library's wrapper (Accelerate's AcceleratedOptimizer) steps the optimizer inside it: the
+    # hooks go there, so an iteration ends at the step that updates the parameters.
+    optimizer = unwrap_optimizer(optimizer)
     adapted = sharded.adapt_options(model, (options or OffloadOptions()).replace(**overrides))
     _refuse_compiled(model)
     device = next(iter(model.parameters())).device
@@ -86,6 +90,28 @@ def offload(
         mode = BlockOffload
     host_memory_bytes, machine_notes = host_memory(adapted)
     return mode(model, optimizer, adapted, Budget(store, budget, host_memory_bytes, machine_notes))
+
+
+def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside a library's wrapper (Accelerate's `AcceleratedOptimizer` and
+    Lightning's `LightningOptimizer` hold it as `optimizer` / `_optimizer`): teraio's hooks go on
+    the optimizer whose `step` updates the parameters, since the wrapper's step may skip it (an
+    accumulation micro-batch) or call it once per real step."""
+    seen = 0  # a bound on nesting, against a wrapper that holds itself
+    while seen < 8:
+        inner = getattr(optimizer, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):
+            inner = getattr(optimizer, "_optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer) or inner is optimizer:
+            break
+        optimizer = inner
+        seen += 1
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"teraio: expected a torch.optim.Optimizer (or a wrapper holding one as `.optimizer`), "
+            f"got {type(optimizer).__name__}; pass the optimizer your training loop steps"
+        )
+    return optimizer
 
 
 def _refuse_compiled(model: torch.nn.Module) -> None:
