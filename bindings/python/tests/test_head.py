@@ -158,7 +158,8 @@ def test_whole_model_mode_runs_the_chunked_loss_too_and_gives_it_back() -> None:
     for loss_head in ("chunked", "model"):
         model = _hf_causal_lm()
         optimizer = torch.optim.AdamW(model.parameters())
-        with teraio.offload(model, optimizer, gpu_memory="1GiB", whole_model="on", loss_head=loss_head) as run:
+        options = dict(gpu_memory="1GiB", whole_model="on", loss_head=loss_head)
+        with teraio.offload(model, optimizer, **options) as run:
             expected = head.causal_lm_loss if loss_head == "chunked" else loss_utils.ForCausalLMLoss
             assert model.loss_function is expected
             losses[loss_head] = []

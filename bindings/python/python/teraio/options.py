@@ -87,9 +87,9 @@ class OffloadOptions:
             estimate from raw profiled op times. None: on CUDA only.
         if_no_fit: "raise" (default: a clear error before the planned iterations when no plan
             fits the budget) or "run" (train anyway, waiting for transfers as needed).
-        loss_head: the block plan and whole-model mode: "chunked" (default: a Hugging Face causal LM's loss runs as
-            `teraio.head.causal_lm_loss`, the same bits without the full-size fp32 copies of the
-            logits) or "model" (the model's own loss, as it is).
+        loss_head: the block plan and whole-model mode: "chunked" (default: a Hugging Face causal
+            LM's loss runs as `teraio.head.causal_lm_loss`, the same bits without the full-size
+            fp32 copies of the logits) or "model" (the model's own loss, as it is).
 
     Runtime:
         warmup_steps: iterations before the profiled one (None: 1, or 2 under DDP).
