@@ -138,7 +138,10 @@ case "$what" in
 tests)
   . benches/gpu/cufile-compat.sh   # for the tests of the cuFile path
   python3 -c 'import teraio; print(teraio.gpu_probe())'
-  TERAIO_EXAMPLES=gpu timeout 400 python3 -m pytest -q -p no:cacheprovider bindings/python/tests 2>&1 | tee "$OUT/pytest.log" | tail -40
+  # PYTEST_ARGS: other pytest arguments (e.g. one file and -x); TESTS_TIMEOUT: seconds (400).
+  # shellcheck disable=SC2086  # PYTEST_ARGS is a list of arguments
+  TERAIO_EXAMPLES=gpu timeout "${TESTS_TIMEOUT:-400}" python3 -m pytest -q -rfE -p no:cacheprovider \
+    ${PYTEST_ARGS:-bindings/python/tests} 2>&1 | tee "$OUT/pytest.log" | tail -40
   ;;
 
 examples)
