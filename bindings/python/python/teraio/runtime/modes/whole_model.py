@@ -55,6 +55,7 @@ import dataclasses
 import resource
 import statistics
 import time
+import types
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -459,8 +460,12 @@ class ModelOffload(Session):
         self._saved_hooks.__enter__()
         self._original_step = self.optimizer.step
         self._original_zero_grad = self.optimizer.zero_grad
-        self.optimizer.step = self._streamed_step  # type: ignore[method-assign]
-        self.optimizer.zero_grad = self._zero_grad  # type: ignore[method-assign]
+        # What the instance had (an LR scheduler's wrapper of `step`) comes back at exit.
+        self._instance_methods = {
+            k: self.optimizer.__dict__[k] for k in ("step", "zero_grad") if k in self.optimizer.__dict__
+        }
+        self.optimizer.step = _optimizer_method(self._streamed_step, self.optimizer)  # type: ignore[method-assign]
+        self.optimizer.zero_grad = _optimizer_method(self._zero_grad, self.optimizer)  # type: ignore[method-assign]
         self._take_over_clipping(self._owns, self._clip_grad_norm)
         self._install_peak()
         self._begin_iteration()
@@ -566,6 +571,7 @@ class ModelOffload(Session):
         if self._original_step is not None:
             self.optimizer.__dict__.pop("step", None)
             self.optimizer.__dict__.pop("zero_grad", None)
+            self.optimizer.__dict__.update(getattr(self, "_instance_methods", {}))
         self._bring_everything_back()
         self.host.close()
         for tier in self.ssd.values():
@@ -1441,3 +1447,14 @@ def _trained(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 def _inside(name: str, blocks: list[tuple[str, torch.nn.Module]]) -> bool:
     return any(name.startswith(block + ".") for block, _ in blocks)
+
+
+def _optimizer_method(call: Callable[..., Any], optimizer: Optimizer) -> Any:
+    """`call` as a method of `optimizer`: an LR scheduler made inside the session wraps
+    `optimizer.step` by rebinding its function to the optimizer, which a method of the session
+    would not survive."""
+
+    def method(_optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        return call(*args, **kwargs)
+
+    return types.MethodType(method, optimizer)
