@@ -20,6 +20,7 @@ from teraio.runtime.modes.tensor import TensorOffload  # noqa: E402
 from teraio.runtime.modes.whole_model import ModelOffload  # noqa: E402
 from teraio.runtime.movers.tiers import HOST  # noqa: E402
 from teraio.runtime.plans import block as bw  # noqa: E402
+from teraio.runtime.plans import capacity as cp  # noqa: E402
 from teraio.runtime.plans.block import KEEP, RECOMPUTE, SELECTIVE, Measurement, Plan  # noqa: E402
 from tiny import make  # noqa: E402
 
@@ -87,6 +88,11 @@ MODES: dict[str, tuple[dict[str, Any], type]] = {
     "block-selective": ({"granularity": "block", "gpu_memory": "1GiB", "force": SELECTIVE}, BlockOffload),
     "block-recompute": ({"granularity": "block", "gpu_memory": "1GiB", "force": RECOMPUTE}, BlockOffload),
     "tensor": ({"granularity": "tensor", "gpu_memory": "1GiB", "host_memory": "256MiB"}, TensorOffload),
+    # Below the tiny model's peak: activations and optimizer state move.
+    "tensor-moving": (
+        {"granularity": "tensor", "gpu_memory": "4MiB", "host_memory": "256MiB"},
+        TensorOffload,
+    ),
     "whole-model": ({"whole_model": "on", "gpu_memory": 1 << 20, "host_memory": 300_000}, ModelOffload),
 }
 
@@ -236,3 +242,118 @@ def _link(bandwidth: float) -> Any:
     from teraio.machine import Link
 
     return Link(bandwidth, bandwidth, bandwidth, bandwidth)
+
+
+# -- frozen parameters -----------------------------------------------------------------------------
+
+
+class LoraLinear(torch.nn.Module):
+    """A frozen base `Linear` plus a trainable low-rank update (LoRA's shape: B @ A, B zero at the
+    start), written out so that no `peft` is needed."""
+
+    def __init__(self, dim_in: int, dim_out: int, rank: int = 4) -> None:
+        super().__init__()
+        self.base = torch.nn.Linear(dim_in, dim_out)
+        self.base.requires_grad_(False)
+        self.lora_a = torch.nn.Parameter(torch.randn(rank, dim_in) * 0.1)
+        self.lora_b = torch.nn.Parameter(torch.zeros(dim_out, rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.lora_a.t()) @ self.lora_b.t()
+
+
+class LoraBlock(torch.nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(dim)
+        self.up = LoraLinear(dim, hidden)
+        self.down = LoraLinear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class LoraLM(torch.nn.Module):
+    """A frozen embedding, blocks of LoRA-adapted linears (their norms trained) and a head."""
+
+    def __init__(self, vocab: int = 96, dim: int = 64, hidden: int = 256, layers: int = 4) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.embed.requires_grad_(False)
+        self.layers = torch.nn.ModuleList([LoraBlock(dim, hidden) for _ in range(layers)])
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.head(x)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+
+
+def _lora(all_parameters: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = LoraLM()
+    # peft's users pass the trainable parameters; others pass all (AdamW skips those without a
+    # gradient).
+    params = model.parameters() if all_parameters else [p for p in model.parameters() if p.requires_grad]
+    return model, torch.optim.AdamW(params, lr=1e-2)
+
+
+def _tokens(steps: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 96, (8, 64), generator=generator) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("all_parameters", [False, True], ids=["trainable", "all"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_frozen_parameters_train_bitwise(
+    monkeypatch: Any, store: Any, mode: str, all_parameters: bool
+) -> None:
+    data = _tokens(STEPS)
+    ref_model, ref_opt = _lora(all_parameters)
+    reference = (ref_model, ref_opt, _loop(ref_model, ref_opt, data, 2, clip=1.0))
+    model, optimizer = _lora(all_parameters)
+    frozen = {name: p.clone() for name, p in model.named_parameters() if not p.requires_grad}
+    writes: list[tuple[int, Any]] = []
+    real_write = ModelOffload._write
+
+    def write(self: ModelOffload, slot: Any, kind: Any, source: Any) -> Any:
+        writes.append((id(slot.param), kind))
+        return real_write(self, slot, kind, source)
+
+    monkeypatch.setattr(ModelOffload, "_write", write)
+    with _offload(monkeypatch, mode, model, optimizer, store) as run:
+        seen = _loop(model, optimizer, data, 2, clip=1.0)
+    _assert_same(reference, (model, optimizer, seen))
+    for name, p in model.named_parameters():
+        if name in frozen:
+            assert torch.equal(p, frozen[name]), name
+            assert p.grad is None and not optimizer.state.get(p), name
+    if isinstance(run, BlockOffload):
+        # The state planned is the trained parameters' (AdamW: two moments and a step each).
+        trained = [p for p in model.parameters() if p.requires_grad]
+        assert run.measured.state_bytes == sum(
+            v.untyped_storage().nbytes() for p in trained for v in optimizer.state[p].values()
+        )
+        assert run.measured.state_bytes >= 2 * sum(p.numel() * 4 for p in trained)
+    if isinstance(run, ModelOffload):
+        # Frozen weights are written once, as the session starts, and only read after that: no
+        # write-back, no gradient; trained ones are written back after each step.
+        for p in model.parameters():
+            mine = [kind for key, kind in writes if key == id(p)]
+            assert mine.count(cp.PARAMETER) == (1 if not p.requires_grad else 1 + STEPS), mine
+            if not p.requires_grad:
+                assert mine == [cp.PARAMETER]
+
+
+@pytest.mark.parametrize("all_parameters", [False, True], ids=["trainable", "all"])
+def test_whole_model_choice_counts_no_gradient_or_state_for_frozen_parameters(all_parameters: bool) -> None:
+    from teraio.runtime.modes.whole_model import model_state_bytes
+
+    model, optimizer = _lora(all_parameters)
+    params = sum(p.numel() * 4 for p in model.parameters())
+    trained = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+    assert trained < params // 4
+    # AdamW: a gradient and two moments per trained parameter, nothing for the frozen ones.
+    assert model_state_bytes(model, optimizer) == (params + trained, params + 3 * trained)

@@ -67,6 +67,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from ... import ids, machine, selective, sharded
+from ... import optimizer_state_dict as osd
 from ...blocks import autocast_cache_off, find_blocks
 from ...head import LossHead
 from ...machine import Link
@@ -570,6 +571,8 @@ class BlockOffload(Session):
         self.loss_head.__enter__()
         self._install_step_hooks(self._before_step, self._after_step)
         self._install_peak()
+        # Checkpoints read, and loads keep, the real optimizer state (`teraio.optimizer_state_dict`).
+        self._hooks.extend(osd.install(self, (self.state,)))
         self._begin_iteration()
         return self
 
