@@ -357,3 +357,57 @@ def test_whole_model_choice_counts_no_gradient_or_state_for_frozen_parameters(al
     assert trained < params // 4
     # AdamW: a gradient and two moments per trained parameter, nothing for the frozen ones.
     assert model_state_bytes(model, optimizer) == (params + trained, params + 3 * trained)
+
+
+def _peft_llama() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    config._attn_implementation = "sdpa"
+    config.use_cache = False
+    torch.manual_seed(0)
+    model = peft.get_peft_model(
+        transformers.LlamaForCausalLM(config),
+        peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"),
+    )
+    trained = [p for p in model.parameters() if p.requires_grad]
+    return model, torch.optim.AdamW(trained, lr=1e-2)
+
+
+@pytest.mark.parametrize("mode", ["block-keep", "block-recompute", "tensor", "whole-model"])
+def test_peft_lora_trains_bitwise(monkeypatch: Any, store: Any, mode: str) -> None:
+    generator = torch.Generator().manual_seed(5)
+    data = [torch.randint(0, 256, (4, 32), generator=generator) for _ in range(STEPS)]
+
+    def loop(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[float]:
+        seen = []
+        for tokens in data:
+            for part in tokens.chunk(2):
+                loss = model(input_ids=part, labels=part).loss / 2
+                loss.backward()
+                seen.append(loss.item())
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return seen
+
+    ref_model, ref_opt = _peft_llama()
+    reference = loop(ref_model, ref_opt)
+    model, optimizer = _peft_llama()
+    with _offload(monkeypatch, mode, model, optimizer, store) as run:
+        seen = loop(model, optimizer)
+    assert seen == reference
+    for (name, p), q in zip(ref_model.named_parameters(), model.parameters()):
+        assert torch.equal(p, q), name
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert 0 < trained < sum(p.numel() for p in model.parameters()) // 2
+    if isinstance(run, BlockOffload):
+        assert len(run.blocks) == 3 and run.measured.passes == 2
