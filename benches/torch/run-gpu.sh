@@ -21,6 +21,14 @@
 #                             #   (~6 min; DEADLINE (330 s): no row starts after it, cut rows are
 #                             #   recorded as skipped). FAMILIES (qwen2,llama), STEPS (8), WARMUP (3),
 #                             #   OPTIM (adamw_torch; the Trainer's own default on CUDA: adamw_torch_fused)
+#   run-gpu.sh loops          # training loops as users write them (bench_loops.py): per family in
+#                             #   FAMILIES (qwen2), the full batch without offload, then teraio (default
+#                             #   arguments) and HF checkpointing with gradient accumulation 2 and 4
+#                             #   (batch 4 x 2048, clip_grad_norm_ 1.0) at 65% and 50% of its peak;
+#                             #   LORA=1: then LoRA via peft (rank 16, every linear layer) on the
+#                             #   Llama-3.2-3B shape, teraio and LoRA + checkpointing at 65% and 50% of
+#                             #   LoRA's peak; rows past DEADLINE (420 s) are recorded as skipped (~8 min).
+#                             #   FAMILIES=llama: the second family; FAMILIES= LORA=1: the LoRA rows alone
 #   run-gpu.sh flagship       # the fp32 0.85B Llama at half its ideal peak: ideal, teraio with the
 #                             #   machine's measured figures and with default arguments, HF
 #                             #   checkpointing; batch 8 with teraio (~6 min)
@@ -196,6 +204,20 @@ trainer)
   summary
   ;;
 
+loops)
+  # No row starts after the deadline; a killed row's teardown takes ~15 s more.
+  deadline=${DEADLINE:-420}
+  lora=$([ "${LORA:-0}" = 1 ] && echo --lora)
+  # shellcheck disable=SC2086
+  timeout $((deadline + 45)) python3 $B/bench_loops.py table --families "${FAMILIES-qwen2}" $lora \
+    --fractions 0.65,0.5 --accums 2,4 --steps "${STEPS:-8}" --warmup "${WARMUP:-3}" \
+    --store-dir /root/teraio-loops \
+    --deadline-s "$deadline" --out-dir "$OUT/loops" 2>&1 | grep -E '^\[|^==' | tee "$OUT/loops-progress.log"
+  cp "$OUT/loops/results.jsonl" "$OUT/results.jsonl"
+  (cd "$OUT" && tar czf logs.tgz loops && rm -rf loops)
+  summary
+  ;;
+
 flagship)
   flagship ideal 90 --mode ideal --steps 15
   CAP=$(half_peak "$OUT/f-ideal.log")
@@ -330,7 +352,7 @@ sweep)
   ;;
 
 *)
-  echo "unknown mode $what: tests, regime, trainer, flagship, baselines, probe, diagnose, link, ab, capacity or sweep" >&2
+  echo "unknown mode $what: tests, regime, trainer, loops, flagship, baselines, probe, diagnose, link, ab, capacity or sweep" >&2
   exit 2
   ;;
 esac

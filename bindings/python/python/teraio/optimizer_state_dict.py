@@ -19,22 +19,24 @@ and `torch.distributed.checkpoint`'s `get_state_dict` / `set_state_dict`, which 
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Optional
 
 import torch
 
 from .sharded import local_tensor
 
 
-def install(run: Any) -> list[Any]:
-    """Registers the hooks on `run.optimizer` for a `teraio.offload` run; returns their handles."""
+def install(run: Any, movers: Optional[tuple[Any, ...]] = None) -> list[Any]:
+    """Registers the hooks on `run.optimizer` for a `teraio.offload` run (the tensor plan's, or
+    the block plan's with `movers`: its state executors); returns their handles."""
     optimizer: torch.optim.Optimizer = run.optimizer
-    movers = (run.fallback_state, run.state)
+    movers = movers if movers is not None else (run.fallback_state, run.state)
     # id(local state tensor) -> (parameter, key), noted before a load.
     places: dict[int, tuple[Any, Any]] = {}
 
     def bring_back() -> None:
-        with run._quiet():
+        with getattr(run, "_quiet", contextlib.nullcontext)():
             for mover in movers:
                 mover.bring_back(out_again=True)
 
@@ -54,10 +56,17 @@ def install(run: Any) -> list[Any]:
         for old, (param, key) in places.items():
             new = optimizer.state.get(param, {}).get(key)
             if isinstance(new, torch.Tensor):
+                if not local_tensor(new).untyped_storage().resizable():
+                    # Kept as loaded (same device and dtype): it may sit in torch.load's storage,
+                    # which cannot be released between steps; the state takes a copy of its own.
+                    new = new.clone()
+                    optimizer.state[param][key] = new
                 replacement[old] = local_tensor(new)
         places.clear()
         for mover in movers:
             mover.retarget(replacement)
+        if not hasattr(run, "_state_ids"):
+            return
         # The profiled state's tensors, from which a plan made later picks what to move.
         run._state_ids = [
             (replacement.get(id(local_tensor(tensor)), tensor), tensor_id)

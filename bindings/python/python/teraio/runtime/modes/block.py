@@ -67,6 +67,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from ... import ids, machine, selective, sharded
+from ... import optimizer_state_dict as osd
 from ...blocks import autocast_cache_off, find_blocks
 from ...head import LossHead
 from ...machine import Link
@@ -506,6 +507,12 @@ class BlockOffload(Session):
         self._marks: dict[str, Any] = {}
         self._block_marks: dict[str, list[tuple[int, Any, Any]]] = {"forward": [], "recompute": []}
         self._triggers: list[tuple[int, Any]] = []
+        # The iteration's forward and backward passes (several with gradient accumulation):
+        # each finished one's start mark, block marks, triggers and end mark; the present one's
+        # start, and how many began in this iteration.
+        self._passes: list[tuple[Any, dict[str, list[tuple[int, Any, Any]]], list[tuple[int, Any]], Any]] = []
+        self._pass_start: Any = None
+        self._pass_count = 0
         self._sizes: dict[int, int] = {}
         self._selective_sizes: dict[int, int] = {}
         # The blocks run selectively checkpointed in the third measuring iteration, and what
@@ -564,6 +571,8 @@ class BlockOffload(Session):
         self.loss_head.__enter__()
         self._install_step_hooks(self._before_step, self._after_step)
         self._install_peak()
+        # Checkpoints read, and loads keep, the real optimizer state (`teraio.optimizer_state_dict`).
+        self._hooks.extend(osd.install(self, (self.state,)))
         self._begin_iteration()
         return self
 
@@ -585,6 +594,9 @@ class BlockOffload(Session):
                 return original(*args, **kwargs)
             if index == 0:
                 started = time.perf_counter()
+                if self._pass_count:
+                    self._next_pass()
+                self._pass_count += 1
                 self.state.issue_deferred_out()
                 self.stats.hook_s += time.perf_counter() - started
             action = self.actions[index]
@@ -706,9 +718,34 @@ class BlockOffload(Session):
         self._marks = {"forward": mark(self.device)}
         self._triggers = []
         self._block_marks = {"forward": [], "recompute": []}
+        self._passes = []
+        self._pass_start = self._marks["forward"]
+        self._pass_count = 0
+        self._begin_pass()
+
+    def _begin_pass(self) -> None:
         if self.plan is not None:
             self._prefetch_queue = [i for i in reversed(range(len(self.blocks))) if self.actions[i] == HOST]
             self._pending_bytes = {}
+
+    def _end_pass(self, end: Any) -> None:
+        """A forward and backward pass is done (`end`: a mark at its end): its marks are kept for
+        the measuring iterations' times."""
+        self._passes.append((self._pass_start, self._block_marks, self._triggers, end))
+        self._pass_start = end
+        self._block_marks = {"forward": [], "recompute": []}
+        self._triggers = []
+
+    def _next_pass(self) -> None:
+        """Another forward pass before the step (gradient accumulation): the last pass's backward
+        is done, so its host blocks' copies back are freed and the next backward prefetches
+        anew; state that the plan restores during backward leaves again (its bound has no room
+        for the state through a forward)."""
+        self._end_pass(mark(self.device))
+        self.mover.end_iteration()
+        if self.plan is not None and self.plan.state_restore_at is not None:
+            self.state.out_again()
+        self._begin_pass()
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.cuda and self.plan is None:
@@ -718,6 +755,7 @@ class BlockOffload(Session):
             )
             torch.cuda.reset_peak_memory_stats(self.device)
         self._marks["backward_end"] = mark(self.device)
+        self._end_pass(self._marks["backward_end"])
         started = time.perf_counter()
         # Backward has used every copy back of a host block: freed now, not after the step, whose
         # peak (measured with no host blocks) does not count them.
@@ -953,19 +991,26 @@ class BlockOffload(Session):
             self.actions[i] = RECOMPUTE
         blocks = self.measured.blocks
         n = len(self.blocks)
-        if len(self._triggers) != n:
+        passes = self._passes
+        if not passes or any(len(triggers) != n for _, _, triggers, _ in passes):
             return
-        trigger = {i: mark for i, mark in self._triggers}
+        # Per pass, then the mean over the passes (gradient accumulation runs several).
+        spans: list[list[float]] = [[] for _ in range(n)]
+        heads = []
+        for _, block_marks, triggers, _ in passes:
+            trigger = {i: mark for i, mark in triggers}
+            for i in range(1, n):
+                spans[i].append(max(0.0, _ms(trigger[i], trigger[i - 1]) - blocks[i].backward_ms))
+            forward_end = {i: b for i, _, b in block_marks["forward"]}
+            if n - 1 in forward_end:
+                heads.append(_ms(forward_end[n - 1], trigger[n - 1]))
         for i in range(1, n):
-            cost = blocks[i]
-            cost.recompute_ms = max(0.0, _ms(trigger[i], trigger[i - 1]) - cost.backward_ms)
-        forward_end = {i: b for i, _, b in self._block_marks["forward"]}
-        if n - 1 in forward_end:
+            blocks[i].recompute_ms = statistics.fmean(spans[i])
+        if len(heads) == len(passes):
             # Iteration 1's head can run several times slower than planned iterations' (it
             # follows step 0, and the state that step left on the GPU leaves in its forward).
             # The head is the lesser of the two iterations'.
-            head = _ms(forward_end[n - 1], trigger[n - 1])
-            self.measured.head_backward_ms = min(self.measured.head_backward_ms, head)
+            self.measured.head_backward_ms = min(self.measured.head_backward_ms, statistics.fmean(heads))
         block_plan.steady_block_times(self.measured, probes)
         if probes:
             self._take_selective(probes)
@@ -1011,7 +1056,7 @@ class BlockOffload(Session):
         for i in probes:
             blocks[i].recompute_ms = whole
         recompute_share = statistics.median(spans) / whole if whole > 0 else 1.0
-        forward = {i: _ms(a, b) for i, a, b in self._block_marks["forward"]}
+        forward = self._mean_forward_ms()
         forward_share = 0.0
         if all(i in forward for i in range(len(blocks))) and all(blocks[i].forward_ms > 0 for i in others):
             drift = statistics.median(forward[i] / blocks[i].forward_ms for i in others)
@@ -1044,35 +1089,43 @@ class BlockOffload(Session):
             else None,
         }
 
+    def _mean_forward_ms(self) -> dict[int, float]:
+        """Each block's forward in this iteration, the mean over its passes (ms)."""
+        spans: dict[int, list[float]] = {}
+        for _, block_marks, _, _ in self._passes:
+            for i, a, b in block_marks["forward"]:
+                spans.setdefault(i, []).append(_ms(a, b))
+        return {i: statistics.fmean(values) for i, values in spans.items()}
+
     def _take_times(self) -> None:
-        """Step 1's events into the measurement (per block, and the edges around them)."""
+        """Step 1's events into the measurement (per block, and the edges around them): one
+        pass's, the mean over the iteration's passes (several with gradient accumulation)."""
         if self.cuda:
             self._marks["end"].synchronize()
         measured = self.measured
         marks = self._marks
-        forward = {i: (a, b) for i, a, b in self._block_marks["forward"]}
-        for i, a, b in self._block_marks["forward"]:
-            measured.blocks[i].forward_ms = _ms(a, b)
-        for i, a, b in self._block_marks["recompute"]:
-            measured.blocks[i].recompute_ms = _ms(a, b)
+        passes = self._passes
+        measured.passes = max(1, len(passes))
+        for i, value in self._mean_forward_ms().items():
+            measured.blocks[i].forward_ms = value
+        recompute: dict[int, list[float]] = {}
+        for _, block_marks, _, _ in passes:
+            for i, a, b in block_marks["recompute"]:
+                recompute.setdefault(i, []).append(_ms(a, b))
+        for i, values in recompute.items():
+            measured.blocks[i].recompute_ms = statistics.fmean(values)
         n = len(self.blocks)
-        if len(forward) == n and len(self._triggers) == n:
-            measured.pre_forward_ms = _ms(marks["forward"], forward[0][0])
-            last_trigger = {i: mark for i, mark in self._triggers}
-            measured.head_backward_ms = _ms(forward[n - 1][1], last_trigger[n - 1])
+        prior = [b.backward_ms for b in measured.blocks]
+        edges = [self._pass_edges(p, prior) for p in passes]
+        if passes and all(e is not None for e in edges):
+            known = [e for e in edges if e is not None]
+            measured.pre_forward_ms = statistics.fmean(e[0] for e in known)
+            measured.head_backward_ms = statistics.fmean(e[1] for e in known)
+            measured.tail_backward_ms = statistics.fmean(e[2] for e in known)
             for i in range(n):
-                end = last_trigger[i - 1] if i > 0 else marks["backward_end"]
-                spent = _ms(last_trigger[i], end)
-                if i == 0:
-                    # The first block's backward and what follows it (the embedding) are one span:
-                    # the span's share beyond the block's own is the tail.
-                    mean = statistics.median(b.backward_ms for b in measured.blocks[1:]) if n > 1 else spent
-                    own = min(spent, mean)
-                    measured.tail_backward_ms = spent - own
-                    spent = own
-                measured.blocks[i].backward_ms = max(0.0, spent - measured.blocks[i].recompute_ms)
+                measured.blocks[i].backward_ms = statistics.fmean(e[3][i] for e in known)
         else:
-            total = _ms(marks["forward"], marks["backward_end"])
+            total = _ms(marks["forward"], marks["backward_end"]) / measured.passes
             for cost in measured.blocks:
                 cost.backward_ms = max(0.0, total / n - cost.forward_ms - cost.recompute_ms)
         measured.step_ms = _ms(marks["step"], marks["end"])
@@ -1085,6 +1138,34 @@ class BlockOffload(Session):
                 measured.step_peak_bytes = self._step_peak_estimate
             if self.reserve_auto:
                 self._reserve_from_allocator()
+
+    def _pass_edges(
+        self,
+        one_pass: tuple[Any, dict[str, list[tuple[int, Any, Any]]], list[tuple[int, Any]], Any],
+        prior: list[float],
+    ) -> Optional[tuple[float, float, float, list[float]]]:
+        """One pass's forward before the first block, head, tail and each block's backward (less
+        its recomputation as measured), ms; None where a block's marks are missing. `prior`:
+        the blocks' backward before this iteration (block 0's span holds the embedding's too: its
+        share beyond the other blocks' is the tail)."""
+        start, block_marks, triggers, end = one_pass
+        blocks = self.measured.blocks
+        n = len(self.blocks)
+        forward = {i: (a, b) for i, a, b in block_marks["forward"]}
+        if len(forward) != n or len(triggers) != n:
+            return None
+        trigger = {i: mark for i, mark in triggers}
+        backward = []
+        tail = 0.0
+        for i in range(n):
+            spent = _ms(trigger[i], trigger[i - 1] if i > 0 else end)
+            if i == 0:
+                mean = statistics.median(prior[1:]) if n > 1 else spent
+                own = min(spent, mean)
+                tail = spent - own
+                spent = own
+            backward.append(max(0.0, spent - blocks[i].recompute_ms))
+        return _ms(start, forward[0][0]), _ms(forward[n - 1][1], trigger[n - 1]), tail, backward
 
     def _state_tensors(self) -> list[torch.Tensor]:
         """The movable optimizer-state tensors, largest first."""
@@ -1397,7 +1478,7 @@ class BlockOffload(Session):
         def per(key: str) -> int:
             return int((stats[key] - before.get(key, 0)) / count) if count else 0
 
-        recomputed = sum(
+        recomputed = self.measured.passes * sum(
             max(0, b.saved_bytes - (b.selective_bytes if a == SELECTIVE else 0))
             for b, a in zip(self.measured.blocks, self.actions)
             if a in (RECOMPUTE, SELECTIVE)
@@ -1418,7 +1499,7 @@ class BlockOffload(Session):
             ckpt_ms = None
         ideal = None
         if ckpt_ms is not None:
-            ideal = ckpt_ms - sum(b.recompute_ms for b in self.measured.blocks)
+            ideal = ckpt_ms - self.measured.passes * sum(b.recompute_ms for b in self.measured.blocks)
         stalls = {
             "window_waits": per("window_waits"),
             "window_wait_ms": (stats["window_wait_s"] - before.get("window_wait_s", 0)) * 1e3 / count

@@ -333,6 +333,16 @@ class StateExecutor:
                 self._restore(index)
             self._join(slot)
 
+    def out_again(self) -> None:
+        """State restored during a backward pass leaves again: another forward pass of the same
+        iteration comes before the step (gradient accumulation), and the plan's bound has no room
+        for the state during it."""
+        for index in self._between_steps:
+            slot = self.slots[index]
+            if slot.issued:
+                self._join(slot)
+        self._move_out(self._between_steps)
+
     def before_step(self) -> None:
         """Restores what is still out and makes the step wait for every restore."""
         started = time.perf_counter()

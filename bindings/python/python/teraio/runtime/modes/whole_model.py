@@ -561,13 +561,107 @@ class ModelOffload(Session):
         self._saved_hooks.__enter__()
         self._original_step = self.optimizer.step
         self._original_zero_grad = self.optimizer.zero_grad
-        self.optimizer.step = types.MethodType(_session_step(self), self.optimizer)  # type: ignore[method-assign]
-        self.optimizer.zero_grad = self._zero_grad  # type: ignore[method-assign]
+        # What the instance had (an LR scheduler's wrapper of `step`) comes back at exit.
+        self._instance_methods = {
+            k: self.optimizer.__dict__[k] for k in ("step", "zero_grad") if k in self.optimizer.__dict__
+        }
+        self.optimizer.step = _optimizer_method(self._streamed_step, self.optimizer)  # type: ignore[method-assign]
+        self.optimizer.zero_grad = _optimizer_method(self._zero_grad, self.optimizer)  # type: ignore[method-assign]
         self._take_over_clipping(self._owns, self._clip_grad_norm)
         self._install_peak()
+        self._install_checkpoint_hooks()
         self._begin_iteration()
         self.loss_head.__enter__()
         return self
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def _install_checkpoint_hooks(self) -> None:
+        """`model.state_dict()` / `optimizer.state_dict()` hold each tensor's true bytes: those
+        off the GPU are read from their tier into CPU tensors, one at a time (no copy of the
+        whole model on the GPU). A load brings everything back, lets torch copy into it, and
+        sends it out again (it needs the state to fit where the model was)."""
+
+        # A function, not a bound method: torch marks the hooks it is given with an attribute.
+        def model_state_dict(*args: Any) -> None:
+            self._model_state_dict(*args)
+
+        self._hooks.append(self.model.register_state_dict_post_hook(model_state_dict))
+        self._hooks.append(self.optimizer.register_state_dict_post_hook(self._optimizer_state_dict))
+        self._hooks.append(self.model.register_load_state_dict_pre_hook(self._before_load))
+        self._hooks.append(self.model.register_load_state_dict_post_hook(self._after_model_load))
+        self._hooks.append(self.optimizer.register_load_state_dict_pre_hook(self._before_load))
+        self._hooks.append(self.optimizer.register_load_state_dict_post_hook(self._after_optimizer_load))
+
+    def _from_tier(self, slot: _Slot, kind: Any, like: torch.Tensor) -> torch.Tensor:
+        host = torch.empty(like.shape, dtype=like.dtype)
+        self._tier(slot, kind).read_to_host((kind, slot.index), flat_bytes(host))
+        return host
+
+    def _model_state_dict(
+        self, module: Module, state_dict: dict[str, Any], prefix: str, metadata: Any
+    ) -> None:
+        if module is not self.model:
+            return
+        self._drain_writes()
+        by_param = {id(slot.param): slot for slot in self.slots}
+        for name, param in self.model.named_parameters(prefix=prefix, remove_duplicate=False):
+            slot = by_param.get(id(param))
+            if slot is not None and name in state_dict and not slot.resident:
+                state_dict[name] = self._from_tier(slot, cp.PARAMETER, param)
+
+    def _optimizer_state_dict(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        self._drain_writes()
+        by_param = {id(slot.param): slot for slot in self.slots}
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        packed = dict(state_dict["state"])
+        for index, values in state_dict["state"].items():
+            slot = by_param.get(id(params[index]))
+            if slot is None:
+                continue
+            away = dict(_state_tensors(optimizer, slot.param, resident=False))
+            if away:
+                # A new dict: torch's packed state shares the optimizer's own per-parameter dicts.
+                packed[index] = {
+                    k: self._from_tier(slot, (cp.STATE, k), v) if k in away else v for k, v in values.items()
+                }
+        state_dict["state"] = packed
+        return state_dict
+
+    def _before_load(self, *args: Any) -> None:
+        if not self._fits_back():
+            raise ValueError(
+                "teraio.offload (whole-model): load_state_dict inside the session brings the model's "
+                "parameters and optimizer state back to the GPU, and they do not fit gpu_memory="
+                f"{format_bytes(self.gpu_memory_bytes)}: load the checkpoint before teraio.offload"
+            )
+        self._bring_everything_back()
+
+    def _after_model_load(self, *args: Any) -> None:
+        self._out_again()
+
+    def _after_optimizer_load(self, optimizer: Optimizer) -> None:
+        # A CPU tensor the load kept as it was may sit in torch.load's storage, which cannot be
+        # released: the state takes a copy of its own.
+        for state in optimizer.state.values():
+            for key, value in list(state.items()):
+                if isinstance(value, torch.Tensor) and not value.untyped_storage().resizable():
+                    state[key] = value.clone()
+        self._out_again()
+
+    def _out_again(self) -> None:
+        """After a load: what `_bring_everything_back` brought back goes to its tiers again (the
+        parameters the plan keeps on the GPU stay)."""
+        for slot in self.slots:
+            if slot.tiers[cp.PARAMETER] != GPU:
+                slot.write = self._write(slot, cp.PARAMETER, flat_bytes(slot.param))
+            if slot.param.grad is not None:
+                self._move_gradient_out(slot)
+            for name, value in _state_tensors(self.optimizer, slot.param):
+                if self._state_out(slot, name, value):
+                    value.untyped_storage().resize_(0)
+            self._release(slot, wait=True)
+        self._drain_writes()
 
     def _owns(self, parameters: list[torch.Tensor]) -> bool:
         """Whether a `clip_grad_norm_` list holds this model's parameters: their gradients have
@@ -673,6 +767,7 @@ class ModelOffload(Session):
             self.optimizer.__dict__.pop("step", None)
             self.optimizer.__dict__.pop("zero_grad", None)
             self.optimizer.__dict__.pop("state_dict", None)
+            self.optimizer.__dict__.update(getattr(self, "_instance_methods", {}))
         if self._cpu_worker is not None:
             self._cpu_worker.shutdown()
             self._cpu_worker = None
@@ -1608,17 +1703,6 @@ class _Counts:
         return out
 
 
-def _session_step(session: ModelOffload) -> Callable[..., Any]:
-    """The streamed step as a function of the optimizer, installed as its bound method: an LR
-    scheduler made later rebinds `optimizer.step.__func__` to the optimizer (torch's
-    `patch_track_step_called`), which a bound method of the session would not survive."""
-
-    def step(optimizer: Optimizer, closure: Optional[Callable[[], Any]] = None) -> Any:
-        return session._streamed_step(closure)
-
-    return step
-
-
 def _uses_foreach(tensor: torch.Tensor, foreach: Optional[bool]) -> bool:
     """torch's clip_grad_norm_ choice between the foreach kernels and per-tensor ops (the same
     bits either way: both work tensor by tensor)."""
@@ -1714,3 +1798,14 @@ def _trained(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 def _inside(name: str, blocks: list[tuple[str, torch.nn.Module]]) -> bool:
     return any(name.startswith(block + ".") for block, _ in blocks)
+
+
+def _optimizer_method(call: Callable[..., Any], optimizer: Optimizer) -> Any:
+    """`call` as a method of `optimizer`: an LR scheduler made inside the session wraps
+    `optimizer.step` by rebinding its function to the optimizer, which a method of the session
+    would not survive."""
+
+    def method(_optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        return call(*args, **kwargs)
+
+    return types.MethodType(method, optimizer)

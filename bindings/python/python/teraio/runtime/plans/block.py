@@ -81,6 +81,10 @@ class Measurement:
     step_peak_bytes: int = 0
     #: Optimizer-state bytes that may leave the GPU between steps.
     state_bytes: int = 0
+    #: Forward and backward passes per step (gradient accumulation over micro-batches): the
+    #: times above are one pass's (the mean of the measured passes), the peaks the whole
+    #: iteration's (the later passes' hold the gradients accumulated so far).
+    passes: int = 1
 
     @property
     def selective_ok(self) -> bool:
@@ -92,7 +96,7 @@ class Measurement:
         """The measured iteration: every block recomputed, the state resident at the step."""
         blocks = sum(b.forward_ms + b.recompute_ms + b.backward_ms for b in self.blocks)
         edges = self.pre_forward_ms + self.head_backward_ms + self.tail_backward_ms
-        return blocks + edges + self.step_ms
+        return self.passes * (blocks + edges) + self.step_ms
 
 
 @dataclass
@@ -164,19 +168,64 @@ def predict(measured: Measurement, plan: Plan, link: Link) -> tuple[float, int]:
     windowed step's: only its last window, the others left during the step).
     Peak: the measured peak plus the kept blocks' bytes, the window (with any host block) and the
     state left on the GPU; the step's measured peak (all state back) is a floor.
+    With several passes per step (`Measurement.passes`), each pass runs as above in turn; the
+    state leaves in the first and comes back after the last.
     """
-    blocks = measured.blocks
-    window = window_bytes(measured, plan)
     ms_per_byte_d2h, ms_per_byte_h2d = 1e3 / link.d2h, 1e3 / link.h2d
     ssd_ms_per_byte = 1e3 / max(1.0, min(link.ssd_read, link.ssd_write))
-    # Forward.
-    t = measured.pre_forward_ms
     state_out_ms = plan.state_host_bytes * ms_per_byte_d2h + plan.state_ssd_bytes * ssd_ms_per_byte
     if plan.step_window_bytes and plan.state_out_bytes:
         # A windowed step sends each window out after stepping it: only the last leaves in forward.
         state_out_ms *= min(1.0, plan.step_window_bytes / plan.state_out_bytes)
-    # The state's copies out are issued when forward reaches the first block.
-    link_free = t + state_out_ms
+    # The state's copies out are issued when the first pass's forward reaches the first block.
+    t = 0.0
+    link_free = measured.pre_forward_ms + state_out_ms
+    h2d_free = 0.0
+    state_ready = 0.0
+    state_late_bytes = 0
+    for pass_index in range(max(1, measured.passes)):
+        t, link_free, h2d_free, state_ready, late = _predict_pass(
+            measured,
+            plan,
+            t,
+            link_free,
+            h2d_free,
+            state_ready,
+            ms_per_byte_d2h,
+            ms_per_byte_h2d,
+            ssd_ms_per_byte,
+        )
+        if pass_index == 0:
+            # State whose copy out is still queued when forward ends is still on the GPU at the peak.
+            state_late = max(0.0, measured.pre_forward_ms + state_out_ms - late)
+            state_late_bytes = int(
+                state_late / max(ms_per_byte_d2h, ssd_ms_per_byte if plan.state_ssd_bytes else 0.0)
+            )
+    if plan.state_out_bytes and plan.state_restore_at is None:
+        start = max(t, h2d_free)
+        state_ready = start + plan.state_host_bytes * ms_per_byte_h2d + plan.state_ssd_bytes * ssd_ms_per_byte
+    t = max(t, state_ready) + measured.step_ms
+    return t, peak_bound(measured, plan) + min(state_late_bytes, plan.state_out_bytes)
+
+
+def _predict_pass(
+    measured: Measurement,
+    plan: Plan,
+    t: float,
+    link_free: float,
+    h2d_free: float,
+    state_ready: float,
+    ms_per_byte_d2h: float,
+    ms_per_byte_h2d: float,
+    ssd_ms_per_byte: float,
+) -> tuple[float, float, float, float, float]:
+    """One forward and backward pass from `t` (`predict`): its end, when each copy queue is free,
+    when the state's restore (issued in backward where the plan says) is done, and when its
+    forward ended."""
+    blocks = measured.blocks
+    window = window_bytes(measured, plan)
+    # Forward.
+    t += measured.pre_forward_ms
     in_flight: deque[tuple[float, int]] = deque()
     flight_bytes = 0
     written: dict[int, float] = {}
@@ -195,19 +244,13 @@ def predict(measured: Measurement, plan: Plan, link: Link) -> tuple[float, int]:
             done, nbytes = in_flight.popleft()
             t = max(t, done)
             flight_bytes -= nbytes
-    # State whose copy out is still queued when forward ends is still on the GPU at the peak.
-    state_late = max(0.0, measured.pre_forward_ms + state_out_ms - t)
-    state_late_bytes = int(
-        state_late / max(ms_per_byte_d2h, ssd_ms_per_byte if plan.state_ssd_bytes else 0.0)
-    )
+    forward_end = t
     t += measured.head_backward_ms
     # Backward: block n-1 first.
     host_order = [i for i in reversed(range(len(blocks))) if plan.actions[i] == HOST]
     ready: dict[int, float] = {}
-    h2d_free = 0.0
     pending = 0  # prefetched bytes not yet used
     next_host = 0
-    state_ready = 0.0
 
     def restore_state(now: float) -> float:
         start = max(now, h2d_free)
@@ -241,10 +284,7 @@ def predict(measured: Measurement, plan: Plan, link: Link) -> tuple[float, int]:
             t = max(t, ready[index])
         t += block.backward_ms + recompute_ms(block, plan.actions[index])
     t += measured.tail_backward_ms
-    if plan.state_out_bytes and plan.state_restore_at is None:
-        state_ready = restore_state(t)
-    t = max(t, state_ready) + measured.step_ms
-    return t, peak_bound(measured, plan) + min(state_late_bytes, plan.state_out_bytes)
+    return t, link_free, h2d_free, state_ready, forward_end
 
 
 def peak_bound(measured: Measurement, plan: Plan) -> int:
@@ -322,8 +362,10 @@ def fit_layout(
         need = max(need, measured.step_peak_bytes - limit_bytes + plan.step_held_bytes)
     if need > 0 and not _move_state(plan, need, state_sizes, host_left, has_store):
         return None
-    # A windowed step brings the state back itself; else where backward frees room.
-    if not plan.step_window_bytes:
+    # A windowed step brings the state back itself; else where backward frees room, if the
+    # iteration has one backward pass (with more, the state would stay through the next
+    # forward, which the bound leaves no room for: it comes back at the step).
+    if not plan.step_window_bytes and measured.passes == 1:
         plan.state_restore_at = _restore_position(measured, plan, limit_bytes)
     plan.predicted_ms, plan.predicted_peak_bytes = predict(measured, plan, link)
     if plan.predicted_peak_bytes > limit_bytes:
@@ -352,7 +394,7 @@ def _best_layout(
             actions = (
                 [HOST] * hosted + [RECOMPUTE] * recomputed + [SELECTIVE] * chosen + [KEEP] * (left - chosen)
             )
-            compute = measured.checkpoint_all_ms + sum(
+            compute = measured.checkpoint_all_ms + measured.passes * sum(
                 recompute_ms(b, a) - b.recompute_ms + added_forward_ms(b, a)
                 for b, a in zip(measured.blocks, actions)
             )
