@@ -322,6 +322,9 @@ def test_whole_model_offload_is_exact_on_cuda(
         "host_memory": host_memory,
         "whole_model": "on",
         "step_in_backward": step_in_backward,
+        # The GPU step runs torch's CUDA AdamW: the reference's bits (the CPU step's are torch's
+        # CPU AdamW: test_whole_model_update.py, and test_the_step_on_the_cpu_trains_on_cuda).
+        "update": "gpu",
     }
     with teraio.offload(model, optimizer, store=store, **options, granularity="tensor") as run:
         assert type(run).__name__ == "ModelOffload"
@@ -343,7 +346,13 @@ def test_whole_model_state_too_big_for_the_budget_is_left_in_cpu_memory(store: t
     model, optimizer = make(device=DEVICE)
     with pytest.warns(UserWarning, match="left in CPU memory"):
         with teraio.offload(
-            model, optimizer, store=store, gpu_memory=1 << 20, host_memory=1 << 30, granularity="tensor"
+            model,
+            optimizer,
+            store=store,
+            gpu_memory=1 << 20,
+            host_memory=1 << 30,
+            granularity="tensor",
+            update="gpu",  # the reference's arithmetic (CUDA AdamW), so the bits are the same
         ) as run:
             losses = train(model, optimizer, data)
     assert losses == reference and run.report().returned_to == "cpu"
@@ -370,13 +379,33 @@ def test_whole_model_gradient_clipping_is_exact_on_cuda(store: teraio.Store) -> 
     reference_model, reference_optimizer = make(device=DEVICE)
     reference, reference_norms = clipped(reference_model, reference_optimizer)
     model, optimizer = make(device=DEVICE)
-    options = {"gpu_memory": 64 << 20, "host_memory": 1 << 30, "whole_model": "on"}
+    # The GPU step: the norm and the update are the reference's CUDA arithmetic.
+    options = {"gpu_memory": 64 << 20, "host_memory": 1 << 30, "whole_model": "on", "update": "gpu"}
     with teraio.offload(model, optimizer, store=store, **options, granularity="tensor"):
         losses, norms = clipped(model, optimizer)
     assert losses == reference
     assert all(torch.equal(a, b) for a, b in zip(reference_norms, norms))
     for p, q in zip(reference_model.parameters(), model.parameters()):
         assert torch.equal(p, q)
+
+
+def test_the_step_on_the_cpu_trains_on_cuda(store: teraio.Store) -> None:
+    """update="cpu": gradients go to pinned host memory and torch's CPU AdamW updates the fp32
+    masters there; its arithmetic is not CUDA's, so losses and parameters agree with the
+    reference to rounding, not bitwise, and the state is back on the GPU after the session."""
+    data = batches(STEPS, rows=ROWS, device=DEVICE)
+    reference_model, reference_optimizer = make(device=DEVICE)
+    reference = train(reference_model, reference_optimizer, data)
+    model, optimizer = make(device=DEVICE)
+    options = {"gpu_memory": 64 << 20, "host_memory": 1 << 30, "whole_model": "on", "update": "cpu"}
+    with teraio.offload(model, optimizer, store=store, **options, granularity="tensor") as run:
+        losses = train(model, optimizer, data)
+    assert run.report().update == "cpu"
+    assert losses == pytest.approx(reference, rel=1e-4)
+    for p, q in zip(reference_model.parameters(), model.parameters()):
+        assert q.is_cuda and torch.allclose(p, q, rtol=1e-3, atol=1e-5)
+        for key, value in reference_optimizer.state[p].items():
+            assert optimizer.state[q][key].device == value.device, key
 
 
 @pytest.mark.parametrize("action", ["keep", "host", "recompute", None])
