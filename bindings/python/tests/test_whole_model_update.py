@@ -251,3 +251,12 @@ def test_byte_accounting_equals_the_transfers_made(monkeypatch: pytest.MonkeyPat
         assert params <= moved["in"]["host"]["parameter"] <= 2 * params
     else:
         assert moved["in"]["host"]["optimizer_state"] == moved["out"]["host"]["optimizer_state"] == 2 * params
+
+
+def test_update_outside_whole_model_mode_says_it_has_no_effect() -> None:
+    """A model whose state fits runs the block or tensor plan, whose optimizer steps where its
+    state is: `update` is not silently ignored."""
+    model, optimizer = _build()
+    with pytest.warns(UserWarning, match="update='cpu' has no effect"):
+        run = teraio.offload(model, optimizer, gpu_memory="1GiB", whole_model="off", update="cpu")
+    assert not isinstance(run, ModelOffload)

@@ -82,6 +82,13 @@ def offload(
             "(whole_model='on' forces it)",
             stacklevel=2,
         )
+    if adapted.update != "auto" and not whole:
+        warnings.warn(
+            f"teraio.offload: update={adapted.update!r} has no effect: the model's parameters, "
+            "gradients and optimizer state fit gpu_memory, so whole-model mode is off and the "
+            "optimizer steps where its state is (whole_model='on' forces whole-model mode)",
+            stacklevel=2,
+        )
     if whole:
         mode: Any = whole_model.ModelOffload
     elif adapted.granularity == "tensor" or (adapted.granularity == "auto" and not find_blocks(model)):
