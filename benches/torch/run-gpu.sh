@@ -72,7 +72,8 @@
 # (`pip download --no-deps torchtune==0.6.1 -d .whl-py`), and for `baselines` .whl-py/ds/: DeepSpeed
 # 0.19.8 and its dependencies (hjson, pydantic, pydantic-core for cp312, annotated-types,
 # typing-inspection, typing-extensions) with Debian's libaio1 and libaio-dev .debs (for
-# `baselines` and `capacity`). Every mode runs with expandable_segments. Logs and RESULT lines go
+# `baselines` and `capacity`); .whl-py/extra/: peft and accelerate where the machine lacks them
+# (`pip download --no-deps peft accelerate -d .whl-py/extra`), for `loops` and `trainer`. Every mode runs with expandable_segments. Logs and RESULT lines go
 # to $OUT (results.jsonl; logs.tgz where there are many); the table is printed last (summarize.py).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -81,6 +82,14 @@ mkdir -p "$OUT"
 what=${1:-tests}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
   .whl-py/teraio-*.whl .whl-py/torchtune-*.whl || exit 1
+# .whl-py/extra/*.whl (optional): pure-Python packages the machine may lack (peft, accelerate),
+# installed where it lacks them.
+for wheel in .whl-py/extra/*.whl; do
+  [ -e "$wheel" ] || continue
+  module=$(basename "$wheel" | cut -d- -f1)
+  python3 -c "import $module" 2> /dev/null ||
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$wheel" || exit 1
+done
 # PY_OVERLAY=DIR: DIR's *.py files (a teraio package tree, no compiled module) replace the wheel's,
 # so a change to the Python runtime runs on the GPU without rebuilding the wheel.
 if [ -n "${PY_OVERLAY:-}" ]; then

@@ -692,7 +692,11 @@ class BlockOffload(Session):
             return
         started = time.perf_counter()
         position = len(self.blocks) - 1 - index
-        self.state.on_event(position)
+        if self._pass_count >= self.measured.passes:
+            self.state.on_event(position)
+        else:
+            # Not the step's last pass: the state stays out through the next forward.
+            self.state.poll()
         if index in self._pending_bytes:
             self._pending_bytes.pop(index)
         window = self.mover.window
@@ -739,8 +743,9 @@ class BlockOffload(Session):
     def _next_pass(self) -> None:
         """Another forward pass before the step (gradient accumulation): the last pass's backward
         is done, so its host blocks' copies back are freed and the next backward prefetches
-        anew; state that the plan restores during backward leaves again (its bound has no room
-        for the state through a forward)."""
+        anew. The plan restores the state in the backward of the step's last measured pass; a
+        loop that runs more passes than measured meets a forward with the state back, and it
+        leaves again (the bound has no room for the state through a forward)."""
         self._end_pass(mark(self.device))
         self.mover.end_iteration()
         if self.plan is not None and self.plan.state_restore_at is not None:

@@ -106,8 +106,8 @@ class Plan:
     actions: list[str]
     state_host_bytes: int = 0
     state_ssd_bytes: int = 0
-    #: Backward position (0: the last block's gradient hook) where the state's restore starts;
-    #: None: at the step.
+    #: Backward position (0: the last block's gradient hook) where the state's restore starts,
+    #: in the step's last backward pass (`Measurement.passes`); None: at the step.
     state_restore_at: Optional[int] = None
     predicted_ms: float = 0.0
     predicted_peak_bytes: int = 0
@@ -169,7 +169,8 @@ def predict(measured: Measurement, plan: Plan, link: Link) -> tuple[float, int]:
     Peak: the measured peak plus the kept blocks' bytes, the window (with any host block) and the
     state left on the GPU; the step's measured peak (all state back) is a floor.
     With several passes per step (`Measurement.passes`), each pass runs as above in turn; the
-    state leaves in the first and comes back after the last.
+    state leaves in the first and comes back in the last one's backward (or, without a restore
+    position, after it).
     """
     ms_per_byte_d2h, ms_per_byte_h2d = 1e3 / link.d2h, 1e3 / link.h2d
     ssd_ms_per_byte = 1e3 / max(1.0, min(link.ssd_read, link.ssd_write))
@@ -183,7 +184,8 @@ def predict(measured: Measurement, plan: Plan, link: Link) -> tuple[float, int]:
     h2d_free = 0.0
     state_ready = 0.0
     state_late_bytes = 0
-    for pass_index in range(max(1, measured.passes)):
+    passes = max(1, measured.passes)
+    for pass_index in range(passes):
         t, link_free, h2d_free, state_ready, late = _predict_pass(
             measured,
             plan,
@@ -194,6 +196,7 @@ def predict(measured: Measurement, plan: Plan, link: Link) -> tuple[float, int]:
             ms_per_byte_d2h,
             ms_per_byte_h2d,
             ssd_ms_per_byte,
+            restores=pass_index == passes - 1,
         )
         if pass_index == 0:
             # State whose copy out is still queued when forward ends is still on the GPU at the peak.
@@ -218,10 +221,11 @@ def _predict_pass(
     ms_per_byte_d2h: float,
     ms_per_byte_h2d: float,
     ssd_ms_per_byte: float,
+    restores: bool,
 ) -> tuple[float, float, float, float, float]:
     """One forward and backward pass from `t` (`predict`): its end, when each copy queue is free,
-    when the state's restore (issued in backward where the plan says) is done, and when its
-    forward ended."""
+    when the state's restore (issued in backward where the plan says, if the pass `restores`:
+    the step's last) is done, and when its forward ended."""
     blocks = measured.blocks
     window = window_bytes(measured, plan)
     # Forward.
@@ -277,7 +281,7 @@ def _predict_pass(
             pending == 0 or pending + blocks[host_order[next_host]].saved_bytes <= window
         ):
             issue(t)
-        if plan.state_out_bytes and plan.state_restore_at == position:
+        if restores and plan.state_out_bytes and plan.state_restore_at == position:
             state_ready = restore_state(t)
             h2d_free = state_ready
         if plan.actions[index] == HOST:
@@ -362,10 +366,10 @@ def fit_layout(
         need = max(need, measured.step_peak_bytes - limit_bytes + plan.step_held_bytes)
     if need > 0 and not _move_state(plan, need, state_sizes, host_left, has_store):
         return None
-    # A windowed step brings the state back itself; else where backward frees room, if the
-    # iteration has one backward pass (with more, the state would stay through the next
-    # forward, which the bound leaves no room for: it comes back at the step).
-    if not plan.step_window_bytes and measured.passes == 1:
+    # A windowed step brings the state back itself; else where backward frees room, in the last
+    # backward pass (brought back in an earlier one, the state would stay through the next
+    # forward, which the bound leaves no room for).
+    if not plan.step_window_bytes:
         plan.state_restore_at = _restore_position(measured, plan, limit_bytes)
     plan.predicted_ms, plan.predicted_peak_bytes = predict(measured, plan, link)
     if plan.predicted_peak_bytes > limit_bytes:
