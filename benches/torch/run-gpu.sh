@@ -19,7 +19,8 @@
 #                             #   no-offload peak, Qwen2-1.5B and Llama-3.2-1B shapes, bf16 autocast,
 #                             #   SDPA; every ideal row first, then the 65% rows, then the 50% ones
 #                             #   (~6 min; DEADLINE (330 s): no row starts after it, cut rows are
-#                             #   recorded as skipped). FAMILIES (qwen2,llama), STEPS (8), WARMUP (3),
+#                             #   recorded as skipped). FAMILIES (qwen2,llama), STEPS (13), WARMUP (9:
+#                             #   teraio's measuring iterations and A/B trial left out of the time),
 #                             #   OPTIM (adamw_torch; the Trainer's own default on CUDA: adamw_torch_fused)
 #   run-gpu.sh loops          # training loops as users write them (bench_loops.py): per family in
 #                             #   FAMILIES (qwen2), the full batch without offload, then teraio (default
@@ -28,7 +29,8 @@
 #                             #   LORA=1: then LoRA via peft (rank 16, every linear layer) on the
 #                             #   Llama-3.2-3B shape, teraio and LoRA + checkpointing at 65% and 50% of
 #                             #   LoRA's peak; rows past DEADLINE (420 s) are recorded as skipped (~8 min).
-#                             #   FAMILIES=llama: the second family; FAMILIES= LORA=1: the LoRA rows alone
+#                             #   FAMILIES=qwen2,llama: both families; FAMILIES= LORA=1: the LoRA rows
+#                             #   alone; STEPS (13), WARMUP (9) as for `trainer`
 #   run-gpu.sh flagship       # the fp32 0.85B Llama at half its ideal peak: ideal, teraio with the
 #                             #   machine's measured figures and with default arguments, HF
 #                             #   checkpointing; batch 8 with teraio (~6 min)
@@ -205,7 +207,7 @@ regime)
 trainer)
   deadline=${DEADLINE:-330}
   timeout $((deadline + 200)) python3 $B/bench_trainer.py table --families "${FAMILIES:-qwen2,llama}" \
-    --fractions 0.65,0.5 --steps "${STEPS:-8}" --warmup "${WARMUP:-3}" --optim "${OPTIM:-adamw_torch}" \
+    --fractions 0.65,0.5 --steps "${STEPS:-13}" --warmup "${WARMUP:-9}" --optim "${OPTIM:-adamw_torch}" \
     --store-dir /root/teraio-trainer \
     --deadline-s "$deadline" --out-dir "$OUT/trainer" 2>&1 | grep -E '^\[|^==' | tee "$OUT/trainer-progress.log"
   cp "$OUT/trainer/results.jsonl" "$OUT/results.jsonl"
@@ -219,7 +221,7 @@ loops)
   lora=$([ "${LORA:-0}" = 1 ] && echo --lora)
   # shellcheck disable=SC2086
   timeout $((deadline + 45)) python3 $B/bench_loops.py table --families "${FAMILIES-qwen2}" $lora \
-    --fractions 0.65,0.5 --accums 2,4 --steps "${STEPS:-8}" --warmup "${WARMUP:-3}" \
+    --fractions 0.65,0.5 --accums 2,4 --steps "${STEPS:-13}" --warmup "${WARMUP:-9}" \
     --store-dir /root/teraio-loops \
     --deadline-s "$deadline" --out-dir "$OUT/loops" 2>&1 | grep -E '^\[|^==' | tee "$OUT/loops-progress.log"
   cp "$OUT/loops/results.jsonl" "$OUT/results.jsonl"
