@@ -15,7 +15,7 @@ if [[ ! -x "$venv/bin/python" ]]; then
   python3 -m venv "$venv"
   "$venv/bin/pip" install -q --upgrade pip
 fi
-"$venv/bin/pip" install -q torch numpy pytest transformers accelerate lightning peft
+"$venv/bin/pip" install -q torch numpy pytest transformers accelerate lightning peft trl
 "$venv/bin/pip" install -q --force-reinstall --no-deps ./bindings/python
 # pytest's own temporary directories under target/ too (its default is /tmp/pytest-of-$USER).
 TERAIO_TEST_DIR="$PWD/target/py-test-stores" "$venv/bin/python" -m pytest -q --basetemp target/pytest-tmp \

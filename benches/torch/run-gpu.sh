@@ -75,8 +75,8 @@
 # 0.19.8 and its dependencies (hjson, pydantic, pydantic-core for cp312, annotated-types,
 # typing-inspection, typing-extensions) with Debian's libaio1 and libaio-dev .debs (for
 # `baselines` and `capacity`); .whl-py/extra/: peft and accelerate where the machine lacks them
-# (`pip download --no-deps peft accelerate -d .whl-py/extra`), for `loops` and `trainer`. Every mode runs with expandable_segments. Logs and RESULT lines go
-# to $OUT (results.jsonl; logs.tgz where there are many); the table is printed last (summarize.py).
+# (`pip download --no-deps peft accelerate -d .whl-py/extra`), for `loops` and `trainer`. Every
+# mode runs with expandable_segments. Logs and RESULT lines go to $OUT (results.jsonl; logs.tgz where there are many); the table is printed last (summarize.py).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/teraio-gpu-out}

@@ -160,6 +160,67 @@ def test_trainer_callback_bitwise(
     _assert_no_hooks(trainer.model, trainer.optimizer.optimizer)
 
 
+def _sft_trainer(tmp_path: Any, callbacks: list[Any], **config: Any) -> Any:
+    """trl's SFTTrainer on pre-tokenized rows, with a word-level tokenizer made here (no download)."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    tokenizers = pytest.importorskip("tokenizers")
+    tf = pytest.importorskip("transformers")
+    model = _tiny_llama()
+    vocab = {f"t{i}": i for i in range(model.config.vocab_size)}
+    tokenizer = tf.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=vocab, unk_token="t0")),
+        pad_token="t0",
+        eos_token="t1",
+    )
+    rows = datasets.Dataset.from_dict({"input_ids": [row.tolist() for row in _token_rows(STEPS * 2 * 2)]})
+    arguments = trl.SFTConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=STEPS,
+        learning_rate=1e-3,
+        max_grad_norm=1.0,
+        report_to="none",
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+        **config,
+    )
+    return trl.SFTTrainer(
+        model=model, args=arguments, train_dataset=rows, processing_class=tokenizer, callbacks=callbacks
+    )
+
+
+def test_trl_sft_trainer_callback_bitwise(tmp_path: Any) -> None:
+    # SFTConfig turns Hugging Face checkpointing and bf16 on by default; teraio plans its own
+    # recomputation, so the user turns checkpointing off (the default is refused, below).
+    from teraio.integrations.transformers import OffloadCallback
+
+    reference = _sft_trainer(tmp_path, [], gradient_checkpointing=False)
+    reference.train()
+    ref_state = _state(reference.model)
+
+    callback = OffloadCallback(gpu_memory=_budget(_tiny_llama()), **BLOCK)
+    trainer = _sft_trainer(tmp_path, [callback], gradient_checkpointing=False)
+    with callback:
+        trainer.train()
+    _assert_same_state(trainer.model, ref_state)
+    assert type(callback.run).__name__ == "BlockOffload"
+    assert callback.report().planned_steps > 0
+    _assert_no_hooks(trainer.model, trainer.optimizer.optimizer)
+
+
+def test_trl_sft_trainer_default_checkpointing_refused(tmp_path: Any) -> None:
+    from teraio.integrations.transformers import OffloadCallback
+
+    with pytest.raises(ValueError, match="gradient checkpointing is on"):
+        _sft_trainer(tmp_path, [OffloadCallback(gpu_memory="1GiB")])
+
+
 class _FailAt:
     """A Trainer callback that raises once the Trainer reaches `step` (its on_step_end)."""
 
