@@ -1,7 +1,7 @@
 """Checkpoint and resume under `teraio.offload` in every mode (issue 43): `model.state_dict()` and
 `optimizer.state_dict()` in the middle of training hold the true values wherever they live,
 `torch.save` / `torch.load` round trip them, `load_state_dict` puts them back, and the resumed
-losses equal the uninterrupted run's bitwise (CPU "device").
+losses equal the uninterrupted run's bitwise (CPU "device", and CUDA where there is one).
 
 TERAIO_TEST_DIR=$PWD/target/py-test-stores python -m pytest -q bindings/python/tests/test_checkpoint.py
 """
@@ -62,20 +62,40 @@ def _away(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     return sum(1 for t in tensors if t.numel() and not t.untyped_storage().nbytes())
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+#: The modes that run on CUDA too (the others' tiny budgets are below what CUDA itself holds);
+#: whole-model mode steps on the GPU there, whose arithmetic is the reference's.
+CUDA_MODES = {"block-host": {}, "block-recompute": {}, "whole-model": {"update": "gpu"}}
+CASES = [("cpu", mode) for mode in MODES] + [
+    pytest.param(
+        "cuda",
+        mode,
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+        id=f"cuda-{mode}",
+    )
+    for mode in CUDA_MODES
+]
+
+
+def _build_on(device: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model, optimizer = _build()
+    return model.to(device), optimizer  # the same Parameter objects: the optimizer holds them
+
+
+@pytest.mark.parametrize("device, mode", CASES)
 def test_a_checkpoint_mid_training_holds_the_true_values_and_resumes_bitwise(
-    monkeypatch: Any, store: Any, mode: str
+    monkeypatch: Any, store: Any, device: str, mode: str
 ) -> None:
-    data = _data(STEPS)
+    data = [batch.to(device) for batch in _data(STEPS)]
+    more = CUDA_MODES[mode] if device == "cuda" else {}
     # Uninterrupted, without offload: the values at the save and the losses after it.
-    ref_model, ref_opt = _build()
+    ref_model, ref_opt = _build_on(device)
     _loop(ref_model, ref_opt, data[:SAVE_AT], 2)
     expected = torch.load(io.BytesIO(_saved(ref_model, ref_opt)), weights_only=True)
     ref_after = _loop(ref_model, ref_opt, data[SAVE_AT:], 2)
 
     # With offload: the checkpoint taken in the middle of training, and training goes on.
-    model, optimizer = _build()
-    run = _offload(monkeypatch, mode, model, optimizer, store)
+    model, optimizer = _build_on(device)
+    run = _offload(monkeypatch, mode, model, optimizer, store, **more)
     if isinstance(run, BlockOffload):
         _state_leaves_too(monkeypatch)
     with run:
@@ -93,8 +113,8 @@ def test_a_checkpoint_mid_training_holds_the_true_values_and_resumes_bitwise(
 
     # Resumed in a new process's way: a fresh model and optimizer, the checkpoint loaded inside
     # a new session (their tensors live in its tiers by then), and the same batches.
-    model, optimizer = _build()
-    with _offload(monkeypatch, mode, model, optimizer, store):
+    model, optimizer = _build_on(device)
+    with _offload(monkeypatch, mode, model, optimizer, store, **more):
         _loop(model, optimizer, data[:1], 2)  # a step in the session first: the state exists
         # Loaded, then dropped, as a resume does: on a CPU "device" the loaded tensors are
         # device memory, which the plan would have to leave room for.

@@ -98,10 +98,15 @@ MODES: dict[str, tuple[dict[str, Any], type]] = {
 
 
 def _offload(
-    monkeypatch: Any, mode: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, store: Any
+    monkeypatch: Any,
+    mode: str,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    store: Any,
+    **more: Any,
 ) -> Any:
     options, kind = MODES[mode]
-    options = {"min_bytes": 0, "reserve": 0, **options}
+    options = {"min_bytes": 0, "reserve": 0, **options, **more}
     if "force" in options:
         _force(monkeypatch, options.pop("force"))
         options["host_link_bandwidth"] = "1000GB/s"
