@@ -24,6 +24,7 @@ pub mod memory;
 pub mod probe;
 pub(crate) mod runtime;
 pub(crate) mod select;
+pub mod waiter;
 
 pub use cuda::DevicePtr;
 pub use gate::RawEvent;
