@@ -14,11 +14,10 @@
 //!
 //! The wait is enqueued only once the op's own GPU work is queued ([`Unissued`]): the caller's
 //! thread waits on the host until then. CUDA does not see the order a `cuStreamWaitValue32`
-//! sets up, and may run work queued after the wait behind it (the driver's documentation warns
-//! that this can deadlock): a cuFile read in compatibility mode copies to the GPU with calls
-//! ordered after the legacy default stream, and a bounce copy may share a hardware queue with the
-//! caller's stream. Waiting for work queued earlier only, the caller's stream never holds up the
-//! copies that would release it.
+//! sets up, and its documentation warns that work ordered by it may be serialized behind the
+//! wait, a deadlock (e.g. a copy CUDA orders after the caller's stream, as synchronous copies are
+//! after the legacy default stream). Waiting for work queued earlier only, the caller's stream
+//! never holds up the copies that would release it.
 
 use super::cuda::{self, Context, DevicePtr, PinnedRegistration};
 use crate::buffer::AlignedBuf;
