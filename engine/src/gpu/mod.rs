@@ -360,8 +360,8 @@ mod tests {
     /// an event (each put once its key's last one is done, waited for on the host), then read
     /// back after an event, the stream made to wait for the get, and the data copied aside by
     /// work queued behind that wait. A stream wait enqueued before the get's own GPU work was
-    /// queued could hold that work up (a cuFile read's copies, or a bounce copy sharing the
-    /// stream's hardware queue) and hang. A watchdog turns a hang into a failure.
+    /// queued could hold that work up and hang (see [`handoff`]); a watchdog turns a hang into a
+    /// failure, and every stream wait must find the get's GPU work queued.
     #[test]
     fn gated_puts_and_gets_with_stream_waits_on_the_default_stream_finish() {
         if cuda::driver().is_err() {
