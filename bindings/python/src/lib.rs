@@ -263,13 +263,15 @@ impl Handle {
 
     /// Makes CUDA stream `stream` (a `CUstream` handle of the op's device; 0 is the legacy
     /// default stream) wait for this GPU op on the GPU: work queued on it after this call starts
-    /// once the op has finished. The CPU does not wait. The op's outcome still comes from `wait`
-    /// (the stream is released on failure too, and the data must then not be used). A finished
-    /// op makes the stream wait for nothing; an op the engine refused raises its error here.
+    /// once the op has finished. The CPU waits (GIL released) only until the op's own GPU work
+    /// is queued (a get: its bytes read and their copies queued), never for the copies. The op's
+    /// outcome still comes from `wait` (the stream is released on failure too, and the data must
+    /// then not be used). A finished op makes the stream wait for nothing; an op the engine
+    /// refused raises its error here.
     ///
     /// Unsafe contract (the Python layer keeps it): `stream` is a live stream of the primary
     /// context of the op's device.
-    fn enqueue_stream_wait(&self, stream: u64) -> PyResult<()> {
+    fn enqueue_stream_wait(&self, py: Python<'_>, stream: u64) -> PyResult<()> {
         if !self.gpu {
             return Err(InvalidArgumentError::new_err(
                 "only the handle of a put or get of CUDA memory can make a CUDA stream wait; wait for a host op with wait()",
@@ -278,7 +280,8 @@ impl Handle {
         match (&self.ticket, &self.result) {
             // SAFETY: as documented above.
             (Some(AnyTicket::Gpu(ticket)), _) => {
-                unsafe { ticket.enqueue_stream_wait(stream as usize as _) }.map_err(to_py_err)
+                let stream = stream as usize;
+                py.allow_threads(|| unsafe { ticket.enqueue_stream_wait(stream as _) }).map_err(to_py_err)
             }
             (Some(AnyTicket::Host(_)), _) => unreachable!("a GPU handle holds a GPU ticket"),
             (None, Some(result)) => result.clone().map_err(to_py_err),

@@ -305,6 +305,123 @@ def test_host_tier_batches_are_ordered_and_exact() -> None:
     tier.close()
 
 
+def _finishes(work: Any, timeout_s: float) -> None:
+    """Runs `work` on a daemon thread and fails, instead of hanging, if it has not returned in
+    `timeout_s` (a deadlock: the bound is minutes for work of seconds, no speed assertion)."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as e:  # re-raised on the test's thread
+            errors.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        pytest.fail(f"no progress in {timeout_s:.0f} s: the GPU hand-off deadlocked")
+    if errors:
+        raise errors[0]
+
+
+@pytest.mark.parametrize("path", ["bounce", "cufile"])
+def test_ssd_tier_hands_events_to_the_engine_and_never_hangs(path: str, store_dir: Any) -> None:
+    # Whole-model mode's pattern on the default stream: every key is produced by a kernel and
+    # written, read back into memory the allocator hands out again, joined (the compute stream
+    # waits for the read on the GPU) and used by kernels queued behind that wait, round after
+    # round, with the tier's host waits for a key's last write in between. Every transfer is
+    # handed a CUDA event (after=), none is polled.
+    from teraio.ids import base
+    from teraio.runtime.movers.tiers import SsdTier
+
+    store = _gpu_store(store_dir, path)
+    handed: list[Any] = []
+    start_put, start_get = store.start_put, store.start_get
+
+    def put(*args: Any, **kwargs: Any) -> Any:
+        handed.append(kwargs.get("after"))
+        return start_put(*args, **kwargs)
+
+    def get(*args: Any, **kwargs: Any) -> Any:
+        handed.append(kwargs.get("after"))
+        return start_get(*args, **kwargs)
+
+    store.start_put, store.start_get = put, get  # type: ignore[method-assign]
+    keys, rounds, n = 6, 8, (1 << 20) + 4099
+    seen: list[tuple[int, int, Any]] = []
+
+    def work() -> None:
+        tier = SsdTier(torch.device(DEVICE), store, base("model_parameters"))
+        for r in range(rounds):
+            writes = []
+            for k in range(keys):
+                source = torch.full((n,), r * keys + k + 1, dtype=torch.uint8, device=DEVICE)
+                writes.append((tier.write(k, source), source))
+            for k in range(keys):
+                target = torch.empty(n, dtype=torch.uint8, device=DEVICE)
+                tier.read(k, target).join()
+                seen.append((r, k, target.sum(dtype=torch.int64)))  # queued behind the join
+                tier.poll()
+            for transfer, _ in writes:
+                transfer.join()
+        torch.cuda.current_stream().synchronize()
+        tier.close()
+
+    _finishes(work, 300.0)  # fails first if it hangs: a hung store could not close either
+    store.close()
+    assert [int(total) for _, _, total in seen] == [(r * keys + k + 1) * n for r, k, _ in seen]
+    assert len(handed) == 2 * keys * rounds and all(isinstance(e, torch.cuda.Event) for e in handed)
+
+
+_README_LIKE = """
+import sys, tempfile, torch, teraio
+torch.manual_seed(0)
+blocks = [torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 512))
+          for _ in range(8)]
+model = torch.nn.Sequential(*blocks).to("cuda")
+optimizer = torch.optim.AdamW(model.parameters())
+with tempfile.TemporaryDirectory(dir=sys.argv[1]) as scratch:
+    store = teraio.Store.create([f"{scratch}/teraio-0.dev", f"{scratch}/teraio-1.dev"],
+                                file_size_bytes=512 << 20, durable=False, gpu=sys.argv[2])
+    with teraio.offload(model, optimizer, store=store, gpu_memory="160MiB", host_memory="32MiB") as run:
+        for step in range(4):
+            loss = model(torch.randn(256, 512, device="cuda")).square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            print(f"step {step}: loss {loss.item():.4f}", flush=True)
+    assert sum(run.report().bytes_per_iteration["in"]["ssd"].values()) > 0
+    store.close()
+"""
+
+
+@pytest.mark.parametrize("path", ["bounce", "cufile"])
+def test_whole_model_mode_over_the_ssd_tier_does_not_hang(path: str, store_dir: Any) -> None:
+    # README's whole-model example (most of its state on the store), in a process of its own
+    # that is killed if it has not finished in minutes: its step once hung in a state write's
+    # wait when the SSD tier handed its events to the engine.
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _README_LIKE, str(store_dir), path],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"README's whole-model example hung on the {path} path: {e.stdout!r}")
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "step 3" in done.stdout
+
+
 @pytest.mark.parametrize("step_in_backward", [False, True], ids=["step", "step-in-backward"])
 @pytest.mark.parametrize("host_memory", [1 << 30, 0], ids=["host", "ssd"])
 def test_whole_model_offload_is_exact_on_cuda(

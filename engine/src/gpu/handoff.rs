@@ -11,12 +11,19 @@
 //! caller learns the outcome from the ticket, and must not trust the data if it reports an error.
 //! Values only grow, so a slot reused by a later op never releases a waiter early, and a waiter
 //! enqueued after the op finished passes at once.
+//!
+//! The wait is enqueued only once the op's own GPU work is queued ([`Unissued`]): the caller's
+//! thread waits on the host until then. CUDA does not see the order a `cuStreamWaitValue32`
+//! sets up, and its documentation warns that work ordered by it may be serialized behind the
+//! wait, a deadlock (e.g. a copy CUDA orders after the caller's stream, as synchronous copies are
+//! after the legacy default stream). Waiting for work queued earlier only, the caller's stream
+//! never holds up the copies that would release it.
 
 use super::cuda::{self, Context, DevicePtr, PinnedRegistration};
 use crate::buffer::AlignedBuf;
 use crate::error::{Error, Result};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Condvar, Mutex};
 
 /// Flag slots per store and GPU: an op started while this many are in flight gets no slot, and
 /// its `enqueue_stream_wait` returns an error saying so (never a silent no-op).
@@ -100,4 +107,93 @@ impl std::fmt::Debug for HandoffFlags {
 /// The error for a hand-off that cannot be had.
 pub(crate) fn no_handoff(why: &str) -> Error {
     Error::InvalidConfig(format!("no stream hand-off for this op: {why}"))
+}
+
+/// The GPU work of one op that is not queued yet: the op's dispatch, and each piece whose copy
+/// (bounce path) or cuFile call (cuFile path) is still to come. A stream wait for the op is
+/// enqueued only once nothing is left ([`Unissued::wait`]).
+#[derive(Debug)]
+pub(crate) struct Unissued {
+    left: Mutex<usize>,
+    none_left: Condvar,
+}
+
+/// One claim on an op's [`Unissued`] work, given back when dropped.
+#[derive(Debug)]
+pub(crate) struct IssueHold(Arc<Unissued>);
+
+impl Unissued {
+    /// The work of a new op, and the hold of its dispatch (dropped once the op is cut into
+    /// requests, or finished without them).
+    pub fn new() -> (Arc<Unissued>, IssueHold) {
+        let unissued = Arc::new(Unissued { left: Mutex::new(1), none_left: Condvar::new() });
+        (unissued.clone(), IssueHold(unissued))
+    }
+
+    /// A claim for more work of the op, held until that work is queued.
+    pub fn hold(self: &Arc<Self>) -> IssueHold {
+        let mut left = self.left.lock().expect("unissued");
+        assert!(*left > 0, "work is added only while the op's dispatch or a piece holds it");
+        *left += 1;
+        IssueHold(self.clone())
+    }
+
+    /// Waits until all of the op's GPU work is queued.
+    pub fn wait(&self) {
+        let left = self.left.lock().expect("unissued");
+        drop(self.none_left.wait_while(left, |n| *n > 0).expect("unissued"));
+    }
+
+    /// Whether all of the op's GPU work is queued; never blocks.
+    pub fn is_issued(&self) -> bool {
+        *self.left.lock().expect("unissued") == 0
+    }
+}
+
+impl Drop for IssueHold {
+    fn drop(&mut self) {
+        let mut left = self.0.left.lock().expect("unissued");
+        assert!(*left > 0, "each hold is given back once");
+        *left -= 1;
+        if *left == 0 {
+            self.0.none_left.notify_all();
+        }
+    }
+}
+
+/// What a ticket keeps of its op's hand-off: the flag slot and the work to wait for first.
+#[derive(Debug, Clone)]
+pub(crate) struct Handoff {
+    pub flags: Arc<HandoffFlags>,
+    pub slot: HandoffSlot,
+    pub unissued: Arc<Unissued>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Unissued;
+
+    /// A stream wait goes ahead only once the dispatch and every piece have let go, whichever
+    /// order they do it in (no CUDA needed: the count is host state).
+    #[test]
+    fn unissued_work_is_waited_for_until_every_hold_is_dropped() {
+        let (unissued, dispatching) = Unissued::new();
+        let piece = unissued.hold();
+        let other = unissued.hold();
+        drop(dispatching);
+        assert!(!unissued.is_issued(), "two pieces still hold work back");
+        let waiter = {
+            let unissued = unissued.clone();
+            std::thread::spawn(move || {
+                unissued.wait();
+                unissued.is_issued()
+            })
+        };
+        drop(other);
+        assert!(!unissued.is_issued(), "one piece still holds work back");
+        drop(piece);
+        assert!(waiter.join().unwrap(), "the wait returned before every hold was dropped");
+        assert!(unissued.is_issued());
+        unissued.wait(); // nothing left: returns at once
+    }
 }

@@ -24,6 +24,7 @@ pub mod memory;
 pub mod probe;
 pub(crate) mod runtime;
 pub(crate) mod select;
+pub mod waiter;
 
 pub use cuda::DevicePtr;
 pub use gate::RawEvent;
@@ -33,7 +34,6 @@ pub use probe::{gds_obstacles, probe, GpuProbe};
 use crate::config::GpuPath;
 use crate::error::Result;
 use crate::store::ticket::Ticket;
-use handoff::{HandoffFlags, HandoffSlot};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -112,7 +112,7 @@ impl std::fmt::Display for GpuPathReport {
 #[must_use = "a ticket must be waited on to learn whether the op succeeded"]
 pub struct GpuTicket<B = ()> {
     pub(crate) ticket: Ticket<B>,
-    pub(crate) handoff: Option<(Arc<HandoffFlags>, HandoffSlot)>,
+    pub(crate) handoff: Option<handoff::Handoff>,
 }
 
 impl GpuTicket<()> {
@@ -158,19 +158,31 @@ impl<B> GpuTicket<B> {
         self.ticket.wait_timeout(timeout)
     }
 
-    /// Makes the caller's CUDA `stream` wait for this op (no CPU blocking): work queued on the
-    /// stream after this call starts only once the op has finished. The op's outcome still comes
-    /// from [`GpuTicket::wait`]: after a failed get the data must not be used.
+    /// Makes the caller's CUDA `stream` wait for this op: work queued on the stream after this
+    /// call starts only once the op has finished. The calling thread waits on the host until the
+    /// op's own GPU work is queued (a get: its bytes are read and their copies to the GPU queued,
+    /// not done; on the cuFile path: its reads have returned), never for the copies, so that the
+    /// stream waits for work queued before it only (see [`handoff`]). The op's outcome still
+    /// comes from [`GpuTicket::wait`]: after a failed get the data must not be used.
     ///
     /// # Safety
     /// `stream` must be a live stream (or null, the legacy default stream) of the primary context
     /// of the op's device.
     pub unsafe fn enqueue_stream_wait(&self, stream: cudarc::driver::sys::CUstream) -> Result<()> {
         match &self.handoff {
-            // SAFETY: forwarded contract.
-            Some((flags, slot)) => unsafe { flags.enqueue_wait(*slot, stream) },
+            Some(h) => {
+                h.unissued.wait();
+                // SAFETY: forwarded contract.
+                unsafe { h.flags.enqueue_wait(h.slot, stream) }
+            }
             None => Err(handoff::no_handoff("all hand-off slots were taken when the op started")),
         }
+    }
+
+    /// Whether [`GpuTicket::enqueue_stream_wait`] would return without waiting on the host: the
+    /// op's GPU work is all queued (or it has no hand-off).
+    pub fn stream_wait_ready(&self) -> bool {
+        self.handoff.as_ref().is_none_or(|h| h.unissued.is_issued())
     }
 }
 
@@ -178,6 +190,7 @@ impl<B> GpuTicket<B> {
 mod tests {
     use super::*;
     use crate::{FormatConfig, OpenConfig, Priority, Store, MIB};
+    use handoff::HandoffSlot;
 
     /// Without CUDA (CI, this dev machine) the probe and every GPU call say so with a typed error;
     /// with CUDA the probe lists the devices. Host I/O works either way.
@@ -339,6 +352,132 @@ mod tests {
         dst.copy_to_host(0, &mut back).unwrap();
         assert!(back == object, "the stream's earlier write landed over the get");
         drop(event);
+        store.close().unwrap();
+    }
+
+    /// Whole-model mode's pattern of GPU ops, on the legacy default stream (PyTorch's default
+    /// "compute" stream): per round, every key is produced by work on the stream and put after
+    /// an event (each put once its key's last one is done, waited for on the host), then read
+    /// back after an event, the stream made to wait for the get, and the data copied aside by
+    /// work queued behind that wait. A stream wait enqueued before the get's own GPU work was
+    /// queued could hold that work up and hang (see [`handoff`]); a watchdog turns a hang into a
+    /// failure, and every stream wait must find the get's GPU work queued.
+    #[test]
+    fn gated_puts_and_gets_with_stream_waits_on_the_default_stream_finish() {
+        if cuda::driver().is_err() {
+            return;
+        }
+        let mut paths = vec![GpuPath::Bounce];
+        if cufile::cufile().is_ok() {
+            paths.push(GpuPath::Cufile);
+        }
+        for path in paths {
+            let (done, finished) = std::sync::mpsc::channel();
+            std::thread::spawn(move || {
+                rounds_of_gated_ops(path);
+                let _ = done.send(());
+            });
+            match finished.recv_timeout(Duration::from_secs(300)) {
+                Ok(()) => {}
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => panic!("{path:?}: the pattern failed (above)"),
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                    panic!("{path:?}: gated puts and gets with stream waits hung (no progress in 300 s)")
+                }
+            }
+        }
+    }
+
+    fn rounds_of_gated_ops(path: GpuPath) {
+        use cudarc::driver::sys;
+        const KEYS: usize = 6;
+        const ROUNDS: usize = 8;
+        let len = MIB as usize + 4099;
+        let dir = tempfile::tempdir().unwrap();
+        let format = FormatConfig { create_file_bytes: Some(256 * MIB), ..Default::default() };
+        let gpu = crate::config::GpuOptions { path, ..Default::default() };
+        let open = OpenConfig { direct_io: false, gpu, ..Default::default() };
+        let store = Store::create(&[dir.path().join("dev0")], &format, open).unwrap();
+        let ctx = cuda::context(0).unwrap();
+        // Everything is allocated before the first stream wait: nothing may synchronize the
+        // device while the stream waits for the engine.
+        let sources: Vec<DeviceBuffer> = (0..KEYS).map(|_| DeviceBuffer::new(0, len).unwrap()).collect();
+        let targets: Vec<DeviceBuffer> = (0..KEYS).map(|_| DeviceBuffer::new(0, len).unwrap()).collect();
+        let mut seen = DeviceBuffer::new(0, KEYS * ROUNDS * len).unwrap();
+        seen.fill(0).unwrap();
+        let mut first = DeviceBuffer::new(0, 4096).unwrap();
+        first.fill(1).unwrap();
+        store.put_gpu(99, first, b"", Priority::Normal).unwrap().wait().unwrap();
+        let legacy: sys::CUstream = std::ptr::null_mut();
+        let value = |round: usize, key: usize| (round * KEYS + key + 1) as u8;
+        let mut puts: Vec<Option<GpuTicket>> = (0..KEYS).map(|_| None).collect();
+        let mut gets = Vec::new();
+        let mut events = Vec::new();
+        let mut after = || {
+            let event = cuda::Event::new(ctx).unwrap();
+            // SAFETY: a live event on the legacy stream of the current context.
+            cuda::check(unsafe { sys::cuEventRecord(event.raw, legacy) }, "cuEventRecord").unwrap();
+            let raw = event.raw;
+            events.push(event); // destroyed only once the device is idle
+            raw
+        };
+        for round in 0..ROUNDS {
+            for key in 0..KEYS {
+                if let Some(previous) = puts[key].take() {
+                    previous.wait().unwrap(); // one version of a key in flight at a time
+                }
+                ctx.make_current().unwrap();
+                // SAFETY: our buffer; the producer of the put's bytes, still queued when it starts.
+                let set = unsafe { sys::cuMemsetD8Async(sources[key].ptr(), value(round, key), len, legacy) };
+                cuda::check(set, "cuMemsetD8Async").unwrap();
+                let event = after();
+                // SAFETY: the buffers and events outlive the tickets, which are waited for below.
+                let put = unsafe {
+                    store.put_gpu_raw_after(key as u64, sources[key].slice(0, len), b"", Priority::Normal, Some(event))
+                };
+                puts[key] = Some(put.unwrap());
+            }
+            for key in 0..KEYS {
+                puts[key].take().unwrap().wait().unwrap(); // the read needs the key as last written
+                let event = after();
+                // SAFETY: as above.
+                let get = unsafe {
+                    store.get_gpu_raw_after(
+                        key as u64,
+                        0,
+                        targets[key].slice(0, len),
+                        true,
+                        Priority::Normal,
+                        Some(event),
+                    )
+                }
+                .unwrap();
+                // SAFETY: the legacy stream of the op's device.
+                unsafe { get.enqueue_stream_wait(legacy) }.unwrap();
+                assert!(get.stream_wait_ready(), "the stream wait went in before the get's GPU work was queued");
+                let at = seen.ptr() + ((round * KEYS + key) * len) as u64;
+                // SAFETY: both ranges lie in our buffers; queued behind the stream wait.
+                let copy = unsafe { sys::cuMemcpyDtoDAsync_v2(at, targets[key].ptr(), len, legacy) };
+                cuda::check(copy, "cuMemcpyDtoDAsync").unwrap();
+                gets.push(get);
+            }
+        }
+        for get in gets {
+            get.wait().unwrap();
+        }
+        // SAFETY: waits for the legacy stream's work.
+        cuda::check(unsafe { sys::cuCtxSynchronize() }, "cuCtxSynchronize").unwrap();
+        let mut back = vec![0u8; len];
+        for round in 0..ROUNDS {
+            for key in 0..KEYS {
+                seen.copy_to_host((round * KEYS + key) * len, &mut back).unwrap();
+                let expected = value(round, key);
+                assert!(
+                    back.iter().all(|b| *b == expected),
+                    "{path:?} round {round} key {key}: the work after the stream wait saw other bytes than the put's"
+                );
+            }
+        }
+        drop(events);
         store.close().unwrap();
     }
 }

@@ -8,7 +8,7 @@ use super::ticket::{Completion, IoBuf, IoBufMut, Ticket};
 use super::Store;
 use crate::buffer::AlignedBuf;
 use crate::error::{Error, Result};
-use crate::gpu::handoff::{HandoffFlags, HandoffSlot};
+use crate::gpu::handoff::Handoff;
 use crate::gpu::{DeviceSlice, RawEvent};
 use crate::layout::codec::{round_down, round_up};
 use crate::layout::table::ObjectRecord;
@@ -220,7 +220,9 @@ impl Store {
     /// Queues `op` for object bytes `start..end` (block-aligned); a GPU op with an event to start
     /// after is queued by the device's gate once the event has completed.
     fn start(&self, mut op: Op, start: u64, end: u64) -> Started {
-        let handoff = op.gpu.as_ref().and_then(|g| g.handoff.map(|slot| (g.device.handoff.clone(), slot)));
+        let handoff = op.gpu.as_ref().and_then(|g| {
+            g.handoff.map(|slot| Handoff { flags: g.device.handoff.clone(), slot, unissued: g.unissued.clone() })
+        });
         let gated = op.gpu.as_mut().and_then(|g| g.after.take().map(|mark| (g.device.clone(), mark)));
         let op = Arc::new(op);
         let started = Started { completion: op.completion.clone(), handoff };
@@ -390,7 +392,7 @@ pub(super) struct GetSpec {
 pub(super) struct Started {
     pub completion: Arc<Completion>,
     /// The GPU stream hand-off slot of a GPU op, if it has one.
-    pub handoff: Option<(Arc<HandoffFlags>, HandoffSlot)>,
+    pub handoff: Option<Handoff>,
 }
 
 /// What a get reads and checks (`Store::get_span`).

@@ -6,10 +6,12 @@ use super::op::GpuOp;
 use super::ticket::Ticket;
 use super::Store;
 use crate::error::Result;
+use crate::gpu::handoff::Unissued;
 use crate::gpu::runtime::StoreGpu;
 use crate::gpu::{GpuTicket, RawEvent};
 use crate::queue::Priority;
 use std::sync::atomic::AtomicBool;
+use std::sync::Mutex;
 
 /// GPU memory: put and get from CUDA device pointers, on the store's GPU path.
 impl Store {
@@ -165,6 +167,15 @@ impl Store {
         // SAFETY: forwarded contract.
         let after = after.map(|event| unsafe { device.gate.mark(event) }).transpose()?;
         let handoff = device.handoff.claim();
-        Ok(GpuOp { device, use_cufile, handoff, handoff_signalled: AtomicBool::new(false), after })
+        let (unissued, dispatching) = Unissued::new();
+        Ok(GpuOp {
+            device,
+            use_cufile,
+            handoff,
+            handoff_signalled: AtomicBool::new(false),
+            unissued,
+            dispatching: Mutex::new(Some(dispatching)),
+            after,
+        })
     }
 }

@@ -8,7 +8,7 @@ use super::ticket::Completion;
 use super::Shared;
 use crate::error::{Error, Result};
 use crate::gpu::gate::GateMark;
-use crate::gpu::handoff::HandoffSlot;
+use crate::gpu::handoff::{HandoffSlot, IssueHold, Unissued};
 use crate::gpu::runtime::GpuDevice;
 use crate::layout::stripe::Piece;
 use crate::queue::Priority;
@@ -96,12 +96,21 @@ pub(crate) struct GpuOp {
     pub use_cufile: bool,
     pub handoff: Option<HandoffSlot>,
     pub handoff_signalled: AtomicBool,
+    /// The op's GPU work not queued yet, which a stream wait for the op waits for first.
+    pub unissued: Arc<Unissued>,
+    /// The dispatch's hold on `unissued`, dropped once the op is cut into requests (`dispatched`).
+    pub dispatching: Mutex<Option<IssueHold>>,
     /// The caller's event the op starts after, captured on the device's gate; taken when the op
     /// is queued (`Store::start`).
     pub after: Option<GateMark>,
 }
 
 impl GpuOp {
+    /// The op is cut into requests (or finished without them): each piece holds its own work.
+    pub fn dispatched(&self) {
+        drop(self.dispatching.lock().expect("dispatch hold").take());
+    }
+
     /// Sets the op's hand-off flag and frees its slot, once.
     pub fn signal_handoff(&self) {
         if let Some(slot) = self.handoff {
@@ -272,6 +281,8 @@ impl Shared {
         }
         op.completion.finish(result);
         if let Some(gpu) = &op.gpu {
+            // An op refused before its dispatch ended holds no work back.
+            gpu.dispatched();
             // After the ticket is done, so a stream that passed the hand-off finds `is_done`.
             gpu.signal_handoff();
         }

@@ -90,10 +90,13 @@ class Handle:
     def enqueue_stream_wait(self, stream: torch.cuda.Stream) -> None:
         """Makes `stream` (a `torch.cuda.Stream` of the op's device) wait for the op on the GPU:
         kernels queued on it after this call run once the op has finished (a get's data is in
-        place, a put's source is no longer read). The CPU does not wait. The op's outcome still
-        comes from `wait()`: the stream goes on after a failed op too, whose data must not be
-        used. Raises InvalidArgumentError for a host op's handle or a stream of another device,
-        and the op's error for one the engine refused when it started."""
+        place, a put's source is no longer read). The CPU waits only until the op's own GPU work
+        is queued (a get: its bytes are read from the store and their copies to the GPU queued),
+        never for that work: a stream made to wait for GPU work queued after it could hold that
+        work up (CUDA does not see the order) and hang. The op's outcome still comes from
+        `wait()`: the stream goes on after a failed op too, whose data must not be used. Raises
+        InvalidArgumentError for a host op's handle or a stream of another device, and the op's
+        error for one the engine refused when it started."""
         if self._cuda_device is None:
             raise _native.InvalidArgumentError(
                 "only the handle of a CUDA tensor's put or get can make a CUDA stream wait; "
@@ -257,8 +260,9 @@ class Store:
         for the current stream; the engine starts writing `out` once the event has completed (as
         `put_async`). With `stream` (a `torch.cuda.Stream` of the tensor's device), the get's
         completion is enqueued on that stream (`Handle.enqueue_stream_wait`): kernels queued on
-        it after this call see the data, and the CPU does not wait. The handle still tells the
-        outcome: the data is good only if its `wait()` succeeds.
+        it after this call see the data, and the CPU waits only until the bytes are read and
+        their copies queued, not for the copies. The handle still tells the outcome: the data is
+        good only if its `wait()` succeeds.
 
         The get reads one version of the object, whole, even if another thread replaces it
         meanwhile; `handle.object_len_bytes` is that version's length. A wrong `out` raises

@@ -142,6 +142,9 @@ pub(crate) fn run_dispatcher(shared: Arc<Shared>) {
 /// dispatch's own hold on the op is released.
 fn finish_dispatch(shared: &Arc<Shared>, pending: &mut PendingOp) {
     assert_eq!(pending.cursor, pending.end, "op {}: fully dispatched", pending.op.id);
+    if let Some(gpu) = &pending.op.gpu {
+        gpu.dispatched();
+    }
     if let super::op::OpObject::Put(object) = &pending.op.object {
         if let Some(o) = object.lock().expect("put object").as_mut() {
             o.record.unit_crcs = std::mem::take(&mut pending.unit_crcs);

@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 /// Starts a put's piece: the caller's bytes are copied into `chunk`, then written.
 pub(in crate::store::dispatch) fn start_put(shared: &Arc<Shared>, op: &Arc<Op>, piece: Piece, chunk: BounceChunk) {
-    let io = PieceIo::new(shared, op, piece, Some(chunk));
+    let mut io = PieceIo::new(shared, op, piece, Some(chunk));
     let chunk_ptr = io.buf();
     let Some(o) = io.overlap() else {
         // SAFETY: the chunk is ours and at least piece.len long.
@@ -32,6 +32,7 @@ pub(in crate::store::dispatch) fn start_put(shared: &Arc<Shared>, op: &Arc<Op>, 
         std::ptr::write_bytes(chunk_ptr.add(o.in_piece + o.len), 0, piece.len as usize - o.in_piece - o.len);
     }
     let copy = &op.gpu.as_ref().expect("a GPU op").device.copy;
+    let queued = io.queue_copy();
     // SAFETY: the chunk is pinned (the slab) and held by `io` until the continuation runs; the
     // device range lies in the caller's buffer, which the ticket keeps alive.
     unsafe {
@@ -43,6 +44,7 @@ pub(in crate::store::dispatch) fn start_put(shared: &Arc<Shared>, op: &Arc<Op>, 
             Box::new(move |copied| after_put_copy(io, copied)),
         )
     };
+    drop(queued);
 }
 
 /// The chunk holds the piece: its checksum is taken and the disk write goes to the device's queue.
@@ -82,7 +84,7 @@ fn after_get_read(io: PieceIo, result: io::Result<()>) {
 /// Takes the piece's checksum, then queues the copy of the caller's part to the GPU. The bytes
 /// reach the caller's memory before the get is checked as a whole, but the get succeeds only if
 /// every checked unit matches (`Shared::verify_get`, once every piece is done).
-fn copy_to_gpu(io: PieceIo) {
+fn copy_to_gpu(mut io: PieceIo) {
     // SAFETY: the read filled the chunk.
     unsafe { io.op.take_piece_crc(io.piece, io.buf()) };
     let Some(o) = io.overlap() else {
@@ -91,6 +93,7 @@ fn copy_to_gpu(io: PieceIo) {
     };
     let source = io.buf().wrapping_add(o.in_piece);
     let device = io.op.gpu.as_ref().expect("a GPU op").device.clone();
+    let queued = io.queue_copy();
     // SAFETY: the chunk is pinned and held by `io` until the continuation runs; the destination
     // lies in the caller's buffer, which the ticket keeps alive.
     unsafe {
@@ -102,6 +105,8 @@ fn copy_to_gpu(io: PieceIo) {
             Box::new(move |copied| after_get_copy(io, copied)),
         )
     };
+    // Queued (its event is with the copy waiter): a stream wait for the op may now be enqueued.
+    drop(queued);
 }
 
 /// The piece is in the caller's GPU memory.

@@ -10,6 +10,7 @@ pub(super) mod host;
 use crate::backend::IoKind;
 use crate::buffer::BounceChunk;
 use crate::error::Error;
+use crate::gpu::handoff::IssueHold;
 use crate::layout::stripe::Piece;
 use crate::queue::Request;
 use crate::store::op::{Op, OpKind};
@@ -27,6 +28,9 @@ pub(super) struct PieceIo {
     op: Arc<Op>,
     piece: Piece,
     chunk: Option<BounceChunk>,
+    /// A GPU op's piece: its hold on the op's unqueued GPU work, until its copy is queued
+    /// (`queue_copy`) or, on the cuFile path, until it is done.
+    issue: Option<IssueHold>,
 }
 
 /// The part of a piece that lies in the caller's range.
@@ -48,7 +52,8 @@ impl PieceIo {
             op.devices_written.fetch_or(1u64 << piece.device, Ordering::Relaxed);
         }
         op.remaining.fetch_add(1, Ordering::AcqRel);
-        PieceIo { shared: shared.clone(), op: op.clone(), piece, chunk }
+        let issue = op.gpu.as_ref().map(|g| g.unissued.hold());
+        PieceIo { shared: shared.clone(), op: op.clone(), piece, chunk, issue }
     }
 
     fn kind(&self) -> IoKind {
@@ -99,8 +104,8 @@ impl PieceIo {
     /// counts the request done.
     fn finish(self, result: io::Result<()>) {
         let kind = self.kind();
-        let PieceIo { shared, op, piece, chunk } = self;
-        drop(chunk);
+        let PieceIo { shared, op, piece, chunk, issue } = self;
+        drop((chunk, issue));
         shared.release_budget(piece.len);
         if let Err(source) = result {
             op.set_error(Error::DeviceIo {
@@ -126,6 +131,13 @@ impl PieceIo {
         } else {
             then(self);
         }
+    }
+
+    /// The piece's hold on its op's unqueued GPU work, taken out before its copy is queued and
+    /// dropped by the caller once `copy` has returned (the copy's continuation may finish the
+    /// piece before that).
+    fn queue_copy(&mut self) -> Option<IssueHold> {
+        self.issue.take()
     }
 
     /// The piece failed outside the device (a GPU copy): the op fails with `e`.

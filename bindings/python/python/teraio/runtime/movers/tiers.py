@@ -14,11 +14,15 @@ and return a `Transfer` that says when the copy is done and makes compute wait f
   moves a unit's tensors as one group, and its per-tensor host work (stream waits, events) bounded
   its iterations (the copy streams sat idle for want of copies the host had not queued yet).
 - `SsdTier`: objects in a `teraio.Store`, one per key, in one id namespace (`teraio.ids`). Data
-  moves through the engine's GPU path (`put_device`/`get_device`: its pinned bounce slab, or
-  cuFile with GPUDirect Storage), so Python stages nothing. The engine copies on its own streams,
-  so a transfer starts only once the compute stream has passed the point where it was asked for
-  (a CUDA event: the producer is done, or the allocator's reuse of the target memory is), and a
-  read is waited for on the host before compute uses it.
+  moves through the engine's GPU path (`Store.start_put`/`start_get` of CUDA memory: its pinned
+  bounce slab, or cuFile with GPUDirect Storage), so Python stages nothing. The engine copies on
+  its own streams, so each transfer is handed a CUDA event recorded on the compute stream where
+  it was asked for (`after=`: the producer is done, or the allocator's reuse of the target memory
+  is), and the engine starts it once the event has completed; nothing polls. Compute waits for a
+  read on the GPU (`Handle.enqueue_stream_wait`: the host waits only until the read's bytes are
+  in and their copies queued); a write's join waits on the host, since the caller frees its
+  source right after. A read's failure is raised by the next `poll` or `close` (the stream was
+  released for it too).
 
 On a CPU "device" both tiers copy synchronously (host tier) or through the engine's host path
 (SSD tier), for tests and CPU-only stacks.
@@ -35,7 +39,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ...pinned import RegisteredBuffer
-from ...store import Store
+from ...store import Handle, Store
 from .copy import copies_on_stream
 
 #: The tier of tensors that stay on the GPU.
@@ -275,34 +279,6 @@ class HostTier:
             self.h2d.synchronize()
 
 
-class _Gated:
-    """An engine transfer that may start only once the compute stream passed `event`."""
-
-    __slots__ = ("start", "event", "handle", "owner")
-
-    def __init__(self, start: Callable[[], Any], event: Any, owner: torch.Tensor) -> None:
-        self.start = start
-        self.event = event
-        self.handle: Any = None
-        self.owner = owner  # the GPU memory, alive until the engine is done with it
-
-    def poll(self) -> bool:
-        """Starts the transfer if it may; True once it is done."""
-        if self.handle is None:
-            if self.event is not None and not self.event.query():
-                return False
-            self.handle = self.start()
-        return bool(self.handle.is_done())
-
-    def wait(self) -> None:
-        if self.handle is None:
-            if self.event is not None:
-                self.event.synchronize()
-            self.handle = self.start()
-        self.handle.wait()
-        self.owner = None  # type: ignore[assignment]
-
-
 class SsdTier:
     """Objects in a store, ids `base + key index` (see the module docstring)."""
 
@@ -314,8 +290,9 @@ class SsdTier:
         self.store = store
         self.id_base = id_base
         self.ids: dict[Any, int] = {}
-        self._written: dict[Any, _Gated] = {}
-        self._in_flight: list[_Gated] = []
+        # The last write of each key, and every transfer not yet seen finished.
+        self._written: dict[Any, Handle] = {}
+        self._in_flight: list[Handle] = []
 
     def object_id(self, key: Any) -> int:
         if key not in self.ids:
@@ -327,38 +304,40 @@ class SsdTier:
         is done. Do not release or change `source` until the transfer is done."""
         object_id = self.object_id(key)
         self._wait_written(key)  # one version of an object in flight at a time
-        gated = self._gated(source, lambda: self.store.start_put(object_id, source, source.numel()))
-        self._written[key] = gated
-        return Transfer(source.numel(), gated.poll, gated.wait)
+        handle = self.store.start_put(object_id, source, source.numel(), after=self._compute_point())
+        self._written[key] = handle
+        self._in_flight.append(handle)
+        return Transfer(source.numel(), handle.is_done, handle.wait)
 
     def read(self, key: Any, target: torch.Tensor) -> Transfer:
         """Reads the key's object into `target` (flat bytes) once the compute stream has passed
-        this point (the allocator may have handed out memory that queued work still uses)."""
+        this point (the allocator may have handed out memory that queued work still uses). The
+        transfer's join makes the compute stream wait for it on the GPU."""
         self._wait_written(key)  # the read needs the object as last written
-        object_id = self.ids[key]
-        gated = self._gated(target, lambda: self.store.start_get(object_id, target, target.numel()))
-        return Transfer(target.numel(), gated.poll, gated.wait)
+        handle = self.store.start_get(self.ids[key], target, target.numel(), after=self._compute_point())
+        self._in_flight.append(handle)
+        if not self.cuda:
+            return Transfer(target.numel(), handle.is_done, handle.wait)
+
+        def join() -> None:
+            handle.enqueue_stream_wait(torch.cuda.current_stream(self.device))
+
+        return Transfer(target.numel(), handle.is_done, join)
+
+    def _compute_point(self) -> Optional[torch.cuda.Event]:
+        """The one place the SSD tier orders the engine after compute: an event recorded on the
+        compute stream, which the engine waits for before it touches the memory (None on a CPU
+        device, whose work is done when asked for)."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
     def _wait_written(self, key: Any) -> None:
         previous = self._written.get(key)
         if previous is not None:
             previous.wait()
-
-    def _gated(self, memory: torch.Tensor, start: Callable[[], Any]) -> _Gated:
-        """An engine transfer of `memory` (`start`: the GPU path for CUDA memory, the host path
-        otherwise) that starts once the compute stream has passed this point.
-
-        The one place the SSD tier orders the engine after compute: a CUDA event recorded here,
-        polled (`_Gated.poll`) before the transfer starts. A store that takes the event itself
-        (`put_async(after=event)`) replaces the polling here and nowhere else."""
-        event = None
-        if self.cuda:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-        gated = _Gated(start, event, memory)
-        self._in_flight.append(gated)
-        gated.poll()
-        return gated
 
     def read_to_host(self, key: Any, target: torch.Tensor) -> None:
         """Reads the key's object into `target` (flat bytes in CPU memory) and waits."""
@@ -366,11 +345,15 @@ class SsdTier:
         self.store.start_get(self.ids[key], target, target.numel()).wait()
 
     def poll(self) -> None:
-        """Starts transfers whose compute point has passed; drops finished ones."""
-        self._in_flight = [gated for gated in self._in_flight if not gated.poll()]
-        for key in [
-            key for key, gated in self._written.items() if gated.handle is not None and gated.handle.is_done()
-        ]:
+        """Drops finished transfers, raising the error of one that failed."""
+        still = []
+        for handle in self._in_flight:
+            if handle.is_done():
+                handle.wait()
+            else:
+                still.append(handle)
+        self._in_flight = still
+        for key in [key for key, handle in self._written.items() if handle.is_done()]:
             self._written.pop(key).wait()
 
     def discard(self, key: Any) -> None:
@@ -380,8 +363,8 @@ class SsdTier:
 
     def close(self) -> None:
         """Waits for every transfer and deletes the tier's objects."""
-        for gated in self._in_flight:
-            gated.wait()
+        for handle in self._in_flight:
+            handle.wait()
         self._in_flight.clear()
         self._written.clear()
         if not self.store.closed:
