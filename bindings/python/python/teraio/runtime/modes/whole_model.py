@@ -614,7 +614,7 @@ class ModelOffload(Session):
             slot.low = low
         self._copies_on(skip={slot.index for slot in stepped})
 
-    def _copies_on(self, skip: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+    def _copies_on(self, skip: Optional[set[int]] = None) -> None:
         """Each copied parameter's `.data` becomes its bf16 tensor (its fp32 GPU storage goes;
         its master is current in host memory), and its host copy is rounded from the master
         (those in `skip`: by their queued update)."""
@@ -631,7 +631,7 @@ class ModelOffload(Session):
                 slot.resident = False
             slot.param.data = slot.low
             slot.copied = True
-            if slot.index not in skip:
+            if skip is None or slot.index not in skip:
                 self._round_copy(slot)
             if kept:
                 # Kept on the GPU: its copy comes up at its next use (`_acquire`).
