@@ -495,6 +495,7 @@ def test_a_refused_registration_leaves_no_error_behind() -> None:
     buffer.release()
 
 
+@pytest.mark.filterwarnings("ignore:teraio.offload \\(whole-model\\). the model's parameters")
 @pytest.mark.parametrize("gpu_memory", [4096, 64 << 20], ids=["streamed", "kept-resident"])
 def test_compute_copies_are_bitwise_on_cuda(gpu_memory: int) -> None:
     """update="cpu" under CUDA bf16 autocast: the Linear layers' bf16 compute copies and bf16
@@ -526,8 +527,9 @@ def test_compute_copies_are_bitwise_on_cuda(gpu_memory: int) -> None:
     copied, plain = run("auto"), run("off")
     assert copied[3].compute_copies == "bfloat16" and plain[3].compute_copies == "off"
     assert copied[0] == plain[0]
+    # (The 4 KiB budget leaves the state in CPU memory at exit, with a warning; both runs alike.)
     for p, q in zip(plain[1], copied[1], strict=True):
-        assert q.is_cuda and q.dtype == torch.float32 and torch.equal(p, q)
+        assert q.device == p.device and q.dtype == torch.float32 and torch.equal(p, q)
     for a, b in zip(plain[2], copied[2], strict=True):
         assert torch.equal(a, b)
     moved, least = copied[3].bytes_per_iteration, copied[3].minimum_bytes_moved
