@@ -499,7 +499,7 @@ def test_a_refused_registration_leaves_no_error_behind() -> None:
 @pytest.mark.parametrize("gpu_memory", [4096, 64 << 20], ids=["streamed", "kept-resident"])
 def test_compute_copies_are_bitwise_on_cuda(gpu_memory: int) -> None:
     """update="cpu" under CUDA bf16 autocast: the Linear layers' bf16 compute copies and bf16
-    gradients (`compute_copies="auto"`) against the same step with fp32 on the link: the same
+    gradients (`compute_copies="on"`) against the same step with fp32 on the link: the same
     bf16 inputs reach the same kernels, and the host widens the gradients autograd would have
     widened, with accumulation and clipping; a budget with room keeps copies resident on the GPU."""
     from test_whole_model_copies import STEPS as COPY_STEPS
@@ -524,7 +524,7 @@ def test_compute_copies_are_bitwise_on_cuda(gpu_memory: int) -> None:
         states = [v for p in model.parameters() for v in optimizer.state[p].values()]
         return losses, [p.detach().clone() for p in model.parameters()], states, session.report()
 
-    copied, plain = run("auto"), run("off")
+    copied, plain = run("on"), run("off")
     assert copied[3].compute_copies == "bfloat16" and plain[3].compute_copies == "off"
     assert copied[0] == plain[0]
     # (The 4 KiB budget leaves the state in CPU memory at exit, with a warning; both runs alike.)

@@ -1,4 +1,4 @@
-"""Whole-model mode's compute copies (`compute_copies="auto"`, with the CPU step) under CPU bf16
+"""Whole-model mode's compute copies (`compute_copies="on"`, with the CPU step) under CPU bf16
 autocast: bf16 copies of the Linear layers' parameters cross the link and their bf16 gradients
 come back, bitwise against the same loop without offload; the bytes reported are the bytes moved."""
 
@@ -121,7 +121,8 @@ def _train(cls: type, offloaded: bool, options: Optional[dict[str, Any]] = None,
     data = _tokens(STEPS)
     if not offloaded:
         return model, optimizer, _loop(model, optimizer, data, **kwargs), None
-    settings = {"gpu_memory": 4096, "host_memory": 1 << 30, "update": "cpu"} | (options or {})
+    settings = {"gpu_memory": 4096, "host_memory": 1 << 30, "update": "cpu", "compute_copies": "on"}
+    settings |= options or {}
     with teraio.offload(model, optimizer, **settings) as run:
         assert isinstance(run, ModelOffload)
         losses = _loop(model, optimizer, data, **kwargs)
@@ -175,7 +176,9 @@ def test_a_tied_head_stays_fp32() -> None:
 
     model, optimizer = _build(TiedLM)
     result_model = model
-    with teraio.offload(model, optimizer, gpu_memory=4096, host_memory=1 << 30, update="cpu") as run:
+    with teraio.offload(
+        model, optimizer, gpu_memory=4096, host_memory=1 << 30, update="cpu", compute_copies="on"
+    ) as run:
         losses = _loop(model, optimizer, _tokens(STEPS), clip=0.05, on_step=look)
     _assert_bitwise(reference, (model, optimizer, losses, run))
     # The embedding's weight is the head's: read by the embedding in fp32, it stays fp32.
@@ -219,7 +222,7 @@ def _count_host_copies(monkeypatch: pytest.MonkeyPatch, state: dict[str, Any]) -
     return made
 
 
-@pytest.mark.parametrize("copies", ["auto", "off"])
+@pytest.mark.parametrize("copies", ["on", "off"])
 def test_bytes_are_the_copies_made(monkeypatch: pytest.MonkeyPatch, copies: str) -> None:
     state: dict[str, Any] = {}
     made = _count_host_copies(monkeypatch, state)
@@ -245,7 +248,7 @@ def test_bytes_are_the_copies_made(monkeypatch: pytest.MonkeyPatch, copies: str)
         assert reported == merged, step
     later = made[STEPS - 1]
     least = report.minimum_bytes_moved
-    if copies == "auto":
+    if copies == "on":
         assert report.compute_copies == "bfloat16"
         # From the second iteration: the Linear layers' parameters in at 2 bytes per element,
         # their gradients out at 2, none of their fp32 bytes on the link.
@@ -287,7 +290,9 @@ def test_state_dict_gives_the_fp32_masters() -> None:
     _loop(model, optimizer, _tokens(STEPS), on_step=lambda s: reference.append(_snapshot(model)))
     taken: list[dict[str, torch.Tensor]] = []
     model, optimizer = _build(UntiedLM)
-    with teraio.offload(model, optimizer, gpu_memory=4096, host_memory=1 << 30, update="cpu") as run:
+    with teraio.offload(
+        model, optimizer, gpu_memory=4096, host_memory=1 << 30, update="cpu", compute_copies="on"
+    ) as run:
         _loop(model, optimizer, _tokens(STEPS), on_step=lambda s: taken.append(_snapshot(model)))
         assert run.report().compute_copies == "bfloat16"
     for ref_step, step in zip(reference, taken, strict=True):
@@ -297,7 +302,7 @@ def test_state_dict_gives_the_fp32_masters() -> None:
             assert torch.equal(step[name], value), name
 
 
-@pytest.mark.parametrize("copies", ["auto", "off"])
+@pytest.mark.parametrize("copies", ["on", "off"])
 def test_a_checkpoint_loaded_inside_the_session_continues_bitwise(copies: str) -> None:
     # load_state_dict brings the fp32 parameters back, torch copies into them, and the copies
     # are made again from the loaded masters; the CPU optimizer takes the loaded state (with
@@ -319,7 +324,7 @@ def test_a_checkpoint_loaded_inside_the_session_continues_bitwise(copies: str) -
     options = {"gpu_memory": 4096, "host_memory": 1 << 30, "update": "cpu", "compute_copies": copies}
     with teraio.offload(model, optimizer, **options) as run:
         losses = _loop(model, optimizer, data, on_step=checkpoint)
-    assert run.report().compute_copies == ("bfloat16" if copies == "auto" else "off")
+    assert run.report().compute_copies == ("bfloat16" if copies == "on" else "off")
     assert losses == reference
     for p, q in zip(ref_params, model.parameters(), strict=True):
         assert torch.equal(p, q)
@@ -339,7 +344,9 @@ def test_without_autocast_the_copies_stay_off() -> None:
 def test_a_forward_without_autocast_after_the_copies_raises() -> None:
     model, optimizer = _build(UntiedLM)
     data = _tokens(2)
-    with teraio.offload(model, optimizer, gpu_memory=4096, host_memory=1 << 30, update="cpu"):
+    with teraio.offload(
+        model, optimizer, gpu_memory=4096, host_memory=1 << 30, update="cpu", compute_copies="on"
+    ):
         _loop(model, optimizer, data)
         with pytest.raises(RuntimeError, match="compute_copies='off'"):
             model(data[0])
@@ -349,7 +356,9 @@ def test_the_copies_need_room_beside_the_plan() -> None:
     model, optimizer = _build(UntiedLM)
     params = sum(p.untyped_storage().nbytes() for p in model.parameters())
     # The plan's parameters, gradients and AdamW state fill host_memory: no room for copies.
-    with teraio.offload(model, optimizer, gpu_memory=4096, host_memory=4 * params, update="cpu") as run:
+    with teraio.offload(
+        model, optimizer, gpu_memory=4096, host_memory=4 * params, update="cpu", compute_copies="on"
+    ) as run:
         losses = _loop(model, optimizer, _tokens(STEPS))
     report = run.report()
     assert report.compute_copies == "off" and "raise host_memory" in report.compute_copies_reason
@@ -363,6 +372,28 @@ def test_the_streamed_gpu_step_has_no_copies() -> None:
     assert report.compute_copies == "off" and "runs on the GPU" in report.compute_copies_reason
 
 
+def test_auto_on_the_cpu_device_leaves_them_off() -> None:
+    # No host link to save on a CPU "device": "auto" keeps the fp32 path, and says why.
+    result = _train(UntiedLM, True, options={"compute_copies": "auto"})
+    report = result[3].report()
+    assert report.compute_copies == "off" and "no host link to save" in report.compute_copies_reason
+
+
+def test_auto_weighs_the_link_against_the_conversions() -> None:
+    # A Llama-3.2-3B shape's Linear layers (11.2 GB fp32, all trained) with the CPU step at
+    # 500 ms: on a 50 GB/s link the step is the bound and the conversions would lengthen it;
+    # on a 12 GB/s link the link is the bound and halving it wins.
+    copied = 11_200_000_000
+    figures: dict[str, Any] = {"copied_bytes": copied, "copied_gradient_bytes": copied, "cpu_step_s": 0.5}
+    fast_link = cp.choose_compute_copies(**figures, cpu_update_bytes_per_s=107e9, host_link_bytes_per_s=50e9)
+    assert fast_link[0] is False and "compute_copies='on' forces them" in fast_link[1]
+    slow_link = cp.choose_compute_copies(**figures, cpu_update_bytes_per_s=107e9, host_link_bytes_per_s=12e9)
+    assert slow_link[0] is True and "they shorten the bound" in slow_link[1]
+    # A slow CPU (few cores) makes the conversions too dear even there.
+    slow_cpu = cp.choose_compute_copies(**figures, cpu_update_bytes_per_s=10e9, host_link_bytes_per_s=12e9)
+    assert slow_cpu[0] is False
+
+
 def test_compute_copy_room() -> None:
     sizes = [cp.SlotSize("w", 400, 400, 800)]
     plan = cp.place(sizes, host_capacity_bytes=2000, ssd_capacity_bytes=None, window_bytes=1 << 20)
@@ -372,4 +403,4 @@ def test_compute_copy_room() -> None:
 
 def test_the_option_is_checked() -> None:
     with pytest.raises(ValueError, match="compute_copies must be one of"):
-        teraio.OffloadOptions(compute_copies="on")
+        teraio.OffloadOptions(compute_copies="yes")

@@ -44,21 +44,22 @@ unit's entry in the next forward waits for its own update (`_acquire`). Only par
 and gradients (out) cross the link. Parameters kept resident on the GPU are read again from
 their updated master.
 
-Compute copies (`compute_copies="auto"`, with the CPU step). Under bf16 autocast a Linear reads
-a bf16 cast of its fp32 weight and bias, and autograd widens their bf16 gradients back to fp32.
-Where every forward pass of the first iteration runs under bf16 autocast on the device, each
-parameter of an exact `torch.nn.Linear` that no other module shares (a tied head stays fp32;
-frozen LoRA base layers qualify) gets a pinned bf16 copy in host memory beside its master,
-rounded from it on the update worker right after the parameter's CPU update. From the second
-iteration the GPU reads the copy (half the bytes) and sends the bf16 gradient out; the host
-widens it into the fp32 gradient buffer (adding, over micro-batches, as autograd adds fp32
-gradients), so the update sees the fp32 gradient torch would have made: the same bits. The
-`Parameter` objects stay the ones the model and the optimizer hold; while the copies are on, a
-copied parameter's `.data` is a bf16 tensor (its storage released and grown like any other), its
-fp32 `.data` comes back at exit and at `load_state_dict`, and `model.state_dict()` gives the fp32
-masters. A forward pass without bf16 autocast after that raises (`compute_copies="off"` streams
-fp32). The copies take host memory beside the plan's (`capacity.compute_copy_room`); without
-room they stay off, and the report says why.
+Compute copies (`compute_copies="on"`, or "auto" where `capacity.choose_compute_copies` finds
+they pay; with the CPU step). Under bf16 autocast a Linear reads a bf16 cast of its fp32 weight
+and bias, and autograd widens their bf16 gradients back to fp32. Where every forward pass of the
+first iteration runs under bf16 autocast on the device, each parameter of an exact
+`torch.nn.Linear` that no other module shares (a tied head stays fp32; frozen LoRA base layers
+qualify) gets a pinned bf16 copy in host memory beside its master, rounded from it on the update
+worker right after the parameter's CPU update. From the second iteration the GPU reads the copy
+(half the bytes) and sends the bf16 gradient out; the host widens it into the fp32 gradient
+buffer (adding, over micro-batches, as autograd adds fp32 gradients), so the update sees the
+fp32 gradient torch would have made: the same bits. The `Parameter` objects stay the ones the
+model and the optimizer hold; while the copies are on, a copied parameter's `.data` is a bf16
+tensor (its storage released and grown like any other), its fp32 `.data` comes back at exit and
+at `load_state_dict`, and `model.state_dict()` gives the fp32 masters. A forward pass without
+bf16 autocast after that raises (`compute_copies="off"` streams fp32). The copies take host
+memory beside the plan's (`capacity.compute_copy_room`); without room they stay off, and the
+report says why.
 
 The step in backward (`step_in_backward=True`, opt-in). A parameter's gradient is complete when its
 post-accumulate-grad hook runs; the parameter is then still on the GPU, where backward used it.
@@ -601,8 +602,14 @@ class ModelOffload(Session):
         if refusal is not None:
             self._copies_reason = refusal
             return
+        reason = "compute_copies='on'"
+        if self.options.compute_copies == "auto":
+            worth, reason = self._copies_pay()
+            if not worth:
+                self._copies_reason = reason
+                return
         self.compute_copies = COPY_DTYPE
-        self._copies_reason = "the forward pass runs under bf16 autocast, which reads bf16 casts"
+        self._copies_reason = f"the forward pass runs under bf16 autocast; {reason}"
         for slot in self._copy_slots:
             nbytes = _numel_bytes(slot.param, COPY_DTYPE)
             self.host.reserve((PARAMETER_COPY, slot.index), nbytes)
@@ -613,6 +620,26 @@ class ModelOffload(Session):
             low.untyped_storage().resize_(0)
             slot.low = low
         self._copies_on(skip={slot.index for slot in stepped})
+
+    def _copies_pay(self) -> tuple[bool, str]:
+        """`capacity.choose_compute_copies` at the planned link and the CPU step's rate (as the
+        update site's choice took it, or measured now). On a CPU "device" no link is saved."""
+        if not self.cuda:
+            return False, 'the device is the CPU: no host link to save (compute_copies="on" forces them)'
+        given = self.options.cpu_update_bandwidth
+        rate = self.machine.get("cpu_update_bytes_per_s")
+        if rate is None:
+            rate = parse_bandwidth(given) if given != "auto" else measure_cpu_update()
+        sizes = self._state_bytes
+        total = sum(slot.nbytes * (1 + slot.param.requires_grad) + sizes[slot.index] for slot in self.slots)
+        copied = sum(slot.nbytes for slot in self._copy_slots)
+        return cp.choose_compute_copies(
+            copied_bytes=copied,
+            copied_gradient_bytes=sum(slot.nbytes for slot in self._copy_slots if slot.param.requires_grad),
+            cpu_step_s=total / rate,
+            cpu_update_bytes_per_s=rate,
+            host_link_bytes_per_s=min(self.link.d2h, self.link.h2d),
+        )
 
     def _copies_on(self, skip: Optional[set[int]] = None) -> None:
         """Each copied parameter's `.data` becomes its bf16 tensor (its fp32 GPU storage goes;

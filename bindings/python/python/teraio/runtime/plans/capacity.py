@@ -233,3 +233,37 @@ def compute_copy_room(plan: CapacityPlan, host_capacity_bytes: int, copy_bytes: 
         f"{_gib(max(spare, 0))} left, less than the {_gib(copy_bytes)} the compute copies take: raise "
         "host_memory to stream them"
     )
+
+
+#: Host memory bytes the compute copies' conversions touch per byte of fp32 copied parameter and
+#: gradient (rounding: read 4, write 2 per element; widening: read 2, write 4), in the units of
+#: the CPU step's measured rate (parameter + gradient + state bytes per second).
+CONVERSION_TOUCH = 1.5
+
+
+def choose_compute_copies(
+    *,
+    copied_bytes: int,
+    copied_gradient_bytes: int,
+    cpu_step_s: float,
+    cpu_update_bytes_per_s: float,
+    host_link_bytes_per_s: float,
+) -> tuple[bool, str]:
+    """Whether the compute copies pay ("auto"): they halve, for the copied parameters, the
+    link's fp32 reads in forward and recomputation (2 x `copied_bytes`) and the gradients out
+    (`copied_gradient_bytes`), and add their conversions to the CPU step (`CONVERSION_TOUCH`
+    times those bytes at `cpu_update_bytes_per_s`). The iteration is taken as bound by the
+    slower of the CPU step and that link traffic (the two overlap), so the copies go on where
+    the link is the bound and halving it beats the longer CPU step."""
+    link_s = (2 * copied_bytes + copied_gradient_bytes) / host_link_bytes_per_s
+    convert_s = CONVERSION_TOUCH * (copied_bytes + copied_gradient_bytes) / cpu_update_bytes_per_s
+    with_copies = max(cpu_step_s + convert_s, link_s / 2)
+    without = max(cpu_step_s, link_s)
+    figures = (
+        f"the CPU step {cpu_step_s * 1e3:.0f} ms, plus {convert_s * 1e3:.0f} ms of conversions with them; "
+        f"the link {link_s * 1e3:.0f} ms of the bytes they halve"
+    )
+    bound = f"{with_copies * 1e3:.0f} ms with them, {without * 1e3:.0f} ms without"
+    if with_copies < without:
+        return True, f"they shorten the bound ({bound}): {figures}"
+    return False, f"they would not shorten the bound ({bound}): {figures}; compute_copies='on' forces them"
