@@ -459,6 +459,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             fields = report.as_dict() if hasattr(report, "as_dict") else dict(getattr(report, "__dict__", {}))
             result["teraio_report"] = bench_regime.jsonable(fields)
             result["tier_bytes_per_iteration"] = tier_bytes(fields)
+            # Over the host link per kind (parameters in, gradients out: at the compute copies'
+            # dtype where they are on), next to the least the placement needs.
+            if "compute_copies" in fields:
+                result["compute_copies"] = f"{fields['compute_copies']} ({fields['compute_copies_reason']})"
+            for name, key in (
+                ("host_bytes_by_kind", "bytes_per_iteration"),
+                ("host_least_by_kind", "minimum_bytes_moved"),
+            ):
+                result[name] = {d: dict(t.get("host", {})) for d, t in (fields.get(key) or {}).items()}
             print(str(report), flush=True)
         with contextlib.suppress(Exception):
             result["predicted_ms_by_devices"] = predictions_by_devices(outer, args.store_devices)

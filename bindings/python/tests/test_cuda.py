@@ -610,3 +610,45 @@ def test_a_refused_registration_leaves_no_error_behind() -> None:
     _take_last_cuda_error()
     assert int(torch.arange(4, device=DEVICE).sum()) == 6  # a kernel launch check sees no error
     buffer.release()
+
+
+@pytest.mark.filterwarnings("ignore:teraio.offload \\(whole-model\\). the model's parameters")
+@pytest.mark.parametrize("gpu_memory", [4096, 64 << 20], ids=["streamed", "kept-resident"])
+def test_compute_copies_are_bitwise_on_cuda(gpu_memory: int) -> None:
+    """update="cpu" under CUDA bf16 autocast: the Linear layers' bf16 compute copies and bf16
+    gradients (`compute_copies="on"`) against the same step with fp32 on the link: the same
+    bf16 inputs reach the same kernels, and the host widens the gradients autograd would have
+    widened, with accumulation and clipping; a budget with room keeps copies resident on the GPU."""
+    from test_whole_model_copies import STEPS as COPY_STEPS
+    from test_whole_model_copies import UntiedLM, _tokens
+
+    def run(copies: str) -> tuple[list[float], list[Any], list[Any], Any]:
+        torch.manual_seed(0)
+        model = UntiedLM().to(DEVICE)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+        options = {"gpu_memory": gpu_memory, "host_memory": 1 << 30, "whole_model": "on", "update": "cpu"}
+        losses = []
+        with teraio.offload(model, optimizer, **options, compute_copies=copies) as session:
+            for x in _tokens(COPY_STEPS):
+                for _ in range(2):
+                    with torch.autocast("cuda", dtype=torch.bfloat16):
+                        loss = model(x.to(DEVICE))
+                    (loss / 2).backward()
+                    losses.append(loss.item())
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        states = [v for p in model.parameters() for v in optimizer.state[p].values()]
+        return losses, [p.detach().clone() for p in model.parameters()], states, session.report()
+
+    copied, plain = run("on"), run("off")
+    assert copied[3].compute_copies == "bfloat16" and plain[3].compute_copies == "off"
+    assert copied[0] == plain[0]
+    # (The 4 KiB budget leaves the state in CPU memory at exit, with a warning; both runs alike.)
+    for p, q in zip(plain[1], copied[1], strict=True):
+        assert q.device == p.device and q.dtype == torch.float32 and torch.equal(p, q)
+    for a, b in zip(plain[2], copied[2], strict=True):
+        assert torch.equal(a, b)
+    moved, least = copied[3].bytes_per_iteration, copied[3].minimum_bytes_moved
+    assert least["out"]["host"]["gradient"] < plain[3].minimum_bytes_moved["out"]["host"]["gradient"]
+    assert moved["out"]["host"]["gradient"] < plain[3].bytes_per_iteration["out"]["host"]["gradient"]

@@ -66,6 +66,15 @@ class OffloadOptions:
             memory, where the fp32 master and the optimizer state stay; a CPU copy of the
             user's optimizer class updates them with its param_groups' hyperparameters read at
             each step; an error where the plan puts any of them on the store).
+        compute_copies: whole-model mode with the step on the CPU: "on" (where every forward
+            pass of the first iteration runs under bf16 autocast, each parameter of an exact
+            `torch.nn.Linear` not shared with another module gets a pinned bf16 copy in host
+            memory, rounded from its fp32 master after each CPU update; the GPU reads the copy,
+            half the bytes, and sends its bf16 gradient back, widened to fp32 on the host: the
+            same bits as autocast's own casts; needs room in `host_memory` beside the plan),
+            "auto" (default: "on" where `capacity.choose_compute_copies` finds that halving the
+            link's bytes outweighs the conversions it adds to the CPU step; on a CPU "device"
+            off) or "off" (parameters and gradients cross the link in fp32).
         cpu_update_bandwidth: the CPU step's rate the choice of `update` assumes, in parameter +
             gradient + state bytes per second ("auto": measured once per process on a 64 MiB
             AdamW step, `machine.measure_cpu_update`).
@@ -113,6 +122,7 @@ class OffloadOptions:
     step_window: Size = "auto"
     step_in_backward: bool = False
     update: str = "auto"
+    compute_copies: str = "auto"
     cpu_update_bandwidth: Bandwidth = "auto"
     tier_preference: str = "auto"
     offload_optimizer_state: bool = True
@@ -138,6 +148,7 @@ class OffloadOptions:
             "checkpoint": (None, "auto", "off", "all"),
             "whole_model": ("auto", "on", "off"),
             "update": ("auto", "gpu", "cpu"),
+            "compute_copies": ("auto", "on", "off"),
             "tier_preference": ("auto", "host", "ssd"),
             "if_no_fit": ("raise", "run"),
             "loss_head": ("chunked", "model"),

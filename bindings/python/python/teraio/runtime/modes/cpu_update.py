@@ -8,6 +8,10 @@ build has it). The user's optimizer keeps its `param_groups`, whose hyperparamet
 scheduler, `weight_decay`, ...) are copied to the CPU optimizer at each `optimizer.step()`, and its
 `state` holds, for each parameter, the very dict the CPU optimizer updates: `state_dict()` gives
 the current state, as CPU tensors, while the model is offloaded.
+
+With compute copies (`whole_model`'s `compute_copies`), the fp32 gradient buffers are filled on
+the host from bf16 gradients before `CpuUpdate.step` reads them, and the bf16 copies are rounded
+from the masters after it: this class sees fp32 masters and gradients either way.
 """
 
 from __future__ import annotations

@@ -44,6 +44,23 @@ unit's entry in the next forward waits for its own update (`_acquire`). Only par
 and gradients (out) cross the link. Parameters kept resident on the GPU are read again from
 their updated master.
 
+Compute copies (`compute_copies="on"`, or "auto" where `capacity.choose_compute_copies` finds
+they pay; with the CPU step). Under bf16 autocast a Linear reads a bf16 cast of its fp32 weight
+and bias, and autograd widens their bf16 gradients back to fp32. Where every forward pass of the
+first iteration runs under bf16 autocast on the device, each parameter of an exact
+`torch.nn.Linear` that no other module shares (a tied head stays fp32; frozen LoRA base layers
+qualify) gets a pinned bf16 copy in host memory beside its master, rounded from it on the update
+worker right after the parameter's CPU update. From the second iteration the GPU reads the copy
+(half the bytes) and sends the bf16 gradient out; the host widens it into the fp32 gradient
+buffer (adding, over micro-batches, as autograd adds fp32 gradients), so the update sees the
+fp32 gradient torch would have made: the same bits. The `Parameter` objects stay the ones the
+model and the optimizer hold; while the copies are on, a copied parameter's `.data` is a bf16
+tensor (its storage released and grown like any other), its fp32 `.data` comes back at exit and
+at `load_state_dict`, and `model.state_dict()` gives the fp32 masters. A forward pass without
+bf16 autocast after that raises (`compute_copies="off"` streams fp32). The copies take host
+memory beside the plan's (`capacity.compute_copy_room`); without room they stay off, and the
+report says why.
+
 The step in backward (`step_in_backward=True`, opt-in). A parameter's gradient is complete when its
 post-accumulate-grad hook runs; the parameter is then still on the GPU, where backward used it.
 Its optimizer state is read in ahead of it (with the parameters of the next units backward
@@ -114,6 +131,13 @@ GRAD_NORM_TYPE = 2.0
 
 #: GPU gradients waiting for an SSD write, at most (the tier's writes run behind backward).
 MAX_GRADIENT_WRITES_BYTES = 1 << 30
+
+#: The kinds of the compute copies' bytes (`compute_copies`), counted as parameter and gradient.
+PARAMETER_COPY = (cp.PARAMETER, "copy")
+GRADIENT_COPY = (cp.GRADIENT, "copy")
+#: The dtype of the compute copies: autocast's bf16 (fp16 autocast rounds differently from a
+#: stored copy only in name, but its gradients come with loss scaling: left to fp32).
+COPY_DTYPE = torch.bfloat16
 
 #: The iteration recorded for the prediction (0-based): the first after the residency decisions
 #: that follow iterations 0 and 1 (`_keep_resident`).
@@ -220,6 +244,13 @@ class WholeModelReport:
     minimum_bytes_moved: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
     #: The causal-LM loss as it ran (`OffloadOptions.loss_head`, `teraio.head`).
     loss_head: str = ""
+    #: The compute copies (`OffloadOptions.compute_copies`): their dtype ("bfloat16") or "off",
+    #: why, how many parameters and their elements, and the pinned host bytes they take.
+    compute_copies: str = "off"
+    compute_copies_reason: str = ""
+    compute_copy_parameters: int = 0
+    compute_copy_elements: int = 0
+    compute_copy_bytes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -251,6 +282,12 @@ class WholeModelReport:
             f"  pinned host {gib(self.pinned_host_bytes)}, peak host RSS {gib(self.peak_host_rss_bytes)}; "
             f"parameters kept on the GPU {gib(self.resident_parameter_bytes)}",
             f"  loss head: {self.loss_head}",
+            f"  compute copies: {self.compute_copies} ({self.compute_copies_reason})"
+            + (
+                f", {self.compute_copy_parameters} parameters, {gib(self.compute_copy_bytes)} pinned"
+                if self.compute_copy_parameters
+                else ""
+            ),
         ]
         for tier, kinds in self.placement.items():
             lines.append(f"  on {tier}: " + ", ".join(f"{k} {gib(v)}" for k, v in kinds.items()))
@@ -317,6 +354,10 @@ class _Slot:
         "units",
         "update",
         "stale",
+        "full",
+        "low",
+        "copied",
+        "fold",
     )
 
     def __init__(self, index: int, name: str, param: torch.nn.Parameter, tiers: dict[str, str]) -> None:
@@ -338,6 +379,13 @@ class _Slot:
         # and whether the GPU copy of a parameter kept resident is older than its master.
         self.update: Optional[concurrent.futures.Future[None]] = None
         self.stale = False
+        # Compute copies: the fp32 `.data` (`full`) and the bf16 one (`low`, a candidate's only),
+        # whether `.data` is `low` now, and the bf16 gradient in host memory not yet widened
+        # into the fp32 buffer: None, "copy" (the step's first) or "add" (a later micro-batch).
+        self.full = param.data
+        self.low: Optional[torch.Tensor] = None  # set where the copies went on
+        self.copied = False
+        self.fold: Optional[str] = None
 
 
 @dataclass
@@ -414,6 +462,13 @@ class ModelOffload(Session):
             }
         self.slots = [_Slot(i, name, p, self.plan.tiers[i]) for i, (name, p) in enumerate(named)]
         self._slot_of = {id(slot.param): slot for slot in self.slots}
+        # Compute copies: the candidates now; on at the first step, where the first iteration ran
+        # under bf16 autocast (`_enable_copies`).
+        self._copy_slots = [self.slots[i] for i in _copy_candidates(model, named)]
+        self.compute_copies: Optional[torch.dtype] = None
+        self._copies_reason = self._copies_refusal()
+        self._autocast_bf16: Optional[bool] = None  # every forward pass of iteration 0 so far
+        self.compute_copy_bytes = 0
         # Parameters whose release waits for an SSD write (`_release`, `_poll`).
         self._releasing: list[_Slot] = []
         self.pull_forward_bytes = parse_size(options.pull_forward_bytes)
@@ -500,14 +555,177 @@ class ModelOffload(Session):
             cpu_refusal=refusal,
         )
 
-    def _start_cpu_update(self) -> None:
-        """The CPU step over the host buffers the parameters and gradients now live in."""
+    def _copies_refusal(self) -> str:
+        """Why the compute copies cannot be on, as far as the set-up tells ("" : they may)."""
+        if self.options.compute_copies == "off":
+            return "compute_copies='off'"
+        if self.update_site.site != cp.CPU_UPDATE:
+            return "the step runs on the GPU, which reads and writes the fp32 parameters"
+        if not self._copy_slots:
+            return "no parameter is an exact torch.nn.Linear's own"
+        return ""
+
+    def _check_autocast(self) -> None:
+        """A unit's forward: the first iteration's say whether the copies can be on; once they
+        are, a forward pass without bf16 autocast would get bf16 weights: it raises."""
+        kind = self.device.type
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+        if self.compute_copies is not None:
+            if dtype != self.compute_copies:
+                raise RuntimeError(
+                    "teraio.offload (whole-model): this forward pass runs "
+                    + ("without autocast" if dtype is None else f"under {dtype} autocast")
+                    + f", but the first iteration ran under {self.compute_copies} autocast and the Linear "
+                    f"layers' weights are {self.compute_copies} compute copies now: run every forward "
+                    f"pass under torch.autocast({kind!r}, dtype={self.compute_copies}), or pass "
+                    "compute_copies='off'"
+                )
+        elif self.steps == 0 and self._autocast_bf16 is not False:
+            self._autocast_bf16 = dtype == COPY_DTYPE
+
+    def _enable_copies(self, stepped: list[_Slot]) -> None:
+        """At the first CPU step: the compute copies go on where the first iteration ran under
+        bf16 autocast and host memory has room (else the report says why not). The copies of
+        `stepped` are made by their update; the others' now."""
+        if self._copies_reason:
+            return
+        if not self._autocast_bf16:
+            self._copies_reason = (
+                "the first iteration's forward pass did not run under bf16 autocast on the device, "
+                "so the layers read the fp32 weights"
+            )
+            return
+        need = sum(
+            _numel_bytes(slot.param, COPY_DTYPE) * (1 + slot.param.requires_grad) for slot in self._copy_slots
+        )
+        refusal = cp.compute_copy_room(self.plan, self.host_memory_bytes, need)
+        if refusal is not None:
+            self._copies_reason = refusal
+            return
+        reason = "compute_copies='on'"
+        if self.options.compute_copies == "auto":
+            worth, reason = self._copies_pay()
+            if not worth:
+                self._copies_reason = reason
+                return
+        self.compute_copies = COPY_DTYPE
+        self._copies_reason = f"the forward pass runs under bf16 autocast; {reason}"
+        for slot in self._copy_slots:
+            nbytes = _numel_bytes(slot.param, COPY_DTYPE)
+            self.host.reserve((PARAMETER_COPY, slot.index), nbytes)
+            if slot.param.requires_grad:
+                self.host.reserve((GRADIENT_COPY, slot.index), nbytes)
+            self.compute_copy_bytes += nbytes * (1 + slot.param.requires_grad)
+            low = torch.empty(slot.param.shape, dtype=COPY_DTYPE, device=self.device)
+            low.untyped_storage().resize_(0)
+            slot.low = low
+        self._copies_on(skip={slot.index for slot in stepped})
+
+    def _copies_pay(self) -> tuple[bool, str]:
+        """`capacity.choose_compute_copies` at the planned link and the CPU step's rate (as the
+        update site's choice took it, or measured now). On a CPU "device" no link is saved."""
+        if not self.cuda:
+            return False, 'the device is the CPU: no host link to save (compute_copies="on" forces them)'
+        given = self.options.cpu_update_bandwidth
+        rate = self.machine.get("cpu_update_bytes_per_s")
+        if rate is None:
+            rate = parse_bandwidth(given) if given != "auto" else measure_cpu_update()
+        sizes = self._state_bytes
+        total = sum(slot.nbytes * (1 + slot.param.requires_grad) + sizes[slot.index] for slot in self.slots)
+        copied = sum(slot.nbytes for slot in self._copy_slots)
+        return cp.choose_compute_copies(
+            copied_bytes=copied,
+            copied_gradient_bytes=sum(slot.nbytes for slot in self._copy_slots if slot.param.requires_grad),
+            cpu_step_s=total / rate,
+            cpu_update_bytes_per_s=rate,
+            host_link_bytes_per_s=min(self.link.d2h, self.link.h2d),
+        )
+
+    def _copies_on(self, skip: Optional[set[int]] = None) -> None:
+        """Each copied parameter's `.data` becomes its bf16 tensor (its fp32 GPU storage goes;
+        its master is current in host memory), and its host copy is rounded from the master
+        (those in `skip`: by their queued update)."""
+        if self.cuda:
+            self.host.flush()
+            self.host.d2h.synchronize()  # the masters written at the start or after a load
+        for slot in self._copy_slots:
+            assert slot.low is not None and not slot.copied
+            kept = slot.tiers[cp.PARAMETER] == GPU
+            if slot.resident:
+                self._join(slot)
+                self._slot_at.pop(slot.param.untyped_storage().data_ptr(), None)
+                slot.param.untyped_storage().resize_(0)
+                slot.resident = False
+            slot.param.data = slot.low
+            slot.copied = True
+            if skip is None or slot.index not in skip:
+                self._round_copy(slot)
+            if kept:
+                # Kept on the GPU: its copy comes up at its next use (`_acquire`).
+                slot.param.untyped_storage().resize_(_numel_bytes(slot.param, COPY_DTYPE))
+                slot.resident = True
+                self._slot_at[slot.param.untyped_storage().data_ptr()] = slot
+                slot.stale = True
+
+    def _round_copy(self, slot: _Slot) -> None:
+        """The host copy of the parameter, rounded from its master (as autocast's cast rounds)."""
+        key = slot.index
+        self.host.convert((PARAMETER_COPY, key), COPY_DTYPE, (cp.PARAMETER, key), slot.full.dtype)
+
+    def _widen(self, slot: _Slot, fold: str) -> None:
+        """The bf16 gradient in host memory into the fp32 gradient buffer: `float(bf16)` (the
+        step's first) or added to it, as autograd adds an fp32 parameter's gradients."""
+        key = slot.index
+        self.host.convert(
+            (cp.GRADIENT, key), slot.full.dtype, (GRADIENT_COPY, key), COPY_DTYPE, add=fold == "add"
+        )
+
+    def _fold(self, slot: _Slot) -> None:
+        """Widens the parameter's bf16 gradient now, once its copy to host memory is done."""
+        fold, slot.fold = slot.fold, None
+        if fold is not None:
+            self.host.wait_written((GRADIENT_COPY, slot.index))
+            self._widen(slot, fold)
+
+    def _copies_off(self) -> None:
+        """Each copied parameter's fp32 `.data` again (exit, a load): pending gradients widened,
+        the bf16 GPU storage released; a parameter kept on the GPU reads its master back."""
+        self._await_updates()
+        for slot in self._copy_slots:
+            self._fold(slot)
+            if not slot.copied:
+                continue
+            if slot.resident:
+                self._join(slot)
+                self._slot_at.pop(slot.param.untyped_storage().data_ptr(), None)
+                slot.param.untyped_storage().resize_(0)
+                slot.resident = False
+            slot.param.data = slot.full
+            slot.copied = False
+            slot.stale = False
+            if slot.tiers[cp.PARAMETER] == GPU:
+                slot.param.untyped_storage().resize_(slot.nbytes)
+                self._counts.add("in", HOST, cp.PARAMETER, slot.nbytes)
+                slot.fetch = self.host.read((cp.PARAMETER, slot.index), flat_bytes(slot.param))
+                slot.resident = True
+                self._slot_at[slot.param.untyped_storage().data_ptr()] = slot
+
+    def _param_kind(self, slot: _Slot) -> Any:
+        return PARAMETER_COPY if slot.copied else cp.PARAMETER
+
+    def _make_cpu_update(self) -> None:
+        """The CPU optimizer over the host buffers, with the user's optimizer's state (at the
+        start, and after a load inside the session, which gave the state back)."""
         trained = [slot for slot in self.slots if slot.param.requires_grad]
         self.cpu_update = cpu_update.CpuUpdate(
             self.optimizer,
             {id(s.param): self.host.buffers[(cp.PARAMETER, s.index)] for s in trained},
             {id(s.param): self.host.buffers[(cp.GRADIENT, s.index)] for s in trained},
         )
+
+    def _start_cpu_update(self) -> None:
+        """The CPU step over the host buffers the parameters and gradients now live in."""
+        self._make_cpu_update()
         self._cpu_worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="teraio-cpu-step")
         self._original_state_dict = self.optimizer.state_dict
 
@@ -595,7 +813,10 @@ class ModelOffload(Session):
 
     def _from_tier(self, slot: _Slot, kind: Any, like: torch.Tensor) -> torch.Tensor:
         host = torch.empty(like.shape, dtype=like.dtype)
-        self._tier(slot, kind).read_to_host((kind, slot.index), flat_bytes(host))
+        # A parameter kept on the GPU and updated on the CPU has its master in host memory.
+        kept = kind == cp.PARAMETER and slot.tiers[cp.PARAMETER] == GPU
+        tier = self.host if kept else self._tier(slot, kind)
+        tier.read_to_host((kind, slot.index), flat_bytes(host))
         return host
 
     def _model_state_dict(
@@ -603,12 +824,14 @@ class ModelOffload(Session):
     ) -> None:
         if module is not self.model:
             return
+        self._await_updates()  # the masters as the last step left them
         self._drain_writes()
         by_param = {id(slot.param): slot for slot in self.slots}
         for name, param in self.model.named_parameters(prefix=prefix, remove_duplicate=False):
             slot = by_param.get(id(param))
-            if slot is not None and name in state_dict and not slot.resident:
-                state_dict[name] = self._from_tier(slot, cp.PARAMETER, param)
+            # A compute copy or an outdated GPU copy is not the parameter: its master is.
+            if slot is not None and name in state_dict and (not slot.resident or slot.copied or slot.stale):
+                state_dict[name] = self._from_tier(slot, cp.PARAMETER, slot.full if slot.copied else param)
 
     def _optimizer_state_dict(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
         self._drain_writes()
@@ -651,17 +874,28 @@ class ModelOffload(Session):
 
     def _out_again(self) -> None:
         """After a load: what `_bring_everything_back` brought back goes to its tiers again (the
-        parameters the plan keeps on the GPU stay)."""
+        parameters the plan keeps on the GPU stay). With the CPU step, a kept parameter's master
+        is written too, and the CPU optimizer takes the state again (`_make_cpu_update`)."""
         for slot in self.slots:
             if slot.tiers[cp.PARAMETER] != GPU:
                 slot.write = self._write(slot, cp.PARAMETER, flat_bytes(slot.param))
+            elif self.cpu_update is not None:
+                self._counts.add("out", HOST, cp.PARAMETER, slot.nbytes)
+                self.host.write((cp.PARAMETER, slot.index), flat_bytes(slot.param))
             if slot.param.grad is not None:
                 self._move_gradient_out(slot)
-            for name, value in _state_tensors(self.optimizer, slot.param):
+            for name, value in _state_tensors(self.optimizer, slot.param) if self._state_in_tiers else []:
                 if self._state_out(slot, name, value):
                     value.untyped_storage().resize_(0)
             self._release(slot, wait=True)
         self._drain_writes()
+        if self.cpu_update is not None:
+            if self.cuda:
+                self.host.flush()
+                self.host.d2h.synchronize()  # the masters are in host memory before a step
+            self._make_cpu_update()
+        if self.compute_copies is not None:
+            self._copies_on()
 
     def _owns(self, parameters: list[torch.Tensor]) -> bool:
         """Whether a `clip_grad_norm_` list holds this model's parameters: their gradients have
@@ -698,8 +932,9 @@ class ModelOffload(Session):
             slot = self._slot_of.get(id(param))
             if slot is not None and slot.grad_held:
                 held.add(slot.index)
-                grads.append(torch.empty(0, dtype=param.dtype, device=param.device))
-                reuse = norm_type == GRAD_NORM_TYPE and foreach is None
+                # torch groups by the gradient's dtype: the master's (a compute copy's is bf16).
+                grads.append(torch.empty(0, dtype=slot.full.dtype, device=param.device))
+                reuse = norm_type == GRAD_NORM_TYPE and foreach is None and slot.index in self._grad_norms
                 norms.append(
                     self._grad_norms[slot.index]
                     if reuse
@@ -735,7 +970,12 @@ class ModelOffload(Session):
         if self._clip is None:
             return
         for slot in self.slots:
-            if slot.grad_held and slot.index in self._clip[2]:
+            if slot.grad_held and slot.index in self._clip[2] and slot.copied:
+                # Scaled in host memory, as the CPU step scales (the same product per element).
+                self._fold(slot)
+                self.host.buffers[(cp.GRADIENT, slot.index)].view(slot.full.dtype).mul_(self._clip[0].cpu())
+                self._grad_norms.pop(slot.index, None)
+            elif slot.grad_held and slot.index in self._clip[2]:
                 fresh = slot.param.grad
                 grad = self._scaled(slot, self._read_gradient(slot))
                 self._tier(slot, cp.GRADIENT).discard((cp.GRADIENT, slot.index))
@@ -800,6 +1040,7 @@ class ModelOffload(Session):
         they fit `gpu_memory`; else into (unpinned) CPU memory, with a warning, so that nothing
         is lost and the caller decides where the model goes next."""
         self._drain_writes()
+        self._copies_off()
         if self.cuda:
             torch.cuda.current_stream(self.device).synchronize()
         try:
@@ -867,7 +1108,8 @@ class ModelOffload(Session):
         elif param.grad is not None:
             param.grad = param.grad.cpu()
         # Its host tier copies go now, so that host memory never holds the state twice.
-        for kind in (cp.PARAMETER, cp.GRADIENT, *((cp.STATE, name) for name in state)):
+        kinds = (cp.PARAMETER, cp.GRADIENT, PARAMETER_COPY, GRADIENT_COPY, *((cp.STATE, n) for n in state))
+        for kind in kinds:
             self.host.release((kind, slot.index))
 
     # -- tiers ---------------------------------------------------------------------------------
@@ -888,7 +1130,12 @@ class ModelOffload(Session):
         """Grows `tensor`'s storage back (on the compute stream) and reads its bytes into it."""
         storage = tensor.untyped_storage()
         if storage.nbytes() == 0:
-            storage.resize_(slot.nbytes if kind == cp.PARAMETER else self._state_nbytes[(kind, slot.index)])
+            if kind == cp.PARAMETER:
+                storage.resize_(slot.nbytes)
+            elif kind == PARAMETER_COPY:
+                storage.resize_(_numel_bytes(tensor, COPY_DTYPE))
+            else:
+                storage.resize_(self._state_nbytes[(kind, slot.index)])
         return self._read_into(slot, kind, flat_bytes(tensor))
 
     def _read_into(self, slot: _Slot, kind: Any, target: torch.Tensor) -> Transfer:
@@ -928,9 +1175,11 @@ class ModelOffload(Session):
         if slot.stale:
             # Kept on the GPU, updated on the CPU: the new master comes up over the old copy.
             slot.stale = False
-            self._counts.add("in", HOST, cp.PARAMETER, slot.nbytes)
-            self.recorder.read((cp.PARAMETER, slot.index), HOST)
-            slot.fetch = self.host.read((cp.PARAMETER, slot.index), flat_bytes(slot.param))
+            kind = self._param_kind(slot)
+            target = flat_bytes(slot.param)
+            self._counts.add("in", HOST, kind, target.numel())
+            self.recorder.read((kind, slot.index), HOST)
+            slot.fetch = self.host.read((kind, slot.index), target)
             return True
         if slot.release_pending:
             # Its release waited for a write, which goes on: kept after all.
@@ -938,7 +1187,7 @@ class ModelOffload(Session):
         slot.release_pending = False
         if slot.resident:
             return True
-        slot.fetch = self._read(slot, cp.PARAMETER, slot.param)
+        slot.fetch = self._read(slot, self._param_kind(slot), slot.param)
         slot.resident = True
         self._slot_at[slot.param.untyped_storage().data_ptr()] = slot
         return True
@@ -978,6 +1227,8 @@ class ModelOffload(Session):
         self.recorder.wait()
         started = time.perf_counter()
         self._poll()
+        if torch._C._current_graph_task_id() == -1:
+            self._check_autocast()
         if self._recorded is None:
             self._order.append(index)
         self._position += 1
@@ -1118,6 +1369,9 @@ class ModelOffload(Session):
                 self._release(slot)
 
     def _move_gradient_out(self, slot: _Slot) -> None:
+        if slot.copied:
+            self._move_gradient_copy_out(slot)
+            return
         grad = slot.param.grad
         assert grad is not None
         if slot.grad_held:
@@ -1136,6 +1390,26 @@ class ModelOffload(Session):
             self._gradient_writes.append((transfer, slot.nbytes))
             while sum(n for _, n in self._gradient_writes) > MAX_GRADIENT_WRITES_BYTES:
                 self._gradient_writes.pop(0)[0].join()
+
+    def _move_gradient_copy_out(self, slot: _Slot) -> None:
+        """A copied parameter's bf16 gradient goes out as it is (half the bytes); the host widens
+        it into the fp32 gradient buffer (`_fold`) before anything reads that."""
+        grad = slot.param.grad
+        assert grad is not None
+        if slot.grad_held:
+            self._apply_pending_clip()
+            self._fold(slot)  # the previous micro-batch's, before this one takes its buffer
+            fold = "add"
+            # The norm of the sum is taken where the clip reads it back, on the device.
+            self._grad_norms.pop(slot.index, None)
+        else:
+            fold = "copy"
+            # torch's norm of the fp32 gradient autograd would have made: float(bf16) exactly.
+            self._grad_norms[slot.index] = _norm(grad.float(), GRAD_NORM_TYPE, None)
+        self._write(slot, GRADIENT_COPY, flat_bytes(grad.contiguous()))
+        slot.fold = fold
+        slot.grad_held = True
+        slot.param.grad = None
 
     def _await_step(self, slot: _Slot, task: int) -> None:
         """Step in backward: the parameter's gradient is complete (in backward pass `task`); it is
@@ -1194,7 +1468,10 @@ class ModelOffload(Session):
         waits["step in backward"] = waits.get("step in backward", 0.0) + time.perf_counter() - started
 
     def _read_gradient(self, slot: _Slot) -> torch.Tensor:
-        grad = torch.empty_like(slot.param, memory_format=torch.contiguous_format)
+        """The held fp32 gradient, read back to the device."""
+        self._fold(slot)
+        like = slot.full if slot.copied else slot.param
+        grad = torch.empty(like.shape, dtype=like.dtype, device=self.device)
         self._read_into(slot, cp.GRADIENT, flat_bytes(grad)).join()
         return grad
 
@@ -1206,6 +1483,9 @@ class ModelOffload(Session):
             if slot.grad_held:
                 slot.grad_held = False
                 self._tier(slot, cp.GRADIENT).discard((cp.GRADIENT, slot.index))
+            if slot.fold is not None:
+                slot.fold = None
+                self.host.discard((GRADIENT_COPY, slot.index))
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -1289,13 +1569,25 @@ class ModelOffload(Session):
             self.host.d2h.synchronize()  # the gradients are in host memory
             self.host.h2d.synchronize()  # and no read of a master is in flight
         assert self.cpu_update is not None and self._cpu_worker is not None
+        if self.compute_copies is None:
+            self._enable_copies(stepped)
         self.cpu_update.sync_hyperparameters()
         clip = None
         if self._clip is not None:
             coef, _, held = self._clip
             clip = (coef.to("cpu"), {id(self.slots[i].param) for i in held})
         for group in self._update_groups(stepped):
-            future = self._cpu_worker.submit(self._run_cpu_update, [slot.param for slot in group], clip)
+            # The worker widens the bf16 gradients (their copies are done) and rounds the copies.
+            folds = [(slot, slot.fold) for slot in group if slot.fold is not None]
+            for slot in group:
+                slot.fold = None
+            future = self._cpu_worker.submit(
+                self._run_cpu_update,
+                [slot.param for slot in group],
+                clip,
+                folds,
+                [slot for slot in group if slot.copied],
+            )
             for slot in group:
                 slot.update = future
                 slot.grad_held = False
@@ -1318,10 +1610,16 @@ class ModelOffload(Session):
             groups.append(list(left.values()))
         return groups
 
-    def _run_cpu_update(self, params: list[torch.Tensor], clip: Any) -> None:
+    def _run_cpu_update(
+        self, params: list[torch.Tensor], clip: Any, folds: list[tuple[_Slot, str]], copies: list[_Slot]
+    ) -> None:
         started = time.perf_counter()
         assert self.cpu_update is not None
+        for slot, fold in folds:
+            self._widen(slot, fold)
         self.cpu_update.step(params, clip)
+        for slot in copies:
+            self._round_copy(slot)
         self._cpu_update_s += time.perf_counter() - started
 
     def _await_update(self, slot: _Slot) -> None:
@@ -1591,12 +1889,14 @@ class ModelOffload(Session):
         on_gpu = self.update_site.site == cp.GPU_UPDATE
         for slot in self.slots:
             moved_param = slot.tiers[cp.PARAMETER] != GPU
+            # A compute copy crosses the link in its dtype, and so does its gradient.
+            crossing = _numel_bytes(slot.param, COPY_DTYPE) if slot.low is not None else slot.nbytes
             if moved_param:
-                counts.add("in", slot.tiers[cp.PARAMETER], cp.PARAMETER, slot.nbytes)
+                counts.add("in", slot.tiers[cp.PARAMETER], cp.PARAMETER, crossing)
             if not slot.param.requires_grad:
                 continue
             if not self.step_in_backward:
-                counts.add("out", slot.tiers[cp.GRADIENT], cp.GRADIENT, slot.nbytes)
+                counts.add("out", slot.tiers[cp.GRADIENT], cp.GRADIENT, crossing)
             if not on_gpu:
                 continue
             if not self.step_in_backward:
@@ -1674,6 +1974,11 @@ class ModelOffload(Session):
             if self._cpu_update_ms
             else None,
             minimum_bytes_moved=self.minimum_bytes(),
+            compute_copies="off" if self.compute_copies is None else str(self.compute_copies).split(".")[-1],
+            compute_copies_reason=self._copies_reason or "decided at the first step",
+            compute_copy_parameters=sum(slot.low is not None for slot in self._copy_slots),
+            compute_copy_elements=sum(s.param.numel() for s in self._copy_slots if s.low is not None),
+            compute_copy_bytes=self.compute_copy_bytes,
             update_model_ms={
                 "gpu": None if self.update_site.gpu_step_s is None else self.update_site.gpu_step_s * 1e3,
                 "cpu": None if self.update_site.cpu_step_s is None else self.update_site.cpu_step_s * 1e3,
@@ -1739,6 +2044,30 @@ def _rate(bytes_per_s: Optional[float]) -> str:
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return int(tensor.untyped_storage().nbytes())
+
+
+def _numel_bytes(tensor: torch.Tensor, dtype: torch.dtype) -> int:
+    return tensor.numel() * dtype.itemsize
+
+
+def _copy_candidates(model: torch.nn.Module, named: list[tuple[str, torch.nn.Parameter]]) -> list[int]:
+    """The parameters (indices into `named`) that may have compute copies: the fp32 weight and
+    bias of an exact `torch.nn.Linear` (autocast lowers its one op to bf16) that no other module
+    holds (a head tied to an embedding is read by the embedding in fp32)."""
+    owners: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    for _, module in model.named_modules(remove_duplicate=False):
+        for name, param in module._parameters.items():
+            if param is not None:
+                owners.setdefault(id(param), []).append((module, name))
+    chosen = []
+    for index, (_, param) in enumerate(named):
+        held = owners.get(id(param), [])
+        if len(held) != 1 or param.dtype != torch.float32:
+            continue
+        module, name = held[0]
+        if type(module) is torch.nn.Linear and name in ("weight", "bias"):
+            chosen.append(index)
+    return chosen
 
 
 def _state_tensors(

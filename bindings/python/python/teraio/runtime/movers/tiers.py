@@ -246,6 +246,31 @@ class HostTier:
             written.synchronize()
         target.copy_(self.buffers[key])
 
+    def wait_written(self, key: Any) -> None:
+        """Waits on the host until the key's last write is in its buffer (for CPU work on it)."""
+        self.flush()
+        written = self._written.get(key)
+        if written is not None:
+            written.synchronize()
+
+    def convert(
+        self,
+        target: Any,
+        target_dtype: torch.dtype,
+        source: Any,
+        source_dtype: torch.dtype,
+        add: bool = False,
+    ) -> None:
+        """On the host: the source key's elements (`source_dtype`) rounded or widened into the
+        target key's buffer (`target_dtype`), added to what it holds where `add`. The caller
+        orders it after the copies that fill the source and before those that read the target."""
+        values = self.buffers[source].view(source_dtype)
+        held = self.buffers[target].view(target_dtype)
+        if add:
+            held.add_(values)
+        else:
+            held.copy_(values)
+
     def discard(self, key: Any) -> None:
         """Forgets the key's bytes (its buffer stays allocated for the next write)."""
         self._written.pop(key, None)

@@ -8,6 +8,10 @@ parameter gets a home tier for each of its three kinds of bytes:
 - gradient: written once in backward, read once in the step;
 - optimizer state (e.g. AdamW's `exp_avg`, `exp_avg_sq`): read and written once, in the step.
 
+With the step on the CPU, host memory may also hold compute copies (`compute_copy_room`): a
+bf16 copy of parameters that autocast reads in bf16 anyway, and the bf16 gradients on their way
+to the fp32 gradient buffers. They take what the plan leaves of the cap, never the plan's room.
+
 Host memory (pinned, at most `host_capacity_bytes`) takes them in that order of traffic per byte;
 what does not fit goes to the SSD store. The step runs in windows of at most `window_bytes`
 (parameter + gradient + state, on the GPU at once; a larger single parameter is a window of its
@@ -174,7 +178,9 @@ def choose_update_site(
     (P + G + S) bytes in host memory at `cpu_update_bytes_per_s` (measured). The CPU step needs
     all three kinds in host memory (`cpu_refusal`: why it cannot run otherwise, e.g. an
     optimizer without a CPU implementation). The model leaves out the CPU step's overlap with
-    the next forward pass, so it favours the GPU where the two are close."""
+    the next forward pass, and the compute copies (`compute_copy_room`), which only the CPU
+    step has and which halve its parameter and gradient traffic: both favour the CPU step, so
+    the model favours the GPU where the two are close."""
     params = sum(s.parameter for s in sizes if s.gradient or s.state)
     grads = sum(s.gradient for s in sizes)
     state = sum(s.state for s in sizes)
@@ -213,3 +219,51 @@ def choose_update_site(
         gpu_s,
         cpu_s,
     )
+
+
+def compute_copy_room(plan: CapacityPlan, host_capacity_bytes: int, copy_bytes: int) -> Optional[str]:
+    """Why host memory cannot hold `copy_bytes` of compute copies beside the plan (None: it can).
+    The copies take only what the plan leaves of `host_capacity_bytes`: the plan's kinds keep
+    their tiers (moving state to the store would stop the CPU step the copies serve)."""
+    spare = host_capacity_bytes - plan.host_total
+    if copy_bytes <= spare:
+        return None
+    return (
+        f"host_memory ({_gib(host_capacity_bytes)}) holds the plan's {_gib(plan.host_total)} and has "
+        f"{_gib(max(spare, 0))} left, less than the {_gib(copy_bytes)} the compute copies take: raise "
+        "host_memory to stream them"
+    )
+
+
+#: Host memory bytes the compute copies' conversions touch per byte of fp32 copied parameter and
+#: gradient (rounding: read 4, write 2 per element; widening: read 2, write 4), in the units of
+#: the CPU step's measured rate (parameter + gradient + state bytes per second).
+CONVERSION_TOUCH = 1.5
+
+
+def choose_compute_copies(
+    *,
+    copied_bytes: int,
+    copied_gradient_bytes: int,
+    cpu_step_s: float,
+    cpu_update_bytes_per_s: float,
+    host_link_bytes_per_s: float,
+) -> tuple[bool, str]:
+    """Whether the compute copies pay ("auto"): they halve, for the copied parameters, the
+    link's fp32 reads in forward and recomputation (2 x `copied_bytes`) and the gradients out
+    (`copied_gradient_bytes`), and add their conversions to the CPU step (`CONVERSION_TOUCH`
+    times those bytes at `cpu_update_bytes_per_s`). The iteration is taken as bound by the
+    slower of the CPU step and that link traffic (the two overlap), so the copies go on where
+    the link is the bound and halving it beats the longer CPU step."""
+    link_s = (2 * copied_bytes + copied_gradient_bytes) / host_link_bytes_per_s
+    convert_s = CONVERSION_TOUCH * (copied_bytes + copied_gradient_bytes) / cpu_update_bytes_per_s
+    with_copies = max(cpu_step_s + convert_s, link_s / 2)
+    without = max(cpu_step_s, link_s)
+    figures = (
+        f"the CPU step {cpu_step_s * 1e3:.0f} ms, plus {convert_s * 1e3:.0f} ms of conversions with them; "
+        f"the link {link_s * 1e3:.0f} ms of the bytes they halve"
+    )
+    bound = f"{with_copies * 1e3:.0f} ms with them, {without * 1e3:.0f} ms without"
+    if with_copies < without:
+        return True, f"they shorten the bound ({bound}): {figures}"
+    return False, f"they would not shorten the bound ({bound}): {figures}; compute_copies='on' forces them"

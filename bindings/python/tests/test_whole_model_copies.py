@@ -1,0 +1,406 @@
+"""Whole-model mode's compute copies (`compute_copies="on"`, with the CPU step) under CPU bf16
+autocast: bf16 copies of the Linear layers' parameters cross the link and their bf16 gradients
+come back, bitwise against the same loop without offload; the bytes reported are the bytes moved."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import pytest
+import teraio
+import torch
+from teraio.runtime.modes.whole_model import ModelOffload
+from teraio.runtime.movers.tiers import HostTier
+from teraio.runtime.plans import capacity as cp
+from test_whole_model import TiedLM, _tokens
+
+STEPS = 4
+VOCAB = 96
+DIM = 32
+
+
+class UntiedLM(torch.nn.Module):
+    """Embedding, blocks of LayerNorm + Linear + GELU, and a head of its own."""
+
+    def __init__(self, layers: int = 3) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, DIM)
+        self.layers = torch.nn.ModuleList(
+            [
+                torch.nn.Sequential(torch.nn.LayerNorm(DIM), torch.nn.Linear(DIM, DIM), torch.nn.GELU())
+                for _ in range(layers)
+            ]
+        )
+        self.norm = torch.nn.LayerNorm(DIM)
+        self.head = torch.nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = x + layer(x)
+        logits = self.head(self.norm(x))
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens.flatten())
+
+
+class LoraLinear(torch.nn.Module):
+    """A frozen base Linear plus a trained low-rank update, as LoRA adapters are shaped."""
+
+    def __init__(self, rank: int = 4) -> None:
+        super().__init__()
+        self.base = torch.nn.Linear(DIM, DIM)
+        self.base.requires_grad_(False)
+        self.lora_a = torch.nn.Linear(DIM, rank, bias=False)
+        self.lora_b = torch.nn.Linear(rank, DIM, bias=False)
+        torch.nn.init.normal_(self.lora_b.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + 2.0 * self.lora_b(self.lora_a(x))
+
+
+class LoraLM(torch.nn.Module):
+    """A frozen model (embedding, head) with LoRA-shaped blocks: only the adapters train."""
+
+    def __init__(self, layers: int = 3) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, DIM)
+        self.embed.requires_grad_(False)
+        self.layers = torch.nn.ModuleList(
+            [
+                torch.nn.Sequential(torch.nn.LayerNorm(DIM), LoraLinear(), torch.nn.GELU())
+                for _ in range(layers)
+            ]
+        )
+        self.head = torch.nn.Linear(DIM, VOCAB)
+        self.head.requires_grad_(False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = x + layer(x)
+        return torch.nn.functional.cross_entropy(self.head(x).float().flatten(0, 1), tokens.flatten())
+
+
+def _build(cls: type, seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = cls()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    return model, torch.optim.AdamW(trained, lr=1e-2, weight_decay=0.1, fused=True)
+
+
+def _loop(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: list[torch.Tensor],
+    *,
+    accumulate: int = 1,
+    clip: Optional[float] = None,
+    autocast: bool = True,
+    on_step: Optional[Callable[[int], None]] = None,
+) -> list[float]:
+    """Trains under CPU bf16 autocast, with a scheduler, optional accumulation and clipping."""
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    losses = []
+    for step, x in enumerate(data):
+        for _ in range(accumulate):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = model(x)
+            (loss / accumulate).backward()
+            losses.append(loss.item())
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if on_step is not None:
+            on_step(step)
+    return losses
+
+
+def _train(cls: type, offloaded: bool, options: Optional[dict[str, Any]] = None, **kwargs: Any) -> Any:
+    model, optimizer = _build(cls)
+    data = _tokens(STEPS)
+    if not offloaded:
+        return model, optimizer, _loop(model, optimizer, data, **kwargs), None
+    settings = {"gpu_memory": 4096, "host_memory": 1 << 30, "update": "cpu", "compute_copies": "on"}
+    settings |= options or {}
+    with teraio.offload(model, optimizer, **settings) as run:
+        assert isinstance(run, ModelOffload)
+        losses = _loop(model, optimizer, data, **kwargs)
+    return model, optimizer, losses, run
+
+
+def _assert_bitwise(reference: Any, other: Any) -> None:
+    ref_model, ref_opt, ref_losses, _ = reference
+    model, optimizer, losses, _ = other
+    assert losses == ref_losses
+    for (name, p), q in zip(ref_model.named_parameters(), model.parameters(), strict=True):
+        assert q.dtype == p.dtype == torch.float32, name
+        assert torch.equal(p, q), name
+    for p, q in zip(ref_model.parameters(), model.parameters()):
+        for key, value in ref_opt.state.get(p, {}).items():
+            assert torch.equal(value, optimizer.state[q][key]), key
+
+
+def _copied(run: ModelOffload) -> set[str]:
+    return {slot.name for slot in run.slots if slot.low is not None}
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"accumulate": 2}, {"clip": 0.05}, {"accumulate": 2, "clip": 0.05}],
+    ids=["plain", "accumulated", "clipped", "accumulated-clipped"],
+)
+def test_copies_are_bitwise_against_training_without_offload(kwargs: dict[str, Any]) -> None:
+    reference = _train(UntiedLM, False, **kwargs)
+    result = _train(UntiedLM, True, **kwargs)
+    _assert_bitwise(reference, result)
+    report = result[3].report()
+    assert report.compute_copies == "bfloat16", report.compute_copies_reason
+    # Every Linear's weight and bias, nothing else (embedding, layer norms).
+    linears = {f"layers.{i}.1.{k}" for i in range(3) for k in ("weight", "bias")} | {
+        "head.weight",
+        "head.bias",
+    }
+    assert _copied(result[3]) == linears
+    assert report.compute_copy_parameters == len(linears)
+    assert "compute copies: bfloat16" in str(report)
+
+
+def test_a_tied_head_stays_fp32() -> None:
+    reference = _train(TiedLM, False, clip=0.05)
+    seen: dict[str, torch.dtype] = {}
+
+    def look(step: int) -> None:
+        if step == 1:
+            seen.update({name: p.dtype for name, p in result_model.named_parameters()})
+
+    model, optimizer = _build(TiedLM)
+    result_model = model
+    with teraio.offload(
+        model, optimizer, gpu_memory=4096, host_memory=1 << 30, update="cpu", compute_copies="on"
+    ) as run:
+        losses = _loop(model, optimizer, _tokens(STEPS), clip=0.05, on_step=look)
+    _assert_bitwise(reference, (model, optimizer, losses, run))
+    # The embedding's weight is the head's: read by the embedding in fp32, it stays fp32.
+    assert "embed.weight" not in _copied(run) and _copied(run)
+    assert seen["embed.weight"] == torch.float32
+    # Inside the session a copied parameter's `.data` is its bf16 copy.
+    assert seen["layers.0.1.weight"] == torch.bfloat16
+
+
+def test_a_frozen_lora_base_is_copied() -> None:
+    reference = _train(LoraLM, False, accumulate=2)
+    result = _train(LoraLM, True, accumulate=2)
+    _assert_bitwise(reference, result)
+    run = result[3]
+    # The frozen base layers and the head get copies made once; the adapters are updated.
+    assert {"layers.0.1.base.weight", "layers.0.1.lora_a.weight", "head.weight"} <= _copied(run)
+    assert "embed.weight" not in _copied(run)
+
+
+def _count_host_copies(monkeypatch: pytest.MonkeyPatch, state: dict[str, Any]) -> dict[int, dict[Any, int]]:
+    """Bytes each iteration's host-tier copies moved, by (direction, kind of key)."""
+    made: dict[int, dict[Any, int]] = {}
+    read, write = HostTier.read, HostTier.write
+
+    def count(direction: str, key: Any, nbytes: int) -> None:
+        run = state.get("run")
+        if run is not None:
+            per = made.setdefault(run.steps, {})
+            per[(direction, key[0])] = per.get((direction, key[0]), 0) + nbytes
+
+    def counted_read(self: HostTier, key: Any, target: torch.Tensor) -> Any:
+        count("in", key, target.numel())
+        return read(self, key, target)
+
+    def counted_write(self: HostTier, key: Any, source: torch.Tensor) -> Any:
+        count("out", key, source.numel())
+        return write(self, key, source)
+
+    monkeypatch.setattr(HostTier, "read", counted_read)
+    monkeypatch.setattr(HostTier, "write", counted_write)
+    return made
+
+
+@pytest.mark.parametrize("copies", ["on", "off"])
+def test_bytes_are_the_copies_made(monkeypatch: pytest.MonkeyPatch, copies: str) -> None:
+    state: dict[str, Any] = {}
+    made = _count_host_copies(monkeypatch, state)
+    model, optimizer = _build(UntiedLM)
+    options = {"gpu_memory": 4096, "host_memory": 1 << 30, "update": "cpu", "compute_copies": copies}
+    with teraio.offload(model, optimizer, **options) as run:
+        state["run"] = run
+        losses = _loop(model, optimizer, _tokens(STEPS))
+        state["run"] = None
+    _assert_bitwise(_train(UntiedLM, False), (model, optimizer, losses, run))
+    report = run.report()
+    copied = {slot.name for slot in run._copy_slots}
+    numel = {name: p.numel() for name, p in model.named_parameters()}
+    fp32 = sum(4 * n for name, n in numel.items() if name not in copied)
+    bf16 = sum(2 * n for name, n in numel.items() if name in copied)
+    # Each iteration's reported bytes are the copies made, by kind (copies counted as their kind).
+    for step, counts in enumerate(run._iterations):
+        merged: dict[tuple[str, str], int] = {}
+        for (direction, kind), nbytes in made[step].items():
+            base = kind[0] if isinstance(kind, tuple) else kind
+            merged[(direction, base)] = merged.get((direction, base), 0) + nbytes
+        reported = {(d, kind): n for d, tiers in counts.moved().items() for kind, n in tiers["host"].items()}
+        assert reported == merged, step
+    later = made[STEPS - 1]
+    least = report.minimum_bytes_moved
+    if copies == "on":
+        assert report.compute_copies == "bfloat16"
+        # From the second iteration: the Linear layers' parameters in at 2 bytes per element,
+        # their gradients out at 2, none of their fp32 bytes on the link.
+        assert later[("out", (cp.GRADIENT, "copy"))] == bf16
+        assert later[("out", cp.GRADIENT)] == fp32
+        assert ("in", (cp.PARAMETER, "copy")) in later
+        read_low = later[("in", (cp.PARAMETER, "copy"))]
+        assert bf16 <= read_low <= 2 * bf16 and read_low % 2 == 0
+        assert least == {
+            "in": {"host": {"parameter": fp32 + bf16}},
+            "out": {"host": {"gradient": fp32 + bf16}},
+        }
+        assert report.compute_copy_bytes == 2 * bf16  # a pinned copy and a gradient buffer each
+        assert report.compute_copy_elements == bf16 // 2
+        # The first iteration streamed fp32: the copies go on at its step.
+        assert not any(isinstance(kind, tuple) for _, kind in made[0])
+    else:
+        assert report.compute_copies == "off" and report.compute_copies_reason == "compute_copies='off'"
+        assert not any(isinstance(kind, tuple) for step in made.values() for _, kind in step)
+        assert later[("out", cp.GRADIENT)] == fp32 + 2 * bf16
+        assert least == {
+            "in": {"host": {"parameter": fp32 + 2 * bf16}},
+            "out": {"host": {"gradient": fp32 + 2 * bf16}},
+        }
+        assert report.compute_copy_bytes == 0
+    moved = report.bytes_per_iteration
+    for direction, tiers in moved.items():
+        for kind, nbytes in tiers["host"].items():
+            assert nbytes >= least[direction]["host"][kind], (direction, kind)
+
+
+def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: value.clone() for name, value in model.state_dict().items()}
+
+
+def test_state_dict_gives_the_fp32_masters() -> None:
+    reference: list[dict[str, torch.Tensor]] = []
+    model, optimizer = _build(UntiedLM)
+    _loop(model, optimizer, _tokens(STEPS), on_step=lambda s: reference.append(_snapshot(model)))
+    taken: list[dict[str, torch.Tensor]] = []
+    model, optimizer = _build(UntiedLM)
+    with teraio.offload(
+        model, optimizer, gpu_memory=4096, host_memory=1 << 30, update="cpu", compute_copies="on"
+    ) as run:
+        _loop(model, optimizer, _tokens(STEPS), on_step=lambda s: taken.append(_snapshot(model)))
+        assert run.report().compute_copies == "bfloat16"
+    for ref_step, step in zip(reference, taken, strict=True):
+        assert ref_step.keys() == step.keys()
+        for name, value in ref_step.items():
+            assert step[name].dtype == torch.float32, name
+            assert torch.equal(step[name], value), name
+
+
+@pytest.mark.parametrize("copies", ["on", "off"])
+def test_a_checkpoint_loaded_inside_the_session_continues_bitwise(copies: str) -> None:
+    # load_state_dict brings the fp32 parameters back, torch copies into them, and the copies
+    # are made again from the loaded masters; the CPU optimizer takes the loaded state (with
+    # or without the copies).
+    data = _tokens(STEPS)
+    model, optimizer = _build(UntiedLM)
+    reference = _loop(model, optimizer, data)
+    ref_params = [p.detach().clone() for p in model.parameters()]
+    model, optimizer = _build(UntiedLM)
+    saved: dict[str, Any] = {}
+
+    def checkpoint(step: int) -> None:
+        if step == 1:
+            saved["model"] = {k: v.clone() for k, v in model.state_dict().items()}
+            saved["optimizer"] = optimizer.state_dict()
+            model.load_state_dict(saved["model"])
+            optimizer.load_state_dict(saved["optimizer"])
+
+    options = {"gpu_memory": 4096, "host_memory": 1 << 30, "update": "cpu", "compute_copies": copies}
+    with teraio.offload(model, optimizer, **options) as run:
+        losses = _loop(model, optimizer, data, on_step=checkpoint)
+    assert run.report().compute_copies == ("bfloat16" if copies == "on" else "off")
+    assert losses == reference
+    for p, q in zip(ref_params, model.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_without_autocast_the_copies_stay_off() -> None:
+    reference = _train(UntiedLM, False, autocast=False)
+    result = _train(UntiedLM, True, autocast=False)
+    _assert_bitwise(reference, result)
+    report = result[3].report()
+    assert (
+        report.compute_copies == "off" and "did not run under bf16 autocast" in report.compute_copies_reason
+    )
+    assert _copied(result[3]) == set()
+
+
+def test_a_forward_without_autocast_after_the_copies_raises() -> None:
+    model, optimizer = _build(UntiedLM)
+    data = _tokens(2)
+    with teraio.offload(
+        model, optimizer, gpu_memory=4096, host_memory=1 << 30, update="cpu", compute_copies="on"
+    ):
+        _loop(model, optimizer, data)
+        with pytest.raises(RuntimeError, match="compute_copies='off'"):
+            model(data[0])
+
+
+def test_the_copies_need_room_beside_the_plan() -> None:
+    model, optimizer = _build(UntiedLM)
+    params = sum(p.untyped_storage().nbytes() for p in model.parameters())
+    # The plan's parameters, gradients and AdamW state fill host_memory: no room for copies.
+    with teraio.offload(
+        model, optimizer, gpu_memory=4096, host_memory=4 * params, update="cpu", compute_copies="on"
+    ) as run:
+        losses = _loop(model, optimizer, _tokens(STEPS))
+    report = run.report()
+    assert report.compute_copies == "off" and "raise host_memory" in report.compute_copies_reason
+    assert losses == _train(UntiedLM, False)[2]
+
+
+def test_the_streamed_gpu_step_has_no_copies() -> None:
+    result = _train(UntiedLM, True, options={"update": "gpu"})
+    _assert_bitwise(_train(UntiedLM, False), result)
+    report = result[3].report()
+    assert report.compute_copies == "off" and "runs on the GPU" in report.compute_copies_reason
+
+
+def test_auto_on_the_cpu_device_leaves_them_off() -> None:
+    # No host link to save on a CPU "device": "auto" keeps the fp32 path, and says why.
+    result = _train(UntiedLM, True, options={"compute_copies": "auto"})
+    report = result[3].report()
+    assert report.compute_copies == "off" and "no host link to save" in report.compute_copies_reason
+
+
+def test_auto_weighs_the_link_against_the_conversions() -> None:
+    # A Llama-3.2-3B shape's Linear layers (11.2 GB fp32, all trained) with the CPU step at
+    # 500 ms: on a 50 GB/s link the step is the bound and the conversions would lengthen it;
+    # on a 12 GB/s link the link is the bound and halving it wins.
+    copied = 11_200_000_000
+    figures: dict[str, Any] = {"copied_bytes": copied, "copied_gradient_bytes": copied, "cpu_step_s": 0.5}
+    fast_link = cp.choose_compute_copies(**figures, cpu_update_bytes_per_s=107e9, host_link_bytes_per_s=50e9)
+    assert fast_link[0] is False and "compute_copies='on' forces them" in fast_link[1]
+    slow_link = cp.choose_compute_copies(**figures, cpu_update_bytes_per_s=107e9, host_link_bytes_per_s=12e9)
+    assert slow_link[0] is True and "they shorten the bound" in slow_link[1]
+    # A slow CPU (few cores) makes the conversions too dear even there.
+    slow_cpu = cp.choose_compute_copies(**figures, cpu_update_bytes_per_s=10e9, host_link_bytes_per_s=12e9)
+    assert slow_cpu[0] is False
+
+
+def test_compute_copy_room() -> None:
+    sizes = [cp.SlotSize("w", 400, 400, 800)]
+    plan = cp.place(sizes, host_capacity_bytes=2000, ssd_capacity_bytes=None, window_bytes=1 << 20)
+    assert cp.compute_copy_room(plan, 2000, 400) is None
+    assert "raise host_memory" in (cp.compute_copy_room(plan, 2000, 401) or "")
+
+
+def test_the_option_is_checked() -> None:
+    with pytest.raises(ValueError, match="compute_copies must be one of"):
+        teraio.OffloadOptions(compute_copies="yes")
