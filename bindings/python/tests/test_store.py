@@ -354,6 +354,21 @@ def test_close_waits_for_calls_in_flight_in_other_threads(store_dir: pathlib.Pat
         assert np.array_equal(again.get(0, np.empty_like(data)), data)
 
 
+def test_start_put_and_start_get_move_the_first_nbytes_of_host_memory(store: teraio.Store) -> None:
+    # The runtime movers' calls on host memory: the engine's host path, no metadata, and only
+    # the first `nbytes` of the buffer written or filled.
+    torch = pytest.importorskip("torch")
+    src = torch.arange(1, 301, dtype=torch.int32)  # 1200 bytes, no zero among them
+    assert store.start_put(4, src, 1000).wait(timeout_s=30.0) is True
+    info = store.stat(4)
+    assert info is not None and info["len_bytes"] == 1000 and info["meta"] == b""
+    out = torch.zeros(300, dtype=torch.int32)
+    assert store.start_get(4, out, 1000).wait(timeout_s=30.0) is True
+    assert torch.equal(out[:250], src[:250])
+    assert not out[250:].any()  # the bytes past `nbytes` are left as they were
+    assert store.get_bytes(4) == bytes(src.numpy()[:250])
+
+
 def test_cuda_ordering_arguments_are_refused_for_host_memory(store: teraio.Store) -> None:
     torch = pytest.importorskip("torch")
     store.put(1, b"x" * 64)

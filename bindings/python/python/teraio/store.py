@@ -398,18 +398,7 @@ class Store:
         Unlike `put_async` it never waits for the current CUDA stream: the caller has ordered
         the write after the tensor's producer, or passes `after` (CUDA memory only, as in
         `put_async`). Keep `memory` unchanged and alive until the handle is done."""
-        event = _event_handle(after)
-        address = _start_address(memory, nbytes)
-        if memory.device.type == "cuda":
-            index = _cuda_index(memory)
-            return Handle(
-                self._native.put_device(
-                    object_id, address, nbytes, index, memory, b"", urgent, after=_after_handle(event)
-                ),
-                index,
-            )
-        _host_only(after, None, memory)
-        return Handle(self._native.put_address(object_id, address, nbytes, memory, b"", urgent))
+        return self._start(True, object_id, memory, nbytes, urgent, after)
 
     def start_get(
         self,
@@ -423,18 +412,25 @@ class Store:
         (as `start_put`): the caller has ordered the read after every use of the memory, or
         passes `after` (CUDA memory only). Do not use `memory` until the handle is done (for
         CUDA memory: make the stream that uses it wait with `Handle.enqueue_stream_wait`)."""
+        return self._start(False, object_id, memory, nbytes, urgent, after)
+
+    def _start(self, put: bool, object_id: int, memory: Any, nbytes: int, urgent: bool, after: Any) -> Handle:
+        """`start_put` (`put`) or `start_get`: the engine call by the memory's device, its GPU path
+        for CUDA memory and its host path otherwise."""
         event = _event_handle(after)
         address = _start_address(memory, nbytes)
+        meta = {"meta": b""} if put else {}
         if memory.device.type == "cuda":
             index = _cuda_index(memory)
-            return Handle(
-                self._native.get_device(
-                    object_id, address, nbytes, index, memory, urgent=urgent, after=_after_handle(event)
-                ),
-                index,
+            device_call = self._native.put_device if put else self._native.get_device
+            after_handle = _after_handle(event)
+            native = device_call(
+                object_id, address, nbytes, index, memory, urgent=urgent, after=after_handle, **meta
             )
+            return Handle(native, index)
         _host_only(after, None, memory)
-        return Handle(self._native.get_address(object_id, address, nbytes, memory, urgent=urgent))
+        host_call = self._native.put_address if put else self._native.get_address
+        return Handle(host_call(object_id, address, nbytes, memory, urgent=urgent, **meta))
 
 
 class _Event:

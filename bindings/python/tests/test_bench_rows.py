@@ -1,0 +1,110 @@
+"""benches/torch's row scripts (bench_regime.py, bench_loops.py and their shared rows.py) on the
+CPU with their tiny models: the rows they print and the tables they write."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+BENCHES = pathlib.Path(__file__).resolve().parents[3] / "benches" / "torch"
+COMMON = ["--tiny", "--family", "llama", "--steps", "4", "--warmup", "2", "--batch", "2", "--seq", "64"]
+
+
+def _run(
+    script: str, tmp_path: pathlib.Path, *arguments: str, timeout: int = 300
+) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    return subprocess.run(
+        [sys.executable, str(BENCHES / script), *arguments],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+
+
+def _row(script: str, tmp_path: pathlib.Path, *extra: str) -> dict[str, Any]:
+    done = _run(script, tmp_path, "run", *COMMON, *extra)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and len(lines) == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    return json.loads(lines[0][7:])
+
+
+def _no_scratch_left(tmp_path: pathlib.Path) -> None:
+    # The row's scratch folder (store file included) is gone (torch may leave its own files).
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("teraio")] == []
+
+
+def test_bench_regime_rows_on_cpu(tmp_path: pathlib.Path) -> None:
+    pytest.importorskip("transformers")
+    ideal = _row("bench_regime.py", tmp_path, "--mode", "ideal")
+    teraio_row = _row("bench_regime.py", tmp_path, "--mode", "teraio", "--cap-bytes", str(1 << 30))
+    assert "error" not in teraio_row, teraio_row.get("error")
+    for row, mode in ((ideal, "ideal"), (teraio_row, "teraio")):
+        assert row["family"] == "llama-tiny" and row["mode"] == mode and row["dtype"] == "autocast"
+        assert (row["batch"], row["seq"], row["steps"], row["warmup"]) == (2, 64, 4, 2)
+        assert len(row["losses"]) == len(row["step_ms"]) == 4 and row["ms_per_iter"] > 0
+    assert ideal["cap_bytes"] is None and teraio_row["cap_bytes"] == 1 << 30
+    assert ideal["peak_estimate_bytes"] > 0  # the CPU's estimate of the peak the caps are shares of
+    assert teraio_row["losses"] == ideal["losses"]  # bitwise
+    assert teraio_row["teraio_report"]["steps"] == 4 and teraio_row["arguments"] == "defaults"
+    _no_scratch_left(tmp_path)
+    # A mode that cannot run is a row that says why, not a crash.
+    failed = _row("bench_regime.py", tmp_path, "--mode", "teraio")
+    assert failed["mode"] == "teraio" and "teraio mode needs --cap-bytes" in failed["error"]
+    _no_scratch_left(tmp_path)
+
+
+def test_bench_loops_rows_on_cpu(tmp_path: pathlib.Path) -> None:
+    pytest.importorskip("transformers")
+    accum = ["--accum", "2"]
+    ideal = _row("bench_loops.py", tmp_path, "--mode", "ideal", *accum)
+    teraio_row = _row("bench_loops.py", tmp_path, "--mode", "teraio", *accum, "--cap-bytes", str(1 << 30))
+    assert "error" not in teraio_row, teraio_row.get("error")
+    for row in (ideal, teraio_row):
+        assert row["model_family"] == "llama-tiny" and (row["accum"], row["lora_rank"]) == (2, 0)
+        assert row["clip"] == 1.0 and row["trained_params"] == row["params"]
+        assert len(row["losses"]) == 4
+    assert teraio_row["losses"] == ideal["losses"]  # bitwise, with accumulation and clipping
+    assert teraio_row["full_state_fits_cap"] is True and "full_state_fits_cap" not in ideal
+    assert teraio_row["teraio_report"]["steps"] == 4
+    _no_scratch_left(tmp_path)
+    bad = _run("bench_loops.py", tmp_path, "run", *COMMON, "--mode", "ideal", "--accum", "3", timeout=120)
+    assert bad.returncode == 2 and "--accum 3 must divide --batch 2" in bad.stderr
+    bad = _run("bench_regime.py", tmp_path, "run", *COMMON, "--mode", "ideal", "--warmup", "4", timeout=120)
+    assert bad.returncode == 2 and "--warmup must be below --steps" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    "script, named",
+    [
+        ("bench_regime.py", {"family": "qwen2-tiny", "dtype": "autocast"}),
+        ("bench_loops.py", {"model_family": "qwen2-tiny", "accum": 1, "lora_rank": 0}),
+        ("bench_trainer.py", {"family": "qwen2-tiny (HF Trainer)", "loop": "HF Trainer"}),
+    ],
+)
+def test_a_table_records_the_rows_it_has_no_time_for(
+    script: str, named: dict[str, Any], tmp_path: pathlib.Path
+) -> None:
+    # No time for any row: each is recorded as skipped, with the fields that name it, and the
+    # table is still printed.
+    out = tmp_path / "out"
+    done = _run(
+        script, tmp_path, "table", "--tiny", "--families", "qwen2", "--deadline-s", "0", "--out-dir", str(out)
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert rows and all("out of time" in row["skipped"] for row in rows)
+    assert all(row["mode"] == "ideal" and row["cap_bytes"] is None for row in rows)
+    for key, value in named.items():
+        assert all(row[key] == value for row in rows), (key, rows)
+    if script == "bench_loops.py":  # the ideal row goes in the table of each accumulation
+        assert [row["family"] for row in rows] == ["qwen2 accum 2", "qwen2 accum 4"]
+    assert "no capped rows" in done.stdout and "skipped" in (out / "summary.md").read_text()
+    assert not list(out.glob("*.log"))  # no row was started
