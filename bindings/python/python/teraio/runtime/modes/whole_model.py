@@ -812,11 +812,22 @@ class ModelOffload(Session):
         self._hooks.append(self.optimizer.register_load_state_dict_post_hook(self._after_optimizer_load))
 
     def _from_tier(self, slot: _Slot, kind: Any, like: torch.Tensor) -> torch.Tensor:
-        host = torch.empty(like.shape, dtype=like.dtype)
+        """The tensor's true value as a CPU tensor: a view of its host-tier buffer (no copy: the
+        checkpoint of a model in host memory takes no second copy of it; like torch's own
+        `state_dict()`, it is the live value, which the next step changes), or read from the
+        store into a new tensor."""
         # A parameter kept on the GPU and updated on the CPU has its master in host memory.
         kept = kind == cp.PARAMETER and slot.tiers[cp.PARAMETER] == GPU
         tier = self.host if kept else self._tier(slot, kind)
-        tier.read_to_host((kind, slot.index), flat_bytes(host))
+        key = (kind, slot.index)
+        if isinstance(tier, HostTier):
+            nbytes = like.numel() * like.element_size()
+            buffer = tier.buffers[key]
+            assert buffer.numel() >= nbytes, (key, buffer.numel(), nbytes)
+            tier.wait_written(key)
+            return buffer[:nbytes].view(like.dtype).view(like.shape)
+        host = torch.empty(like.shape, dtype=like.dtype)
+        tier.read_to_host(key, flat_bytes(host))
         return host
 
     def _model_state_dict(
@@ -1525,8 +1536,7 @@ class ModelOffload(Session):
         for position, window in enumerate(windows):
             with torch.profiler.record_function("teraio.step_window"):
                 following = self._fetch_window(windows[position + 1]) if position + 1 < len(windows) else []
-                # Store transfers start only once polled (after their compute point has passed):
-                # poll between the waits, or the next window's reads would start at their join.
+                # Finished store transfers are collected (their failures raised) between waits.
                 self._poll_tiers()
                 self.recorder.wait()
                 for transfer in pending:

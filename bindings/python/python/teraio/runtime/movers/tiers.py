@@ -240,10 +240,7 @@ class HostTier:
     def read_to_host(self, key: Any, target: torch.Tensor) -> None:
         """Copies the key's bytes into `target` (flat bytes in CPU memory) once its last write
         is done."""
-        self.flush()
-        written = self._written.get(key)
-        if written is not None:
-            written.synchronize()
+        self.wait_written(key)
         target.copy_(self.buffers[key])
 
     def wait_written(self, key: Any) -> None:
