@@ -147,8 +147,8 @@ def test_whole_model_state_dict_views_the_host_tier_without_a_copy(store: Any) -
     ref_model, ref_opt = _build()
     _loop(ref_model, ref_opt, data, 2)
     model, optimizer = _build()
-    options = {"whole_model": "on", "gpu_memory": 1 << 20, "host_memory": "64MiB", "min_bytes": 0, "reserve": 0}
-    with teraio.offload(model, optimizer, store=store, **options) as run:
+    options = {"gpu_memory": 1 << 20, "host_memory": "64MiB", "min_bytes": 0, "reserve": 0}
+    with teraio.offload(model, optimizer, store=store, whole_model="on", **options) as run:
         _loop(model, optimizer, data, 2)
         buffers = {t.untyped_storage().data_ptr() for t in run.host.buffers.values()}
         assert buffers, "nothing in the host tier: the test tests nothing"
