@@ -219,19 +219,26 @@ def test_with_several_passes_the_state_comes_back_in_the_last_backward() -> None
     assert bw.predict(two, at_step, link)[0] > plan.predicted_ms
 
 
-def test_with_several_passes_the_state_comes_back_once_in_the_last_backward(monkeypatch: Any) -> None:
-    # A plan made from accumulating iterations (two passes) that restores in backward: the state
-    # stays out through both forwards, comes back once per step, in the second pass's backward,
-    # and nothing is sent out again between the passes.
+def _keep_all_and_restore_in_backward(monkeypatch: Any, passes: int) -> None:
+    """The block plan keeps every block, moves all the state to the host and brings it back at
+    the first backward position, measured from iterations of `passes` passes; the A/B trial sees
+    no difference in time."""
     monkeypatch.setattr(BlockOffload, "_recent_ms", lambda self, count: 0.0)
 
     def restoring(measured: Measurement, link: Any, *args: Any) -> Any:
-        assert measured.passes == 2
+        assert measured.passes == passes
         plan = Plan([KEEP] * len(measured.blocks), state_host_bytes=measured.state_bytes, state_restore_at=0)
         plan.predicted_ms, plan.predicted_peak_bytes = bw.predict(measured, plan, link)
         return plan, []
 
     monkeypatch.setattr(bw, "choose", restoring)
+
+
+def test_with_several_passes_the_state_comes_back_once_in_the_last_backward(monkeypatch: Any) -> None:
+    # A plan made from accumulating iterations (two passes) that restores in backward: the state
+    # stays out through both forwards, comes back once per step, in the second pass's backward,
+    # and nothing is sent out again between the passes.
+    _keep_all_and_restore_in_backward(monkeypatch, passes=2)
     model, optimizer = _build()
     data = _data(BlockOffload.MEASURING_STEPS + BlockOffload.TRIAL_STEPS)
     resident: list[int] = []
@@ -265,14 +272,7 @@ def test_with_several_passes_the_state_comes_back_once_in_the_last_backward(monk
 def test_state_restored_in_backward_leaves_again_before_another_forward(monkeypatch: Any) -> None:
     # A plan made for one pass per step (state back in backward) meets a loop that accumulates:
     # the second forward must not run with the state on the device.
-    monkeypatch.setattr(BlockOffload, "_recent_ms", lambda self, count: 0.0)
-
-    def restoring(measured: Measurement, link: Any, *args: Any) -> Any:
-        plan = Plan([KEEP] * len(measured.blocks), state_host_bytes=measured.state_bytes, state_restore_at=0)
-        plan.predicted_ms, plan.predicted_peak_bytes = bw.predict(measured, plan, link)
-        return plan, []
-
-    monkeypatch.setattr(bw, "choose", restoring)
+    _keep_all_and_restore_in_backward(monkeypatch, passes=1)
     model, optimizer = _build()
     data = _data(BlockOffload.MEASURING_STEPS + BlockOffload.TRIAL_STEPS)
     resident: list[tuple[int, int]] = []

@@ -651,11 +651,7 @@ class ModelOffload(Session):
         for slot in self._copy_slots:
             assert slot.low is not None and not slot.copied
             kept = slot.tiers[cp.PARAMETER] == GPU
-            if slot.resident:
-                self._join(slot)
-                self._slot_at.pop(slot.param.untyped_storage().data_ptr(), None)
-                slot.param.untyped_storage().resize_(0)
-                slot.resident = False
+            self._drop_gpu_storage(slot)
             slot.param.data = slot.low
             slot.copied = True
             if skip is None or slot.index not in skip:
@@ -666,6 +662,15 @@ class ModelOffload(Session):
                 slot.resident = True
                 self._slot_at[slot.param.untyped_storage().data_ptr()] = slot
                 slot.stale = True
+
+    def _drop_gpu_storage(self, slot: _Slot) -> None:
+        """Releases the parameter's GPU storage where it is resident, before its `.data` changes
+        dtype (its bytes are current in host memory)."""
+        if slot.resident:
+            self._join(slot)
+            self._slot_at.pop(slot.param.untyped_storage().data_ptr(), None)
+            slot.param.untyped_storage().resize_(0)
+            slot.resident = False
 
     def _round_copy(self, slot: _Slot) -> None:
         """The host copy of the parameter, rounded from its master (as autocast's cast rounds)."""
@@ -695,11 +700,7 @@ class ModelOffload(Session):
             self._fold(slot)
             if not slot.copied:
                 continue
-            if slot.resident:
-                self._join(slot)
-                self._slot_at.pop(slot.param.untyped_storage().data_ptr(), None)
-                slot.param.untyped_storage().resize_(0)
-                slot.resident = False
+            self._drop_gpu_storage(slot)
             slot.param.data = slot.full
             slot.copied = False
             slot.stale = False
