@@ -894,12 +894,7 @@ class ModelOffload(Session):
             elif self.cpu_update is not None:
                 self._counts.add("out", HOST, cp.PARAMETER, slot.nbytes)
                 self.host.write((cp.PARAMETER, slot.index), flat_bytes(slot.param))
-            if slot.param.grad is not None:
-                self._move_gradient_out(slot)
-            for name, value in _state_tensors(self.optimizer, slot.param) if self._state_in_tiers else []:
-                if self._state_out(slot, name, value):
-                    value.untyped_storage().resize_(0)
-            self._release(slot, wait=True)
+            self._send_out_all_but_parameter(slot)
         self._drain_writes()
         if self.cpu_update is not None:
             if self.cuda:
@@ -1034,16 +1029,21 @@ class ModelOffload(Session):
         the CPU (`update_site`), whose state stays in CPU memory."""
         return self.update_site.site != cp.CPU_UPDATE
 
+    def _send_out_all_but_parameter(self, slot: _Slot) -> None:
+        """The slot's gradient and optimizer state to their tiers, and its GPU memory released
+        (the parameter's own write is the caller's)."""
+        if slot.param.grad is not None:
+            self._move_gradient_out(slot)
+        # The CPU step copies the state it finds to CPU memory (`CpuUpdate`) instead.
+        for name, value in _state_tensors(self.optimizer, slot.param) if self._state_in_tiers else []:
+            if self._state_out(slot, name, value):
+                value.untyped_storage().resize_(0)
+        self._release(slot, wait=True)
+
     def _move_out_at_start(self) -> None:
         for slot in self.slots:
             slot.write = self._write(slot, cp.PARAMETER, flat_bytes(slot.param))
-            if slot.param.grad is not None:
-                self._move_gradient_out(slot)
-            # The CPU step copies the state it finds to CPU memory (`CpuUpdate`) instead.
-            for name, value in _state_tensors(self.optimizer, slot.param) if self._state_in_tiers else []:
-                if self._state_out(slot, name, value):
-                    value.untyped_storage().resize_(0)
-            self._release(slot, wait=True)
+            self._send_out_all_but_parameter(slot)
         self._drain_writes()
         self._counts = _Counts()
 
