@@ -11,20 +11,21 @@ iteration's peak when every block is checkpointed.
 same label shift and reduction) for as long as it runs (`LossHead`). That loss runs the kernels
 `cross_entropy` runs, one chunk of rows at a time (`CHUNK_BYTES` of fp32 logits each):
 
-- forward: each chunk is upcast and its log-softmax kept (the upcast is a chunk's temporary, not
-  a copy of all the logits); the loss is `nll_loss` over the picked entries, the same reduction
-  over the same values;
-- backward: each chunk's gradient is nll_loss's and log_softmax's own backward over that chunk,
-  written into the logits' gradient in their dtype (as the upcast's backward casts it); a chunk's
-  log-softmax is freed as soon as its gradient is written.
+- forward: each chunk is upcast, its log-softmax taken and the target entries picked; the chunk's
+  log-softmax is then freed. The loss is `nll_loss` over the picked entries, the same reduction
+  over the same values. What backward keeps is the logits (the model's output, alive anyway)
+  and one fp32 value per row;
+- backward: each chunk's log-softmax is computed again (the same kernel on the same rows: the
+  same bits), and its gradient is nll_loss's and log_softmax's own backward over that chunk,
+  written into the logits' gradient in their dtype (as the upcast's backward casts it).
 
-So the head's peak falls from the logits plus three fp32 copies to the logits, one fp32 copy
-(the log-softmax) and its gradient, and no allocation is larger than the logits themselves. Every
-kernel computes a row from that row alone, so the loss and the gradients are the same bits as
-the model's own loss (tests/test_head.py checks it). The log-softmax is freed during backward, so
-backward can run through the loss once: a second `backward` through the same graph
-(`retain_graph=True`) raises. Pass `loss_head="model"` to `teraio.offload` to keep the model's own
-loss.
+So the head's peak falls from the logits plus three fp32 copies to the logits, their gradient
+and one chunk's temporaries: nothing of the vocabulary's size in fp32 outlives a chunk (at
+8 x 2048 tokens of a 128K vocabulary, the kept log-softmax alone would be 7.8 GiB). The cost is
+a second log-softmax per chunk, a pass over memory. Every kernel computes a row from that row
+alone, so the loss and the gradients are the same bits as the model's own loss
+(tests/test_head.py checks it). Pass `loss_head="model"` to `teraio.offload` to keep the model's
+own loss.
 """
 
 from __future__ import annotations
@@ -59,20 +60,20 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             # Ignored rows pick entry 0 (any valid index): nll_loss leaves them out.
             picks = target.masked_fill(ignored, 0).unsqueeze(1)
             picked = torch.empty((logits.shape[0], 1), dtype=torch.float32, device=logits.device)
-            chunks = []
             for start in range(0, logits.shape[0], rows):
                 log_softmax = torch.log_softmax(logits[start : start + rows].float(), dim=1)
                 picked[start : start + rows] = log_softmax.gather(1, picks[start : start + rows])
-                chunks.append(log_softmax)
+                del log_softmax
             # nll_loss over the picked column: every row's target is its column 0.
             column_target = target.masked_fill(~ignored, 0)
             loss, total_weight = torch.ops.aten.nll_loss_forward(
                 picked, column_target, None, _REDUCTIONS[reduction], ignore_index
             )
-        ctx.save_for_backward(picks, picked, column_target, total_weight)
-        ctx.chunks = chunks
+        # The logits, not their log-softmax: backward computes each chunk's again (the same
+        # kernel on the same rows: the same bits), so nothing of the vocabulary's size in fp32
+        # outlives a chunk. The logits are the model's output, alive anyway.
+        ctx.save_for_backward(logits, picks, picked, column_target, total_weight)
         ctx.rows = rows
-        ctx.logits_meta = (logits.shape, logits.dtype, logits.device)
         ctx.reduction = _REDUCTIONS[reduction]
         ctx.ignore_index = ignore_index
         return loss
@@ -80,25 +81,15 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
-        chunks = ctx.chunks
-        if chunks is None:
-            raise RuntimeError(
-                "teraio's loss head frees its log-softmax during backward, so backward can run "
-                "through it once; to backward twice (retain_graph=True) pass loss_head='model' to "
-                "teraio.offload"
-            )
-        ctx.chunks = None
-        picks, picked, column_target, total_weight = ctx.saved_tensors
-        shape, dtype, device = ctx.logits_meta
+        logits, picks, picked, column_target, total_weight = ctx.saved_tensors
         rows = ctx.rows
-        with torch.autocast(device.type, enabled=False):
+        with torch.autocast(logits.device.type, enabled=False):
             column_grad = torch.ops.aten.nll_loss_backward(
                 grad, picked, column_target, None, ctx.reduction, ctx.ignore_index, total_weight
             )
-            logits_grad = torch.empty(shape, dtype=dtype, device=device)
-            for index, start in enumerate(range(0, shape[0], rows)):
-                log_softmax = chunks[index]
-                chunks[index] = None
+            logits_grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+            for start in range(0, logits.shape[0], rows):
+                log_softmax = torch.log_softmax(logits[start : start + rows].float(), dim=1)
                 nll_grad = torch.zeros_like(log_softmax)
                 nll_grad.scatter_(1, picks[start : start + rows], column_grad[start : start + rows])
                 logits_grad[start : start + rows] = torch._log_softmax_backward_data(
