@@ -422,14 +422,16 @@ def test_whole_model_mode_over_the_ssd_tier_does_not_hang(path: str, store_dir: 
     assert "step 3" in done.stdout
 
 
+@pytest.mark.parametrize("inputs", ["host", "gpu"])
 @pytest.mark.parametrize("step_in_backward", [False, True], ids=["step", "step-in-backward"])
 @pytest.mark.parametrize("host_memory", [1 << 30, 0], ids=["host", "ssd"])
 def test_whole_model_offload_is_exact_on_cuda(
-    store: teraio.Store, host_memory: int, step_in_backward: bool
+    store: teraio.Store, host_memory: int, step_in_backward: bool, inputs: str
 ) -> None:
     # Parameters, gradients and optimizer state stream through pinned host buffers or the
     # engine's GPU path; losses, parameters and state equal training without offload, with the
-    # step at optimizer.step() or in backward (run from autograd's device thread).
+    # step at optimizer.step() or in backward (run from autograd's device thread), and the
+    # checkpointed blocks' inputs in pinned host memory or on the GPU.
     data = batches(STEPS, rows=ROWS, device=DEVICE)
     reference_model, reference_optimizer = make(device=DEVICE)
     reference = train(reference_model, reference_optimizer, data)
@@ -442,6 +444,8 @@ def test_whole_model_offload_is_exact_on_cuda(
         # The GPU step runs torch's CUDA AdamW: the reference's bits (the CPU step's are torch's
         # CPU AdamW: test_whole_model_update.py, and test_the_step_on_the_cpu_trains_on_cuda).
         "update": "gpu",
+        "checkpoint_inputs": inputs,
+        "min_bytes": 0,
     }
     with teraio.offload(model, optimizer, store=store, **options, granularity="tensor") as run:
         assert type(run).__name__ == "ModelOffload"
@@ -454,6 +458,10 @@ def test_whole_model_offload_is_exact_on_cuda(
     report = run.report()
     tier = "ssd" if host_memory == 0 else "host"
     assert sum(report.bytes_per_iteration["in"][tier].values()) > 0
+    if inputs == "host" and host_memory:
+        block_input = ROWS * 64 * 4  # tiny.make: dim 64, fp32
+        moved = report.bytes_per_iteration["in"]["host"]["activation"]
+        assert moved == (len(model.layers) - 1) * block_input and run.saved_stats.prefetches_on_demand == 0
 
 
 def test_whole_model_state_too_big_for_the_budget_is_left_in_cpu_memory(store: teraio.Store) -> None:

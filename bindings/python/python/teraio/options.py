@@ -84,6 +84,14 @@ class OffloadOptions:
             fastest prediction; in whole-model mode: "all"), or "all". "auto" is
             opt-in: a plan with part of the blocks checkpointed has met plan mismatches and run
             out of memory on the GPU (benches/results/2026-11-24-h100/qwen2-65-defaults-oom.log).
+        checkpoint_inputs: whole-model mode: where the inputs of the checkpointed blocks (what
+            `torch.utils.checkpoint` keeps for backward's recomputation: a block's hidden states)
+            wait for backward: "host" (copied to pinned host memory as they are saved, and back one
+            block ahead of the recomputation that needs them; the last block's stay, as backward
+            starts with it; the buffers take host memory beside the plan's, and a save with no room
+            left stays on the GPU and is counted in the report), "gpu" (they stay), or "auto"
+            (default: "host" on CUDA, "gpu" on a CPU device). On the host they take no GPU memory,
+            so a larger batch fits the budget.
         tier_preference: "auto", "host" or "ssd".
         offload_optimizer_state / offload_parameters: what else the plan may move.
         prefetch_slack: earlier prefetches where memory has room (multiple of transfer time).
@@ -118,6 +126,7 @@ class OffloadOptions:
     granularity: str = "auto"
     recompute: str = "auto"
     checkpoint: Optional[str] = None
+    checkpoint_inputs: str = "auto"
     whole_model: str = "auto"
     step_window: Size = "auto"
     step_in_backward: bool = False
@@ -146,6 +155,7 @@ class OffloadOptions:
             "granularity": ("auto", "block", "tensor"),
             "recompute": ("auto", "on", "off"),
             "checkpoint": (None, "auto", "off", "all"),
+            "checkpoint_inputs": ("auto", "host", "gpu"),
             "whole_model": ("auto", "on", "off"),
             "update": ("auto", "gpu", "cpu"),
             "compute_copies": ("auto", "on", "off"),

@@ -54,12 +54,10 @@ import dataclasses
 import statistics
 import time
 import weakref
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn import Module
 from torch.optim import Optimizer
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -76,8 +74,9 @@ from ...planning import format_bytes, parse_size
 from ...timing import elapsed_ms as _ms
 from ...timing import mark
 from ..errors import NoPlanFitsError
-from ..movers.copy import copy_now, copy_on_stream, flat_bytes, pinned_buffer, pinned_size
-from ..movers.tiers import HOST, SSD, TierCounters
+from ..movers.copy import pinned_size
+from ..movers.saved import SavedStats, SavedTensorMover
+from ..movers.tiers import HOST, SSD
 from ..plans import block as block_plan
 from ..plans.block import (
     KEEP,
@@ -116,199 +115,6 @@ class _LiveOutputs(TorchDispatchMode):
 def _tensors(value: Any) -> list[torch.Tensor]:
     """The tensors in a block's inputs or output (tuples, lists, dicts, model outputs)."""
     return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
-
-
-# -- host offload of a block's saved tensors -------------------------------------------------------
-
-
-class _Saved:
-    """What autograd holds for a saved tensor of a HOST block: its storage's slot and the view."""
-
-    __slots__ = ("slot", "dtype", "size", "stride", "offset")
-
-    def __init__(self, slot: _HostSlot, tensor: torch.Tensor) -> None:
-        self.slot = slot
-        self.dtype = tensor.dtype
-        self.size = tensor.size()
-        self.stride = tensor.stride()
-        self.offset = tensor.storage_offset()
-
-
-class _HostSlot:
-    __slots__ = ("nbytes", "host", "d2h", "gpu", "h2d", "joined")
-
-    def __init__(self, nbytes: int, host: torch.Tensor) -> None:
-        self.nbytes = nbytes
-        self.host = host
-        self.d2h: Any = None
-        self.gpu: Optional[torch.Tensor] = None
-        self.h2d: Any = None
-        self.joined = False
-
-
-@dataclass
-class BlockStats(TierCounters):
-    """What the block runtime moved (to the host tier only) and waited for, cumulative."""
-
-    window_waits: int = 0
-    window_wait_s: float = 0.0
-    hook_s: float = 0.0
-
-
-class _HostMover:
-    """Copies the saved tensors of HOST blocks to pinned buffers and back (see the module doc).
-
-    Buffers are kept per (block, save order) from one iteration to the next and capped at
-    `capacity_bytes`; a copy into a buffer waits on the GPU for the previous read of it."""
-
-    def __init__(
-        self, device: torch.device, capacity_bytes: int, stats: BlockStats, min_bytes: int, skip: set[int]
-    ) -> None:
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self.capacity_bytes = capacity_bytes
-        # Set with the plan (`window_bytes`).
-        self.window = 0
-        self.stats = stats
-        self.used_bytes = 0
-        self.peak_bytes = 0
-        self.buffers: dict[tuple[int, int], torch.Tensor] = {}
-        self.last_read: dict[tuple[int, int], Any] = {}
-        self.slots: dict[int, list[tuple[tuple[int, int], _HostSlot]]] = {}
-        self._in_flight: deque[tuple[Any, int]] = deque()
-        self._flight_bytes = 0
-        self._block = -1
-        self._seen: dict[int, tuple[_HostSlot, Any]] = {}
-        # Storages never copied (the parameters), and the size below which a save stays.
-        self.skip = skip
-        self.min_bytes = min_bytes
-        if self.cuda:
-            self.d2h_stream = torch.cuda.Stream(device)
-            self.h2d_stream = torch.cuda.Stream(device)
-
-    def begin_block(self, index: int) -> None:
-        self._block = index
-        self._seen = {}
-        self.slots[index] = []
-
-    def pack(self, tensor: torch.Tensor) -> Any:
-        started = time.perf_counter()
-        storage = tensor.untyped_storage()
-        nbytes = storage.nbytes()
-        key = storage.data_ptr()
-        if (
-            nbytes < self.min_bytes
-            or tensor.device != self.device
-            or key in self.skip
-            or sharded.is_parameter_memory(tensor)
-        ):
-            return tensor
-        seen = self._seen.get(key)
-        # The address names the storage only while it lives: once a copied storage is freed, the
-        # allocator may hand its address to a new tensor of the same block.
-        if seen is not None and not seen[1].expired():
-            slot = seen[0]
-        else:
-            slot = self._offload(tensor, nbytes)
-            self._seen[key] = (slot, StorageWeakRef(storage))
-        self.stats.hook_s += time.perf_counter() - started
-        return _Saved(slot, tensor)
-
-    def _offload(self, tensor: torch.Tensor, nbytes: int) -> _HostSlot:
-        slots = self.slots[self._block]
-        key = (self._block, len(slots))
-        host = self.buffers.get(key)
-        if host is None or host.numel() != nbytes:
-            if host is not None:
-                self.used_bytes -= host.numel()
-            if self.used_bytes + nbytes > self.capacity_bytes:
-                raise MemoryError(
-                    f"teraio.offload: host buffers for block activations would exceed their cap of "
-                    f"{format_bytes(self.capacity_bytes)} ({format_bytes(self.used_bytes)} in use, "
-                    f"{format_bytes(nbytes)} more)"
-                )
-            host = pinned_buffer(nbytes, self.cuda)
-            self.buffers[key] = host
-            self.used_bytes += nbytes
-            self.peak_bytes = max(self.peak_bytes, self.used_bytes)
-        slot = _HostSlot(nbytes, host)
-        source = flat_bytes(tensor)
-        if self.cuda:
-            slot.d2h = copy_on_stream(
-                self.d2h_stream, self.device, host, source, after=self.last_read.get(key)
-            )
-            source.record_stream(self.d2h_stream)
-            self._in_flight.append((slot.d2h, nbytes))
-            self._flight_bytes += nbytes
-            self._throttle()
-        else:
-            copy_now(host, source)
-        slots.append((key, slot))
-        self.stats.offloaded_bytes[HOST] += nbytes
-        return slot
-
-    def _throttle(self) -> None:
-        """Waits (on the host) while more than the window is in flight to the host."""
-        while self._in_flight and (self._flight_bytes > self.window or self._in_flight[0][0].query()):
-            event, nbytes = self._in_flight.popleft()
-            if self._flight_bytes > self.window and not event.query():
-                started = time.perf_counter()
-                event.synchronize()
-                self.stats.window_waits += 1
-                self.stats.window_wait_s += time.perf_counter() - started
-            self._flight_bytes -= nbytes
-
-    def prefetch(self, index: int) -> int:
-        """Issues the copies back of block `index`'s saved tensors; returns their bytes."""
-        total = 0
-        for key, slot in self.slots.get(index, ()):
-            if slot.gpu is not None:
-                continue
-            slot.gpu = torch.empty(slot.nbytes, dtype=torch.uint8, device=self.device)
-            if self.cuda:
-                slot.h2d = copy_on_stream(self.h2d_stream, self.device, slot.gpu, slot.host, after=slot.d2h)
-                slot.gpu.record_stream(self.h2d_stream)
-                self.last_read[key] = slot.h2d
-            else:
-                copy_now(slot.gpu, slot.host)
-            self.stats.prefetched_bytes[HOST] += slot.nbytes
-            total += slot.nbytes
-        return total
-
-    def unpack(self, saved: Any) -> torch.Tensor:
-        if type(saved) is not _Saved:
-            return saved
-        started = time.perf_counter()
-        slot = saved.slot
-        if slot.gpu is None:
-            self.stats.prefetches_on_demand += 1
-            block = next(b for b, slots in self.slots.items() if any(s is slot for _, s in slots))
-            self.prefetch(block)
-        assert slot.gpu is not None
-        if self.cuda and not slot.joined:
-            torch.cuda.current_stream(self.device).wait_event(slot.h2d)
-            slot.joined = True
-        view = torch.empty(0, dtype=saved.dtype, device=self.device)
-        view.set_(slot.gpu.untyped_storage(), saved.offset, saved.size, saved.stride)
-        self.stats.hook_s += time.perf_counter() - started
-        return view
-
-    def end_iteration(self) -> None:
-        """Forgets this iteration's saved tensors, and with them their copies back on the device
-        (called once backward is done, before the step)."""
-        self.slots = {}
-        self._seen = {}
-
-    def close(self) -> None:
-        if self.cuda:
-            self.d2h_stream.synchronize()
-            self.h2d_stream.synchronize()
-        self.buffers.clear()
-        self.last_read.clear()
-        self.slots = {}
-        self._in_flight.clear()
-        self._flight_bytes = 0
-        self.used_bytes = 0
 
 
 # -- the runtime -----------------------------------------------------------------------------------
@@ -484,9 +290,9 @@ class BlockOffload(Session):
         self.reserve_bytes = self.gpu_memory_bytes // 10 if self.reserve_auto else parse_size(options.reserve)  # type: ignore[arg-type]
         n = len(self.blocks)
         self.actions = [RECOMPUTE] * n
-        self.stats = BlockStats()
+        self.stats = SavedStats()
         parameters = {sharded.local_tensor(p).untyped_storage().data_ptr() for p in model.parameters()}
-        self.mover = _HostMover(
+        self.mover = SavedTensorMover(
             self.device, self.host_memory_bytes, self.stats, options.min_bytes, parameters
         )
         streams = {

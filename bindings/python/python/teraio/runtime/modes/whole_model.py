@@ -19,7 +19,12 @@ is every other module that owns parameters directly (embeddings, final norm, hea
 - with activation checkpointing (every block by default in this mode: `checkpoint` None or
   "all"; "off" to leave activations to the user), backward's recomputation of a block enters the
   unit again, so its parameters come back exactly when backward needs them, and are released once
-  their gradients are accumulated.
+  their gradients are accumulated;
+- what checkpointing keeps of a block, its inputs, waits for backward in pinned host memory
+  (`checkpoint_inputs`, "host" on CUDA by default; `movers/saved.py`): copied out as
+  `torch.utils.checkpoint` saves them, and back when backward enters the recomputation of the
+  block after it. The last block's stay (backward starts there). So the activations the GPU
+  holds do not grow with the number of blocks, and a larger batch fits the budget.
 
 Gradients. A post-accumulate-grad hook on each parameter marks its gradient complete; a unit's
 complete gradients move to their tier together (one batch of copies) when backward enters the next
@@ -104,6 +109,7 @@ from ...planning import format_bytes, parse_bandwidth, parse_size
 from ...schedule_record import ScheduleRecorder
 from ..errors import NoPlanFitsError, NoSpaceError, PlannerError
 from ..movers.copy import flat_bytes
+from ..movers.saved import SavedStats, SavedTensorMover
 from ..movers.tiers import GPU, HOST, SSD, HostTier, SsdTier, Transfer
 from ..plans import capacity as cp
 from ..report import check_prediction
@@ -131,6 +137,10 @@ GRAD_NORM_TYPE = 2.0
 
 #: GPU gradients waiting for an SSD write, at most (the tier's writes run behind backward).
 MAX_GRADIENT_WRITES_BYTES = 1 << 30
+
+#: Checkpointed blocks' inputs in flight to the host before the forward pass waits for them (their
+#: GPU memory is held until their copy is done).
+INPUTS_IN_FLIGHT_BYTES = 1 << 30
 
 #: The kinds of the compute copies' bytes (`compute_copies`), counted as parameter and gradient.
 PARAMETER_COPY = (cp.PARAMETER, "copy")
@@ -251,6 +261,12 @@ class WholeModelReport:
     compute_copy_parameters: int = 0
     compute_copy_elements: int = 0
     compute_copy_bytes: int = 0
+    #: Where the checkpointed blocks' inputs waited for backward (`OffloadOptions.checkpoint_inputs`:
+    #: "host" or "gpu"), the pinned bytes their host buffers took (in `pinned_host_bytes` too),
+    #: and the saves left on the GPU for want of host memory (cumulative).
+    checkpoint_inputs: str = "gpu"
+    checkpoint_inputs_pinned_bytes: int = 0
+    checkpoint_inputs_kept_for_room: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -289,6 +305,12 @@ class WholeModelReport:
                 else ""
             ),
         ]
+        if self.checkpoint_inputs == HOST:
+            lines.append(
+                f"  checkpointed blocks' inputs: on the host ({gib(self.checkpoint_inputs_pinned_bytes)} "
+                f"pinned), {self.checkpoint_inputs_kept_for_room} saves kept on the GPU for want of "
+                "host memory"
+            )
         for tier, kinds in self.placement.items():
             lines.append(f"  on {tier}: " + ", ".join(f"{k} {gib(v)}" for k, v in kinds.items()))
         for direction, tiers in self.bytes_per_iteration.items():
@@ -486,6 +508,21 @@ class ModelOffload(Session):
         self.units = self._find_units()
         self.blocks = bk.find_blocks(model) if (options.checkpoint or "all") != "off" else []
         self.checkpointer = bk.Checkpointer(self.blocks)
+        # The checkpointed blocks' inputs: on the host (their saves go through `self.inputs`)
+        # or kept on the GPU. Host buffers get what host_memory leaves beside the plan
+        # (`__enter__`, `_enable_copies`).
+        inputs = options.checkpoint_inputs
+        if inputs == "auto":
+            inputs = HOST if self.cuda else GPU
+        self.checkpoint_inputs = inputs if self.blocks else GPU
+        self._block_position = {id(module): p for p, (_, module) in enumerate(self.blocks)}
+        self.saved_stats = SavedStats()
+        self.inputs = SavedTensorMover(
+            self.device, 0, self.saved_stats, options.min_bytes, set(), on_full="keep", streams=streams
+        )
+        self.inputs.window = INPUTS_IN_FLIGHT_BYTES
+        self._inputs_block: Optional[int] = None  # the block whose inputs are being saved
+        self._saved_moved = (0, 0)  # the mover's bytes out and in at the last iteration's end
         # Bytes of each optimizer-state tensor moved out: (("optimizer_state", name), slot) -> n.
         self._state_nbytes: dict[Any, int] = {}
         self._seen_state: set[tuple[int, str]] = set()
@@ -598,7 +635,8 @@ class ModelOffload(Session):
         need = sum(
             _numel_bytes(slot.param, COPY_DTYPE) * (1 + slot.param.requires_grad) for slot in self._copy_slots
         )
-        refusal = cp.compute_copy_room(self.plan, self.host_memory_bytes, need)
+        # The checkpointed blocks' inputs took their host buffers in the first iteration.
+        refusal = cp.compute_copy_room(self.plan, self.host_memory_bytes - self.inputs.used_bytes, need)
         if refusal is not None:
             self._copies_reason = refusal
             return
@@ -610,6 +648,7 @@ class ModelOffload(Session):
                 return
         self.compute_copies = COPY_DTYPE
         self._copies_reason = f"the forward pass runs under bf16 autocast; {reason}"
+        self.inputs.capacity_bytes = max(0, self.inputs.capacity_bytes - need)
         for slot in self._copy_slots:
             nbytes = _numel_bytes(slot.param, COPY_DTYPE)
             self.host.reserve((PARAMETER_COPY, slot.index), nbytes)
@@ -768,15 +807,20 @@ class ModelOffload(Session):
                 if slot.tiers[kind] == HOST:
                     self.host.reserve((kind, slot.index), slot.nbytes)
         self._move_out_at_start()
+        self.inputs.capacity_bytes = max(0, self.host_memory_bytes - self.plan.host_total)
         if self.update_site.site == cp.CPU_UPDATE:
             self._start_cpu_update()
         for index, unit in enumerate(self.units):
             unit.module.forward = self._wrapped_forward(index, unit.module.forward)  # type: ignore[method-assign]
         self.checkpointer.apply({name for name, _ in self.blocks})
+        if self.checkpoint_inputs == HOST:
+            # Backward starts with the last block: its inputs stay.
+            for position, (_, module) in enumerate(self.blocks[:-1]):
+                module.forward = self._inputs_to_host(position, module.forward)  # type: ignore[method-assign]
         for slot in self.slots:
             if slot.param.requires_grad:
                 self._hooks.append(slot.param.register_post_accumulate_grad_hook(self._gradient_ready))
-        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self.inputs.unpack)
         self._saved_hooks.__enter__()
         self._original_step = self.optimizer.step
         self._original_zero_grad = self.optimizer.zero_grad
@@ -1019,6 +1063,7 @@ class ModelOffload(Session):
             self._cpu_worker.shutdown()
             self._cpu_worker = None
         self._bring_everything_back()
+        self.inputs.close()
         self.host.close()
         for tier in self.ssd.values():
             tier.close()
@@ -1255,6 +1300,10 @@ class ModelOffload(Session):
             self._join(slot)
         self._counts.wait_s["units"] += time.perf_counter() - started
         backward = torch._C._current_graph_task_id() != -1
+        position = self._block_position.get(id(self.units[index].module))
+        if backward and position and self.inputs.held(position - 1):
+            # Backward recomputes block `position` now and block `position - 1` next.
+            self.inputs.prefetch(position - 1)
         self.recorder.begin(f"{'backward' if backward else 'forward'} {self.units[index].name}")
         for slot in slots:
             self._record_use(slot, cp.PARAMETER)
@@ -1327,12 +1376,31 @@ class ModelOffload(Session):
 
         return run
 
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _inputs_to_host(self, position: int, forward: Callable[..., Any]) -> Callable[..., Any]:
+        """Block `position`'s checkpointed forward with the inputs `torch.utils.checkpoint` saves
+        (before the block runs: its own saves go to checkpoint's hooks) sent to the host."""
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+                return forward(*args, **kwargs)
+            self.inputs.begin_block(position)
+            self._inputs_block = position
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                self._inputs_block = None
+
+        return run
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
         started = time.perf_counter()
         # Autograd saves parameters as they are or as views (a Linear's `weight.t()`).
         slot = self._slot_at.get(tensor.untyped_storage().data_ptr())
         if slot is not None:
             slot.saved = True
+        elif self._inputs_block is not None:
+            self._counts.host_s += time.perf_counter() - started
+            return self.inputs.pack(tensor)
         self._counts.host_s += time.perf_counter() - started
         return tensor
 
@@ -1358,6 +1426,7 @@ class ModelOffload(Session):
         started = time.perf_counter()
         self._watched_task = None
         self._gradients_complete()
+        self.inputs.end_iteration()  # every saved input is used: the next forward saves anew
         self._counts.host_s += time.perf_counter() - started
 
     def _gradients_complete(self) -> None:
@@ -1780,6 +1849,12 @@ class ModelOffload(Session):
 
     def _end_iteration(self) -> None:
         self.recorder.finish()
+        self.inputs.end_iteration()
+        moved = (self.saved_stats.offloaded_bytes[HOST], self.saved_stats.prefetched_bytes[HOST])
+        for direction, now, before in zip(("out", "in"), moved, self._saved_moved):
+            if now > before:
+                self._counts.add(direction, HOST, cp.ACTIVATION, now - before)
+        self._saved_moved = moved
         if self._recorded is None:
             self._recorded = list(self._order)
             self._keep_resident(first=True)
@@ -1953,7 +2028,7 @@ class ModelOffload(Session):
             model_state_bytes=self.model_state_bytes,
             bytes_per_iteration=middle.moved(),
             placement={HOST: dict(self.plan.host_bytes), SSD: dict(self.plan.ssd_bytes)},
-            pinned_host_bytes=self.host.peak_bytes,
+            pinned_host_bytes=self.host.peak_bytes + self.inputs.peak_bytes,
             peak_host_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             peak_step_window_bytes=self.peak_step_window_bytes,
             window_bytes=self.plan.window_bytes,
@@ -1990,6 +2065,9 @@ class ModelOffload(Session):
             compute_copy_parameters=sum(slot.low is not None for slot in self._copy_slots),
             compute_copy_elements=sum(s.param.numel() for s in self._copy_slots if s.low is not None),
             compute_copy_bytes=self.compute_copy_bytes,
+            checkpoint_inputs=self.checkpoint_inputs,
+            checkpoint_inputs_pinned_bytes=self.inputs.peak_bytes,
+            checkpoint_inputs_kept_for_room=self.saved_stats.kept_for_room,
             update_model_ms={
                 "gpu": None if self.update_site.gpu_step_s is None else self.update_site.gpu_step_s * 1e3,
                 "cpu": None if self.update_site.cpu_step_s is None else self.update_site.cpu_step_s * 1e3,
@@ -2043,10 +2121,6 @@ def _scale(tensor: torch.Tensor, coef: torch.Tensor, foreach: Optional[bool]) ->
         torch._foreach_mul_([tensor], coef)
     else:
         tensor.mul_(coef)
-
-
-def _unpack(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
 
 
 def _rate(bytes_per_s: Optional[float]) -> str:

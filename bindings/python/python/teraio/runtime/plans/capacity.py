@@ -30,6 +30,8 @@ from ..movers.tiers import HOST, SSD
 PARAMETER = "parameter"
 GRADIENT = "gradient"
 STATE = "optimizer_state"
+#: Saved activations (the checkpointed blocks' inputs): moved, never placed.
+ACTIVATION = "activation"
 
 #: Kinds in the order host memory takes them (traffic per byte, highest first).
 KINDS = (PARAMETER, GRADIENT, STATE)

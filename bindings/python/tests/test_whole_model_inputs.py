@@ -1,0 +1,139 @@
+"""Whole-model mode with the checkpointed blocks' inputs on the host (`checkpoint_inputs`): the
+same bits as training without offload, each input copied out once and back once per backward,
+ahead of the recomputation that needs it."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import teraio
+import torch
+from teraio.runtime.modes.whole_model import ModelOffload
+from tiny import batches, make, train
+
+LAYERS = 4
+ROWS = 256
+DIM = 64
+#: One block's input: ROWS x DIM fp32.
+INPUT_BYTES = ROWS * DIM * 4
+
+
+def _offloaded(
+    loop: Callable[[torch.nn.Module, torch.optim.Optimizer], list[float]],
+    store: Any,
+    prepare: Callable[[ModelOffload], None] = lambda run: None,
+    **options: Any,
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, list[float], ModelOffload]:
+    model, optimizer = make()
+    options = {"checkpoint_inputs": "host", "min_bytes": 0, "host_memory": 1 << 30, **options}
+    with teraio.offload(model, optimizer, store=store, gpu_memory=4096, **options) as run:
+        assert isinstance(run, ModelOffload)
+        prepare(run)
+        losses = loop(model, optimizer)
+    return model, optimizer, losses, run
+
+
+def _assert_same(loop: Callable[..., list[float]], model: Any, optimizer: Any, losses: list[float]) -> None:
+    ref_model, ref_opt = make()
+    assert losses == loop(ref_model, ref_opt)
+    for p, q in zip(ref_model.parameters(), model.parameters()):
+        assert torch.equal(p, q)
+        for key, value in ref_opt.state[p].items():
+            assert torch.equal(value, optimizer.state[q][key]), key
+
+
+def _plain(data: list[torch.Tensor]) -> Callable[..., list[float]]:
+    return lambda model, optimizer: train(model, optimizer, data)
+
+
+@pytest.mark.parametrize("host_memory", [1 << 30, 300_000, 0], ids=["host", "mixed", "ssd"])
+def test_inputs_on_the_host_are_exact(store: teraio.Store, host_memory: int) -> None:
+    loop = _plain(batches(4, rows=ROWS))
+    model, optimizer, losses, run = _offloaded(loop, store, host_memory=host_memory)
+    _assert_same(loop, model, optimizer, losses)
+    report = run.report()
+    assert report.checkpoint_inputs == "host"
+    # Every block's input but the last one's (backward starts there), out once and in once.
+    moved = LAYERS - 1
+    if host_memory < 1 << 30:
+        # The plan's kinds take host memory first; with none left beside them every input
+        # stayed on the GPU, and the report says so.
+        assert "activation" not in report.bytes_per_iteration["out"].get("host", {}) or (
+            report.bytes_per_iteration["out"]["host"]["activation"] == 0
+        )
+        assert report.checkpoint_inputs_kept_for_room == moved * 4
+        return
+    assert report.bytes_per_iteration["out"]["host"]["activation"] == moved * INPUT_BYTES
+    assert report.bytes_per_iteration["in"]["host"]["activation"] == moved * INPUT_BYTES
+    assert report.checkpoint_inputs_pinned_bytes == moved * INPUT_BYTES
+    assert report.checkpoint_inputs_kept_for_room == 0
+    # Each came back at its planned point: when backward entered the block after it.
+    assert run.saved_stats.prefetches_on_demand == 0
+    assert "checkpointed blocks' inputs: on the host" in str(report)
+
+
+def test_inputs_follow_accumulation_and_two_forwards_before_backward(store: teraio.Store) -> None:
+    data = batches(4, rows=ROWS)
+
+    def loop(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[float]:
+        losses = []
+        # Accumulation: forward, backward, forward, backward; then both forwards first.
+        for first, second in ((data[0], data[1]), (data[2], data[3])):
+            for x in (first, second):
+                loss = model(x)
+                loss.backward()
+                losses.append(loss.item())
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        held = [model(x) for x in data[:2]]
+        (held[0] + held[1]).backward()
+        optimizer.step()
+        losses.extend(loss.item() for loss in held)
+        return losses
+
+    model, optimizer, losses, run = _offloaded(loop, store)
+    _assert_same(loop, model, optimizer, losses)
+    # The second forward before backward had buffers of its own.
+    assert run.report().checkpoint_inputs_pinned_bytes == 2 * (LAYERS - 1) * INPUT_BYTES
+
+
+def test_inputs_without_host_room_stay_on_the_gpu_and_are_counted(store: teraio.Store) -> None:
+    loop = _plain(batches(3, rows=ROWS))
+
+    def room_for_one(run: ModelOffload) -> None:
+        run.inputs.capacity_bytes = INPUT_BYTES
+
+    model, optimizer, losses, run = _offloaded(loop, store, prepare=room_for_one)
+    _assert_same(loop, model, optimizer, losses)
+    report = run.report()
+    assert report.checkpoint_inputs_pinned_bytes == INPUT_BYTES
+    assert report.checkpoint_inputs_kept_for_room == 3 * (LAYERS - 2)
+    assert report.bytes_per_iteration["out"]["host"]["activation"] == INPUT_BYTES
+
+
+def test_a_second_backward_through_the_graph_reads_the_inputs_again(store: teraio.Store) -> None:
+    data = batches(1, rows=ROWS)
+
+    def loop(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[float]:
+        loss = model(data[0])
+        loss.backward(retain_graph=True)
+        loss.backward()
+        optimizer.step()
+        return [loss.item()]
+
+    model, optimizer, losses, run = _offloaded(loop, store)
+    _assert_same(loop, model, optimizer, losses)
+    assert run.saved_stats.prefetches_on_demand == LAYERS - 1
+
+
+def test_auto_keeps_the_inputs_on_a_cpu_device(store: teraio.Store) -> None:
+    loop = _plain(batches(2, rows=ROWS))
+    _, _, _, run = _offloaded(loop, store, checkpoint_inputs="auto")
+    report = run.report()
+    assert report.checkpoint_inputs == "gpu" and report.checkpoint_inputs_pinned_bytes == 0
+
+
+def test_bad_checkpoint_inputs_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="checkpoint_inputs must be one of"):
+        teraio.OffloadOptions(checkpoint_inputs="disk")
