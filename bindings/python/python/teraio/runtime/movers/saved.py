@@ -7,8 +7,9 @@ checkpointed blocks (the inputs `torch.utils.checkpoint` saves for the recomputa
 
 - Saves are grouped by block (`begin_block`); a storage saved twice in a group is copied once.
   Parameters (`skip`, and FSDP's parameter memory) and saves below `min_bytes` stay on the GPU.
-- Host buffers are kept per (block, pass, order of the save) from one iteration to the next, so
-  pinning happens once; a copy into a buffer waits on the GPU for the last read of it. A block
+- Host buffers (`RegisteredBuffer`: the bytes asked for, not torch's power-of-two blocks) are
+  kept per (block, pass, order of the save) from one iteration to the next, so pinning happens
+  once; a copy into a buffer waits on the GPU for the last read of it. A block
   entered again before `end_iteration` (a second forward pass before backward) gets buffers of
   its own: the first pass's bytes are still needed. At most `capacity_bytes` are pinned; past
   that a save is an error (`on_full="raise"`: the block plan sized its cap) or stays on the GPU
@@ -35,8 +36,9 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ... import sharded
+from ...pinned import RegisteredBuffer
 from ...planning import format_bytes
-from .copy import copy_now, copy_on_stream, flat_bytes, pinned_buffer
+from .copy import copy_now, copy_on_stream, flat_bytes
 from .tiers import HOST, TierCounters
 
 
@@ -122,6 +124,7 @@ class SavedTensorMover:
         self.used_bytes = 0
         self.peak_bytes = 0
         self.buffers: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._pinned: dict[tuple[int, int, int], RegisteredBuffer] = {}  # behind `buffers` (CUDA)
         self.last_read: dict[tuple[int, int, int], Any] = {}
         # Per block, this iteration's copied storages; per buffer, the writes into it so far.
         self.slots: dict[int, list[_Slot]] = {}
@@ -193,7 +196,12 @@ class SavedTensorMover:
                     f"{format_bytes(nbytes)} more)"
                 )
             self.used_bytes -= held
-            host = pinned_buffer(nbytes, self.cuda)
+            self._free(key)
+            if self.cuda:
+                self._pinned[key] = RegisteredBuffer(nbytes)
+                host = self._pinned[key].tensor
+            else:
+                host = torch.empty(nbytes, dtype=torch.uint8)
             self.buffers[key] = host
             self.used_bytes += nbytes
             self.peak_bytes = max(self.peak_bytes, self.used_bytes)
@@ -213,6 +221,14 @@ class SavedTensorMover:
         slots.append(slot)
         self.stats.offloaded_bytes[HOST] += nbytes
         return slot
+
+    def _free(self, key: tuple[int, int, int]) -> None:
+        """Gives a buffer of another size back (a batch of another shape), once no copy uses it."""
+        pinned = self._pinned.pop(key, None)
+        if pinned is not None:
+            self.d2h_stream.synchronize()
+            self.h2d_stream.synchronize()
+            pinned.release()
 
     def _throttle(self) -> None:
         """Waits (on the host) while more than the window is in flight to the host."""
@@ -292,6 +308,9 @@ class SavedTensorMover:
         if self.cuda:
             self.d2h_stream.synchronize()
             self.h2d_stream.synchronize()
+        for pinned in self._pinned.values():
+            pinned.release()
+        self._pinned.clear()
         self.buffers.clear()
         self.last_read.clear()
         self.slots = {}

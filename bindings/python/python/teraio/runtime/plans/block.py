@@ -450,7 +450,8 @@ def choose(
     tried = []
     for with_selective in (False, True) if measured.selective_ok else (False,):
         for hosted in range(n + 1):
-            host_activations = sum(pinned_size(b.saved_bytes) for b in measured.blocks[:hosted])
+            # The saved-tensor mover pins exactly their bytes (`RegisteredBuffer`).
+            host_activations = sum(b.saved_bytes for b in measured.blocks[:hosted])
             if host_activations > host_bytes:
                 break
             best = _best_layout(
