@@ -243,8 +243,8 @@ def test_cuda_prefetch_streams(copy_streams: int) -> None:
     per_stream = run.executor.stats.prefetches_per_stream
     assert len(per_stream) == copy_streams
     assert sum(per_stream) == run.executor.stats.prefetches_planned + run.executor.stats.prefetches_on_demand
-    if copy_streams > 1:
-        assert sum(1 for count in per_stream if count) >= 2
+    # How many streams the copies spread over depends on whether each is done before the next is
+    # issued (the GPU's speed): test_offload.py checks the choice of stream with set events.
 
 
 def test_chunked_copy_on_stream_copies_every_byte() -> None:

@@ -272,3 +272,34 @@ def test_prefetch_stream_choice_lets_an_urgent_copy_pass_a_later_one() -> None:
     executor._h2d_last = [(big, 30), (_Copy(True), 50)]
     assert choose(100) == 1  # a finished copy leaves its stream free
     assert executor.stats.prefetches_per_stream == [3, 4]
+
+
+class _CopyEvent:
+    """A copy's event whose completion the test sets."""
+
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_prefetch_streams_spread_copies_in_flight() -> None:
+    from teraio.runtime.modes.activations import ActivationExecutor
+
+    executor = ActivationExecutor(torch.device("cpu"), copy_streams=3)
+    # Copies still in flight each take another stream: three in a row use all three.
+    chosen = []
+    for need in (4, 5, 6):
+        index = executor._prefetch_stream(need)
+        executor._h2d_last[index] = (_CopyEvent(False), need)
+        chosen.append(index)
+    assert chosen == [0, 1, 2] and executor.stats.prefetches_per_stream == [1, 1, 1]
+    # A stream whose last copy is done comes first...
+    executor._h2d_last = [(_CopyEvent(False), 5), (_CopyEvent(True), 9), None]
+    assert executor._prefetch_stream(7) == 1
+    # ...else the stream whose last copy is needed no later than this one (the latest of those)...
+    executor._h2d_last = [(_CopyEvent(False), 3), (_CopyEvent(False), 6), (_CopyEvent(False), 9)]
+    assert executor._prefetch_stream(7) == 1
+    # ...else the one whose last copy is needed first.
+    assert executor._prefetch_stream(2) == 0
