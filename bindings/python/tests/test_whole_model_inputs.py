@@ -54,23 +54,19 @@ def test_inputs_on_the_host_are_exact(store: teraio.Store, host_memory: int) -> 
     _assert_same(loop, model, optimizer, losses)
     report = run.report()
     assert report.checkpoint_inputs == "host"
-    # Every block's input but the last one's (backward starts there), out once and in once.
-    moved = LAYERS - 1
-    if host_memory < 1 << 30:
-        # The plan's kinds take host memory first; with none left beside them every input
-        # stayed on the GPU, and the report says so.
-        assert "activation" not in report.bytes_per_iteration["out"].get("host", {}) or (
-            report.bytes_per_iteration["out"]["host"]["activation"] == 0
-        )
-        assert report.checkpoint_inputs_kept_for_room == moved * 4
-        return
-    assert report.bytes_per_iteration["out"]["host"]["activation"] == moved * INPUT_BYTES
-    assert report.bytes_per_iteration["in"]["host"]["activation"] == moved * INPUT_BYTES
-    assert report.checkpoint_inputs_pinned_bytes == moved * INPUT_BYTES
+    # Every block's input but the last one's (backward starts there), out once and in once: to
+    # host memory where the plan leaves room there, else to the store (the plan's kinds take
+    # host memory first).
+    moved = (LAYERS - 1) * INPUT_BYTES
+    tier = "host" if host_memory == 1 << 30 else "ssd"
+    assert report.bytes_per_iteration["out"][tier]["activation"] == moved
+    assert report.bytes_per_iteration["in"][tier]["activation"] == moved
+    assert report.checkpoint_inputs_pinned_bytes == (moved if tier == "host" else 0)
     assert report.checkpoint_inputs_kept_for_room == 0
     # Each came back at its planned point: when backward entered the block after it.
     assert run.saved_stats.prefetches_on_demand == 0
     assert "checkpointed blocks' inputs: on the host" in str(report)
+    assert store.list() == []  # the run's objects, the inputs' among them, are deleted at exit
 
 
 def test_inputs_follow_accumulation_and_two_forwards_before_backward(store: teraio.Store) -> None:
@@ -98,18 +94,45 @@ def test_inputs_follow_accumulation_and_two_forwards_before_backward(store: tera
     assert run.report().checkpoint_inputs_pinned_bytes == 2 * (LAYERS - 1) * INPUT_BYTES
 
 
-def test_inputs_without_host_room_stay_on_the_gpu_and_are_counted(store: teraio.Store) -> None:
+def _room_for_one(run: ModelOffload) -> None:
+    run.inputs.capacity_bytes = INPUT_BYTES
+
+
+def test_inputs_without_host_room_go_to_the_store(store: teraio.Store) -> None:
     loop = _plain(batches(3, rows=ROWS))
+    model, optimizer, losses, run = _offloaded(loop, store, prepare=_room_for_one)
+    _assert_same(loop, model, optimizer, losses)
+    report = run.report()
+    assert report.checkpoint_inputs_pinned_bytes == INPUT_BYTES
+    assert report.checkpoint_inputs_kept_for_room == 0
+    assert report.bytes_per_iteration["out"]["host"]["activation"] == INPUT_BYTES
+    assert report.bytes_per_iteration["out"]["ssd"]["activation"] == (LAYERS - 2) * INPUT_BYTES
+    assert report.bytes_per_iteration["in"]["ssd"]["activation"] == (LAYERS - 2) * INPUT_BYTES
 
-    def room_for_one(run: ModelOffload) -> None:
-        run.inputs.capacity_bytes = INPUT_BYTES
 
-    model, optimizer, losses, run = _offloaded(loop, store, prepare=room_for_one)
+def test_inputs_without_host_room_or_a_store_stay_on_the_gpu_and_are_counted() -> None:
+    loop = _plain(batches(3, rows=ROWS))
+    model, optimizer, losses, run = _offloaded(loop, None, prepare=_room_for_one)
     _assert_same(loop, model, optimizer, losses)
     report = run.report()
     assert report.checkpoint_inputs_pinned_bytes == INPUT_BYTES
     assert report.checkpoint_inputs_kept_for_room == 3 * (LAYERS - 2)
     assert report.bytes_per_iteration["out"]["host"]["activation"] == INPUT_BYTES
+
+
+def test_inputs_stay_on_the_gpu_when_the_store_is_full(store: teraio.Store, monkeypatch: Any) -> None:
+    def full(key: Any, source: torch.Tensor) -> Any:
+        raise teraio.NoSpaceError("the store is full")
+
+    def no_room(run: ModelOffload) -> None:
+        run.inputs.capacity_bytes = 0
+        assert run.inputs.spill is not None
+        monkeypatch.setattr(run.inputs.spill, "write", full)
+
+    loop = _plain(batches(2, rows=ROWS))
+    model, optimizer, losses, run = _offloaded(loop, store, prepare=no_room)
+    _assert_same(loop, model, optimizer, losses)
+    assert run.report().checkpoint_inputs_kept_for_room == 2 * (LAYERS - 1)
 
 
 def test_a_second_backward_through_the_graph_reads_the_inputs_again(store: teraio.Store) -> None:

@@ -17,6 +17,7 @@ NAMESPACES = (
     "model_parameters",
     "model_gradients",
     "model_optimizer_state",
+    "model_activations",
 )
 
 SHIFT = 40

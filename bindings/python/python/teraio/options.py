@@ -88,8 +88,9 @@ class OffloadOptions:
             `torch.utils.checkpoint` keeps for backward's recomputation: a block's hidden states)
             wait for backward: "host" (copied to pinned host memory as they are saved, and back one
             block ahead of the recomputation that needs them; the last block's stay, as backward
-            starts with it; the buffers take host memory beside the plan's, and a save with no room
-            left stays on the GPU and is counted in the report), "gpu" (they stay), or "auto"
+            starts with it; the buffers take host memory beside the plan's; a save with no room
+            left there goes to the store, or, without one or with it full, stays on the GPU and is
+            counted in the report), "gpu" (they stay), or "auto"
             (default: "host" on CUDA, "gpu" on a CPU device). On the host they take no GPU memory,
             so a larger batch fits the budget.
         tier_preference: "auto", "host" or "ssd".

@@ -481,6 +481,7 @@ class ModelOffload(Session):
                 cp.PARAMETER: SsdTier(self.device, self.store, ids.base("model_parameters")),
                 cp.GRADIENT: SsdTier(self.device, self.store, ids.base("model_gradients")),
                 cp.STATE: SsdTier(self.device, self.store, ids.base("model_optimizer_state")),
+                cp.ACTIVATION: SsdTier(self.device, self.store, ids.base("model_activations")),
             }
         self.slots = [_Slot(i, name, p, self.plan.tiers[i]) for i, (name, p) in enumerate(named)]
         self._slot_of = {id(slot.param): slot for slot in self.slots}
@@ -518,11 +519,19 @@ class ModelOffload(Session):
         self._block_position = {id(module): p for p, (_, module) in enumerate(self.blocks)}
         self.saved_stats = SavedStats()
         self.inputs = SavedTensorMover(
-            self.device, 0, self.saved_stats, options.min_bytes, set(), on_full="keep", streams=streams
+            self.device,
+            0,
+            self.saved_stats,
+            options.min_bytes,
+            set(),
+            on_full="keep",
+            streams=streams,
+            spill=self.ssd.get(cp.ACTIVATION),
         )
         self.inputs.window = INPUTS_IN_FLIGHT_BYTES
         self._inputs_block: Optional[int] = None  # the block whose inputs are being saved
-        self._saved_moved = (0, 0)  # the mover's bytes out and in at the last iteration's end
+        # The mover's bytes out and in per tier at the last iteration's end.
+        self._saved_moved: dict[tuple[str, str], int] = {}
         # Bytes of each optimizer-state tensor moved out: (("optimizer_state", name), slot) -> n.
         self._state_nbytes: dict[Any, int] = {}
         self._seen_state: set[tuple[int, str]] = set()
@@ -1850,10 +1859,19 @@ class ModelOffload(Session):
     def _end_iteration(self) -> None:
         self.recorder.finish()
         self.inputs.end_iteration()
-        moved = (self.saved_stats.offloaded_bytes[HOST], self.saved_stats.prefetched_bytes[HOST])
-        for direction, now, before in zip(("out", "in"), moved, self._saved_moved):
-            if now > before:
-                self._counts.add(direction, HOST, cp.ACTIVATION, now - before)
+        moved = {
+            (direction, tier): counter[tier]
+            for direction, counter in (
+                ("out", self.saved_stats.offloaded_bytes),
+                ("in", self.saved_stats.prefetched_bytes),
+            )
+            for tier in (HOST, SSD)
+        }
+        for (direction, tier), now in moved.items():
+            if now > self._saved_moved.get((direction, tier), 0):
+                self._counts.add(
+                    direction, tier, cp.ACTIVATION, now - self._saved_moved.get((direction, tier), 0)
+                )
         self._saved_moved = moved
         if self._recorded is None:
             self._recorded = list(self._order)

@@ -9,11 +9,14 @@ checkpointed blocks (the inputs `torch.utils.checkpoint` saves for the recomputa
   Parameters (`skip`, and FSDP's parameter memory) and saves below `min_bytes` stay on the GPU.
 - Host buffers (`RegisteredBuffer`: the bytes asked for, not torch's power-of-two blocks) are
   kept per (block, pass, order of the save) from one iteration to the next, so pinning happens
-  once; a copy into a buffer waits on the GPU for the last read of it. A block
-  entered again before `end_iteration` (a second forward pass before backward) gets buffers of
-  its own: the first pass's bytes are still needed. At most `capacity_bytes` are pinned; past
-  that a save is an error (`on_full="raise"`: the block plan sized its cap) or stays on the GPU
-  and is counted (`on_full="keep"`).
+  once; a copy into a buffer waits on the GPU for the last read of it. A block entered again
+  before `end_iteration` (a second forward pass before backward) gets buffers of its own: the
+  first pass's bytes are still needed. At most `capacity_bytes` are pinned; past that a save is
+  an error (`on_full="raise"`: the block plan sized its cap), goes to the store (`on_full="keep"`
+  with a `spill` tier: an `SsdTier`, through the engine's GPU path; the GPU memory of a save
+  being written stays allocated until its write is done, at most `window` bytes of it before a
+  save waits), or stays on the GPU and is counted (`on_full="keep"` without one, or with a
+  store that is full).
 - Copies out run on their own stream after the compute that made the tensor; at most `window`
   bytes are in flight before a save waits on the host (the GPU memory of a tensor in flight
   stays allocated until its copy is done).
@@ -38,8 +41,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ... import sharded
 from ...pinned import RegisteredBuffer
 from ...planning import format_bytes
+from ...store import NoSpaceError
 from .copy import copy_now, copy_on_stream, flat_bytes
-from .tiers import HOST, TierCounters
+from .tiers import HOST, SSD, SsdTier, TierCounters, Transfer
 
 
 @dataclass
@@ -79,22 +83,24 @@ class _Slot:
         "d2h",
         "gpu",
         "h2d",
+        "read",
         "joined",
         "saves",
         "unpacked",
     )
 
     def __init__(
-        self, block: int, key: tuple[int, int, int], write: int, nbytes: int, host: torch.Tensor
+        self, block: int, key: tuple[int, int, int], write: int, nbytes: int, host: Optional[torch.Tensor]
     ) -> None:
         self.block = block
-        self.key = key  # its host buffer's
-        self.write = write  # which write into that buffer holds its bytes
+        self.key = key  # its host buffer's, or its store object's
+        self.write = write  # which write under that key holds its bytes
         self.nbytes = nbytes
-        self.host = host
+        self.host = host  # None: on the store
         self.d2h: Any = None
         self.gpu: Optional[torch.Tensor] = None
         self.h2d: Any = None
+        self.read: Optional[Transfer] = None  # from the store
         self.joined = False
         self.saves = 0  # `_Saved` handles made for it
         self.unpacked = 0  # of those, unpacked since the last prefetch
@@ -112,8 +118,10 @@ class SavedTensorMover:
         skip: set[int],
         on_full: str = "raise",
         streams: Optional[tuple[Any, Any]] = None,
+        spill: Optional[SsdTier] = None,
     ) -> None:
         assert on_full in ("raise", "keep"), on_full
+        assert spill is None or on_full == "keep", "a spill tier takes what the host cannot"
         self.device = device
         self.cuda = device.type == "cuda"
         self.capacity_bytes = capacity_bytes
@@ -132,6 +140,10 @@ class SavedTensorMover:
         self._passes: dict[int, int] = {}
         self._in_flight: deque[tuple[Any, int]] = deque()
         self._flight_bytes = 0
+        self.spill = spill
+        # Store writes not seen done yet, with the GPU memory each reads from.
+        self._spilling: deque[tuple[Transfer, torch.Tensor]] = deque()
+        self._spill_bytes = 0
         self._block = -1
         self._pass = 0
         self._seen: dict[int, tuple[Optional[_Slot], Any]] = {}
@@ -186,15 +198,19 @@ class SavedTensorMover:
         if host is None or host.numel() != nbytes:
             held = 0 if host is None else host.numel()
             if self.used_bytes - held + nbytes > self.capacity_bytes:
-                if self.on_full == "keep":
+                if self.on_full == "raise":
+                    raise MemoryError(
+                        f"teraio.offload: host buffers for block activations would exceed their cap of "
+                        f"{format_bytes(self.capacity_bytes)} ({format_bytes(self.used_bytes)} in use, "
+                        f"{format_bytes(nbytes)} more)"
+                    )
+                slot = self._spill(key, tensor, nbytes) if self.spill is not None else None
+                if slot is None:
                     self.stats.kept_for_room += 1
                     self.stats.kept_for_room_bytes += nbytes
                     return None
-                raise MemoryError(
-                    f"teraio.offload: host buffers for block activations would exceed their cap of "
-                    f"{format_bytes(self.capacity_bytes)} ({format_bytes(self.used_bytes)} in use, "
-                    f"{format_bytes(nbytes)} more)"
-                )
+                slots.append(slot)
+                return slot
             self.used_bytes -= held
             self._free(key)
             if self.cuda:
@@ -205,8 +221,7 @@ class SavedTensorMover:
             self.buffers[key] = host
             self.used_bytes += nbytes
             self.peak_bytes = max(self.peak_bytes, self.used_bytes)
-        self._writes[key] = self._writes.get(key, 0) + 1
-        slot = _Slot(self._block, key, self._writes[key], nbytes, host)
+        slot = _Slot(self._block, key, self._written(key), nbytes, host)
         source = flat_bytes(tensor)
         if self.cuda:
             slot.d2h = copy_on_stream(
@@ -221,6 +236,37 @@ class SavedTensorMover:
         slots.append(slot)
         self.stats.offloaded_bytes[HOST] += nbytes
         return slot
+
+    def _written(self, key: tuple[int, int, int]) -> int:
+        """Counts a write under `key`; returns its number."""
+        self._writes[key] = self._writes.get(key, 0) + 1
+        return self._writes[key]
+
+    def _spill(self, key: tuple[int, int, int], tensor: torch.Tensor, nbytes: int) -> Optional[_Slot]:
+        """The save as an object in the store (None where the store has no room for it)."""
+        assert self.spill is not None
+        source = flat_bytes(tensor)
+        try:
+            transfer = self.spill.write(key, source)
+        except NoSpaceError:
+            return None
+        self._spilling.append((transfer, source))
+        self._spill_bytes += nbytes
+        self._settle_spills(self.window)
+        self.stats.offloaded_bytes[SSD] += nbytes
+        return _Slot(self._block, key, self._written(key), nbytes, None)
+
+    def _settle_spills(self, limit: int) -> None:
+        """Lets go of the sources of finished store writes; waits (on the host) for the oldest
+        while more than `limit` bytes are being written."""
+        while self._spilling and (self._spill_bytes > limit or self._spilling[0][0].done()):
+            transfer, source = self._spilling.popleft()
+            if not transfer.done():
+                started = time.perf_counter()
+                transfer.join()
+                self.stats.window_waits += 1
+                self.stats.window_wait_s += time.perf_counter() - started
+            self._spill_bytes -= source.numel()
 
     def _free(self, key: tuple[int, int, int]) -> None:
         """Gives a buffer of another size back (a batch of another shape), once no copy uses it."""
@@ -263,6 +309,11 @@ class SavedTensorMover:
             )
         slot.gpu = torch.empty(slot.nbytes, dtype=torch.uint8, device=self.device)
         slot.joined = False
+        if slot.host is None:
+            assert self.spill is not None
+            slot.read = self.spill.read(slot.key, slot.gpu)
+            self.stats.prefetched_bytes[SSD] += slot.nbytes
+            return
         if self.cuda:
             slot.h2d = copy_on_stream(self.h2d_stream, self.device, slot.gpu, slot.host, after=slot.d2h)
             slot.gpu.record_stream(self.h2d_stream)
@@ -286,8 +337,12 @@ class SavedTensorMover:
             self.prefetch(slot.block)
         gpu = slot.gpu
         assert gpu is not None
-        if self.cuda and not slot.joined:
-            torch.cuda.current_stream(self.device).wait_event(slot.h2d)
+        if not slot.joined:
+            if slot.read is not None:
+                slot.read.join()  # compute waits for the store's read (on the GPU)
+                slot.read = None
+            elif self.cuda:
+                torch.cuda.current_stream(self.device).wait_event(slot.h2d)
             slot.joined = True
         view = torch.empty(0, dtype=saved.dtype, device=self.device)
         view.set_(gpu.untyped_storage(), saved.offset, saved.size, saved.stride)
@@ -305,6 +360,7 @@ class SavedTensorMover:
         self._seen = {}
 
     def close(self) -> None:
+        self._settle_spills(0)
         if self.cuda:
             self.d2h_stream.synchronize()
             self.h2d_stream.synchronize()
