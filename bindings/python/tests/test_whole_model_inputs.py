@@ -65,7 +65,7 @@ def test_inputs_on_the_host_are_exact(store: teraio.Store, host_memory: int) -> 
     assert report.checkpoint_inputs_kept_for_room == 0
     # Each came back at its planned point: when backward entered the block after it.
     assert run.saved_stats.prefetches_on_demand == 0
-    assert "checkpointed blocks' inputs: on the host" in str(report)
+    assert "checkpointed blocks' inputs: off the GPU" in str(report)
     assert store.list() == []  # the run's objects, the inputs' among them, are deleted at exit
 
 

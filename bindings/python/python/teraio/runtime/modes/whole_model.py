@@ -307,9 +307,9 @@ class WholeModelReport:
         ]
         if self.checkpoint_inputs == HOST:
             lines.append(
-                f"  checkpointed blocks' inputs: on the host ({gib(self.checkpoint_inputs_pinned_bytes)} "
-                f"pinned), {self.checkpoint_inputs_kept_for_room} saves kept on the GPU for want of "
-                "host memory"
+                f"  checkpointed blocks' inputs: off the GPU ({gib(self.checkpoint_inputs_pinned_bytes)} of "
+                "pinned host buffers, the rest through the store), "
+                f"{self.checkpoint_inputs_kept_for_room} saves kept on the GPU for want of room"
             )
         for tier, kinds in self.placement.items():
             lines.append(f"  on {tier}: " + ", ".join(f"{k} {gib(v)}" for k, v in kinds.items()))
