@@ -510,13 +510,18 @@ def test_step_in_backward_reads_state_ahead_within_its_budget() -> None:
 
 
 @pytest.mark.parametrize("step_in_backward", [False, True])
+@pytest.mark.parametrize("inputs", ["gpu", "host"])
 def test_the_recorded_iteration_holds_every_transfer_and_replays_at_other_bandwidths(
-    store: teraio.Store, step_in_backward: bool
+    store: teraio.Store, step_in_backward: bool, inputs: str
 ) -> None:
     data = _tokens(RECORDED_ITERATION + 2)
-    _, run = _run(_tied, data, store, host_memory=20_000, step_in_backward=step_in_backward)
+    # With the blocks' inputs off the GPU (the plan fills host memory: they go to the store).
+    options = {"checkpoint_inputs": inputs, "min_bytes": 0}
+    _, run = _run(_tied, data, store, host_memory=20_000, step_in_backward=step_in_backward, **options)
     record = run.recorder.result()
     assert record is not None and record.unmodelled_transfers == 0
+    activations = [t for t in record.trace["tensors"] if t["kind"] == "activation"]
+    assert len(activations) == (2 if inputs == "host" else 0)  # 3 blocks, the last one's stay
     # Every byte the runtime counted in that iteration is a recorded read or write.
     sizes = {t["id"]: t["size_bytes"] for t in record.trace["tensors"]}
     recorded: dict[tuple[str, str], int] = {}

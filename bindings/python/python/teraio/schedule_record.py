@@ -8,8 +8,8 @@ planner/src/replay.rs) at the machine's bandwidths, or at others (`ScheduleRecor
   recomputation and backward, a step window), each timed on the compute stream from just after
   the runtime's waits to just before the next ones (`timing.mark`), so the time the GPU waited
   for a transfer is not in it;
-- tensors: what the ops used (a parameter, its gradient, each optimizer-state tensor), read or
-  written, with their sizes;
+- tensors: what the ops used (a parameter, its gradient, each optimizer-state tensor, a
+  checkpointed block's inputs), read or written, with their sizes;
 - transfers: each read, write and drop the runtime issued, before the op that followed it (one
   issued while an op runs counts before the next op: the replay issues it a little late).
 
@@ -27,7 +27,14 @@ from .planning import replay_schedule
 from .timing import elapsed_ms, mark
 
 #: Trace kinds (docs/trace.md) of the runtime's kinds of bytes.
-TRACE_KINDS = {"parameter": "weight", "gradient": "gradient", "optimizer_state": "optimizer_state"}
+TRACE_KINDS = {
+    "parameter": "weight",
+    "gradient": "gradient",
+    "optimizer_state": "optimizer_state",
+    "activation": "activation",
+}
+#: Kinds that live from their first use to their last within the iteration.
+_TRANSIENT = ("gradient", "activation")
 #: Transfer kinds (planner/src/replay.rs).
 PREFETCH, OFFLOAD, DROP = "prefetch", "offload", "drop"
 #: GPU and host memory the replay assumes: unbounded (the runtime bounds its own memory; the
@@ -128,7 +135,7 @@ class ScheduleRecorder:
             return
         tensor = self._tensors.get(key)
         if tensor is None:
-            tensor = _Tensor(name, TRACE_KINDS[kind], size_bytes, kind != "gradient")
+            tensor = _Tensor(name, TRACE_KINDS[kind], size_bytes, kind not in _TRANSIENT)
             self._tensors[key] = tensor
         op = len(self._ops) - 1
         if write or tensor.uses.get(op) != "write":

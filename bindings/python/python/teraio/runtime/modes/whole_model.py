@@ -529,6 +529,7 @@ class ModelOffload(Session):
             spill=self.ssd.get(cp.ACTIVATION),
         )
         self.inputs.window = INPUTS_IN_FLIGHT_BYTES
+        self.inputs.on_moved = self._record_input_out
         self._inputs_block: Optional[int] = None  # the block whose inputs are being saved
         # The mover's bytes out and in per tier at the last iteration's end.
         self._saved_moved: dict[tuple[str, str], int] = {}
@@ -1313,7 +1314,13 @@ class ModelOffload(Session):
         if backward and position and self.inputs.held(position - 1):
             # Backward recomputes block `position` now and block `position - 1` next.
             self.inputs.prefetch(position - 1)
+            for key, _, tier in self.inputs.saves_of(position - 1):
+                self.recorder.read((cp.ACTIVATION, key), tier)
         self.recorder.begin(f"{'backward' if backward else 'forward'} {self.units[index].name}")
+        if backward and position is not None:
+            # The recomputation reads the block's inputs (unpacked just before it entered).
+            for key, nbytes, _ in self.inputs.saves_of(position):
+                self.recorder.use((cp.ACTIVATION, key), f"inputs {key}", cp.ACTIVATION, nbytes)
         for slot in slots:
             self._record_use(slot, cp.PARAMETER)
 
@@ -1400,6 +1407,12 @@ class ModelOffload(Session):
                 self._inputs_block = None
 
         return run
+
+    def _record_input_out(self, key: tuple[int, int, int], nbytes: int, tier: str) -> None:
+        """A block's input left the GPU: the running op made it (for the recorded iteration)."""
+        if self.recorder.recording:
+            self.recorder.use((cp.ACTIVATION, key), f"inputs {key}", cp.ACTIVATION, nbytes, write=True)
+            self.recorder.wrote((cp.ACTIVATION, key), tier)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         started = time.perf_counter()

@@ -33,7 +33,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -141,6 +141,8 @@ class SavedTensorMover:
         self._in_flight: deque[tuple[Any, int]] = deque()
         self._flight_bytes = 0
         self.spill = spill
+        #: Called with (key, bytes, tier) for each save moved out (the caller's record of it).
+        self.on_moved: Optional[Callable[[tuple[int, int, int], int, str], None]] = None
         # Store writes not seen done yet, with the GPU memory each reads from.
         self._spilling: deque[tuple[Transfer, torch.Tensor]] = deque()
         self._spill_bytes = 0
@@ -235,6 +237,8 @@ class SavedTensorMover:
             copy_now(host, source)
         slots.append(slot)
         self.stats.offloaded_bytes[HOST] += nbytes
+        if self.on_moved is not None:
+            self.on_moved(key, nbytes, HOST)
         return slot
 
     def _written(self, key: tuple[int, int, int]) -> int:
@@ -254,6 +258,8 @@ class SavedTensorMover:
         self._spill_bytes += nbytes
         self._settle_spills(self.window)
         self.stats.offloaded_bytes[SSD] += nbytes
+        if self.on_moved is not None:
+            self.on_moved(key, nbytes, SSD)
         return _Slot(self._block, key, self._written(key), nbytes, None)
 
     def _settle_spills(self, limit: int) -> None:
@@ -288,8 +294,15 @@ class SavedTensorMover:
             self._flight_bytes -= nbytes
 
     def held(self, index: int) -> bool:
-        """Whether block `index` has saves on the host this iteration."""
+        """Whether block `index` has saves off the GPU this iteration."""
         return bool(self.slots.get(index))
+
+    def saves_of(self, index: int) -> list[tuple[tuple[int, int, int], int, str]]:
+        """Block `index`'s saves off the GPU this iteration: (key, bytes, tier)."""
+        return [
+            (slot.key, slot.nbytes, HOST if slot.host is not None else SSD)
+            for slot in self.slots.get(index, ())
+        ]
 
     def prefetch(self, index: int) -> int:
         """Issues the copies back of block `index`'s saved tensors; returns their bytes."""
