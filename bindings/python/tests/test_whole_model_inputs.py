@@ -120,19 +120,27 @@ def test_inputs_without_host_room_or_a_store_stay_on_the_gpu_and_are_counted() -
     assert report.bytes_per_iteration["out"]["host"]["activation"] == INPUT_BYTES
 
 
-def test_inputs_stay_on_the_gpu_when_the_store_is_full(store: teraio.Store, monkeypatch: Any) -> None:
-    def full(key: Any, source: torch.Tensor) -> Any:
-        raise teraio.NoSpaceError("the store is full")
-
-    def no_room(run: ModelOffload) -> None:
+def test_inputs_take_at_most_their_room_on_the_store(store: teraio.Store) -> None:
+    def room_for_one_there(run: ModelOffload) -> None:
         run.inputs.capacity_bytes = 0
-        assert run.inputs.spill is not None
-        monkeypatch.setattr(run.inputs.spill, "write", full)
+        run.inputs.spill_room_bytes = INPUT_BYTES
 
     loop = _plain(batches(2, rows=ROWS))
-    model, optimizer, losses, run = _offloaded(loop, store, prepare=no_room)
+    model, optimizer, losses, run = _offloaded(loop, store, prepare=room_for_one_there)
     _assert_same(loop, model, optimizer, losses)
-    assert run.report().checkpoint_inputs_kept_for_room == 2 * (LAYERS - 1)
+    report = run.report()
+    assert report.bytes_per_iteration["out"]["ssd"]["activation"] == INPUT_BYTES
+    assert report.checkpoint_inputs_kept_for_room == 2 * (LAYERS - 2)
+
+
+def test_inputs_on_the_store_take_half_its_free_space_at_most(store: teraio.Store) -> None:
+    loop = _plain(batches(2, rows=ROWS))
+    _, _, _, run = _offloaded(loop, store, prepare=lambda run: setattr(run.inputs, "capacity_bytes", 0))
+    free = sum(int(d["free_bytes"]) for d in store.info()["devices"])
+    assert run.inputs.spill_room_bytes is not None
+    assert (
+        free // 2 - (LAYERS - 1) * INPUT_BYTES <= run.inputs.spill_room_bytes <= free // 2 + 4 * INPUT_BYTES
+    )
 
 
 def test_a_second_backward_through_the_graph_reads_the_inputs_again(store: teraio.Store) -> None:

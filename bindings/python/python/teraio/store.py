@@ -195,7 +195,7 @@ class Store:
         urgent = _flag("urgent", urgent)
         event = _event_handle(after)
         if _is_tensor(data) and data.device.type == "cuda":
-            return self._put_cuda(object_id, data, meta, urgent, event)
+            return self._cuda(True, object_id, data, meta, urgent, event)
         _host_only(after, None, data)
         if _is_tensor(data):
             if data.device.type != "cpu":
@@ -216,28 +216,6 @@ class Store:
     def put(self, object_id: int, data: Any, meta: Optional[bytes] = b"") -> None:
         """Writes `data` as object `object_id` and waits until the engine acknowledges it."""
         self.put_async(object_id, data, meta).wait()
-
-    def _put_cuda(
-        self,
-        object_id: int,
-        tensor: torch.Tensor,
-        meta: Optional[bytes],
-        urgent: bool,
-        event: Optional[_Event],
-    ) -> Handle:
-        import torch
-
-        address, length = _tensor_address(tensor)
-        index = _cuda_index(tensor)
-        if event is None:
-            # The engine copies on its own CUDA streams: whatever produces the tensor must be done.
-            torch.cuda.current_stream(tensor.device).synchronize()
-        return Handle(
-            self._native.put_device(
-                object_id, address, length, index, tensor, meta, urgent, after=_after_handle(event)
-            ),
-            index,
-        )
 
     # -- reads ------------------------------------------------------------------------------
 
@@ -275,7 +253,7 @@ class Store:
         if _is_tensor(out) and out.device.type == "cuda":
             # Checked before the get starts: a refused stream leaves no get running.
             wait_on = None if stream is None else _stream_handle(stream, _cuda_index(out))
-            handle = self._get_cuda(object_id, out, urgent, event)
+            handle = self._cuda(False, object_id, out, None, urgent, event)
             if wait_on is not None:
                 handle._native.enqueue_stream_wait(wait_on)
             return handle
@@ -300,22 +278,6 @@ class Store:
         """Reads object `object_id` into `out` and returns `out`."""
         self.get_async(object_id, out).wait()
         return out
-
-    def _get_cuda(
-        self, object_id: int, tensor: torch.Tensor, urgent: bool, event: Optional[_Event]
-    ) -> Handle:
-        import torch
-
-        address, length = _tensor_address(tensor)
-        index = _cuda_index(tensor)
-        if event is None:
-            torch.cuda.current_stream(tensor.device).synchronize()
-        return Handle(
-            self._native.get_device(
-                object_id, address, length, index, tensor, urgent=urgent, after=_after_handle(event)
-            ),
-            index,
-        )
 
     def get_bytes(self, object_id: int) -> bytes:
         """Reads the whole object into new bytes: one version of it, whole (its length and its
@@ -414,6 +376,39 @@ class Store:
         CUDA memory: make the stream that uses it wait with `Handle.enqueue_stream_wait`)."""
         return self._start(False, object_id, memory, nbytes, urgent, after)
 
+    def _cuda(
+        self, put: bool, object_id: int, tensor: torch.Tensor, meta: Optional[bytes], urgent: bool, event: Any
+    ) -> Handle:
+        """`put_async` (`put`) or `get_async` of a whole CUDA tensor. Without `after` the engine,
+        which copies on its own CUDA streams, needs whatever produces (or reads) the tensor done:
+        the current stream is synchronized first."""
+        import torch
+
+        address, length = _tensor_address(tensor)
+        if event is None:
+            torch.cuda.current_stream(tensor.device).synchronize()
+        extra = {"meta": meta} if put else {}
+        return self._device_call(put, object_id, address, length, tensor, extra, urgent, event)
+
+    def _device_call(
+        self,
+        put: bool,
+        object_id: int,
+        address: int,
+        nbytes: int,
+        memory: Any,
+        extra: dict[str, Any],
+        urgent: bool,
+        event: Any,
+    ) -> Handle:
+        """The engine's GPU path: `put_device` or `get_device` of CUDA memory at `address`."""
+        index = _cuda_index(memory)
+        call = self._native.put_device if put else self._native.get_device
+        native = call(
+            object_id, address, nbytes, index, memory, urgent=urgent, after=_after_handle(event), **extra
+        )
+        return Handle(native, index)
+
     def _start(self, put: bool, object_id: int, memory: Any, nbytes: int, urgent: bool, after: Any) -> Handle:
         """`start_put` (`put`) or `start_get`: the engine call by the memory's device, its GPU path
         for CUDA memory and its host path otherwise."""
@@ -421,13 +416,7 @@ class Store:
         address = _start_address(memory, nbytes)
         meta = {"meta": b""} if put else {}
         if memory.device.type == "cuda":
-            index = _cuda_index(memory)
-            device_call = self._native.put_device if put else self._native.get_device
-            after_handle = _after_handle(event)
-            native = device_call(
-                object_id, address, nbytes, index, memory, urgent=urgent, after=after_handle, **meta
-            )
-            return Handle(native, index)
+            return self._device_call(put, object_id, address, nbytes, memory, meta, urgent, event)
         _host_only(after, None, memory)
         host_call = self._native.put_address if put else self._native.get_address
         return Handle(host_call(object_id, address, nbytes, memory, urgent=urgent, **meta))

@@ -13,10 +13,10 @@ checkpointed blocks (the inputs `torch.utils.checkpoint` saves for the recomputa
   before `end_iteration` (a second forward pass before backward) gets buffers of its own: the
   first pass's bytes are still needed. At most `capacity_bytes` are pinned; past that a save is
   an error (`on_full="raise"`: the block plan sized its cap), goes to the store (`on_full="keep"`
-  with a `spill` tier: an `SsdTier`, through the engine's GPU path; the GPU memory of a save
-  being written stays allocated until its write is done, at most `window` bytes of it before a
-  save waits), or stays on the GPU and is counted (`on_full="keep"` without one, or with a
-  store that is full).
+  with a `spill` tier: an `SsdTier`, through the engine's GPU path, up to `spill_room_bytes`;
+  the GPU memory of a save being written stays allocated until its write is done, at most
+  `window` bytes of it before a save waits), or stays on the GPU and is counted (`on_full="keep"`
+  without a store, or with its room taken).
 - Copies out run on their own stream after the compute that made the tensor; at most `window`
   bytes are in flight before a save waits on the host (the GPU memory of a tensor in flight
   stays allocated until its copy is done).
@@ -41,7 +41,6 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ... import sharded
 from ...pinned import RegisteredBuffer
 from ...planning import format_bytes
-from ...store import NoSpaceError
 from .copy import copy_now, copy_on_stream, flat_bytes
 from .tiers import HOST, SSD, SsdTier, TierCounters, Transfer
 
@@ -141,6 +140,11 @@ class SavedTensorMover:
         self._in_flight: deque[tuple[Any, int]] = deque()
         self._flight_bytes = 0
         self.spill = spill
+        #: Bytes the saves may take on the store (None: half of its free space, read at the first
+        #: save that goes there); the bytes each key holds there.
+        self.spill_room_bytes: Optional[int] = None
+        self._spilled: dict[tuple[int, int, int], int] = {}
+        self._spilled_bytes = 0
         #: Called with (key, bytes, tier) for each save moved out (the caller's record of it).
         self.on_moved: Optional[Callable[[tuple[int, int, int], int, str], None]] = None
         # Store writes not seen done yet, with the GPU memory each reads from.
@@ -247,13 +251,20 @@ class SavedTensorMover:
         return self._writes[key]
 
     def _spill(self, key: tuple[int, int, int], tensor: torch.Tensor, nbytes: int) -> Optional[_Slot]:
-        """The save as an object in the store (None where the store has no room for it)."""
+        """The save as an object in the store (None where the room it may take there is full)."""
         assert self.spill is not None
-        source = flat_bytes(tensor)
-        try:
-            transfer = self.spill.write(key, source)
-        except NoSpaceError:
+        if self.spill_room_bytes is None:
+            # Each object may be held twice while it is rewritten (the new version is written
+            # before the old one goes): half of what the store has free.
+            devices = self.spill.store.info()["devices"]
+            self.spill_room_bytes = sum(int(d["free_bytes"]) for d in devices) // 2
+        held = self._spilled.get(key, 0)
+        if self._spilled_bytes - held + nbytes > self.spill_room_bytes:
             return None
+        self._spilled[key] = nbytes
+        self._spilled_bytes += nbytes - held
+        source = flat_bytes(tensor)
+        transfer = self.spill.write(key, source)
         self._spilling.append((transfer, source))
         self._spill_bytes += nbytes
         self._settle_spills(self.window)
