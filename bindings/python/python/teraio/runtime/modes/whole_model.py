@@ -1881,10 +1881,9 @@ class ModelOffload(Session):
             for tier in (HOST, SSD)
         }
         for (direction, tier), now in moved.items():
-            if now > self._saved_moved.get((direction, tier), 0):
-                self._counts.add(
-                    direction, tier, cp.ACTIVATION, now - self._saved_moved.get((direction, tier), 0)
-                )
+            before = self._saved_moved.get((direction, tier), 0)
+            if now > before:
+                self._counts.add(direction, tier, cp.ACTIVATION, now - before)
         self._saved_moved = moved
         if self._recorded is None:
             self._recorded = list(self._order)

@@ -47,7 +47,7 @@ from .tiers import HOST, SSD, SsdTier, TierCounters, Transfer
 
 @dataclass
 class SavedStats(TierCounters):
-    """What the mover moved (to the host tier only) and waited for, cumulative."""
+    """What the mover moved (to host memory, or the store) and waited for, cumulative."""
 
     window_waits: int = 0
     window_wait_s: float = 0.0
