@@ -168,3 +168,30 @@ def test_auto_keeps_the_inputs_on_a_cpu_device(store: teraio.Store) -> None:
 def test_bad_checkpoint_inputs_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="checkpoint_inputs must be one of"):
         teraio.OffloadOptions(checkpoint_inputs="disk")
+
+
+def test_the_report_gives_tokens_per_second_and_model_tflops(store: teraio.Store) -> None:
+    from test_whole_model import _tied, _tokens
+
+    data = _tokens(4)  # (4, 16) token ids
+    model, optimizer = _tied()
+    parameters = sum(p.numel() for p in model.parameters())  # the tied weight once
+    with teraio.offload(model, optimizer, store=store, gpu_memory=4096, host_memory=1 << 30) as run:
+        for tokens in data:
+            model(tokens).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        with torch.no_grad():
+            model(data[0])  # an evaluation pass counts no tokens
+    report = run.report()
+    assert report.tokens_per_iteration == 64
+    assert report.measured_iteration_ms is not None and report.tokens_per_s is not None
+    assert report.tokens_per_s == pytest.approx(64 / report.measured_iteration_ms * 1e3)
+    assert report.model_tflops == pytest.approx(6 * parameters * report.tokens_per_s / 1e12)
+    assert "tokens per iteration" in str(report)
+
+
+def test_a_model_fed_no_token_ids_reports_no_tokens(store: teraio.Store) -> None:
+    _, _, _, run = _offloaded(_plain(batches(2, rows=ROWS)), store)
+    report = run.report()
+    assert report.tokens_per_iteration is None and report.tokens_per_s is None and report.model_tflops is None

@@ -267,6 +267,13 @@ class WholeModelReport:
     checkpoint_inputs: str = "gpu"
     checkpoint_inputs_pinned_bytes: int = 0
     checkpoint_inputs_kept_for_room: int = 0
+    #: Tokens per iteration (the integer tensors, token ids, the model's forward passes took with
+    #: gradients on; None for a model fed no such tensor), tokens per second at the measured
+    #: iteration, and the model FLOPs rate they make: 6 x parameters x tokens per second (no
+    #: attention, no recomputation), in TFLOPS.
+    tokens_per_iteration: Optional[int] = None
+    tokens_per_s: Optional[float] = None
+    model_tflops: Optional[float] = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -290,6 +297,15 @@ class WholeModelReport:
                 else step
             ),
             f"  update on the {self.update.upper()}: {self.update_reason}",
+            *(
+                [
+                    f"  throughput: {self.tokens_per_iteration} tokens per iteration, "
+                    f"{self.tokens_per_s:.0f} tokens/s, {self.model_tflops:.1f} TFLOPS "
+                    "(6 x parameters x tokens)"
+                ]
+                if self.tokens_per_s is not None and self.model_tflops is not None
+                else []
+            ),
             f"  peak GPU memory {gib(self.peak_gpu_bytes)} (budget {gib(self.gpu_memory_bytes)}), "
             f"step windows {gib(self.peak_step_window_bytes)}",
             f"  without offload: parameters, gradients and optimizer state alone take "
@@ -842,6 +858,7 @@ class ModelOffload(Session):
         self.optimizer.zero_grad = _optimizer_method(self._zero_grad, self.optimizer)  # type: ignore[method-assign]
         self._take_over_clipping(self._owns, self._clip_grad_norm)
         self._install_peak()
+        self._hooks.append(self.model.register_forward_pre_hook(self._count_tokens, with_kwargs=True))
         self._install_checkpoint_hooks()
         self._begin_iteration()
         self.loss_head.__enter__()
@@ -1407,6 +1424,20 @@ class ModelOffload(Session):
                 self._inputs_block = None
 
         return run
+
+    def _count_tokens(self, module: Module, args: Any, kwargs: dict[str, Any]) -> None:
+        """A training forward pass of the model: its token ids (the first integer tensor it takes)
+        count toward the iteration's tokens."""
+        if not torch.is_grad_enabled():
+            return
+        for value in (*args, *kwargs.values()):
+            if (
+                isinstance(value, torch.Tensor)
+                and not value.is_floating_point()
+                and value.dtype != torch.bool
+            ):
+                self._counts.tokens += value.numel()
+                return
 
     def _record_input_out(self, key: tuple[int, int, int], nbytes: int, tier: str) -> None:
         """A block's input left the GPU: the running op made it (for the recorded iteration)."""
@@ -2046,6 +2077,9 @@ class ModelOffload(Session):
             else:
                 failure_text = ""
         predicted = prediction["iteration_ms"] if prediction else None
+        tokens = middle.tokens or None
+        tokens_per_s = tokens / measured * 1e3 if tokens and measured else None
+        parameters = sum(slot.param.numel() for slot in self.slots)
         error, warning = check_prediction(measured, predicted)
         warning = warning or failure_text
         return WholeModelReport(
@@ -2098,6 +2132,9 @@ class ModelOffload(Session):
             checkpoint_inputs=self.checkpoint_inputs,
             checkpoint_inputs_pinned_bytes=self.inputs.peak_bytes,
             checkpoint_inputs_kept_for_room=self.saved_stats.kept_for_room,
+            tokens_per_iteration=tokens,
+            tokens_per_s=tokens_per_s,
+            model_tflops=6 * parameters * tokens_per_s / 1e12 if tokens_per_s else None,
             update_model_ms={
                 "gpu": None if self.update_site.gpu_step_s is None else self.update_site.gpu_step_s * 1e3,
                 "cpu": None if self.update_site.cpu_step_s is None else self.update_site.cpu_step_s * 1e3,
@@ -2114,6 +2151,7 @@ class _Counts:
         # Host time in the runtime's hooks (unit entry and exit, saved tensors, gradients, the
         # step in backward at its end); the step's own is `wait_s["step"]`.
         self.host_s = 0.0
+        self.tokens = 0  # `ModelOffload._count_tokens`
 
     def add(self, direction: str, tier: str, kind: Any, nbytes: int) -> None:
         base = kind[0] if isinstance(kind, tuple) else kind
