@@ -195,3 +195,27 @@ def test_a_model_fed_no_token_ids_reports_no_tokens(store: teraio.Store) -> None
     _, _, _, run = _offloaded(_plain(batches(2, rows=ROWS)), store)
     report = run.report()
     assert report.tokens_per_iteration is None and report.tokens_per_s is None and report.model_tflops is None
+
+
+def test_inputs_follow_an_evaluation_pass_and_a_smaller_last_batch(store: teraio.Store) -> None:
+    data = batches(3, rows=ROWS) + batches(1, rows=ROWS // 2, seed=7)
+
+    def loop(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[float]:
+        losses = []
+        for x in data:
+            loss = model(x)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            with torch.no_grad():
+                losses.append(model(data[0]).item())  # evaluation saves nothing
+        return losses
+
+    model, optimizer, losses, run = _offloaded(loop, store)
+    _assert_same(loop, model, optimizer, losses)
+    # The last batch's inputs, half the size, took buffers of their size in place of the
+    # others: the pinned peak is one full-size buffer per block.
+    assert run.report().checkpoint_inputs_pinned_bytes == (LAYERS - 1) * INPUT_BYTES
+    assert run.report().bytes_per_iteration["out"]["host"]["activation"] == (LAYERS - 1) * INPUT_BYTES
+    assert run.saved_stats.prefetches_on_demand == 0
