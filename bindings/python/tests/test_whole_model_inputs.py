@@ -4,6 +4,7 @@ ahead of the recomputation that needs it."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 import pytest
@@ -219,3 +220,30 @@ def test_inputs_follow_an_evaluation_pass_and_a_smaller_last_batch(store: teraio
     assert run.report().checkpoint_inputs_pinned_bytes == (LAYERS - 1) * INPUT_BYTES
     assert run.report().bytes_per_iteration["out"]["host"]["activation"] == (LAYERS - 1) * INPUT_BYTES
     assert run.saved_stats.prefetches_on_demand == 0
+
+
+@pytest.mark.parametrize("inputs", ["host", "gpu"])
+def test_between_forward_and_backward_the_device_holds_one_blocks_inputs(
+    store: teraio.Store, inputs: str
+) -> None:
+    """What lets a larger batch fit: with the inputs off the device, the block outputs that the
+    next blocks' checkpoints would keep are freed after forward, all but the last block's input."""
+    model, optimizer = make()
+    alive: list[Any] = []
+    handles = [
+        layer.register_forward_hook(lambda module, args, output: alive.append(weakref.ref(output)))
+        for layer in model.layers[:-1]
+    ]
+    options = {"checkpoint_inputs": inputs, "min_bytes": 0, "host_memory": 1 << 30}
+    with teraio.offload(model, optimizer, store=store, gpu_memory=4096, **options):
+        for x in batches(2, rows=ROWS):
+            alive.clear()
+            loss = model(x)
+            held = [ref() is not None for ref in alive]
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    for handle in handles:
+        handle.remove()
+    # Block i's output is block i + 1's input; the last block's input stays for backward.
+    assert held == ([False] * (LAYERS - 2) + [True] if inputs == "host" else [True] * (LAYERS - 1))
