@@ -197,21 +197,8 @@ class Store:
         if _is_tensor(data) and data.device.type == "cuda":
             return self._cuda(True, object_id, data, meta, urgent, event)
         _host_only(after, None, data)
-        if _is_tensor(data):
-            if data.device.type != "cpu":
-                raise _native.InvalidArgumentError(
-                    f"tensors on {data.device} are not supported (cpu and cuda are)"
-                )
-            address, length = _tensor_address(data)
-            return Handle(self._native.put_address(object_id, address, length, data, meta, urgent))
-        import numpy
-
-        if isinstance(data, numpy.ndarray):
-            address, length = _numpy_address(data, writable=False)
-            return Handle(self._native.put_address(object_id, address, length, data, meta, urgent))
-        array = _plain_bytes(data, writable=False)
-        address, length = (int(array.__array_interface__["data"][0]), int(array.nbytes))
-        return Handle(self._native.put_address(object_id, address, length, array, meta, urgent))
+        address, length, owner = _host_memory(data, writable=False)
+        return Handle(self._native.put_address(object_id, address, length, owner, meta, urgent))
 
     def put(self, object_id: int, data: Any, meta: Optional[bytes] = b"") -> None:
         """Writes `data` as object `object_id` and waits until the engine acknowledges it."""
@@ -258,21 +245,8 @@ class Store:
                 handle._native.enqueue_stream_wait(wait_on)
             return handle
         _host_only(after, stream, out)
-        if _is_tensor(out):
-            if out.device.type != "cpu":
-                raise _native.InvalidArgumentError(
-                    f"tensors on {out.device} are not supported (cpu and cuda are)"
-                )
-            address, length = _tensor_address(out)
-            return Handle(self._native.get_address(object_id, address, length, out, urgent=urgent))
-        import numpy
-
-        if isinstance(out, numpy.ndarray):
-            address, length = _numpy_address(out, writable=True)
-            return Handle(self._native.get_address(object_id, address, length, out, urgent=urgent))
-        array = _plain_bytes(out, writable=True)
-        address, length = (int(array.__array_interface__["data"][0]), int(array.nbytes))
-        return Handle(self._native.get_address(object_id, address, length, array, urgent=urgent))
+        address, length, owner = _host_memory(out, writable=True)
+        return Handle(self._native.get_address(object_id, address, length, owner, urgent=urgent))
 
     def get(self, object_id: int, out: Any) -> Any:
         """Reads object `object_id` into `out` and returns `out`."""
@@ -420,6 +394,25 @@ class Store:
         _host_only(after, None, memory)
         host_call = self._native.put_address if put else self._native.get_address
         return Handle(host_call(object_id, address, nbytes, memory, urgent=urgent, **meta))
+
+
+def _host_memory(data: Any, writable: bool) -> tuple[int, int, Any]:
+    """The address, length and owner of host memory to put from or get into (`writable`): a CPU
+    tensor, a numpy array, or a bytes-like object (its buffer, through numpy)."""
+    if _is_tensor(data):
+        if data.device.type != "cpu":
+            raise _native.InvalidArgumentError(
+                f"tensors on {data.device} are not supported (cpu and cuda are)"
+            )
+        address, length = _tensor_address(data)
+        return address, length, data
+    import numpy
+
+    if isinstance(data, numpy.ndarray):
+        address, length = _numpy_address(data, writable=writable)
+        return address, length, data
+    array = _plain_bytes(data, writable=writable)
+    return int(array.__array_interface__["data"][0]), int(array.nbytes), array
 
 
 class _Event:
