@@ -678,6 +678,11 @@ def traffic(r: dict[str, Any]) -> tuple[str, str]:
 def loss_agreement(r: dict[str, Any], reference: Optional[dict[str, Any]]) -> str:
     if reference is None or r is reference or not r.get("losses") or not reference.get("losses"):
         return "-"
+    shape = ("family", "batch", "seq", "seed")
+    if any(r.get(k) != reference.get(k) for k in shape):
+        # Other batches are other losses: no agreement to state.
+        ran = ", ".join(f"{k} {reference.get(k)}" for k in shape)
+        return f"- (the reference ran {ran})"
     a, b = r["losses"], reference["losses"]
     n = min(len(a), len(b))
     diff = summarize.max_loss_diff(a, b)

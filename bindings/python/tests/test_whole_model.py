@@ -474,6 +474,22 @@ def test_step_in_backward_without_whole_model_mode_warns() -> None:
         teraio.offload(model, optimizer, gpu_memory=1 << 30, step_in_backward=True, granularity="tensor")
 
 
+def test_capacity_table_compares_losses_with_a_reference_of_the_same_batch_only() -> None:
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3] / "benches" / "torch"))
+    from bench_capacity import loss_agreement
+
+    row = {"family": "llama3b", "batch": 8, "seq": 2048, "seed": 0, "losses": [1.0, 2.0]}
+    assert loss_agreement(row, {**row, "losses": [1.0, 2.0]}) == "bitwise (2 steps)"
+    assert (
+        loss_agreement(row, {**row, "losses": [1.0, 2.5]}) == "max abs diff 5.00e-01 (2 steps), not bitwise"
+    )
+    other = loss_agreement(row, {**row, "batch": 1, "losses": [1.0, 2.5]})
+    assert other.startswith("- (the reference ran") and "batch 1" in other
+
+
 def test_capacity_table_counts_the_whole_model_reports_bytes() -> None:
     # benches/torch/bench_capacity.py's tier columns, from a whole-model report's per-kind counts.
     import pathlib
