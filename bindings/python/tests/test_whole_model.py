@@ -22,7 +22,7 @@ from teraio.runtime.modes.whole_model import (
 )
 from teraio.runtime.movers.tiers import HostTier
 from teraio.runtime.plans import capacity as cp
-from tiny import batches, make, train
+from tiny import accumulate_pairs, batches, make, train
 
 STEPS = 4
 ROWS = 256
@@ -177,23 +177,11 @@ def test_step_memory_is_bounded_by_its_window(store: teraio.Store) -> None:
 
 def test_gradient_accumulation_is_exact(store: teraio.Store) -> None:
     data = batches(4, rows=ROWS)
-
-    def accumulate(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[float]:
-        losses = []
-        for first, second in zip(data[::2], data[1::2]):
-            for x in (first, second):
-                loss = model(x)
-                loss.backward()
-                losses.append(loss.item())
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        return losses
-
     ref_model, ref_opt = make()
-    ref_losses = accumulate(ref_model, ref_opt)
+    ref_losses = accumulate_pairs(ref_model, ref_opt, data)
     model, optimizer = make()
     with teraio.offload(model, optimizer, store=store, gpu_memory=1 << 20, host_memory=100_000):
-        losses = accumulate(model, optimizer)
+        losses = accumulate_pairs(model, optimizer, data)
     _assert_same((ref_model, ref_opt, ref_losses), (model, optimizer, losses))
 
 

@@ -4,7 +4,8 @@ come back, bitwise against the same loop without offload; the bytes reported are
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import functools
+from typing import Any, Optional
 
 import pytest
 import teraio
@@ -13,6 +14,7 @@ from teraio.runtime.modes.whole_model import ModelOffload
 from teraio.runtime.movers.tiers import HostTier
 from teraio.runtime.plans import capacity as cp
 from test_whole_model import TiedLM, _tokens
+from tiny import train_steps
 
 STEPS = 4
 VOCAB = 96
@@ -87,33 +89,8 @@ def _build(cls: type, seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optim
     return model, torch.optim.AdamW(trained, lr=1e-2, weight_decay=0.1, fused=True)
 
 
-def _loop(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    data: list[torch.Tensor],
-    *,
-    accumulate: int = 1,
-    clip: Optional[float] = None,
-    autocast: bool = True,
-    on_step: Optional[Callable[[int], None]] = None,
-) -> list[float]:
-    """Trains under CPU bf16 autocast, with a scheduler, optional accumulation and clipping."""
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
-    losses = []
-    for step, x in enumerate(data):
-        for _ in range(accumulate):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                loss = model(x)
-            (loss / accumulate).backward()
-            losses.append(loss.item())
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        if on_step is not None:
-            on_step(step)
-    return losses
+#: Trains under CPU bf16 autocast, with a scheduler, optional accumulation and clipping.
+_loop = functools.partial(train_steps, autocast=True)
 
 
 def _train(cls: type, offloaded: bool, options: Optional[dict[str, Any]] = None, **kwargs: Any) -> Any:

@@ -11,7 +11,7 @@ import pytest
 import teraio
 import torch
 from teraio.runtime.modes.whole_model import ModelOffload
-from tiny import batches, make, train
+from tiny import accumulate_pairs, batches, make, train
 
 LAYERS = 4
 ROWS = 256
@@ -74,15 +74,8 @@ def test_inputs_follow_accumulation_and_two_forwards_before_backward(store: tera
     data = batches(4, rows=ROWS)
 
     def loop(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[float]:
-        losses = []
         # Accumulation: forward, backward, forward, backward; then both forwards first.
-        for first, second in ((data[0], data[1]), (data[2], data[3])):
-            for x in (first, second):
-                loss = model(x)
-                loss.backward()
-                losses.append(loss.item())
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        losses = accumulate_pairs(model, optimizer, data)
         held = [model(x) for x in data[:2]]
         (held[0] + held[1]).backward()
         optimizer.step()
@@ -204,11 +197,7 @@ def test_inputs_follow_an_evaluation_pass_and_a_smaller_last_batch(store: teraio
     def loop(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[float]:
         losses = []
         for x in data:
-            loss = model(x)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.item())
+            losses += train(model, optimizer, [x])
             with torch.no_grad():
                 losses.append(model(data[0]).item())  # evaluation saves nothing
         return losses

@@ -12,6 +12,7 @@ from teraio.runtime.modes.whole_model import ModelOffload
 from teraio.runtime.movers.tiers import HostTier
 from teraio.runtime.plans import capacity as cp
 from test_whole_model import TiedLM, _tokens
+from tiny import train_steps
 
 STEPS = 4
 GB = 1e9
@@ -21,33 +22,6 @@ def _build(fused: Optional[bool] = True, seed: int = 0) -> tuple[TiedLM, torch.o
     torch.manual_seed(seed)
     model = TiedLM()
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=fused)
-
-
-def _loop(
-    model: Any,
-    optimizer: Any,
-    data: list[torch.Tensor],
-    *,
-    clip: Optional[float] = None,
-    accumulate: int = 1,
-    on_step: Any = None,
-) -> list[float]:
-    """Trains with a scheduler that changes lr each step, optional clipping and accumulation."""
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
-    losses = []
-    for x in data:
-        for _ in range(accumulate):
-            loss = model(x)
-            (loss / accumulate).backward()
-            losses.append(loss.item())
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        if on_step is not None:
-            on_step(optimizer)
-    return losses
 
 
 def _state_of(optimizer: torch.optim.Optimizer) -> list[dict[str, torch.Tensor]]:
@@ -66,12 +40,14 @@ def _train(offloaded: bool, fused: Optional[bool] = True, **kwargs: Any) -> Any:
         collect = options["update"] == "cpu"
         with teraio.offload(model, optimizer, **options) as run:
             assert isinstance(run, ModelOffload)
-            on_step = (lambda o: states.append(_state_of(o))) if collect else None
-            losses = _loop(model, optimizer, data, on_step=on_step, **kwargs)
+            on_step = (lambda _: states.append(_state_of(optimizer))) if collect else None
+            losses = train_steps(model, optimizer, data, on_step=on_step, **kwargs)
         if not collect:
             states = [_state_of(optimizer)]
         return model, optimizer, losses, states, run
-    losses = _loop(model, optimizer, data, on_step=lambda o: states.append(_state_of(o)), **kwargs)
+    losses = train_steps(
+        model, optimizer, data, on_step=lambda _: states.append(_state_of(optimizer)), **kwargs
+    )
     return model, optimizer, losses, states, None
 
 
@@ -134,7 +110,7 @@ def test_gpu_step_is_unchanged_by_the_option() -> None:
 def test_auto_on_the_cpu_device_keeps_the_streamed_step() -> None:
     model, optimizer = _build()
     with teraio.offload(model, optimizer, gpu_memory=4096, host_memory=1 << 30) as run:
-        _loop(model, optimizer, _tokens(1))
+        train_steps(model, optimizer, _tokens(1))
     report = run.report()
     assert report.update == "gpu" and "CPU" in report.update_reason
 
@@ -227,7 +203,7 @@ def test_byte_accounting_equals_the_transfers_made(monkeypatch: pytest.MonkeyPat
     model, optimizer = _build()
     with teraio.offload(model, optimizer, gpu_memory=4096, host_memory=1 << 30, update=update) as run:
         state["run"] = run
-        _loop(model, optimizer, _tokens(STEPS))
+        train_steps(model, optimizer, _tokens(STEPS))
         state["run"] = None
     iterations = run._iterations
     assert len(iterations) == STEPS

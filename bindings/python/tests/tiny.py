@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import torch
 
 
@@ -49,4 +51,50 @@ def train(model: Tiny, optimizer: torch.optim.Optimizer, data: list[torch.Tensor
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
+    return losses
+
+
+def train_steps(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: list[torch.Tensor],
+    *,
+    accumulate: int = 1,
+    clip: Optional[float] = None,
+    autocast: bool = False,
+    on_step: Optional[Callable[[int], None]] = None,
+) -> list[float]:
+    """Trains with a scheduler that changes lr each step, each batch `accumulate` times as
+    micro-batches, optional clipping and CPU bf16 autocast; `on_step(step)` after each step."""
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    losses = []
+    for step, x in enumerate(data):
+        for _ in range(accumulate):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = model(x)
+            (loss / accumulate).backward()
+            losses.append(loss.item())
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if on_step is not None:
+            on_step(step)
+    return losses
+
+
+def accumulate_pairs(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, data: list[torch.Tensor]
+) -> list[float]:
+    """Gradient accumulation over two micro-batches: each step's are consecutive batches of
+    `data`, each backward as it is (no scaling)."""
+    losses = []
+    for first, second in zip(data[::2], data[1::2]):
+        for x in (first, second):
+            loss = model(x)
+            loss.backward()
+            losses.append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     return losses
