@@ -9,9 +9,9 @@ import pytest
 import teraio
 import torch
 from teraio.runtime.modes.whole_model import ModelOffload
-from teraio.runtime.movers.tiers import HostTier
 from teraio.runtime.plans import capacity as cp
 from test_whole_model import TiedLM, _tokens
+from test_whole_model_copies import _by_base_kind, _count_host_copies
 from tiny import train_steps
 
 STEPS = 4
@@ -179,27 +179,8 @@ def test_update_site_on_fake_machines(disk: float) -> None:
 
 @pytest.mark.parametrize("update", ["gpu", "cpu"])
 def test_byte_accounting_equals_the_transfers_made(monkeypatch: pytest.MonkeyPatch, update: str) -> None:
-    made: dict[int, dict[tuple[str, str], int]] = {}
-    state: dict[str, Any] = {"run": None}
-    read, write = HostTier.read, HostTier.write
-
-    def count(direction: str, key: Any, nbytes: int) -> None:
-        run = state["run"]
-        if run is not None:
-            kind = key[0][0] if isinstance(key[0], tuple) else key[0]
-            per = made.setdefault(run.steps, {})
-            per[(direction, kind)] = per.get((direction, kind), 0) + nbytes
-
-    def counted_read(self: HostTier, key: Any, target: torch.Tensor) -> Any:
-        count("in", key, target.numel())
-        return read(self, key, target)
-
-    def counted_write(self: HostTier, key: Any, source: torch.Tensor) -> Any:
-        count("out", key, source.numel())
-        return write(self, key, source)
-
-    monkeypatch.setattr(HostTier, "read", counted_read)
-    monkeypatch.setattr(HostTier, "write", counted_write)
+    state: dict[str, Any] = {}
+    made = _count_host_copies(monkeypatch, state)
     model, optimizer = _build()
     with teraio.offload(model, optimizer, gpu_memory=4096, host_memory=1 << 30, update=update) as run:
         state["run"] = run
@@ -209,7 +190,7 @@ def test_byte_accounting_equals_the_transfers_made(monkeypatch: pytest.MonkeyPat
     assert len(iterations) == STEPS
     for step, counts in enumerate(iterations):
         reported = {(d, kind): n for d, tiers in counts.moved().items() for kind, n in tiers["host"].items()}
-        assert reported == made[step], step
+        assert reported == _by_base_kind(made[step]), step
     params = sum(p.untyped_storage().nbytes() for p in model.parameters())
     moved = run.report().bytes_per_iteration
     # Next to the least this placement needs: the CPU step's gradients leave exactly once.
