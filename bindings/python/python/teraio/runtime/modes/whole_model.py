@@ -1331,10 +1331,10 @@ class ModelOffload(Session):
         if backward and position and self.inputs.held(position - 1):
             # Backward recomputes block `position` now and block `position - 1` next.
             self.inputs.prefetch(position - 1)
-            for key, _, tier in self.inputs.saves_of(position - 1):
+            for key, _, tier in self.inputs.saves_of(position - 1) if self.recorder.recording else ():
                 self.recorder.read((cp.ACTIVATION, key), tier)
         self.recorder.begin(f"{'backward' if backward else 'forward'} {self.units[index].name}")
-        if backward and position is not None:
+        if backward and position is not None and self.recorder.recording:
             # The recomputation reads the block's inputs (unpacked just before it entered).
             for key, nbytes, _ in self.inputs.saves_of(position):
                 self.recorder.use((cp.ACTIVATION, key), f"inputs {key}", cp.ACTIVATION, nbytes)
@@ -1451,11 +1451,9 @@ class ModelOffload(Session):
         slot = self._slot_at.get(tensor.untyped_storage().data_ptr())
         if slot is not None:
             slot.saved = True
-        elif self._inputs_block is not None:
-            self._counts.host_s += time.perf_counter() - started
-            return self.inputs.pack(tensor)
+        packed = self.inputs.pack(tensor) if slot is None and self._inputs_block is not None else tensor
         self._counts.host_s += time.perf_counter() - started
-        return tensor
+        return packed
 
     # -- gradients -----------------------------------------------------------------------------
 
