@@ -533,6 +533,28 @@ def test_the_step_on_the_cpu_trains_on_cuda(store: teraio.Store) -> None:
             assert optimizer.state[q][key].device == value.device, key
 
 
+def test_the_cpu_step_in_backward_is_the_cpu_step_on_cuda(store: teraio.Store) -> None:
+    """update="cpu" with step_in_backward: each unit's update waits on the worker for its
+    gradients' copies (CUDA events) and runs beside backward; the arithmetic is the CPU step's
+    at optimizer.step(), bit for bit."""
+    data = batches(STEPS, rows=ROWS, device=DEVICE)
+    results = []
+    for step_in_backward in (False, True):
+        model, optimizer = make(device=DEVICE)
+        options = {"gpu_memory": 64 << 20, "host_memory": 1 << 30, "whole_model": "on", "update": "cpu"}
+        with teraio.offload(
+            model, optimizer, store=store, **options, step_in_backward=step_in_backward, granularity="tensor"
+        ) as run:
+            losses = train(model, optimizer, data)
+        report = run.report()
+        assert report.update == "cpu" and report.step_in_backward == step_in_backward
+        results.append((losses, [p.detach().clone() for p in model.parameters()]))
+    (losses, params), (losses_in_backward, params_in_backward) = results
+    assert losses_in_backward == losses
+    for p, q in zip(params, params_in_backward, strict=True):
+        assert torch.equal(p, q)
+
+
 @pytest.mark.parametrize("action", ["keep", "host", "recompute", None])
 def test_block_plan_is_exact_on_cuda(monkeypatch: Any, action: Any) -> None:
     """Each block action on CUDA (forced, so that each runs: copies on their streams, prefetches

@@ -143,6 +143,19 @@ def test_copies_are_bitwise_against_training_without_offload(kwargs: dict[str, A
     assert "compute copies: bfloat16" in str(report)
 
 
+@pytest.mark.parametrize("kwargs", [{}, {"autocast": False}], ids=["autocast", "fp32"])
+def test_copies_with_the_step_in_backward(kwargs: dict[str, Any]) -> None:
+    # The step in backward on the CPU: the first step turns the copies on (after the updates
+    # queued in backward), later backward passes send bf16 gradients that the worker widens
+    # before each unit's update. Without autocast the copies stay off: fp32 as before.
+    reference = _train(UntiedLM, False, **kwargs)
+    result = _train(UntiedLM, True, options={"step_in_backward": True}, **kwargs)
+    _assert_bitwise(reference, result)
+    report = result[3].report()
+    assert report.step_in_backward and report.update == "cpu"
+    assert report.compute_copies == ("off" if kwargs else "bfloat16"), report.compute_copies_reason
+
+
 def test_a_tied_head_stays_fp32() -> None:
     reference = _train(TiedLM, False, clip=0.05)
     seen: dict[str, torch.dtype] = {}

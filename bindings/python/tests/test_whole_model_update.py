@@ -128,14 +128,105 @@ def test_cpu_step_refuses_what_it_cannot_run() -> None:
     model = TiedLM()
     with pytest.raises(ValueError, match="not one of torch.optim's"):
         teraio.offload(model, Custom(model.parameters()), gpu_memory=4096, host_memory=1 << 30, update="cpu")
-    model = TiedLM()
-    optimizer = torch.optim.AdamW(model.parameters())
-    with pytest.raises(ValueError, match="step_in_backward"):
-        teraio.offload(
-            model, optimizer, gpu_memory=4096, host_memory=1 << 30, update="cpu", step_in_backward=True
-        )
     with pytest.raises(ValueError, match="update must be one of"):
         teraio.OffloadOptions(update="host")
+
+
+# -- the step in backward on the CPU ----------------------------------------------------------
+
+IN_BACKWARD = {"update": "cpu", "step_in_backward": True}
+
+
+def test_cpu_step_in_backward_is_torchs_fused_cpu_adamw() -> None:
+    # Each unit's update runs on the worker as backward completes its gradients, with the
+    # scheduler's lr as the last optimizer.step() left it: the same bits as the plain loop.
+    reference = _train(False)
+    result = _train(True, options=IN_BACKWARD)
+    _assert_bitwise(reference, result)
+    report = result[4].report()
+    assert report.update == "cpu" and report.step_in_backward and report.cpu_update_ms is not None
+    assert "step in backward on the CPU" in str(report)
+    # Gradients leave for host memory (the CPU step's input), once per iteration.
+    moved = report.bytes_per_iteration
+    params = sum(p.untyped_storage().nbytes() for p in result[0].parameters())
+    assert moved["out"]["host"]["gradient"] == params
+    assert report.placement["host"]["gradient"] == params
+
+
+def test_cpu_step_in_backward_queues_every_update_before_optimizer_step() -> None:
+    model, optimizer = _build()
+    data = _tokens(3)
+    with teraio.offload(model, optimizer, gpu_memory=4096, host_memory=1 << 30, **IN_BACKWARD) as run:
+        submitted: list[int] = []
+        submit = run._cpu_worker.submit
+
+        def counted(fn: Any, params: list[torch.Tensor], *args: Any) -> Any:
+            submitted.append(len(params))
+            return submit(fn, params, *args)
+
+        run._cpu_worker.submit = counted  # type: ignore[method-assign]
+        trained = sum(p.requires_grad for p in model.parameters())
+        for step, x in enumerate(data):
+            model(x).backward()
+            # Backward queued the update of every trained parameter, a unit at a time.
+            assert sum(submitted) == trained and len(submitted) > 1
+            optimizer.step()
+            assert sum(submitted) == trained  # optimizer.step() queues nothing more
+            optimizer.zero_grad()
+            submitted.clear()
+            # state_dict() waits for the queued updates: every parameter has stepped once more.
+            assert all(int(s["step"]) == step + 1 for s in optimizer.state_dict()["state"].values())
+
+
+def test_cpu_step_in_backward_refuses_clipping_and_accumulation() -> None:
+    model, optimizer = _build()
+    x = _tokens(1)[0]
+    with teraio.offload(model, optimizer, gpu_memory=4096, host_memory=1 << 30, **IN_BACKWARD):
+        model(x).backward()
+        with pytest.raises(RuntimeError, match="clip_grad_norm_ after backward"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        with pytest.raises(RuntimeError, match="a second backward before optimizer.step"):
+            model(x).backward()
+
+
+def test_step_in_backward_site_on_fake_machines() -> None:
+    # In backward the GPU step keeps the gradient and the parameter where backward left them:
+    # P + 2 S over the link. The CPU step sends the gradient out (G) beside its P + G + S of
+    # host-memory work.
+    plan = cp.place(SIZES, host_capacity_bytes=TOTAL, ssd_capacity_bytes=None, window_bytes=2 << 30)
+    params = sum(s.parameter for s in SIZES)
+    site = cp.choose_update_site(
+        SIZES,
+        plan,
+        requested="auto",
+        host_link_bytes_per_s=25 * GB,
+        cpu_update_bytes_per_s=40 * GB,
+        in_backward=True,
+    )
+    assert site.gpu_step_s == pytest.approx(5 * params / (25 * GB))
+    assert site.cpu_step_s == pytest.approx(4 * params / (40 * GB) + params / (25 * GB))
+    assert site.site == "cpu"
+    slow = cp.choose_update_site(
+        SIZES,
+        plan,
+        requested="auto",
+        host_link_bytes_per_s=25 * GB,
+        cpu_update_bytes_per_s=15 * GB,
+        in_backward=True,
+    )
+    assert slow.site == "gpu"
+
+
+def test_step_in_backward_on_the_gpu_holds_no_gradient_tier() -> None:
+    # update="gpu" with the step in backward: gradients stay where backward made them, so no
+    # host buffer is reserved for them.
+    model, optimizer = _build()
+    with teraio.offload(
+        model, optimizer, gpu_memory=4096, host_memory=1 << 30, update="gpu", step_in_backward=True
+    ) as run:
+        train_steps(model, optimizer, _tokens(2))
+    report = run.report()
+    assert report.update == "gpu" and report.placement["host"]["gradient"] == 0
 
 
 # -- the choice on fake machines ---------------------------------------------------------------

@@ -52,17 +52,19 @@ class OffloadOptions:
         step_window: whole-model mode: parameter + gradient + state bytes the streamed optimizer
             step holds on the GPU per window ("auto": `WINDOW_SHARE` of `gpu_memory`).
         step_in_backward: whole-model mode: update each parameter in backward, as soon as its
-            gradient is complete, while it is still on the GPU (default False: at
-            `optimizer.step()`, which the loop may precede with `clip_grad_norm_` or more
-            backward passes). True saves moving the gradients out and back and the parameters in
-            again; the loop then must not clip gradients nor accumulate them over backward passes
-            (both raise), and every backward updates the model (`optimizer.step()` only ends
-            the iteration). The update is the optimizer's own, so losses match the default's.
+            gradient is complete (default False: at `optimizer.step()`, which the loop may
+            precede with `clip_grad_norm_` or more backward passes), at the site `update`
+            chooses: on the GPU, where backward left it (no gradient moves, no parameter is read
+            in again), or on the CPU, each unit's update queued behind its gradients' copies out
+            so the CPU step runs beside backward. The loop then must not clip gradients nor
+            accumulate them over backward passes (both raise), and every backward updates the
+            model (`optimizer.step()` only ends the iteration). The update is the optimizer's
+            own, so losses match the default's.
         update: whole-model mode: where the optimizer step runs: "auto" (default: on the CPU where
             parameters, gradients and optimizer state all live in host memory, the optimizer
             can step on the CPU and `capacity.choose_update_site`'s model says it is faster than
             streaming them through the GPU; else on the GPU; on a CPU "device" always "gpu"),
-            "gpu" (the streamed step, or `step_in_backward`) or "cpu" (gradients go out to host
+            "gpu" (the streamed step, or the step in backward on the GPU) or "cpu" (gradients go out to host
             memory, where the fp32 master and the optimizer state stay; a CPU copy of the
             user's optimizer class updates them with its param_groups' hyperparameters read at
             each step; an error where the plan puts any of them on the store).

@@ -289,7 +289,10 @@ class WholeModelReport:
             f"{self.checkpointed_blocks} blocks checkpointed",
             f"  iteration: {ms} (median after the first); "
             + (
-                "step in backward, unit by unit"
+                f"step in backward on the CPU, unit by unit, {self.cpu_update_ms or 0:.1f} ms in its worker "
+                "(overlapping backward and the next forward pass)"
+                if self.step_in_backward and self.update == "cpu"
+                else "step in backward, unit by unit"
                 if self.step_in_backward
                 else f"step on the CPU, {self.cpu_update_ms or 0:.1f} ms in its worker (overlapping "
                 "the next forward pass)"
@@ -450,14 +453,9 @@ class ModelOffload(Session):
         _refuse_foreign_parameters(named, optimizer)
         trained = {id(p) for p in _trained(optimizer)}
         state_per_param = self._state_bytes_per_param([p for _, p in named], trained)
-        # With the step in backward, gradients never leave the GPU: no tier holds them.
-        moves_gradients = not options.step_in_backward
         sizes = [
             cp.SlotSize(
-                name,
-                _nbytes(p),
-                _nbytes(p) if id(p) in trained and moves_gradients else 0,
-                state_per_param.get(id(p), 0),
+                name, _nbytes(p), _nbytes(p) if id(p) in trained else 0, state_per_param.get(id(p), 0)
             )
             for name, p in named
         ]
@@ -468,26 +466,25 @@ class ModelOffload(Session):
         ssd_free = (
             None if self.store is None else sum(int(d["free_bytes"]) for d in self.store.info()["devices"])
         )
-        try:
-            self.plan = cp.place(
-                sizes,
-                host_capacity_bytes=self.host_memory_bytes,
-                ssd_capacity_bytes=ssd_free,
-                window_bytes=window_bytes,
-            )
-        except cp.CapacityError as error:
-            kind = NoSpaceError if error.store_full else NoPlanFitsError
-            raise kind(f"teraio.offload: {error}") from None
+        self.plan = self._place(sizes, window_bytes, ssd_free)
         # The bandwidths the prediction assumes (measured once, cached with the store).
         self.link = resolve_link(self.device, self.store, options, self.machine)
         self.update_site = self._choose_update_site(sizes, [p for _, p in named if id(p) in trained])
         self.machine["update"] = f"{self.update_site.site}: {self.update_site.reason}"
+        # Gradients leave the GPU for their tier unless the step in backward runs on the GPU,
+        # where they are used as backward leaves them: then no tier holds them.
+        self.moves_gradients = not (options.step_in_backward and self.update_site.site == cp.GPU_UPDATE)
+        if not self.moves_gradients:
+            sizes = [dataclasses.replace(size, gradient=0) for size in sizes]
+            self.plan = self._place(sizes, window_bytes, ssd_free)
         # The CPU step: made at `__enter__`, once the masters are in their host buffers.
         self.cpu_update: Optional[cpu_update.CpuUpdate] = None
         self._cpu_worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._cpu_update_s = 0.0  # the worker's time in the CPU step, this iteration's so far
         self._cpu_update_ms: list[float] = []
         self._updates_pending = False
+        # Step in backward on the CPU: this backward has queued updates (`_queue_cpu_updates`).
+        self._updating_in_backward = False
         self._original_state_dict: Optional[Callable[..., Any]] = None
         streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) if self.cuda else None
         self.host = HostTier(self.device, self.host_memory_bytes, streams)
@@ -591,14 +588,26 @@ class ModelOffload(Session):
         share = state_bytes_estimate(self.model, self.optimizer) / total if total else 0
         return {id(p): int(share * _nbytes(p)) for p in params if id(p) in trained}
 
+    def _place(self, sizes: list[cp.SlotSize], window_bytes: int, ssd_free: Optional[int]) -> cp.CapacityPlan:
+        try:
+            return cp.place(
+                sizes,
+                host_capacity_bytes=self.host_memory_bytes,
+                ssd_capacity_bytes=ssd_free,
+                window_bytes=window_bytes,
+            )
+        except cp.CapacityError as error:
+            kind = NoSpaceError if error.store_full else NoPlanFitsError
+            raise kind(f"teraio.offload: {error}") from None
+
     def _choose_update_site(
         self, sizes: list[cp.SlotSize], trained: list[torch.nn.Parameter]
     ) -> cp.UpdateSite:
-        """Where the optimizer steps (`options.update`, `capacity.choose_update_site`)."""
+        """Where the optimizer steps (`options.update`, `capacity.choose_update_site`), at
+        `optimizer.step()` or, with `step_in_backward`, as backward completes each unit's
+        gradients. `sizes` count every trained parameter's gradient, as the CPU step moves them."""
         refusal = None
-        if self.options.step_in_backward:
-            refusal = "step_in_backward=True updates each parameter on the GPU in backward"
-        elif not self.cuda and self.options.update == "auto":
+        if not self.cuda and self.options.update == "auto":
             refusal = 'the device is the CPU, where the "gpu" step already runs'
         else:
             refusal = cpu_update.refusal(self.optimizer, trained)
@@ -616,6 +625,7 @@ class ModelOffload(Session):
             host_link_bytes_per_s=min(self.link.d2h, self.link.h2d),
             cpu_update_bytes_per_s=rate,
             cpu_refusal=refusal,
+            in_backward=self.options.step_in_backward,
         )
 
     def _copies_refusal(self) -> str:
@@ -828,7 +838,7 @@ class ModelOffload(Session):
         for slot in self.slots:
             for kind in (cp.PARAMETER, cp.GRADIENT):
                 gradient = kind == cp.GRADIENT
-                if gradient and (not slot.param.requires_grad or self.step_in_backward):
+                if gradient and (not slot.param.requires_grad or not self.moves_gradients):
                     continue
                 if slot.tiers[kind] == HOST:
                     self.host.reserve((kind, slot.index), slot.nbytes)
@@ -1373,8 +1383,8 @@ class ModelOffload(Session):
             with self.host.batched():
                 for slot in unit:
                     self._acquire(slot, wait=False)
-        if not (self.step_in_backward and torch._C._current_graph_task_id() != -1):
-            return
+        if self.moves_gradients or torch._C._current_graph_task_id() == -1:
+            return  # state is read ahead only for the step in backward on the GPU
         if current is not None:
             with self.host.batched():
                 for i in self.units[current].slots:
@@ -1459,18 +1469,22 @@ class ModelOffload(Session):
 
     def _gradient_ready(self, param: torch.Tensor) -> None:
         started = time.perf_counter()
-        self._await_updates()  # units the forward pass did not enter: their gradients land now
         slot = self._slot_of[id(param)]
+        # A unit the forward pass did not enter: its last CPU update reads the buffers this
+        # gradient goes to.
+        self._await_update(slot)
         task = torch._C._current_graph_task_id()
         if task != self._watched_task:
             self._watched_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
         self._record_use(slot, cp.PARAMETER)
         if self.step_in_backward:
-            self._await_step(slot, task)
-        else:
+            self._one_backward_per_step(task)
+        if self.moves_gradients:
             self._record_use(slot, cp.GRADIENT, write=True)
             self._gradients.append(slot)
+        else:
+            self._await_step(slot)
         self._counts.host_s += time.perf_counter() - started
 
     def _backward_ended(self) -> None:
@@ -1490,7 +1504,8 @@ class ModelOffload(Session):
 
     def _gradients_out(self) -> None:
         """Moves the complete gradients out (the host tier's copies as one batch) and releases
-        their parameters: backward is done with a parameter once its gradient is accumulated."""
+        their parameters: backward is done with a parameter once its gradient is accumulated.
+        With the step in backward on the CPU, their update is queued behind the copies."""
         ready, self._gradients = self._gradients, []
         with torch.profiler.record_function("teraio.gradient_out"):
             with self.host.batched():
@@ -1499,6 +1514,8 @@ class ModelOffload(Session):
             for slot in ready:
                 slot.saved = False
                 self._release(slot)
+            if self.step_in_backward:
+                self._queue_cpu_updates(ready)
 
     def _move_gradient_out(self, slot: _Slot) -> None:
         if slot.copied:
@@ -1543,9 +1560,9 @@ class ModelOffload(Session):
         slot.grad_held = True
         slot.param.grad = None
 
-    def _await_step(self, slot: _Slot, task: int) -> None:
-        """Step in backward: the parameter's gradient is complete (in backward pass `task`); it is
-        updated when backward enters the next unit or ends."""
+    def _one_backward_per_step(self, task: int) -> None:
+        """Step in backward: the backward pass `task` updates the model; a second one before
+        `optimizer.step()` raises."""
         if self._stepping_task is None:
             self._stepping_task = task
         elif task != self._stepping_task:
@@ -1554,6 +1571,10 @@ class ModelOffload(Session):
                 "the first one has already updated the model, so gradients cannot accumulate over "
                 "backward passes (use step_in_backward=False to accumulate)"
             )
+
+    def _await_step(self, slot: _Slot) -> None:
+        """Step in backward on the GPU: the parameter's gradient is complete; it is updated when
+        backward enters the next unit or ends."""
         slot.saved = False
         self._fetch_state(slot)
         self._ready.append(slot)
@@ -1631,6 +1652,7 @@ class ModelOffload(Session):
         started = time.perf_counter()
         self._gradients_complete()  # what backward left (nothing unless it failed)
         self._stepping_task = None
+        self._updating_in_backward = False
         for slot in self.slots:  # gradients set outside backward (e.g. by hand) move out too
             if slot.param.grad is not None:
                 self._move_gradient_out(slot)
@@ -1687,19 +1709,25 @@ class ModelOffload(Session):
         updates the masters unit by unit, in the order the next forward pass enters the units,
         whose entry waits for its own (`_acquire`): the update overlaps that forward pass.
         Hyperparameters and the clip coefficient are taken now, so a scheduler stepping after
-        `optimizer.step()` sets the next step's."""
-        self._await_updates()  # a step with no forward pass since the last one
-        if self._cpu_update_s:
-            self._cpu_update_ms.append(self._cpu_update_s * 1e3)
-            self._cpu_update_s = 0.0
+        `optimizer.step()` sets the next step's. With the step in backward the units' updates
+        were queued in backward (`_queue_cpu_updates`); what is left here are gradients set by
+        hand, and at the first step the compute copies' choice."""
         stepped = [slot for slot in self.slots if slot.grad_held]
+        if stepped or not self.step_in_backward:
+            self._await_updates()  # a step with no forward pass since the last one
+        if not self.step_in_backward:
+            self._close_cpu_iteration()
+        if self.step_in_backward and self.compute_copies is None and not self._copies_reason:
+            # Once, at the first step: the copies are rounded from current masters (`_copies_on`).
+            self._await_updates()
+            self._enable_copies([])
         if not stepped:
             return
         if self.cuda:
             self.host.flush()
             self.host.d2h.synchronize()  # the gradients are in host memory
             self.host.h2d.synchronize()  # and no read of a master is in flight
-        assert self.cpu_update is not None and self._cpu_worker is not None
+        assert self.cpu_update is not None
         if self.compute_copies is None:
             self._enable_copies(stepped)
         self.cpu_update.sync_hyperparameters()
@@ -1708,25 +1736,59 @@ class ModelOffload(Session):
             coef, _, held = self._clip
             clip = (coef.to("cpu"), {id(self.slots[i].param) for i in held})
         for group in self._update_groups(stepped):
-            # The worker widens the bf16 gradients (their copies are done) and rounds the copies.
-            folds = [(slot, slot.fold) for slot in group if slot.fold is not None]
-            for slot in group:
-                slot.fold = None
-            future = self._cpu_worker.submit(
-                self._run_cpu_update,
-                [slot.param for slot in group],
-                clip,
-                folds,
-                [slot for slot in group if slot.copied],
-            )
-            for slot in group:
-                slot.update = future
-                slot.grad_held = False
-                if slot.tiers[cp.PARAMETER] == GPU:
-                    # Its GPU copy is outdated: for the record, dropped here and read back at
-                    # its next use (`_acquire`).
-                    slot.stale = True
-                    self.recorder.left((cp.PARAMETER, slot.index), HOST)
+            self._submit_cpu_update(group, clip, [])
+
+    def _close_cpu_iteration(self) -> None:
+        """The worker's time in the CPU step of the iteration whose updates are all done."""
+        if self._cpu_update_s:
+            self._cpu_update_ms.append(self._cpu_update_s * 1e3)
+            self._cpu_update_s = 0.0
+
+    def _queue_cpu_updates(self, slots: list[_Slot]) -> None:
+        """Step in backward on the CPU: the update of `slots` (a unit's complete gradients, whose
+        copies out are issued) goes to the worker, which starts once those copies are done. The
+        hyperparameters are the optimizer's as backward starts (the scheduler's step after the
+        last `optimizer.step()`), as with the step in backward on the GPU."""
+        slots = [slot for slot in slots if slot.grad_held]
+        if self.cpu_update is None or not slots:
+            return
+        if not self._updating_in_backward:
+            # The first unit of this backward: the last iteration's updates are all done.
+            self._updating_in_backward = True
+            self._await_updates()
+            self._close_cpu_iteration()
+            self.cpu_update.sync_hyperparameters()
+        copies_out = []
+        if self.cuda:
+            kinds = [GRADIENT_COPY if slot.fold is not None else cp.GRADIENT for slot in slots]
+            written = (self.host.written_event((kind, slot.index)) for kind, slot in zip(kinds, slots))
+            copies_out = list({id(e): e for e in written if e is not None}.values())
+        self._submit_cpu_update(slots, None, copies_out)
+
+    def _submit_cpu_update(self, group: list[_Slot], clip: Any, copies_out: list[Any]) -> None:
+        """Queues the CPU update of `group` on the worker (after `copies_out`, CUDA events of the
+        copies that bring its gradients to host memory)."""
+        assert self._cpu_worker is not None
+        # The worker widens the bf16 gradients (their copies are done) and rounds the copies.
+        folds = [(slot, slot.fold) for slot in group if slot.fold is not None]
+        for slot in group:
+            slot.fold = None
+        future = self._cpu_worker.submit(
+            self._run_cpu_update,
+            [slot.param for slot in group],
+            clip,
+            folds,
+            [slot for slot in group if slot.copied],
+            copies_out,
+        )
+        for slot in group:
+            slot.update = future
+            slot.grad_held = False
+            if slot.tiers[cp.PARAMETER] == GPU:
+                # Its GPU copy is outdated: for the record, dropped here and read back at
+                # its next use (`_acquire`).
+                slot.stale = True
+                self.recorder.left((cp.PARAMETER, slot.index), HOST)
         self._updates_pending = True
 
     def _update_groups(self, stepped: list[_Slot]) -> list[list[_Slot]]:
@@ -1742,8 +1804,15 @@ class ModelOffload(Session):
         return groups
 
     def _run_cpu_update(
-        self, params: list[torch.Tensor], clip: Any, folds: list[tuple[_Slot, str]], copies: list[_Slot]
+        self,
+        params: list[torch.Tensor],
+        clip: Any,
+        folds: list[tuple[_Slot, str]],
+        copies: list[_Slot],
+        copies_out: list[Any],
     ) -> None:
+        for event in copies_out:
+            event.synchronize()  # the gradients are in host memory (the wait is not the step's)
         started = time.perf_counter()
         assert self.cpu_update is not None
         for slot, fold in folds:
@@ -1949,7 +2018,7 @@ class ModelOffload(Session):
             in_flight += MAX_GRADIENT_WRITES_BYTES
         if any(slot.tiers[cp.STATE] == SSD for slot in self.slots):
             in_flight += self.plan.window_bytes
-        if self.step_in_backward and first:
+        if not self.moves_gradients and first:
             # The first iteration had no state to read in: later ones hold, in backward, the state
             # of the unit it recomputes and up to `pull_forward_bytes` of state read ahead.
             again = [unit for unit in set(self._order) if self._order.count(unit) > 1]
@@ -2040,7 +2109,7 @@ class ModelOffload(Session):
                 counts.add("in", slot.tiers[cp.PARAMETER], cp.PARAMETER, crossing)
             if not slot.param.requires_grad:
                 continue
-            if not self.step_in_backward:
+            if self.moves_gradients:
                 counts.add("out", slot.tiers[cp.GRADIENT], cp.GRADIENT, crossing)
             if not on_gpu:
                 continue

@@ -243,6 +243,11 @@ class HostTier:
         self.wait_written(key)
         target.copy_(self.buffers[key])
 
+    def written_event(self, key: Any) -> Optional[Any]:
+        """The CUDA event of the key's last issued write (None: none issued, or a CPU device),
+        for a thread that waits for it without touching the tier."""
+        return self._written.get(key)
+
     def wait_written(self, key: Any) -> None:
         """Waits on the host until the key's last write is in its buffer (for CPU work on it)."""
         self.flush()

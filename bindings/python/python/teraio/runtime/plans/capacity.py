@@ -170,6 +170,7 @@ def choose_update_site(
     host_link_bytes_per_s: float,
     cpu_update_bytes_per_s: Optional[float],
     cpu_refusal: Optional[str] = None,
+    in_backward: bool = False,
 ) -> UpdateSite:
     """Where the optimizer step runs ("auto" `requested`: the cheaper by this model).
 
@@ -182,11 +183,19 @@ def choose_update_site(
     optimizer without a CPU implementation). The model leaves out the CPU step's overlap with
     the next forward pass, and the compute copies (`compute_copy_room`), which only the CPU
     step has and which halve its parameter and gradient traffic: both favour the CPU step, so
-    the model favours the GPU where the two are close."""
+    the model favours the GPU where the two are close.
+
+    `in_backward` (`step_in_backward`): the GPU step updates each parameter where backward left
+    it, so it moves no gradient and reads no parameter again: (P + 2 S) bytes; the CPU step
+    still sends each gradient out, (G) bytes over the link, beside its host-memory work. The
+    `sizes` count every trained parameter's gradient either way."""
     params = sum(s.parameter for s in sizes if s.gradient or s.state)
     grads = sum(s.gradient for s in sizes)
     state = sum(s.state for s in sizes)
-    gpu_s = (2 * params + grads + 2 * state) / host_link_bytes_per_s
+    if in_backward:
+        gpu_s = (params + 2 * state) / host_link_bytes_per_s
+    else:
+        gpu_s = (2 * params + grads + 2 * state) / host_link_bytes_per_s
     refusal = cpu_refusal
     if refusal is None and plan.ssd_total:
         refusal = (
@@ -196,6 +205,8 @@ def choose_update_site(
     cpu_s = None
     if refusal is None and cpu_update_bytes_per_s:
         cpu_s = (params + grads + state) / cpu_update_bytes_per_s
+        if in_backward:
+            cpu_s += grads / host_link_bytes_per_s
     if requested == GPU_UPDATE:
         return UpdateSite(GPU_UPDATE, "update='gpu'", gpu_s, cpu_s)
     if requested == CPU_UPDATE:
