@@ -364,6 +364,11 @@ def run_config(
         mine["settled_ms_per_iter"] = getattr(report, "measured_iteration_ms", None)
         mine["settled_steps"] = getattr(report, "planned_steps", None)
         mine["predicted_ms_per_iter"] = getattr(report, "predicted_iteration_ms", None)
+        # Several ranks (the block plan): this rank's prediction alone, the ranks' (the one above:
+        # the slowest rank between each pair of FSDP's collectives) and its predicted wait.
+        together = getattr(report, "ranks", None) or {}
+        for key in ("own_predicted_ms", "group_predicted_ms", "predicted_wait_ms", "side"):
+            mine[key] = together.get(key)
         mine["stalls"] = report.stalls
         mine["plan"] = type(report).__name__
         # The block plan's (the default for these models) or the tensor plan's own figures.
@@ -385,6 +390,25 @@ def run_config(
     if config == "fsdp" and device.type == "cpu":
         mine["profiled_peak_bytes"] = profiled_peak(model, optimizer, batches[-1])
     return mine
+
+
+def prediction_line(mine: dict[str, Any]) -> str:
+    """One rank's measured iteration (with the plan as settled) against its predictions: its own
+    alone and the ranks' (`BlockReport.ranks`), each with its error."""
+
+    def against(predicted: Optional[float]) -> str:
+        if predicted is None:
+            return "-"
+        return f"{predicted:.1f} ms ({(measured - predicted) / predicted * 100:+.0f}%)"
+
+    measured = mine["settled_ms_per_iter"]
+    own = mine.get("own_predicted_ms")
+    group = mine.get("group_predicted_ms")
+    return (
+        f"rank {mine['rank']}: measured {measured:.1f} ms over {mine['settled_steps']} steps; predicted "
+        f"{against(mine['predicted_ms_per_iter'])}: alone {against(own)}, the ranks {against(group)}, "
+        f"waiting {mine.get('predicted_wait_ms') or 0.0:.1f} ms (side: {mine.get('side')})"
+    )
 
 
 def rank_main(rank: int, args: argparse.Namespace, init_file: str) -> None:
@@ -456,6 +480,9 @@ def rank_main(rank: int, args: argparse.Namespace, init_file: str) -> None:
             for r in ranks:
                 if "report" in r:
                     print(f"[{config}] rank {r['rank']}:\n{r['report']}", flush=True)
+            for r in ranks:
+                if r.get("settled_ms_per_iter") is not None:
+                    print(f"[{config}] {prediction_line(r)}", flush=True)
             print("RESULT " + json.dumps(line), flush=True)
             if args.out:
                 with open(args.out, "a") as f:

@@ -79,8 +79,10 @@ for line in open(sys.argv[1]):
     for rank in r["ranks"]:
         if rank.get("predicted_ms_per_iter") is not None:
             tiers = ", ".join(f"{t} {v['offloaded'] / 2**30:.2f} GiB out" for t, v in rank["tiers"].items())
+            own, group = rank.get("own_predicted_ms"), rank.get("group_predicted_ms")
+            ranks = f" (alone {own:.1f}, the ranks {group:.1f})" if own is not None and group is not None else ""
             print(f"    rank {rank['rank']}: plan settled at {rank['settled_ms_per_iter']:.1f} ms/iter over "
-                  f"{rank['settled_steps']} steps, predicted {rank['predicted_ms_per_iter']:.1f}; {tiers}")
+                  f"{rank['settled_steps']} steps, predicted {rank['predicted_ms_per_iter']:.1f}{ranks}; {tiers}")
 PY
 echo "took ${SECONDS}s"
 exit $status

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import time
 import weakref
 from typing import Any, Optional
 
@@ -179,6 +180,48 @@ def test_forward_waits_while_the_window_is_full() -> None:
     assert slow > fast + 700
     # Fast: only the last block's prefetch, issued when backward reaches it, is waited for.
     assert fast == pytest.approx(measured.checkpoint_all_ms - 8.0 + 0.1)
+
+
+def test_segments_cut_the_prediction_at_the_collectives() -> None:
+    measured = _measured(blocks=4)
+    checkpointing = Plan([RECOMPUTE] * 4)
+    # Pre-forward, 4 forwards, the head, 4 backwards with their recomputation, the tail, the step.
+    assert bw.segments(measured, checkpointing, Link(1e13, 1e13)) == [1.0] * 5 + [2.0] + [3.0] * 4 + [
+        1.0,
+        3.0,
+    ]
+    hosted = Plan([HOST, HOST, KEEP, RECOMPUTE], state_host_bytes=GB)
+    slow = Link(1e10, 1e10)
+    cut = bw.segments(measured, hosted, slow)
+    assert len(cut) == 2 * 4 + 3 + 1
+    assert sum(cut) == pytest.approx(bw.predict(measured, hosted, slow)[0])
+    measured.passes = 2  # gradient accumulation: each pass has its own collectives
+    assert len(bw.segments(measured, hosted, slow)) == 2 * (2 * 4 + 3) + 1
+
+
+def test_the_ranks_take_the_slowest_rank_between_collectives() -> None:
+    # Rank 0 keeps its blocks (backward 2 ms each), rank 1 recomputes them (3 ms): rank 0 waits
+    # for rank 1 in each backward. Rank 0 measured a head 5 ms longer, and rank 1 waits for it.
+    measured = _measured(blocks=4)
+    link = Link(1e13, 1e13)
+    baseline = bw.segments(measured, Plan([RECOMPUTE] * 4), link)
+    slow_head = list(baseline)
+    slow_head[5] += 5.0
+    kept = bw.segments(measured, Plan([KEEP] * 4), link)
+    kept[5] += 5.0
+    group, waits = bw.across_ranks([kept, baseline], [slow_head, baseline])
+    assert group == pytest.approx(sum(baseline) + 5.0)
+    assert group == pytest.approx(sum(kept) + 4.0)
+    assert waits == [{1: pytest.approx(4.0)}, {0: pytest.approx(5.0)}]
+    # A delay the measured parts hold twice (a slow step, and the other rank's wait for it in the
+    # next pre-forward) counts once: the baselines are one iteration, as long on each rank.
+    late_step, waited = list(baseline), list(baseline)
+    late_step[-1] += 7.0
+    waited[0] += 7.0
+    assert bw.across_ranks([late_step, waited], [late_step, waited])[0] == pytest.approx(sum(baseline) + 7.0)
+    assert bw.across_ranks([baseline, baseline], [baseline, baseline]) == (sum(baseline), [{}, {}])
+    with pytest.raises(ValueError, match="different numbers of segments"):
+        bw.across_ranks([kept, kept[:-1]], [baseline, baseline])
 
 
 # -- training on the CPU "device" ------------------------------------------------------------------
@@ -682,6 +725,27 @@ def test_the_head_is_the_lesser_of_the_two_measuring_iterations(monkeypatch: Any
     _, _, run = _run(4, gpu_memory="1GiB")
     assert heads == [1e6]
     assert 0 < run.measured.head_backward_ms < 1e6
+
+
+def test_a_blocks_forward_time_holds_its_pre_hooks() -> None:
+    # FSDP2 waits for a block's all-gather (and so for the other ranks) in a forward pre-hook
+    # registered before teraio's: the block's measured forward counts it.
+    model, optimizer = make(layers=LAYERS, hidden=HIDDEN)
+    for layer in model.layers:
+        layer.register_forward_pre_hook(lambda module, args: time.sleep(0.02))
+    run = teraio.offload(
+        model,
+        optimizer,
+        granularity="block",
+        gpu_memory="1GiB",
+        reserve=0,
+        min_bytes=0,
+        host_link_bandwidth="1000GB/s",
+    )
+    with run:
+        train(model, optimizer, batches(BlockOffload.MEASURING_STEPS, rows=ROWS))
+    assert run.plan is not None
+    assert all(block.forward_ms >= 20.0 for block in run.measured.blocks), run.measured.blocks
 
 
 def test_a_report_in_the_middle_of_the_trial_counts_the_plan_side(monkeypatch: Any) -> None:

@@ -40,6 +40,7 @@ dist = pytest.importorskip("torch.distributed")
 
 import teraio  # noqa: E402
 from ranks import init_gloo, rank_store, spawn_ranks  # noqa: E402
+from teraio import sharded  # noqa: E402
 from tiny import batches, make, train  # noqa: E402
 
 try:
@@ -303,7 +304,8 @@ def test_fsdp_benchmark_smoke(tmp_path: pathlib.Path, store_dir: pathlib.Path) -
 
 def _block_rank_main(rank: int, tmp: str, store_root: str) -> None:
     """The block plan under FSDP2: each rank plans for its own budget (rank 0 a tight one, rank
-    1 a roomy one), so the ranks' plans differ; the collectives must not."""
+    1 a roomy one), so the ranks' plans differ; FSDP's collectives must not, and teraio's one
+    exchange of predictions must come at the same step on both."""
     torch.set_num_threads(1)
     os.environ["TERAIO_TEST_RANK"] = str(rank)
     out = pathlib.Path(tmp)
@@ -325,14 +327,30 @@ def _block_rank_main(rank: int, tmp: str, store_root: str) -> None:
         model, optimizer = _build()
         calls: list[Any] = []
         options = dict(store=store, gpu_memory=budget, reserve=0, min_bytes=16 << 10, ssd_bandwidth="2GB/s")
-        with _recording_collectives(calls), teraio.offload(model, optimizer, **options) as run:
-            losses = train(model, optimizer, data)
+        # The steps at which teraio exchanged its predictions with the other rank.
+        exchanges: list[int] = []
+        exchange = sharded.exchange
+
+        def counted(value: Any) -> Any:
+            exchanges.append(run.step)
+            return exchange(value)
+
+        sharded.exchange = counted
+        try:
+            with _recording_collectives(calls), teraio.offload(model, optimizer, **options) as run:
+                losses = train(model, optimizer, data)
+        finally:
+            sharded.exchange = exchange
         report = run.report()
         result = {
             "kind": type(run).__name__,
             # The plan the rank chose (its actions in the last steps may be the timed trial's).
             "chosen": report.choice.get("plan", {}),
             "report_text": str(report),
+            "ranks": report.ranks,
+            "predicted": report.predicted_iteration_ms,
+            "exchanges": exchanges,
+            "measuring_steps": run.MEASURING_STEPS,
         }
     finally:
         store.close()
@@ -353,7 +371,8 @@ BLOCK_STEPS = 7
 def test_fsdp2_block_plan_per_rank(store_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
     """The block plan (the default for a model with repeated blocks) under FSDP2: each rank's plan
     follows its own budget, the losses and shards are bitwise those of plain FSDP2, and every rank
-    runs the same collectives in the same order as plain FSDP2."""
+    runs the same collectives in the same order as plain FSDP2. The ranks exchange their
+    predictions once, at the same step, and each reports the ranks' iteration and its wait."""
     spawn_ranks(_block_rank_main, (str(tmp_path), str(store_dir)), WORLD, DEADLINE_S)
     ranks = [json.loads((tmp_path / f"block{r}.json").read_text()) for r in range(WORLD)]
     for result in ranks:
@@ -367,3 +386,27 @@ def test_fsdp2_block_plan_per_rank(store_dir: pathlib.Path, tmp_path: pathlib.Pa
     tight, roomy = ranks
     assert roomy["chosen"]["keep"] == LAYERS, roomy["report_text"]
     assert tight["chosen"]["keep"] < LAYERS, tight["report_text"]
+
+    # The ranks exchanged their predictions once, at the same step whatever their budgets, and
+    # each predicts the ranks' iteration: the measured one (the larger rank's) plus, per segment
+    # between collectives, the larger change either rank's plan makes to it.
+    assert tight["ranks"]["segments_ms"] == roomy["ranks"]["segments_ms"]
+    for rank, result in enumerate(ranks):
+        got = result["ranks"]
+        assert result["exchanges"] == [result["measuring_steps"] - 1], result["exchanges"]
+        assert got["ranks"] == WORLD and got["planned_at_step"] == result["measuring_steps"] - 1
+        segments = got["segments_ms"][got["side"]]
+        baselines = got["segments_ms"]["checkpoint_all"]
+        changes = [[p - b for p, b in zip(*pair)] for pair in zip(segments, baselines)]
+        group = max(sum(b) for b in baselines) + sum(max(column) for column in zip(*changes))
+        assert result["predicted"] == got["group_predicted_ms"] == pytest.approx(group)
+        assert got["own_predicted_ms"] == pytest.approx(sum(segments[rank]))
+        assert got["per_rank_predicted_ms"] == pytest.approx([sum(s) for s in segments])
+        assert got["group_predicted_ms"] >= max(got["per_rank_predicted_ms"])
+        assert got["predicted_wait_ms"] == pytest.approx(group - sum(segments[rank]))
+        assert f"ranks: {WORLD}, tied by FSDP's collectives" in result["report_text"]
+        other = 1 - rank
+        if got["predicted_wait_ms"] > 0:  # a rank that waits says for whom
+            assert f"ms for rank {other} per iteration" in result["report_text"], result["report_text"]
+    if tight["ranks"]["side"] == roomy["ranks"]["side"]:
+        assert tight["predicted"] == roomy["predicted"]

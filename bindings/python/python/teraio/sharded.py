@@ -13,9 +13,11 @@ What changes for a sharded model, and where teraio meets it:
   it such as `weight.t()`) are FSDP's to free and gather again: the executor keeps them
   (`is_parameter_memory`), and the profiler records the buffer as a temporary that dies when FSDP
   frees it (`UnshardedTracker`), so the plan sees FSDP's all-gather memory come and go.
-- teraio issues no collective in training (the ranks measure the machine together once, at
-  the start: `teraio.machine`) and changes no FSDP hook or order: every rank runs the same FSDP
-  collectives in the same order whatever its plan.
+- teraio changes no FSDP hook or order: every rank runs the same FSDP collectives in the same
+  order whatever its plan. It issues two collectives of its own, each once and at the same point
+  on every rank: the ranks measure the machine together at the start (`teraio.machine`), and the
+  block plan's ranks exchange their predictions when they plan (`exchange`), at the end of the
+  last measuring step, which every rank reaches at the same step whatever its budget.
 - The block plan (`teraio.runtime.modes.block`, the default for models with repeated blocks) runs under
   FSDP2 as activation checkpointing does in torchtitan: a block's checkpoint sits inside the
   FSDP module's forward, and its recomputation runs in backward after FSDP's pre-backward hook
@@ -109,6 +111,20 @@ def rank_notes() -> dict[str, Any]:
     if not torch.distributed.is_available() or not torch.distributed.is_initialized():
         return {}
     return {"rank": torch.distributed.get_rank(), "world_size": torch.distributed.get_world_size()}
+
+
+def exchange(value: Any) -> Optional[list[Any]]:
+    """Every rank's `value` in rank order, where a process group of more than one rank is up
+    (else None): one `all_gather_object` over the default group. Every rank must call it at the
+    same point of its collectives, once (it sits between FSDP's, which wait on it)."""
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return None
+    world = torch.distributed.get_world_size()
+    if world < 2:
+        return None
+    gathered: list[Any] = [None] * world
+    torch.distributed.all_gather_object(gathered, value)
+    return gathered
 
 
 class UnshardedTracker:

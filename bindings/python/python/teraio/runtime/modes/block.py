@@ -10,8 +10,9 @@ of checkpointing, and its inputs are measured without per-op instrumentation:
   a block, the storages its recomputation leaves alive (what autograd saved; the block's inputs,
   its output and the parameters left out) are counted: the bytes the block would keep.
 - iteration 1 (times): every block checkpointed again, timed with CUDA events: each block's
-  forward, its whole recomputation and its backward (from the gradient hook on its output to the
-  next one), the head and the step.
+  forward (from its first forward pre-hook, before FSDP's, which waits for the block's
+  all-gather), its whole recomputation and its backward (from the gradient hook on its output to
+  the next one), the head and the step.
 - iteration 2 (checkpointing as it runs): the same with recomputation stopping early, as
   `torch.utils.checkpoint` does by default (once backward has every tensor it needs, the rest of
   the block is not run again): each block's recomputation is its backward span less its backward.
@@ -37,6 +38,10 @@ of checkpointing, and its inputs are measured without per-op instrumentation:
   stays. A peak that comes within half the reserve of the budget checkpoints one more kept block,
   and so does an iteration in which the allocator had to retry (release its cache and map anew).
   Both are counted in the report, which counts the iterations after the trial.
+- under FSDP2 over several ranks, the ranks' iteration: the ranks exchange their predictions,
+  cut at FSDP's collectives, once when they plan; the ranks' iteration is the measured one plus,
+  per segment, the largest change any rank's plan makes to it (`_exchange_predictions`,
+  `block_plan.across_ranks`).
 
 While measuring, the optimizer state stays on the GPU where step 0's peak (every block
 checkpointed) plus all of the state fits the budget, so that the measuring iterations run as
@@ -163,6 +168,12 @@ class BlockReport:
     selective: dict[str, Any] = field(default_factory=dict)
     #: How the loss ran (`teraio.head`).
     loss_head: str = ""
+    #: Under FSDP2 with several ranks (`BlockOffload._ranks_prediction`): this rank's predicted
+    #: iteration alone ("own_predicted_ms"), the ranks' ("group_predicted_ms", the prediction
+    #: above), what this rank is predicted to wait for the others ("predicted_wait_ms", and per
+    #: rank waited for: "waits_for"), each rank's own prediction, measured parts and predicted
+    #: segments (`block_plan.segments`, for both sides of the A/B trial). Empty otherwise.
+    ranks: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -202,9 +213,39 @@ class BlockReport:
             f"  loss head: {self.loss_head}",
             f"  machine: {self.machine}",
         ]
+        if self.ranks:
+            lines.insert(2, "  " + _ranks_line(self.ranks))
         if self.prediction_warning:
             lines.insert(2, "  WARNING: " + self.prediction_warning)
         return "\n".join(lines)
+
+
+def _ranks_line(ranks: dict[str, Any]) -> str:
+    """The report's line on the other ranks (`BlockReport.ranks`)."""
+    head = (
+        f"ranks: {ranks['ranks']}, tied by FSDP's collectives; predicted at step {ranks['planned_at_step']} "
+        f"with every rank {'running its plan' if ranks['side'] == 'plan' else 'checkpointing every block'}: "
+    )
+    if ranks.get("group_predicted_ms") is None:
+        return head + f"no prediction with the others (no plan on ranks {ranks.get('no_plan_on_ranks')})"
+    waits = ranks["waits_for"]
+    wait = (
+        "waits "
+        + ", ".join(f"{ms:.1f} ms for rank {r}" for r, ms in sorted(waits.items()))
+        + " per iteration"
+        if waits
+        else "waits for no rank"
+    )
+    parts = "; ".join(
+        f"rank {r} " + ", ".join(f"{k} {v:.1f}" for k, v in p.items())
+        for r, p in enumerate(ranks["measured_parts_ms"])
+    )
+    return (
+        head + f"this rank alone {ranks['own_predicted_ms']:.1f} ms, the ranks "
+        f"{ranks['group_predicted_ms']:.1f} ms (per rank alone: "
+        + ", ".join(f"{v:.1f}" for v in ranks["per_rank_predicted_ms"])
+        + f"); this rank {wait}. Measured parts, ms: {parts}"
+    )
 
 
 def _size(value: Optional[int]) -> str:
@@ -286,6 +327,13 @@ class BlockOffload(Session):
                 "teraio.offload: granularity='block' needs repeated blocks (a ModuleList of one class)"
             )
         self.link = self._resolve_link()
+        # FSDP2 over several ranks: their iterations are tied by FSDP's collectives, so the plan's
+        # prediction is the ranks' (`_exchange_predictions`): every rank's, gathered when they plan.
+        self._coupled = sharded.is_sharded(model) and sharded.rank_notes().get("world_size", 1) > 1
+        self._ranks: Optional[list[dict[str, Any]]] = None
+        self._ranks_at: Optional[int] = None
+        #: The side of the A/B trial running now: "plan" or "checkpoint_all".
+        self._side = "plan"
         self.reserve_auto = options.reserve in (None, "auto")
         self.reserve_bytes = self.gpu_memory_bytes // 10 if self.reserve_auto else parse_size(options.reserve)  # type: ignore[arg-type]
         n = len(self.blocks)
@@ -310,6 +358,9 @@ class BlockOffload(Session):
         self.step = 0
         self.planned_from: Optional[int] = None
         self._originals: list[Callable[..., Any]] = []
+        # The block whose forward began (`_enter_block`) and the mark at its start (measuring).
+        self._entered: Optional[int] = None
+        self._forward_start: Any = None
         self._marks: dict[str, Any] = {}
         self._block_marks: dict[str, list[tuple[int, Any, Any]]] = {"forward": [], "recompute": []}
         self._triggers: list[tuple[int, Any]] = []
@@ -374,6 +425,8 @@ class BlockOffload(Session):
         for index, (_, module) in enumerate(self.blocks):
             self._originals.append(module.forward)
             module.forward = self._wrapped(index, module.forward)  # type: ignore[method-assign]
+            # First of the block's pre-hooks: before FSDP's, which waits for the all-gather.
+            self._hooks.append(module.register_forward_pre_hook(self._pre_forward(index), prepend=True))
         self.loss_head.__enter__()
         self._install_step_hooks(self._before_step, self._after_step)
         self._install_peak()
@@ -398,13 +451,10 @@ class BlockOffload(Session):
         def forward(*args: Any, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled():
                 return original(*args, **kwargs)
-            if index == 0:
-                started = time.perf_counter()
-                if self._pass_count:
-                    self._next_pass()
-                self._pass_count += 1
-                self.state.issue_deferred_out()
-                self.stats.hook_s += time.perf_counter() - started
+            if self._entered != index:  # called without its hooks (`block.forward(x)`)
+                self._enter_block(index)
+            self._entered = None
+            start = self._forward_start
             action = self.actions[index]
             measuring = self.plan is None
             body = (
@@ -413,8 +463,6 @@ class BlockOffload(Session):
                 else original
             )
             timing = measuring and self.step >= 1
-            if timing:
-                start = mark(self.device)
             held = measuring and self.step == 2 and self.cuda
             if held:
                 allocated = torch.cuda.memory_allocated(self.device)
@@ -443,6 +491,28 @@ class BlockOffload(Session):
             return out
 
         return forward
+
+    def _pre_forward(self, index: int) -> Callable[..., None]:
+        def hook(module: Module, args: Any) -> None:
+            if torch.is_grad_enabled():
+                self._enter_block(index)
+
+        return hook
+
+    def _enter_block(self, index: int) -> None:
+        """A block's forward begins: from its forward pre-hook, which runs before FSDP's (so a
+        block's measured forward holds the wait for its all-gather, and for the ranks that
+        all-gather waits on; marked inside the block's forward it fell between the blocks,
+        where nothing counted it)."""
+        self._entered = index
+        if index == 0:
+            started = time.perf_counter()
+            if self._pass_count:
+                self._next_pass()
+            self._pass_count += 1
+            self.state.issue_deferred_out()
+            self.stats.hook_s += time.perf_counter() - started
+        self._forward_start = mark(self.device) if self.plan is None and self.step >= 1 else None
 
     def _measured_body(
         self, index: int, original: Callable[..., Any], args: Any, kwargs: Any
@@ -1052,20 +1122,85 @@ class BlockOffload(Session):
             self.store is not None,
             *self._step_window(tensors),
         )
-        if plan is None:
-            if self.options.if_no_fit == "raise":
-                raise NoPlanFitsError(
-                    f"teraio.offload: no block plan fits gpu_memory={format_bytes(self.gpu_memory_bytes)} "
-                    f"(reserve {format_bytes(self.reserve_bytes)}): checkpointing every block with the "
-                    f"optimizer state away peaks at {format_bytes(measured.peak_bytes)} and the step at "
-                    f"{format_bytes(measured.step_peak_bytes)}; raise gpu_memory, or pass whole_model='on' "
-                    "(parameters and gradients leave the GPU too)"
-                )
+        if plan is None and self.options.if_no_fit != "raise":
             plan = Plan([RECOMPUTE] * len(self.blocks), state_host_bytes=measured.state_bytes)
             plan.predicted_ms, plan.predicted_peak_bytes = block_plan.predict(measured, plan, self.link)
+        # Before a raise: the other ranks would wait on this rank's part for good.
+        self._exchange_predictions(plan)
+        if plan is None:
+            raise NoPlanFitsError(
+                f"teraio.offload: no block plan fits gpu_memory={format_bytes(self.gpu_memory_bytes)} "
+                f"(reserve {format_bytes(self.reserve_bytes)}): checkpointing every block with the "
+                f"optimizer state away peaks at {format_bytes(measured.peak_bytes)} and the step at "
+                f"{format_bytes(measured.step_peak_bytes)}; raise gpu_memory, or pass whole_model='on' "
+                "(parameters and gradients leave the GPU too)"
+            )
         self._install(plan)
         self.planned_from = self.step + 1
         self._stats_at[self.planned_from] = (self.stats.as_dict(), self.state.stats.as_dict())
+
+    def _exchange_predictions(self, plan: Optional[Plan]) -> None:
+        """Under FSDP2 over several ranks: every rank's predicted segments (`block_plan.segments`)
+        for its plan and for checkpointing every block (the A/B trial's other side), with the
+        parts it measured, gathered on every rank (`sharded.exchange`). Its one call is at the
+        end of the last measuring step, which every rank reaches at the same step (they run the
+        same loop, and the measuring steps do not depend on the budget); the A/B trial and memory
+        replans, which may switch at different steps on different ranks, issue none. A rank with
+        no plan (it raises next) sends None."""
+        if not self._coupled:
+            return
+        mine = {
+            "plan": block_plan.segments(self.measured, plan, self.link) if plan is not None else None,
+            "checkpoint_all": block_plan.segments(self.measured, self._checkpoint_all_plan(), self.link),
+            "parts": self._measured_parts(),
+        }
+        self._ranks = sharded.exchange(mine)
+        self._ranks_at = self.step
+
+    def _measured_parts(self) -> dict[str, float]:
+        """The measured iteration with every block checkpointed, by part (ms, one pass's blocks),
+        for the report: where the ranks' measurements differ."""
+        measured = self.measured
+        return {
+            "pre_forward": measured.pre_forward_ms,
+            "forward": sum(b.forward_ms for b in measured.blocks),
+            "head": measured.head_backward_ms,
+            "backward": sum(b.backward_ms for b in measured.blocks),
+            "recompute": sum(b.recompute_ms for b in measured.blocks),
+            "tail": measured.tail_backward_ms,
+            "step": measured.step_ms,
+        }
+
+    def _ranks_prediction(self) -> dict[str, Any]:
+        """The ranks' predicted iteration for the side of the A/B trial this rank runs now, every
+        rank taken on that side (`BlockReport.ranks`; empty without an exchange). The trial's sides
+        run at the same steps on every rank unless a memory replan restarted one rank's, and each
+        side's median is the ranks' iteration, alike on every rank, so the ranks settle alike;
+        ranks that settled on different sides are not modelled."""
+        if self._ranks is None:
+            return {}
+        rank = sharded.rank_notes()["rank"]
+        per = [r[self._side] for r in self._ranks]
+        out: dict[str, Any] = {
+            "ranks": len(per),
+            "planned_at_step": self._ranks_at,
+            "side": self._side,
+            "measured_parts_ms": [r["parts"] for r in self._ranks],
+            # Every rank's segments, for each side, as gathered.
+            "segments_ms": {side: [r[side] for r in self._ranks] for side in ("plan", "checkpoint_all")},
+        }
+        missing = [r for r, p in enumerate(per) if p is None]
+        if missing:
+            return dict(out, no_plan_on_ranks=missing, group_predicted_ms=None)
+        group, waits = block_plan.across_ranks(per, [r["checkpoint_all"] for r in self._ranks])
+        return dict(
+            out,
+            own_predicted_ms=sum(per[rank]),
+            group_predicted_ms=group,
+            predicted_wait_ms=sum(waits[rank].values()),
+            waits_for=waits[rank],
+            per_rank_predicted_ms=[sum(p) for p in per],
+        )
 
     def _state_by_param(self, tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
         """Each parameter with the ones of `tensors` (movable state) that are its state."""
@@ -1193,6 +1328,7 @@ class BlockOffload(Session):
                 return
             self._tried_plan = plan
             self._install(checkpointing)
+            self._side = "checkpoint_all"
             self._trial_from = self.step + 1
             self._stats_at[self._trial_from] = (self.stats.as_dict(), self.state.stats.as_dict())
             self.choice["kept"] = "undecided: the trial of checkpointing every block has not finished"
@@ -1203,6 +1339,7 @@ class BlockOffload(Session):
             if self._plan_ms < baseline:
                 assert self._tried_plan is not None
                 self._install(self._tried_plan)
+                self._side = "plan"
                 self.choice["kept"] = "plan"
             else:
                 self.choice["kept"] = "checkpoint every block"
@@ -1281,6 +1418,10 @@ class BlockOffload(Session):
         measured_ms = statistics.median(sum(p.values()) for p in planned) if planned else None
         plan = self.plan
         predicted = plan.predicted_ms if plan else None
+        ranks = self._ranks_prediction()
+        if ranks.get("group_predicted_ms") is not None:
+            # The measured iteration is the ranks' (each waits for the slowest at each collective).
+            predicted = ranks["group_predicted_ms"]
         stats, state_now = (
             self._stats_at[end] if end is not None else (self.stats.as_dict(), self.state.stats.as_dict())
         )
@@ -1359,4 +1500,5 @@ class BlockOffload(Session):
             host_peak_bytes=self.mover.peak_bytes,
             selective=dict(self.selective_measured),
             loss_head=self.loss_head.describe(),
+            ranks=ranks,
         )

@@ -157,8 +157,11 @@ def resident_bytes(block: BlockCost, action: str) -> int:
     return 0
 
 
-def predict(measured: Measurement, plan: Plan, link: Link) -> tuple[float, int]:
-    """The plan's iteration time (ms) and its peak bound (bytes).
+def predict(
+    measured: Measurement, plan: Plan, link: Link, marks: Optional[list[float]] = None
+) -> tuple[float, int]:
+    """The plan's iteration time (ms) and its peak bound (bytes); `marks`, where given, gets the
+    predicted time at each point where FSDP's collectives tie the ranks (`segments`).
 
     Time: the measured iteration with every block checkpointed, less the recomputation of the
     blocks that are not, plus what waiting for copies costs: forward waits while more than the
@@ -197,6 +200,7 @@ def predict(measured: Measurement, plan: Plan, link: Link) -> tuple[float, int]:
             ms_per_byte_h2d,
             ssd_ms_per_byte,
             restores=pass_index == passes - 1,
+            marks=marks,
         )
         if pass_index == 0:
             # State whose copy out is still queued when forward ends is still on the GPU at the peak.
@@ -208,6 +212,8 @@ def predict(measured: Measurement, plan: Plan, link: Link) -> tuple[float, int]:
         start = max(t, h2d_free)
         state_ready = start + plan.state_host_bytes * ms_per_byte_h2d + plan.state_ssd_bytes * ssd_ms_per_byte
     t = max(t, state_ready) + measured.step_ms
+    if marks is not None:
+        marks.append(t)
     return t, peak_bound(measured, plan) + min(state_late_bytes, plan.state_out_bytes)
 
 
@@ -222,34 +228,41 @@ def _predict_pass(
     ms_per_byte_h2d: float,
     ssd_ms_per_byte: float,
     restores: bool,
+    marks: Optional[list[float]] = None,
 ) -> tuple[float, float, float, float, float]:
     """One forward and backward pass from `t` (`predict`): its end, when each copy queue is free,
     when the state's restore (issued in backward where the plan says, if the pass `restores`:
-    the step's last) is done, and when its forward ended."""
+    the step's last) is done, and when its forward ended. `marks` gets the time at the end of
+    the pre-forward, of each block's forward, of the head, of each block's backward and of the
+    tail."""
     blocks = measured.blocks
     window = window_bytes(measured, plan)
+    # Where a mark is not asked for, the appends go to a list nobody reads.
+    marks = [] if marks is None else marks
     # Forward.
     t += measured.pre_forward_ms
+    marks.append(t)
     in_flight: deque[tuple[float, int]] = deque()
     flight_bytes = 0
     written: dict[int, float] = {}
     for index, (block, action) in enumerate(zip(blocks, plan.actions)):
         t += block.forward_ms + added_forward_ms(block, action)
-        if action != HOST:
-            continue
-        start = max(t, link_free)
-        link_free = start + block.saved_bytes * ms_per_byte_d2h
-        written[index] = link_free
-        in_flight.append((link_free, block.saved_bytes))
-        flight_bytes += block.saved_bytes
-        while in_flight and in_flight[0][0] <= t:
-            flight_bytes -= in_flight.popleft()[1]
-        while flight_bytes > window:
-            done, nbytes = in_flight.popleft()
-            t = max(t, done)
-            flight_bytes -= nbytes
+        if action == HOST:
+            start = max(t, link_free)
+            link_free = start + block.saved_bytes * ms_per_byte_d2h
+            written[index] = link_free
+            in_flight.append((link_free, block.saved_bytes))
+            flight_bytes += block.saved_bytes
+            while in_flight and in_flight[0][0] <= t:
+                flight_bytes -= in_flight.popleft()[1]
+            while flight_bytes > window:
+                done, nbytes = in_flight.popleft()
+                t = max(t, done)
+                flight_bytes -= nbytes
+        marks.append(t)
     forward_end = t
     t += measured.head_backward_ms
+    marks.append(t)
     # Backward: block n-1 first.
     host_order = [i for i in reversed(range(len(blocks))) if plan.actions[i] == HOST]
     ready: dict[int, float] = {}
@@ -287,8 +300,62 @@ def _predict_pass(
         if plan.actions[index] == HOST:
             t = max(t, ready[index])
         t += block.backward_ms + recompute_ms(block, plan.actions[index])
+        marks.append(t)
     t += measured.tail_backward_ms
+    marks.append(t)
     return t, link_free, h2d_free, state_ready, forward_end
+
+
+def segments(measured: Measurement, plan: Plan, link: Link) -> list[float]:
+    """The plan's predicted iteration (`predict`) cut where FSDP's collectives tie the ranks
+    together, ms each: per pass the pre-forward, each block's forward (its all-gather before
+    it), the head, each block's backward (its all-gather before it, its reduce-scatter after),
+    the tail; then the step, up to the next forward's first all-gather. They sum to `predict`'s
+    time."""
+    marks: list[float] = []
+    predict(measured, plan, link, marks)
+    return [b - a for a, b in zip([0.0, *marks], marks)]
+
+
+def across_ranks(
+    plans: list[list[float]], baselines: list[list[float]]
+) -> tuple[float, list[dict[int, float]]]:
+    """The ranks' iteration (ms), and what each rank waits for each other rank in it (ms), from
+    each rank's `segments` for its plan and for checkpointing every block with the state
+    resident (its baseline: the measured parts as they are).
+
+    No rank leaves a collective before every rank has reached it, so a segment takes the slowest
+    rank's time. The measured parts hold the waits of the measuring iterations, which every rank
+    ran alike: a wait in the segment after the one a slower rank spent longer in, so the slowest
+    rank per segment of the baselines would count one delay twice. So the ranks' iteration is
+    the baselines' (the largest rank's sum: a rank's parts are disjoint spans of an iteration as
+    long on every rank, which its gaps can only shorten) plus, per segment, the largest change
+    any rank's plan makes to it (a rank that recomputes more slows every rank down)."""
+    sizes = {len(s) for s in (*plans, *baselines)}
+    if len(sizes) != 1 or len(plans) != len(baselines):
+        raise ValueError(
+            f"the ranks' iterations have different numbers of segments ({[len(s) for s in plans]}, "
+            f"baselines {[len(s) for s in baselines]}): every rank must train the same model with the "
+            "same forward and backward passes per step"
+        )
+    totals = [sum(b) for b in baselines]
+    top = max(range(len(totals)), key=lambda r: totals[r])
+    group = totals[top]
+    waits: list[dict[int, float]] = [{} for _ in plans]
+
+    def wait(rank: int, on: int, ms: float) -> None:
+        if rank != on and ms > 0:
+            waits[rank][on] = waits[rank].get(on, 0.0) + ms
+
+    for rank, total in enumerate(totals):
+        wait(rank, top, totals[top] - total)
+    for i in range(len(plans[0])):
+        changes = [plan[i] - base[i] for plan, base in zip(plans, baselines)]
+        slowest = max(range(len(changes)), key=lambda r: changes[r])
+        group += changes[slowest]
+        for rank, change in enumerate(changes):
+            wait(rank, slowest, changes[slowest] - change)
+    return group, waits
 
 
 def peak_bound(measured: Measurement, plan: Plan) -> int:
