@@ -7,6 +7,9 @@ vocabularies, SDPA attention, AdamW, and either bf16 autocast over fp32 master w
     llama    Llama-3.2-1B shape: vocab 128256, tied embeddings, hidden 2048, 16 layers, GQA 32/8
     llama3b  Llama-3.2-3B shape: vocab 128256, tied embeddings, hidden 3072, 28 layers, GQA 24/8
              (the capacity benchmark's larger model: 3.2B parameters, 51 GB of training state)
+    llama7b  Llama-2-7B's layers (hidden 4096, 32 layers, MLP 11008) with Llama 3's vocabulary
+             (128256, tied) and GQA 32/8: 6.2B parameters, 99 GB of training state, the largest
+             Llama shape whose state fits the H100 machine's 125 GiB of RAM
     qwen2    Qwen2-1.5B shape: vocab 151936, tied embeddings, hidden 1536, 28 layers, GQA 12/2
     mistral  Mistral-7B-v0.3 vocabulary (32768) and layout, scaled to hidden 2048 and 20 layers
     neox     Pythia-1.4B shape (GPT-NeoX): vocab 50304, hidden 2048, 24 layers
@@ -89,6 +92,20 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
             intermediate_size=8192,
             num_hidden_layers=28,
             num_attention_heads=24,
+            num_key_value_heads=8,
+            tie_word_embeddings=True,
+            max_position_embeddings=8192,
+        ),
+    ),
+    "llama7b": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=11008,
+            num_hidden_layers=32,
+            num_attention_heads=32,
             num_key_value_heads=8,
             tie_word_embeddings=True,
             max_position_embeddings=8192,
