@@ -229,6 +229,37 @@ def test_step_in_backward_on_the_gpu_holds_no_gradient_tier() -> None:
     assert report.update == "gpu" and report.placement["host"]["gradient"] == 0
 
 
+def test_the_report_hints_at_the_step_in_backward() -> None:
+    from teraio.runtime.modes.whole_model import step_in_backward_hint
+
+    base = dict(
+        update="cpu", step_in_backward=False, steps=8, clipped=False, accumulated=False, iteration_ms=1000.0
+    )
+    assert "step_in_backward=True" in step_in_backward_hint(**base, cpu_wait_ms=500.0)
+    # A short wait, a loop that clips or accumulates, the step already in backward or on the
+    # GPU, or too few steps seen: no hint.
+    assert step_in_backward_hint(**base, cpu_wait_ms=50.0) is None
+    for change in (
+        {"clipped": True},
+        {"accumulated": True},
+        {"step_in_backward": True},
+        {"update": "gpu"},
+        {"steps": 2},
+    ):
+        assert step_in_backward_hint(**(base | change), cpu_wait_ms=500.0) is None
+
+
+@pytest.mark.parametrize(
+    "kwargs, clipped, accumulated",
+    [({}, False, False), ({"clip": 0.05}, True, False), ({"accumulate": 2}, False, True)],
+    ids=["plain", "clipped", "accumulated"],
+)
+def test_the_loop_shape_the_hint_reads(kwargs: dict[str, Any], clipped: bool, accumulated: bool) -> None:
+    run = _train(True, **kwargs)[4]
+    assert (run._loop_clipped, run._loop_accumulated) == (clipped, accumulated)
+    assert all("step_in_backward" in h for h in run.report().hints)
+
+
 # -- the choice on fake machines ---------------------------------------------------------------
 
 #: A 3B-parameter model's fp32 state in 28 equal parameters (parameter, gradient, AdamW state).

@@ -274,6 +274,8 @@ class WholeModelReport:
     tokens_per_iteration: Optional[int] = None
     tokens_per_s: Optional[float] = None
     model_tflops: Optional[float] = None
+    #: Options that would change this run's speed, each with why (`step_in_backward_hint`).
+    hints: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -365,6 +367,7 @@ class WholeModelReport:
                 f"one way, {_rate(p['host_link_duplex_bytes_per_s'])} each way both at once"
             )
         lines.extend(f"  WARNING: {w}" for w in self.warnings)
+        lines.extend(f"  hint: {h}" for h in self.hints)
         if self.host_ms_per_iteration and self.measured_iteration_ms:
             total = sum(self.host_ms_per_iteration.values())
             parts = ", ".join(f"{name} {v:.1f} ms" for name, v in self.host_ms_per_iteration.items())
@@ -565,6 +568,10 @@ class ModelOffload(Session):
         self._grad_norms: dict[int, torch.Tensor] = {}
         # (coefficient, foreach, the held gradients it scales)
         self._clip: Optional[tuple[torch.Tensor, Optional[bool], set[int]]] = None
+        # Whether the loop has clipped, or accumulated gradients over backward passes (the
+        # report's hint for the step in backward).
+        self._loop_clipped = False
+        self._loop_accumulated = False
         self._counts = _Counts()
         self._iterations: list[_Counts] = []
         self._step_started = 0.0
@@ -1009,6 +1016,7 @@ class ModelOffload(Session):
                 "to clip)"
             )
         norm_type = float(norm_type)
+        self._loop_clipped = True
         self._await_updates()
         self._gradients_complete()  # what backward left (nothing unless it failed)
         self._apply_pending_clip()  # a second call sees the gradients the first one scaled
@@ -1524,6 +1532,7 @@ class ModelOffload(Session):
         grad = slot.param.grad
         assert grad is not None
         if slot.grad_held:
+            self._loop_accumulated = True
             # This backward adds to gradients a clip may have scaled: scale the held ones first.
             self._apply_pending_clip()
             # Accumulation over micro-batches: held + new, the sum autograd would have made.
@@ -1546,6 +1555,7 @@ class ModelOffload(Session):
         grad = slot.param.grad
         assert grad is not None
         if slot.grad_held:
+            self._loop_accumulated = True
             self._apply_pending_clip()
             self._fold(slot)  # the previous micro-batch's, before this one takes its buffer
             fold = "add"
@@ -2149,6 +2159,15 @@ class ModelOffload(Session):
         parameters = sum(slot.param.numel() for slot in self.slots)
         error, warning = check_prediction(measured, predicted)
         warning = warning or failure_text
+        hint = step_in_backward_hint(
+            update=self.update_site.site,
+            step_in_backward=self.step_in_backward,
+            steps=self.steps,
+            clipped=self._loop_clipped,
+            accumulated=self._loop_accumulated,
+            cpu_wait_ms=middle.wait_s.get("cpu step", 0.0) * 1e3,
+            iteration_ms=measured,
+        )
         return WholeModelReport(
             steps=self.steps,
             measured_iteration_ms=measured,
@@ -2198,6 +2217,7 @@ class ModelOffload(Session):
             compute_copy_bytes=self.compute_copy_bytes,
             checkpoint_inputs=self.checkpoint_inputs,
             checkpoint_inputs_pinned_bytes=self.inputs.peak_bytes,
+            hints=[hint] if hint else [],
             checkpoint_inputs_kept_for_room=self.saved_stats.kept_for_room,
             tokens_per_iteration=tokens,
             tokens_per_s=tokens_per_s,
@@ -2207,6 +2227,37 @@ class ModelOffload(Session):
                 "cpu": None if self.update_site.cpu_step_s is None else self.update_site.cpu_step_s * 1e3,
             },
         )
+
+
+#: The hint for the step in backward appears where the forward pass waits at least this share
+#: of the iteration for the CPU step.
+HINT_WAIT_SHARE = 0.1
+
+
+def step_in_backward_hint(
+    *,
+    update: str,
+    step_in_backward: bool,
+    steps: int,
+    clipped: bool,
+    accumulated: bool,
+    cpu_wait_ms: float,
+    iteration_ms: Optional[float],
+) -> Optional[str]:
+    """The report's hint to pass `step_in_backward=True` (None: none): where the CPU step runs
+    after backward and the next forward pass waits for it (`HINT_WAIT_SHARE` of the iteration or
+    more), and the loop, as far as it ran (more than `RECORDED_ITERATION` steps), neither clipped
+    gradients nor accumulated them over backward passes: what the step in backward requires."""
+    if update != cp.CPU_UPDATE or step_in_backward or steps <= RECORDED_ITERATION:
+        return None
+    if clipped or accumulated or not iteration_ms or cpu_wait_ms < HINT_WAIT_SHARE * iteration_ms:
+        return None
+    return (
+        f"the forward pass waited {cpu_wait_ms:.0f} ms per iteration for the CPU step, which runs "
+        "after backward; this loop has neither clipped nor accumulated gradients, so "
+        "step_in_backward=True would run each unit's update beside backward instead (valid only "
+        "while the loop never clips nor accumulates: both raise then)"
+    )
 
 
 class _Counts:
