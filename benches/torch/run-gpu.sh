@@ -164,6 +164,9 @@ tests)
   ;;
 
 examples)
+  # The tests' cuFile set-up: compatibility mode, and its log in $OUT (libcufile writes
+  # cufile.log into the working directory otherwise, which the examples must leave clean).
+  . benches/gpu/cufile-compat.sh
   TERAIO_EXAMPLES=gpu timeout 400 python3 -m pytest -q -rs -p no:cacheprovider \
     bindings/python/tests/test_docs_examples.py 2>&1 | tee "$OUT/examples.log" | tail -40
   ;;
