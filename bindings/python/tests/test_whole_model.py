@@ -425,10 +425,18 @@ def test_step_in_backward_with_tied_weights(store: teraio.Store, checkpoint: Opt
     _assert_same(reference, result)
 
 
-def _stepping_in_backward(store: teraio.Store) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+def _stepping_in_backward(
+    store: teraio.Store, update: str = "auto"
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
     model, optimizer = make()
     run = teraio.offload(
-        model, optimizer, store=store, gpu_memory=4096, host_memory=1 << 30, step_in_backward=True
+        model,
+        optimizer,
+        store=store,
+        gpu_memory=4096,
+        host_memory=1 << 30,
+        step_in_backward=True,
+        update=update,
     )
     return model, optimizer, run
 
@@ -445,8 +453,11 @@ def test_step_in_backward_updates_the_model_in_backward(store: teraio.Store) -> 
         assert all(int(optimizer.state[p]["step"]) == 1 for p in model.parameters())
 
 
-def test_step_in_backward_refuses_clipping_and_accumulation(store: teraio.Store) -> None:
-    model, _, run = _stepping_in_backward(store)
+@pytest.mark.parametrize("update", ["auto", "cpu"], ids=["gpu-step", "cpu-step"])
+def test_step_in_backward_refuses_clipping_and_accumulation(store: teraio.Store, update: str) -> None:
+    # On the CPU device "auto" is the GPU step; "cpu" queues each unit's update in backward.
+    model, _, run = _stepping_in_backward(store, update)
+    assert run.update_site.site == ("cpu" if update == "cpu" else "gpu")
     x = batches(1, rows=ROWS)[0]
     with run:
         model(x).backward()
