@@ -162,6 +162,14 @@ def _rank_main(rank: int, tmp: str, store_root: str) -> None:
     for refused in ({"checkpoint": "auto", "granularity": "tensor"}, {"step_in_backward": True}):
         with pytest.raises(ValueError, match="FSDP2"):
             teraio.offload(model, optimizer, gpu_memory=peak, **refused)
+    # The rank's parameter and gradient shards alone above the budget: refused as the session
+    # starts, before anything is hooked (they stay on the GPU under FSDP2).
+    weights = sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters())
+    for granularity in ("block", "tensor"):
+        run = teraio.offload(model, optimizer, gpu_memory=2 * weights - 1, granularity=granularity)
+        with pytest.raises(teraio.NoPlanFitsError, match="this rank's shards.*shard over more ranks"):
+            run.__enter__()
+        assert not optimizer._optimizer_step_pre_hooks
 
     model, optimizer = _build()
     plain_calls: list[Any] = []

@@ -51,9 +51,10 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 def parameter_bytes(model: torch.nn.Module) -> tuple[int, int]:
     """The rank-local bytes of the model's parameters, and of the gradients its trained ones get
     (one per trained parameter, of its size): what stays on the GPU through an iteration."""
-    shards = [local_tensor(p) for p in model.parameters()]
-    params = sum(p.untyped_storage().nbytes() for p in shards)
-    grads = sum(p.untyped_storage().nbytes() for p in shards if p.requires_grad)
+    # Whether a parameter is trained is the DTensor's to say: its local shard has no autograd.
+    shards = [(local_tensor(p), p.requires_grad) for p in model.parameters()]
+    params = sum(shard.untyped_storage().nbytes() for shard, _ in shards)
+    grads = sum(shard.untyped_storage().nbytes() for shard, trained in shards if trained)
     return params, grads
 
 

@@ -1128,12 +1128,17 @@ class BlockOffload(Session):
         # Before a raise: the other ranks would wait on this rank's part for good.
         self._exchange_predictions(plan)
         if plan is None:
+            remedy = (
+                "shard over more ranks or raise gpu_memory (under FSDP2 the parameters and their "
+                "gradients stay on the GPU: whole-model mode is not supported there)"
+                if sharded.is_sharded(self.model)
+                else "raise gpu_memory, or pass whole_model='on' (parameters and gradients leave the GPU too)"
+            )
             raise NoPlanFitsError(
                 f"teraio.offload: no block plan fits gpu_memory={format_bytes(self.gpu_memory_bytes)} "
                 f"(reserve {format_bytes(self.reserve_bytes)}): checkpointing every block with the "
                 f"optimizer state away peaks at {format_bytes(measured.peak_bytes)} and the step at "
-                f"{format_bytes(measured.step_peak_bytes)}; raise gpu_memory, or pass whole_model='on' "
-                "(parameters and gradients leave the GPU too)"
+                f"{format_bytes(measured.step_peak_bytes)}; {remedy}"
             )
         self._install(plan)
         self.planned_from = self.step + 1
