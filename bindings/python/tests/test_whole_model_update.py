@@ -190,16 +190,20 @@ def test_step_in_backward_site_on_fake_machines() -> None:
     assert _choose(TOTAL, None, 25 * GB, 15 * GB, in_backward=True).site == "gpu"
 
 
-def test_step_in_backward_on_the_gpu_holds_no_gradient_tier() -> None:
-    # update="gpu" with the step in backward: gradients stay where backward made them, so no
-    # host buffer is reserved for them.
+@pytest.mark.parametrize("update", ["gpu", "auto"])
+def test_step_in_backward_on_the_gpu_holds_no_gradient_tier(update: str) -> None:
+    # The step in backward on the GPU ("auto" keeps it there, and says so): gradients stay
+    # where backward made them, so no host buffer is reserved for them.
+    from teraio.runtime.modes.whole_model import IN_BACKWARD_AUTO
+
     model, optimizer = _build()
     with teraio.offload(
-        model, optimizer, gpu_memory=4096, host_memory=1 << 30, update="gpu", step_in_backward=True
+        model, optimizer, gpu_memory=4096, host_memory=1 << 30, update=update, step_in_backward=True
     ) as run:
         train_steps(model, optimizer, _tokens(2))
     report = run.report()
     assert report.update == "gpu" and report.placement["host"]["gradient"] == 0
+    assert (report.update_reason == IN_BACKWARD_AUTO) == (update == "auto")
 
 
 def test_the_report_hints_at_the_step_in_backward() -> None:

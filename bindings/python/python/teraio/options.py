@@ -53,13 +53,13 @@ class OffloadOptions:
             step holds on the GPU per window ("auto": `WINDOW_SHARE` of `gpu_memory`).
         step_in_backward: whole-model mode: update each parameter in backward, as soon as its
             gradient is complete (default False: at `optimizer.step()`, which the loop may
-            precede with `clip_grad_norm_` or more backward passes), at the site `update`
-            chooses: on the GPU, where backward left it (no gradient moves, no parameter is read
-            in again), or on the CPU, each unit's update queued behind its gradients' copies out
-            so the CPU step runs beside backward. The loop then must not clip gradients nor
-            accumulate them over backward passes (both raise), and every backward updates the
-            model (`optimizer.step()` only ends the iteration). The update is the optimizer's
-            own, so losses match the default's.
+            precede with `clip_grad_norm_` or more backward passes): on the GPU, where backward
+            left it (no gradient moves, no parameter is read in again; what `update="auto"`
+            gives), or with `update="cpu"` on the CPU, each unit's update queued behind its
+            gradients' copies out so the CPU step runs beside backward. The loop then must not
+            clip gradients nor accumulate them over backward passes (both raise), and every
+            backward updates the model (`optimizer.step()` only ends the iteration). The update
+            is the optimizer's own, so losses match the default's.
         update: whole-model mode: where the optimizer step runs: "auto" (default: on the CPU where
             parameters, gradients and optimizer state all live in host memory, the optimizer
             can step on the CPU and `capacity.choose_update_site`'s model says it is faster than

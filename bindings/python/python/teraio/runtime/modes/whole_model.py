@@ -68,11 +68,14 @@ report says why.
 
 The step in backward (`step_in_backward=True`, opt-in). A parameter's gradient is complete when its
 post-accumulate-grad hook runs; the parameter is then still on the GPU, where backward used it.
-Its optimizer state is read in ahead of it (with the parameters of the next units backward
-recomputes), and the optimizer steps the parameters whose gradients are complete when backward
-enters the next unit, and at the end of backward (an autograd engine callback). Gradients never
-leave the GPU and parameters are not read in again for the step. A clip or a second backward
-before `optimizer.step()` raises: the update has already run.
+With the step on the GPU, its optimizer state is read in ahead of it (with the parameters of the
+next units backward recomputes), and the optimizer steps the parameters whose gradients are
+complete when backward enters the next unit, and at the end of backward (an autograd engine
+callback): gradients never leave the GPU and parameters are not read in again for the step.
+With the step on the CPU, each unit's gradients go out as without the option and its update is
+queued on the worker behind their copies (`_queue_cpu_updates`: the worker waits for their CUDA
+event), so the CPU step runs beside the rest of backward. A clip or a second backward before
+`optimizer.step()` raises: the update has already run.
 
 Data moves through the movers (`runtime/movers/tiers.py`: pinned host buffers allocated at start-up
 under the host cap; the store through the engine's GPU path) and where each kind lives is the
@@ -148,6 +151,15 @@ GRADIENT_COPY = (cp.GRADIENT, "copy")
 #: The dtype of the compute copies: autocast's bf16 (fp16 autocast rounds differently from a
 #: stored copy only in name, but its gradients come with loss scaling: left to fp32).
 COPY_DTYPE = torch.bfloat16
+
+#: Why `update="auto"` with `step_in_backward=True` steps on the GPU: in backward both sites
+#: overlap their work with backward, their costs are close, and the update-site model does not
+#: tell them apart reliably across models and machines (docs/benchmarks.md, "Capacity", has
+#: shapes where each wins). So "auto" keeps the GPU step, and the CPU step is the user's choice.
+IN_BACKWARD_AUTO = (
+    "step_in_backward=True with update='auto' steps on the GPU, where backward leaves each "
+    "parameter; update='cpu' runs the CPU step in backward instead"
+)
 
 #: The iteration recorded for the prediction (0-based): the first after the residency decisions
 #: that follow iterations 0 and 1 (`_keep_resident`).
@@ -612,7 +624,11 @@ class ModelOffload(Session):
     ) -> cp.UpdateSite:
         """Where the optimizer steps (`options.update`, `capacity.choose_update_site`), at
         `optimizer.step()` or, with `step_in_backward`, as backward completes each unit's
-        gradients. `sizes` count every trained parameter's gradient, as the CPU step moves them."""
+        gradients. `sizes` count every trained parameter's gradient, as the CPU step moves them.
+        With `step_in_backward` "auto" keeps the GPU step (`IN_BACKWARD_AUTO`)."""
+        requested = self.options.update
+        if self.options.step_in_backward and requested == "auto":
+            requested = cp.GPU_UPDATE
         refusal = None
         if not self.cuda and self.options.update == "auto":
             refusal = 'the device is the CPU, where the "gpu" step already runs'
@@ -625,15 +641,18 @@ class ModelOffload(Session):
         elif self.options.update == "auto" and refusal is None and not self.plan.ssd_total:
             rate = measure_cpu_update()
             self.machine["cpu_update_bytes_per_s"] = rate
-        return cp.choose_update_site(
+        site = cp.choose_update_site(
             sizes,
             self.plan,
-            requested=self.options.update,
+            requested=requested,
             host_link_bytes_per_s=min(self.link.d2h, self.link.h2d),
             cpu_update_bytes_per_s=rate,
             cpu_refusal=refusal,
             in_backward=self.options.step_in_backward,
         )
+        if requested != self.options.update:
+            site = dataclasses.replace(site, reason=IN_BACKWARD_AUTO)
+        return site
 
     def _copies_refusal(self) -> str:
         """Why the compute copies cannot be on, as far as the set-up tells ("" : they may)."""
@@ -2255,8 +2274,8 @@ def step_in_backward_hint(
     return (
         f"the forward pass waited {cpu_wait_ms:.0f} ms per iteration for the CPU step, which runs "
         "after backward; this loop has neither clipped nor accumulated gradients, so "
-        "step_in_backward=True would run each unit's update beside backward instead (valid only "
-        "while the loop never clips nor accumulates: both raise then)"
+        "step_in_backward=True with update='cpu' would run each unit's update beside backward "
+        "instead (valid only while the loop never clips nor accumulates: both raise then)"
     )
 
 
