@@ -274,16 +274,6 @@ def test_prefetch_stream_choice_lets_an_urgent_copy_pass_a_later_one() -> None:
     assert executor.stats.prefetches_per_stream == [3, 4]
 
 
-class _CopyEvent:
-    """A copy's event whose completion the test sets."""
-
-    def __init__(self, done: bool) -> None:
-        self.done = done
-
-    def query(self) -> bool:
-        return self.done
-
-
 def test_prefetch_streams_spread_copies_in_flight() -> None:
     from teraio.runtime.modes.activations import ActivationExecutor
 
@@ -292,14 +282,14 @@ def test_prefetch_streams_spread_copies_in_flight() -> None:
     chosen = []
     for need in (4, 5, 6):
         index = executor._prefetch_stream(need)
-        executor._h2d_last[index] = (_CopyEvent(False), need)
+        executor._h2d_last[index] = (_Copy(False), need)
         chosen.append(index)
     assert chosen == [0, 1, 2] and executor.stats.prefetches_per_stream == [1, 1, 1]
     # A stream whose last copy is done comes first...
-    executor._h2d_last = [(_CopyEvent(False), 5), (_CopyEvent(True), 9), None]
+    executor._h2d_last = [(_Copy(False), 5), (_Copy(True), 9), None]
     assert executor._prefetch_stream(7) == 1
     # ...else the stream whose last copy is needed no later than this one (the latest of those)...
-    executor._h2d_last = [(_CopyEvent(False), 3), (_CopyEvent(False), 6), (_CopyEvent(False), 9)]
+    executor._h2d_last = [(_Copy(False), 3), (_Copy(False), 6), (_Copy(False), 9)]
     assert executor._prefetch_stream(7) == 1
     # ...else the one whose last copy is needed first.
     assert executor._prefetch_stream(2) == 0
