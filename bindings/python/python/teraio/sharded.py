@@ -39,6 +39,14 @@ import torch
 
 from .options import OffloadOptions
 
+#: What the no-fit errors tell an FSDP2 user to do (`Session._refuse_resident_overflow`, the
+#: block plan's `NoPlanFitsError`): whole-model mode, their remedy on one GPU, is refused here.
+NO_FIT_REMEDY = (
+    "shard over more ranks or raise gpu_memory (under FSDP2 the parameters and their gradients "
+    "stay on the GPU: FSDP gathers and frees them, and whole-model mode, which moves them, is not "
+    "supported there)"
+)
+
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The rank-local tensor of a DTensor (the one that owns memory); any other tensor as is."""

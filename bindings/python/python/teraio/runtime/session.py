@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 from .. import machine
 from ..options import OffloadOptions
 from ..planning import format_bytes, parse_size
-from ..sharded import is_sharded, parameter_bytes
+from ..sharded import NO_FIT_REMEDY, is_sharded, parameter_bytes
 from ..store import Store
 from ..timing import IterationPeak
 from .errors import NoPlanFitsError
@@ -103,11 +103,7 @@ class Session:
         is not supported, the sharded remedy replaces it)."""
         params, grads = parameter_bytes(self.model)
         if is_sharded(self.model):
-            remedy = (
-                ": this rank's shards, which stay on the GPU under FSDP2 (FSDP gathers and frees "
-                "them; whole-model mode, which moves them, is not supported there); shard over "
-                "more ranks or raise gpu_memory"
-            )
+            remedy = f": this rank's shards; {NO_FIT_REMEDY}"
         if params + grads > self.gpu_memory_bytes:
             raise NoPlanFitsError(
                 f"teraio.offload: gpu_memory={format_bytes(self.gpu_memory_bytes)} cannot hold the "

@@ -1129,8 +1129,7 @@ class BlockOffload(Session):
         self._exchange_predictions(plan)
         if plan is None:
             remedy = (
-                "shard over more ranks or raise gpu_memory (under FSDP2 the parameters and their "
-                "gradients stay on the GPU: whole-model mode is not supported there)"
+                sharded.NO_FIT_REMEDY
                 if sharded.is_sharded(self.model)
                 else "raise gpu_memory, or pass whole_model='on' (parameters and gradients leave the GPU too)"
             )
@@ -1198,13 +1197,14 @@ class BlockOffload(Session):
         if missing:
             return dict(out, no_plan_on_ranks=missing, group_predicted_ms=None)
         group, waits = block_plan.across_ranks(per, [r["checkpoint_all"] for r in self._ranks])
+        alone = [sum(p) for p in per]
         return dict(
             out,
-            own_predicted_ms=sum(per[rank]),
+            own_predicted_ms=alone[rank],
             group_predicted_ms=group,
             predicted_wait_ms=sum(waits[rank].values()),
             waits_for=waits[rank],
-            per_rank_predicted_ms=[sum(p) for p in per],
+            per_rank_predicted_ms=alone,
         )
 
     def _state_by_param(self, tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:

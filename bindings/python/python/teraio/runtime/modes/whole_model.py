@@ -1545,13 +1545,13 @@ class ModelOffload(Session):
                 self._queue_cpu_updates(ready)
 
     def _move_gradient_out(self, slot: _Slot) -> None:
+        self._loop_accumulated |= slot.grad_held  # this backward adds to a held gradient
         if slot.copied:
             self._move_gradient_copy_out(slot)
             return
         grad = slot.param.grad
         assert grad is not None
         if slot.grad_held:
-            self._loop_accumulated = True
             # This backward adds to gradients a clip may have scaled: scale the held ones first.
             self._apply_pending_clip()
             # Accumulation over micro-batches: held + new, the sum autograd would have made.
@@ -1574,7 +1574,6 @@ class ModelOffload(Session):
         grad = slot.param.grad
         assert grad is not None
         if slot.grad_held:
-            self._loop_accumulated = True
             self._apply_pending_clip()
             self._fold(slot)  # the previous micro-batch's, before this one takes its buffer
             fold = "add"
@@ -1778,7 +1777,6 @@ class ModelOffload(Session):
         copies out are issued) goes to the worker, which starts once those copies are done. The
         hyperparameters are the optimizer's as backward starts (the scheduler's step after the
         last `optimizer.step()`), as with the step in backward on the GPU."""
-        slots = [slot for slot in slots if slot.grad_held]
         if self.cpu_update is None or not slots:
             return
         if not self._updating_in_backward:
