@@ -354,6 +354,8 @@ def _block_rank_main(rank: int, tmp: str, store_root: str) -> None:
             "kind": type(run).__name__,
             # The plan the rank chose (its actions in the last steps may be the timed trial's).
             "chosen": report.choice.get("plan", {}),
+            "choice": {k: v for k, v in report.choice.items() if k != "plan"},
+            "trial_steps": run.TRIAL_STEPS,
             "report_text": str(report),
             "ranks": report.ranks,
             "predicted": report.predicted_iteration_ms,
@@ -373,7 +375,8 @@ def _block_rank_main(rank: int, tmp: str, store_root: str) -> None:
     dist.destroy_process_group()
 
 
-BLOCK_STEPS = 7
+# The measuring steps, both sides of the A/B trial and one settled step.
+BLOCK_STEPS = 10
 
 
 def test_fsdp2_block_plan_per_rank(store_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
@@ -398,11 +401,25 @@ def test_fsdp2_block_plan_per_rank(store_dir: pathlib.Path, tmp_path: pathlib.Pa
     # The ranks exchanged their predictions once, at the same step whatever their budgets, and
     # each predicts the ranks' iteration: the measured one (the larger rank's, each with the
     # ranks' least first segment) plus, per segment between collectives, the larger change
-    # either rank's plan makes to it.
+    # either rank's plan makes to it. Then the A/B trial in step: an exchange as the plan's side
+    # ends (whether to try checkpointing every block) and, where they tried, one as that side
+    # ends; both ranks keep the side whose slower rank is faster.
     assert tight["ranks"]["segments_ms"] == roomy["ranks"]["segments_ms"]
+    for key in ("kept", "ranks"):
+        assert tight["choice"].get(key) == roomy["choice"].get(key), (tight["choice"], roomy["choice"])
+    assert tight["ranks"]["side"] == roomy["ranks"]["side"]
+    measuring, trial = tight["measuring_steps"], tight["trial_steps"]
+    tried = "checkpoint_all_ms" in roomy["choice"]
+    expected = [measuring - 1, measuring + trial - 1] + ([measuring + 2 * trial - 1] if tried else [])
+    assert tight["exchanges"] == roomy["exchanges"] == expected, (tight["exchanges"], roomy["exchanges"])
+    if tried:
+        agreed = roomy["choice"]["ranks"]
+        assert agreed["checkpoint_all_ms"] == max(r["choice"]["checkpoint_all_ms"] for r in ranks)
+        assert agreed["plan_ms"] == max(r["chosen"]["trial_ms"] for r in ranks)
+        kept = "plan" if agreed["plan_ms"] < agreed["checkpoint_all_ms"] else "checkpoint every block"
+        assert roomy["choice"]["kept"] == kept
     for rank, result in enumerate(ranks):
         got = result["ranks"]
-        assert result["exchanges"] == [result["measuring_steps"] - 1], result["exchanges"]
         assert got["ranks"] == WORLD and got["planned_at_step"] == result["measuring_steps"] - 1
         segments = got["segments_ms"][got["side"]]
         baselines = got["segments_ms"]["checkpoint_all"]
@@ -420,5 +437,4 @@ def test_fsdp2_block_plan_per_rank(store_dir: pathlib.Path, tmp_path: pathlib.Pa
         other = 1 - rank
         if got["predicted_wait_ms"] > 0:  # a rank that waits says for whom
             assert f"ms for rank {other} per iteration" in result["report_text"], result["report_text"]
-    if tight["ranks"]["side"] == roomy["ranks"]["side"]:
-        assert tight["predicted"] == roomy["predicted"]
+    assert tight["predicted"] == roomy["predicted"]

@@ -35,9 +35,11 @@ of checkpointing, and its inputs are measured without per-op instrumentation:
 - planned iterations: an A/B trial, measured rather than predicted (single iterations in this
   regime vary by 10%): the plan runs `TRIAL_STEPS` iterations, then checkpointing every block as
   many (where that fits with all the optimizer state on the GPU); the side with the faster median
-  stays. A peak that comes within half the reserve of the budget checkpoints one more kept block,
-  and so does an iteration in which the allocator had to retry (release its cache and map anew).
-  Both are counted in the report, which counts the iterations after the trial.
+  stays (ranks under FSDP2 run both sides at the same steps and keep the same side: the one whose
+  slowest rank is faster). A peak that comes within half the reserve of the budget checkpoints
+  one more kept block, and so does an iteration in which the allocator had to retry (release its
+  cache and map anew). Both are counted in the report, which counts the iterations after the
+  trial.
 - under FSDP2 over several ranks, the ranks' iteration: the ranks exchange their predictions,
   cut at FSDP's collectives, once when they plan; the ranks' iteration is the measured one plus,
   per segment, the largest change any rank's plan makes to it (`_exchange_predictions`,
@@ -1148,9 +1150,9 @@ class BlockOffload(Session):
         for its plan and for checkpointing every block (the A/B trial's other side), with the
         parts it measured, gathered on every rank (`sharded.exchange`). Its one call is at the
         end of the last measuring step, which every rank reaches at the same step (they run the
-        same loop, and the measuring steps do not depend on the budget); the A/B trial and memory
-        replans, which may switch at different steps on different ranks, issue none. A rank with
-        no plan (it raises next) sends None."""
+        same loop, and the measuring steps do not depend on the budget); the A/B trial's two
+        (`_agree`) follow at fixed steps after it, and memory replans issue none. A rank with no
+        plan (it raises next) sends None."""
         if not self._coupled:
             return
         mine = {
@@ -1178,9 +1180,7 @@ class BlockOffload(Session):
     def _ranks_prediction(self) -> dict[str, Any]:
         """The ranks' predicted iteration for the side of the A/B trial this rank runs now, every
         rank taken on that side (`BlockReport.ranks`; empty without an exchange). The trial's sides
-        run at the same steps on every rank unless a memory replan restarted one rank's, and each
-        side's median is the ranks' iteration, alike on every rank, so the ranks settle alike;
-        ranks that settled on different sides are not modelled."""
+        run at the same steps on every rank, and the ranks settle on the same side (`_check_plan`)."""
         if self._ranks is None:
             return {}
         rank = sharded.rank_notes()["rank"]
@@ -1301,7 +1301,14 @@ class BlockOffload(Session):
         many with every block checkpointed (where that fits with all the state on the GPU); the
         side with the faster median stays (`choice` has both). Measured, because single
         iterations in this regime vary by 10% and the measuring iterations run under other
-        conditions than planned ones."""
+        conditions than planned ones.
+
+        Ranks tied by FSDP's collectives (`_coupled`) run the trial in step: each side at the same
+        steps on every rank (a memory replan does not restart the plan's side, as it does alone),
+        every rank tries checkpointing every block or none does, and the ranks keep the side
+        whose slowest rank's median is the faster (`_agree`). A rank alone decides on its own
+        iterations; ranks deciding alone settled on different sides and ran at the slower one's
+        speed."""
         assert self.plan is not None and self.planned_from is not None
         peak = self._peaks[-1] if self._peaks else 0
         near = peak > self.gpu_memory_bytes - self.reserve_bytes // 2
@@ -1310,8 +1317,10 @@ class BlockOffload(Session):
         if self.settled_from is not None:
             return
         n = self.TRIAL_STEPS
-        # The plan's side is its last layout's first n iterations (a memory replan restarts it).
-        if self._trial_from is None and self.step == self._layout_from + n - 1:
+        # The plan's side is its last layout's first n iterations (a memory replan restarts it),
+        # or, for coupled ranks, the first n planned ones.
+        plan_from = self.planned_from if self._coupled else self._layout_from
+        if self._trial_from is None and self.step == plan_from + n - 1:
             plan = self.plan
             self._plan_ms = self._recent_ms(n)
             self.choice = {
@@ -1328,7 +1337,14 @@ class BlockOffload(Session):
             }
             checkpointing = self._checkpoint_all_plan()
             fits = checkpointing.predicted_peak_bytes <= self.gpu_memory_bytes - self.reserve_bytes
-            if set(self.actions) == {RECOMPUTE} or not fits:
+            only_recompute = set(self.actions) == {RECOMPUTE}
+            ranks = self._agree({"fits": fits, "only_recompute": only_recompute})
+            if ranks is not None:
+                # Every rank tries, or none: a rank whose plan already recomputes every block
+                # runs the same layout on both sides.
+                fits = all(r["fits"] for r in ranks)
+                only_recompute = all(r["only_recompute"] for r in ranks)
+            if only_recompute or not fits:
                 self.settled_from = self.planned_from
                 return
             self._tried_plan = plan
@@ -1341,7 +1357,14 @@ class BlockOffload(Session):
         if self._trial_from is not None and self.step == self._trial_from + n - 1:
             baseline = self._recent_ms(n)
             self.choice["checkpoint_all_ms"] = baseline
-            if self._plan_ms < baseline:
+            plan_ms = self._plan_ms
+            ranks = self._agree({"plan_ms": plan_ms, "checkpoint_all_ms": baseline})
+            if ranks is not None:
+                # The ranks' iteration is their slowest rank's, on each side.
+                plan_ms = max(r["plan_ms"] for r in ranks)
+                baseline = max(r["checkpoint_all_ms"] for r in ranks)
+                self.choice["ranks"] = {"plan_ms": plan_ms, "checkpoint_all_ms": baseline}
+            if plan_ms < baseline:
                 assert self._tried_plan is not None
                 self._install(self._tried_plan)
                 self._side = "plan"
@@ -1350,6 +1373,13 @@ class BlockOffload(Session):
                 self.choice["kept"] = "checkpoint every block"
             self.settled_from = self.step + 1
             self._stats_at[self.settled_from] = (self.stats.as_dict(), self.state.stats.as_dict())
+
+    def _agree(self, mine: dict[str, Any]) -> Optional[list[dict[str, Any]]]:
+        """Coupled ranks: every rank's `mine`, gathered (`sharded.exchange`) at a step every rank
+        reaches with the same trial phase; None for a rank alone."""
+        if not self._coupled:
+            return None
+        return sharded.exchange(mine)
 
     def _allocator_retried(self) -> bool:
         """Whether the allocator retried in this iteration, which did not follow a change of the
