@@ -91,8 +91,9 @@ pub struct Schedule {
 /// the plan does not hold: lone departures and CPU jobs. Per tensor the transfers must
 /// alternate between a departure (offload or drop) and a prefetch from the same tier; where the
 /// first is a prefetch, the tensor starts the iteration on its tier and the last departure's
-/// period wraps; a tensor that does not outlive the iteration may end with an offload that is
-/// never read back (a lone departure). Anything else is `Error::InvalidPlan`, naming the tensor.
+/// period wraps; for a tensor that does not outlive the iteration, an offload no read follows
+/// before it leaves again or the iteration ends is a lone departure. Anything else is
+/// `Error::InvalidPlan`, naming the tensor.
 pub fn plan_from_schedule(trace: &Trace, schedule: &Schedule, gpu_capacity_bytes: u64) -> Result<(Plan, SideWork)> {
     let op_count = trace.ops.len() as u32;
     let index_of: HashMap<u64, u32> = trace.tensors.iter().enumerate().map(|(i, t)| (t.id, i as u32)).collect();
@@ -124,17 +125,23 @@ pub fn plan_from_schedule(trace: &Trace, schedule: &Schedule, gpu_capacity_bytes
         let tensor = &trace.tensors[index as usize];
         let leaves = |e: &Issued| e.kind != ActionKind::Prefetch;
         let invalid = |why: &str| Error::InvalidPlan(format!("tensor {} ({:?}): {why}", tensor.id, tensor.name));
-        let departures = events.iter().filter(|e| leaves(e)).count();
-        if !tensor.is_persistent() && departures * 2 == events.len() + 1 && events.last().is_some_and(leaves) {
-            // Gone for good: it does not outlive the iteration and nothing reads it back.
-            let last = events.pop().expect("a last event");
-            if last.kind != ActionKind::Offload {
-                return Err(invalid("it is dropped and never read back"));
+        if !tensor.is_persistent() {
+            // It does not outlive the iteration: a write no read follows before it leaves again
+            // (or the iteration ends) is gone for good, a lone departure.
+            let mut paired = Vec::with_capacity(events.len());
+            for (position, event) in events.iter().enumerate() {
+                if !leaves(event) || events.get(position + 1).is_some_and(|next| !leaves(next)) {
+                    paired.push(*event);
+                } else if event.kind == ActionKind::Offload {
+                    lone_departures.push(LoneDeparture { op: event.op, tensor_index: index, tier: event.tier });
+                } else {
+                    return Err(invalid("it is dropped and never read back"));
+                }
             }
-            lone_departures.push(LoneDeparture { op: last.op, tensor_index: index, tier: last.tier });
-            if events.is_empty() {
+            if paired.is_empty() {
                 continue;
             }
+            events = paired;
         }
         let departures = events.iter().filter(|e| leaves(e)).count();
         if departures * 2 != events.len() {
@@ -474,6 +481,12 @@ mod tests {
         assert_eq!(side.lone_departures, vec![LoneDeparture { op: 2, tensor_index: 1, tier: Tier::Host }]);
         assert_eq!(plan.migrations.len(), 1, "w's drop and read; g has no read to pair with");
         assert_eq!(side.jobs, vec![WorkerJob { op: 2, duration_us: 5000.0, waits_for: vec![1], produces: vec![0] }]);
+        // Written twice without a read between (gradients accumulated in host memory): both
+        // writes are lone, and a job waits for both.
+        let mut twice = schedule.clone();
+        twice.transfers.insert(0, Issued { op: 1, tensor_id: 2, kind: ActionKind::Offload, tier: Tier::Host });
+        let (_, side) = plan_from_schedule(&trace, &twice, 1 << 40).unwrap();
+        assert_eq!(side.lone_departures.iter().map(|d| d.op).collect::<Vec<_>>(), vec![1, 2]);
         // It moves its bytes: w read once, g written once.
         let report = replay(&trace, &schedule, &hardware(1e9)).unwrap();
         assert_eq!((report.host_read_bytes, report.host_written_bytes), (1_000_000, 1_000_000));
