@@ -3,12 +3,12 @@ CPU step's arithmetic against torch's CPU AdamW, and the bytes each site moves."
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Optional
 
 import pytest
 import teraio
 import torch
+from cpu_step import assert_cpu_step_predicted
 from teraio.planning import replay_schedule
 from teraio.runtime.modes.whole_model import ModelOffload
 from teraio.runtime.plans import capacity as cp
@@ -83,59 +83,13 @@ def test_cpu_step_is_torchs_fused_cpu_adamw(kwargs: dict[str, Any]) -> None:
     assert report.update == "cpu" and report.cpu_update_ms is not None
     assert "update on the CPU" in str(report)
     # At optimizer.step(), after the last op: the replay's next forward waits for them.
-    record = _assert_cpu_step_predicted(result[4])
+    record = assert_cpu_step_predicted(result[4])
     assert all(job["op"] == len(record.trace["ops"]) for job in record.schedule["cpu_jobs"])
     trained = [slot for slot in result[4].slots if slot.param.requires_grad]
     assert len(record.schedule["cpu_jobs"]) == len(result[4]._update_groups(trained))
     # After exit the state is the user's optimizer's own again, on the model's device.
     optimizer = result[1]
     assert all(state["exp_avg"].device.type == "cpu" for state in optimizer.state.values())
-
-
-def _assert_cpu_step_predicted(run: ModelOffload) -> Any:
-    """The CPU step's prediction: the recorded iteration holds the worker's jobs, each waiting
-    for its parameters' gradients, which leave for good (a lone departure: their last transfer
-    is a write to host memory that no read follows), and writing those parameters; the replay
-    runs them. Returns the record."""
-    report = run.report()
-    record = run.recorder.result()
-    assert record is not None and report.predicted_iteration_ms is not None
-    assert not any("no prediction" in w for w in report.warnings)
-    assert "CPU step" in str(report)
-    jobs = record.schedule["cpu_jobs"]
-    assert report.prediction["cpu_jobs"] == len(jobs) > 1
-    assert report.prediction["cpu_update_ms"] == pytest.approx(sum(j["duration_us"] for j in jobs) / 1e3)
-    assert report.prediction["cpu_update_ms"] > 0
-    assert record.unmodelled_job_tensors == 0 and record.unmodelled_transfers == 0
-    names = {t["id"]: t["name"] for t in record.trace["tensors"]}
-    produced = sorted(names[i] for job in jobs for i in job["produces"])
-    assert produced == sorted(slot.name for slot in run.slots if slot.param.requires_grad)
-    for job in jobs:
-        assert sorted(names[i] for i in job["waits_for"]) == sorted(
-            names[i] + ".grad" for i in job["produces"]
-        )
-    for gradient in (t for t in record.trace["tensors"] if t["kind"] == "gradient"):
-        kinds = [
-            (x["kind"], x["tier"], x["op"])
-            for x in record.schedule["transfers"]
-            if x["tensor_id"] == gradient["id"]
-        ]
-        assert kinds[-1][:2] == ("offload", "host")
-        assert [k for k, _, _ in kinds].count("offload") == [k for k, _, _ in kinds].count("prefetch") + 1
-        assert next(j["op"] for j in jobs if gradient["id"] in j["waits_for"]) >= kinds[-1][2]
-    # The replay runs the jobs one at a time: at a second each (far longer than the rest), the
-    # next forward pass waits for all of them, less the backward ops they overlap.
-    compute_us = sum(op["duration_us"] for op in record.trace["ops"])
-    slow = {**record.schedule, "cpu_jobs": [{**job, "duration_us": 1e6} for job in jobs]}
-    unbounded = dict(host_link_bytes_per_s=1e18, ssd_read_bytes_per_s=1e18, ssd_write_bytes_per_s=1e18)
-    replayed = dataclasses.replace(record, schedule=slow).replay(**unbounded)
-    latencies_us = len(record.schedule["transfers"]) * 10.0 * 2
-    assert (
-        len(jobs) * 1e6 - compute_us
-        <= replayed["iteration_time_us"]
-        <= len(jobs) * 1e6 + compute_us + latencies_us
-    )
-    return record
 
 
 def _host_hardware(host_link_bytes_per_s: float) -> dict[str, Any]:
@@ -206,6 +160,31 @@ def test_a_cpu_job_replays_between_the_gradients_write_and_the_parameters_read()
         )
 
 
+def test_a_read_waiting_for_its_update_is_recorded_where_it_was_wanted() -> None:
+    # Whether a unit's update is done when the step reads ahead is a race: the record holds the
+    # read where it was wanted, once, whichever way the race went, and not where it was issued.
+    from teraio.schedule_record import ScheduleRecorder
+
+    recorder = ScheduleRecorder(torch.device("cpu"))
+    recorder.wanted("early", "host")  # before the record (the last iteration's step)
+    recorder.start()
+    recorder.begin("forward")
+    recorder.use("early", "early", "parameter", 8)
+    recorder.use("late", "late", "parameter", 8)
+    recorder.read("early", "host")  # issued now: wanted before the record, not recorded again
+    recorder.left("early", "host")
+    recorder.left("late", "host")
+    recorder.wanted("late", "host")
+    recorder.wanted("late", "host")  # still waiting at the next read ahead
+    recorder.finish()
+    recorder.read("late", "host")  # issued in the next iteration
+    record = recorder.result()
+    assert record is not None
+    names = {t["id"]: t["name"] for t in record.trace["tensors"]}
+    moves = [(names[t["tensor_id"]], t["kind"], t["op"]) for t in record.schedule["transfers"]]
+    assert moves == [("early", "drop", 1), ("late", "drop", 1), ("late", "prefetch", 1)]
+
+
 def test_cpu_step_against_the_default_single_tensor_adamw() -> None:
     # The user's AdamW without fused/foreach runs torch's single-tensor loop on the CPU; the CPU
     # step runs the fused kernel, whose rounding differs (it evaluates the same update in
@@ -265,7 +244,7 @@ def test_cpu_step_in_backward_is_torchs_fused_cpu_adamw() -> None:
     assert report.update == "cpu" and report.step_in_backward and report.cpu_update_ms is not None
     assert "step in backward on the CPU" in str(report)
     # Queued as backward leaves each unit: one job per batch of gradients sent out, after it.
-    record = _assert_cpu_step_predicted(result[4])
+    record = assert_cpu_step_predicted(result[4])
     gradients = {t["id"] for t in record.trace["tensors"] if t["kind"] == "gradient"}
     out_at = sorted({x["op"] for x in record.schedule["transfers"] if x["tensor_id"] in gradients})
     assert [job["op"] for job in record.schedule["cpu_jobs"]] == out_at

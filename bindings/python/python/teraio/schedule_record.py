@@ -13,7 +13,8 @@ planner/src/replay.rs) at the machine's bandwidths, or at others (`ScheduleRecor
 - transfers: each read, write and drop the runtime issued, before the op that followed it (one
   issued while an op runs counts before the next op: the replay issues it a little late); a
   gradient written to host memory and never read back in the iteration (the CPU step reads it
-  there) is a lone departure;
+  there) is a lone departure; a parameter's read that waits for the CPU step's update of it
+  is recorded where it was wanted (`wanted`), the replay's read waiting for the update's job;
 - CPU jobs (`update="cpu"`): each unit's update queued on the CPU step's worker, before the op
   that followed it (at `optimizer.step()` after backward: after the last op), with its time on
   the worker (measured there, not counting its wait for the gradients' copies), the gradients
@@ -131,6 +132,8 @@ class ScheduleRecorder:
         # tracked between records too; and which of them were written during the record.
         self._owed: dict[Hashable, str] = {}
         self._written: set[Hashable] = set()
+        # Reads recorded where they were wanted (`wanted`), not yet issued; kept between records.
+        self._wanted: set[Hashable] = set()
 
     def start(self) -> None:
         self.recording, self._finished, self._record = True, False, None
@@ -161,7 +164,19 @@ class ScheduleRecorder:
             tensor.uses[op] = "write" if write else "read"
 
     def read(self, key: Hashable, tier: str) -> None:
+        if key in self._wanted:
+            self._wanted.discard(key)  # recorded where it was wanted
+            return
         self._issue(key, PREFETCH, tier)
+
+    def wanted(self, key: Hashable, tier: str) -> None:
+        """A read of `key` from `tier` is wanted here but waits for the CPU step's update of it:
+        recorded here, where the replay issues it to wait for that job, so that the record does
+        not depend on whether the update was done in time; the runtime's `read` once the wait
+        is over is this one."""
+        if key not in self._wanted:
+            self._wanted.add(key)
+            self._issue(key, PREFETCH, tier)
 
     def wrote(self, key: Hashable, tier: str, leaves: bool = True) -> None:
         """A write of `key` to `tier` was issued; `leaves`: its GPU memory goes with it (else it

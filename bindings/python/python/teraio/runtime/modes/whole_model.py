@@ -1296,6 +1296,11 @@ class ModelOffload(Session):
         leaves it for later and returns False."""
         if slot.update is not None:
             if not wait and not slot.update.done():
+                if slot.stale or not slot.resident:
+                    # The read comes once the update is done; for the record it is wanted now.
+                    kind = self._param_kind(slot)
+                    tier = HOST if slot.stale else self._tier(slot, kind).name
+                    self.recorder.wanted(_recorded(kind, slot.index), tier)
                 return False
             self._await_update(slot)
         if slot.stale:
