@@ -9,6 +9,14 @@
 //! [`crate::sim::simulate`]: the same channel, latency and link model as every other prediction,
 //! with the runtime's rule for a tensor needed again while its write runs: the read waits for
 //! the write (`SimConfig::reads_wait_for_writes`), where the planner's executor would keep it.
+//!
+//! With the optimizer step on the CPU the record also holds the CPU step's jobs (a unit's
+//! update, its measured time on the runtime's one worker thread, the gradients it reads and the
+//! parameters it writes) and the gradients' writes to host memory, which are never read back (a
+//! departure of a tensor that does not outlive the iteration, with no read after it: a lone
+//! departure). The replay runs the jobs on a CPU worker of the simulator (`sim::SideWork`): one
+//! at a time in issue order, each after its gradients' writes, each parameter's next read after
+//! the job that writes it.
 
 use std::collections::HashMap;
 
@@ -17,7 +25,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::hardware::Hardware;
 use crate::plan::{ActionKind, Migration, Plan, Tier};
-use crate::sim::{simulate, Policy, SimConfig, SimReport};
+use crate::sim::{simulate_with, LoneDeparture, Policy, SideWork, SimConfig, SimReport, WorkerJob};
 use crate::trace::Trace;
 
 /// The policy name replayed plans carry.
@@ -46,23 +54,52 @@ pub struct Issued {
     pub tier: Tier,
 }
 
-/// A recorded schedule as JSON clients send it: `{"transfers": [...]}`, in issue order.
+/// Most CPU jobs a schedule may hold (a job per unit of a model: far fewer).
+pub const MAX_CPU_JOBS: usize = 1 << 16;
+
+/// One job the runtime queued on its CPU worker (the CPU step's update of one unit), before op
+/// `op` (the op count: after the last op; a job queued at `optimizer.step()` after backward is
+/// there). The worker runs jobs one at a time in issue order; this one starts once the lone
+/// departures of `waits_for` issued before it are done, and the reads of `produces` issued
+/// before its end wait for it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CpuJob {
+    /// The op before which it was queued.
+    pub op: u32,
+    /// Its time on the worker, measured (not counting its waits for `waits_for`).
+    pub duration_us: f64,
+    /// The trace's ids of the tensors whose lone departures it reads (a unit's gradients).
+    pub waits_for: Vec<u64>,
+    /// The trace's ids of the tensors it writes on their tier (a unit's parameters).
+    pub produces: Vec<u64>,
+}
+
+/// A recorded schedule as JSON clients send it: `{"transfers": [...], "cpu_jobs": [...]}`, each
+/// in issue order (`cpu_jobs` may be left out: none).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Schedule {
     /// Every transfer of one iteration, in the order the runtime issued them.
     pub transfers: Vec<Issued>,
+    /// The CPU step's jobs of that iteration, in the order the runtime queued them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub cpu_jobs: Vec<CpuJob>,
 }
 
-/// The plan that executes `transfers` (issue order) on `trace`. Per tensor the transfers must
+/// The plan that executes the schedule's transfers (issue order) on `trace`, and the side work
+/// the plan does not hold: lone departures and CPU jobs. Per tensor the transfers must
 /// alternate between a departure (offload or drop) and a prefetch from the same tier; where the
 /// first is a prefetch, the tensor starts the iteration on its tier and the last departure's
-/// period wraps. Anything else is `Error::InvalidPlan`, naming the tensor.
-pub fn plan_from_schedule(trace: &Trace, transfers: &[Issued], gpu_capacity_bytes: u64) -> Result<Plan> {
+/// period wraps; for a tensor that does not outlive the iteration, an offload no read follows
+/// before it leaves again or the iteration ends is a lone departure. Anything else is
+/// `Error::InvalidPlan`, naming the tensor.
+pub fn plan_from_schedule(trace: &Trace, schedule: &Schedule, gpu_capacity_bytes: u64) -> Result<(Plan, SideWork)> {
     let op_count = trace.ops.len() as u32;
     let index_of: HashMap<u64, u32> = trace.tensors.iter().enumerate().map(|(i, t)| (t.id, i as u32)).collect();
     let mut per_tensor: HashMap<u32, Vec<Issued>> = HashMap::new();
-    for issued in transfers {
+    let mut lone_departures = Vec::new();
+    for issued in &schedule.transfers {
         let Some(&index) = index_of.get(&issued.tensor_id) else {
             return Err(Error::InvalidPlan(format!(
                 "a transfer names tensor {}, which the trace lacks",
@@ -88,6 +125,24 @@ pub fn plan_from_schedule(trace: &Trace, transfers: &[Issued], gpu_capacity_byte
         let tensor = &trace.tensors[index as usize];
         let leaves = |e: &Issued| e.kind != ActionKind::Prefetch;
         let invalid = |why: &str| Error::InvalidPlan(format!("tensor {} ({:?}): {why}", tensor.id, tensor.name));
+        if !tensor.is_persistent() {
+            // It does not outlive the iteration: a write no read follows before it leaves again
+            // (or the iteration ends) is gone for good, a lone departure.
+            let mut paired = Vec::with_capacity(events.len());
+            for (position, event) in events.iter().enumerate() {
+                if !leaves(event) || events.get(position + 1).is_some_and(|next| !leaves(next)) {
+                    paired.push(*event);
+                } else if event.kind == ActionKind::Offload {
+                    lone_departures.push(LoneDeparture { op: event.op, tensor_index: index, tier: event.tier });
+                } else {
+                    return Err(invalid("it is dropped and never read back"));
+                }
+            }
+            if paired.is_empty() {
+                continue;
+            }
+            events = paired;
+        }
         let departures = events.iter().filter(|e| leaves(e)).count();
         if departures * 2 != events.len() {
             return Err(invalid("its departures and prefetches do not pair up"));
@@ -138,21 +193,76 @@ pub fn plan_from_schedule(trace: &Trace, transfers: &[Issued], gpu_capacity_byte
             });
         }
     }
-    Ok(Plan::new(REPLAY_POLICY, trace, gpu_capacity_bytes, 0, migrations))
+    // The simulator issues them op by op, in this order within an op.
+    lone_departures.sort_by_key(|d: &LoneDeparture| d.op);
+    let jobs = worker_jobs(trace, &schedule.cpu_jobs, &index_of, &lone_departures)?;
+    let plan = Plan::new(REPLAY_POLICY, trace, gpu_capacity_bytes, 0, migrations);
+    Ok((plan, SideWork { lone_departures, jobs }))
 }
 
-/// Replays `transfers` on `trace` (see the module docs) and returns the simulator's report.
-pub fn replay(trace: &Trace, transfers: &[Issued], hardware: &Hardware) -> Result<SimReport> {
+/// The schedule's CPU jobs with the trace's tensor indices, checked: in issue order, at most
+/// [`MAX_CPU_JOBS`], a finite time, known tensors, each tensor waited for with a lone departure
+/// issued before the job, each tensor produced outliving the iteration.
+fn worker_jobs(
+    trace: &Trace,
+    cpu_jobs: &[CpuJob],
+    index_of: &HashMap<u64, u32>,
+    lone_departures: &[LoneDeparture],
+) -> Result<Vec<WorkerJob>> {
+    let op_count = trace.ops.len() as u32;
+    if cpu_jobs.len() > MAX_CPU_JOBS {
+        return Err(Error::InvalidPlan(format!(
+            "{} CPU jobs; a schedule may hold at most {MAX_CPU_JOBS}",
+            cpu_jobs.len()
+        )));
+    }
+    let mut jobs = Vec::with_capacity(cpu_jobs.len());
+    let mut previous_op = 0;
+    for (position, job) in cpu_jobs.iter().enumerate() {
+        let invalid = |why: String| Error::InvalidPlan(format!("CPU job {position}: {why}"));
+        if job.op > op_count {
+            return Err(invalid(format!("queued before op {}; the trace has {op_count} ops", job.op)));
+        }
+        if job.op < previous_op {
+            return Err(invalid(format!("queued before op {}, after a job queued before op {previous_op}", job.op)));
+        }
+        previous_op = job.op;
+        if !job.duration_us.is_finite() || job.duration_us < 0.0 {
+            return Err(invalid(format!("duration_us {} is not a time", job.duration_us)));
+        }
+        let index = |id: &u64| {
+            index_of.get(id).copied().ok_or_else(|| invalid(format!("it names tensor {id}, which the trace lacks")))
+        };
+        let waits_for = job.waits_for.iter().map(index).collect::<Result<Vec<u32>>>()?;
+        let produces = job.produces.iter().map(index).collect::<Result<Vec<u32>>>()?;
+        for (&id, &tensor) in job.waits_for.iter().zip(&waits_for) {
+            if !lone_departures.iter().any(|d| d.tensor_index == tensor && d.op <= job.op) {
+                return Err(invalid(format!("it waits for tensor {id}, which has no lone departure before it")));
+            }
+        }
+        for (&id, &tensor) in job.produces.iter().zip(&produces) {
+            if !trace.tensors[tensor as usize].is_persistent() {
+                return Err(invalid(format!("it produces tensor {id}, which does not outlive the iteration")));
+            }
+        }
+        jobs.push(WorkerJob { op: job.op, duration_us: job.duration_us, waits_for, produces });
+    }
+    Ok(jobs)
+}
+
+/// Replays `schedule` on `trace` (see the module docs) and returns the simulator's report.
+pub fn replay(trace: &Trace, schedule: &Schedule, hardware: &Hardware) -> Result<SimReport> {
     trace.validate()?;
     hardware.validate()?;
-    let plan = plan_from_schedule(trace, transfers, hardware.gpu_capacity_bytes)?;
+    let (plan, side) = plan_from_schedule(trace, schedule, hardware.gpu_capacity_bytes)?;
     let config = SimConfig { iterations: REPLAY_ITERATIONS, reads_wait_for_writes: true };
-    simulate(trace, hardware, Policy::Planned(&plan), config)
+    simulate_with(trace, hardware, Policy::Planned(&plan), config, &side)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sim::simulate;
     use crate::trace::{Access, Op, Phase, Tensor, TensorKind, TensorUse, FORMAT_VERSION};
     use teraio_units::ReadWriteBandwidth;
 
@@ -186,6 +296,11 @@ mod tests {
         hardware
     }
 
+    /// A schedule of transfers alone.
+    fn only(transfers: &[Issued]) -> Schedule {
+        Schedule { transfers: transfers.to_vec(), cpu_jobs: Vec::new() }
+    }
+
     fn issued(op: u32, kind: ActionKind) -> Issued {
         Issued { op, tensor_id: 7, kind, tier: Tier::Host }
     }
@@ -199,21 +314,21 @@ mod tests {
             issued(1, ActionKind::Prefetch),
             issued(2, ActionKind::Offload),
         ];
-        let plan = plan_from_schedule(&trace(), &transfers, 1 << 40).unwrap();
+        let (plan, _) = plan_from_schedule(&trace(), &only(&transfers), 1 << 40).unwrap();
         assert_eq!(plan.migrations.len(), 2);
         assert!(plan.migrations.iter().any(|m| m.offloaded_at_start && m.offload_op == 2 && m.writes));
         // 1 MB at 1 GB/s: 1000 us per read, one write; nothing hides the reads.
-        let report = replay(&trace(), &transfers, &hardware(1e9)).unwrap();
+        let report = replay(&trace(), &only(&transfers), &hardware(1e9)).unwrap();
         assert_eq!(report.downgraded_drops, 0, "the host copy was current: the drop must not write");
         assert_eq!(report.host_read_bytes, 2_000_000);
         assert_eq!(report.host_written_bytes, 1_000_000);
         assert!((report.iteration_time_us - 7200.0).abs() < 1.0, "{}", report.iteration_time_us);
         // Far faster link: the ops alone.
-        let fast = replay(&trace(), &transfers, &hardware(1e15)).unwrap();
+        let fast = replay(&trace(), &only(&transfers), &hardware(1e15)).unwrap();
         assert!((fast.iteration_time_us - 5200.0).abs() < 1.0, "{}", fast.iteration_time_us);
         // Written back after the last op: the same as before the next iteration's first.
         let after_last = [transfers[0], transfers[1], transfers[2], issued(3, ActionKind::Offload)];
-        let plan = plan_from_schedule(&trace(), &after_last, 1 << 40).unwrap();
+        let (plan, _) = plan_from_schedule(&trace(), &only(&after_last), 1 << 40).unwrap();
         assert!(plan.migrations.iter().any(|m| m.offloaded_at_start && m.offload_op == 0 && m.prefetch_op == 0));
     }
 
@@ -252,16 +367,16 @@ mod tests {
         let (trace, transfers) = read_during_write(1_000_000, 5000.0);
         // At 1 GB/s each way: g's read before op 0 (1000 us), op 0, w's read for op 1 (1000 us),
         // ops 1 and 2.
-        let one_way = replay(&trace, &transfers, &hardware(1e9)).unwrap();
+        let one_way = replay(&trace, &only(&transfers), &hardware(1e9)).unwrap();
         assert!((one_way.iteration_time_us - 7020.0).abs() < 1.0, "{}", one_way.iteration_time_us);
         // Both directions at once at 0.5 GB/s each: w's read takes 2000 us; g's read alone
         // before op 0 still goes at the one-way rate.
         let duplex = Hardware { host_link_duplex_bytes_per_s: Some(0.5e9), ..hardware(1e9) };
-        let shared = replay(&trace, &transfers, &duplex).unwrap();
+        let shared = replay(&trace, &only(&transfers), &duplex).unwrap();
         assert!((shared.iteration_time_us - 8020.0).abs() < 1.0, "{}", shared.iteration_time_us);
         // A duplex rate equal to the one-way rate changes nothing.
         let as_fast = Hardware { host_link_duplex_bytes_per_s: Some(1e9), ..hardware(1e9) };
-        let same = replay(&trace, &transfers, &as_fast).unwrap();
+        let same = replay(&trace, &only(&transfers), &as_fast).unwrap();
         assert!((same.iteration_time_us - one_way.iteration_time_us).abs() < 1e-6);
     }
 
@@ -271,7 +386,7 @@ mod tests {
         // (1000 us, 0.5 MB read), then the read's other 0.5 MB at 1 GB/s (500 us).
         let (trace, transfers) = read_during_write(500_000, 20000.0);
         let duplex = Hardware { host_link_duplex_bytes_per_s: Some(0.5e9), ..hardware(1e9) };
-        let report = replay(&trace, &transfers, &duplex).unwrap();
+        let report = replay(&trace, &only(&transfers), &duplex).unwrap();
         // 500 (g's read alone) + 10 + 1500 (w's read) + 10 + 20000.
         assert!((report.iteration_time_us - 22020.0).abs() < 1.0, "{}", report.iteration_time_us);
     }
@@ -289,14 +404,14 @@ mod tests {
             ],
             ..trace()
         };
-        let report = replay(&trace, &transfers, &hardware(1e9)).unwrap();
+        let report = replay(&trace, &only(&transfers), &hardware(1e9)).unwrap();
         assert_eq!(report.host_read_bytes, 1_000_000, "the tensor must be read back, not kept");
         assert_eq!(report.host_written_bytes, 1_000_000);
         // Each iteration: op 2 (100 us, the write's first 100 us), the write's other 900 us, the
         // read (1000 us), ops 0 and 1.
         assert!((report.iteration_time_us - 2200.0).abs() < 1.0, "{}", report.iteration_time_us);
         // The planner's executor keeps it instead: no read, no wait.
-        let plan = plan_from_schedule(&trace, &transfers, 1 << 40).unwrap();
+        let (plan, _) = plan_from_schedule(&trace, &only(&transfers), 1 << 40).unwrap();
         let kept = simulate(&trace, &hardware(1e9), Policy::Planned(&plan), SimConfig::default()).unwrap();
         assert_eq!(kept.host_read_bytes, 0);
         assert!(kept.iteration_time_us < 1000.0, "{}", kept.iteration_time_us);
@@ -305,13 +420,229 @@ mod tests {
     #[test]
     fn transfers_that_do_not_pair_up_are_refused() {
         let twice = [issued(0, ActionKind::Prefetch), issued(1, ActionKind::Prefetch)];
-        assert!(matches!(plan_from_schedule(&trace(), &twice, 1 << 40), Err(Error::InvalidPlan(_))));
+        assert!(matches!(plan_from_schedule(&trace(), &only(&twice), 1 << 40), Err(Error::InvalidPlan(_))));
         let other_tier =
             [Issued { tier: Tier::Ssd, ..issued(0, ActionKind::Prefetch) }, issued(1, ActionKind::Offload)];
-        assert!(matches!(plan_from_schedule(&trace(), &other_tier, 1 << 40), Err(Error::InvalidPlan(_))));
+        assert!(matches!(plan_from_schedule(&trace(), &only(&other_tier), 1 << 40), Err(Error::InvalidPlan(_))));
         let unknown = [Issued { tensor_id: 8, ..issued(0, ActionKind::Prefetch) }];
-        assert!(matches!(plan_from_schedule(&trace(), &unknown, 1 << 40), Err(Error::InvalidPlan(_))));
+        assert!(matches!(plan_from_schedule(&trace(), &only(&unknown), 1 << 40), Err(Error::InvalidPlan(_))));
         let late = [issued(4, ActionKind::Prefetch), issued(1, ActionKind::Offload)];
-        assert!(matches!(plan_from_schedule(&trace(), &late, 1 << 40), Err(Error::InvalidPlan(_))));
+        assert!(matches!(plan_from_schedule(&trace(), &only(&late), 1 << 40), Err(Error::InvalidPlan(_))));
+    }
+
+    /// The CPU step's schedule: a unit with parameter w (id 1, 1 MB, persistent) read by ops 0
+    /// (forward) and 1 (backward), and its gradient g (id 2, `gradient_bytes`, written by op 1,
+    /// gone after it); ops of 1000, 1000 and 20000 us. w is read before op 0 and dropped (its
+    /// host copy current) before op 2; g leaves for good before op `job_op`, where the CPU job
+    /// that reads g and writes w (`job_us`) is queued.
+    fn cpu_step(job_op: u32, job_us: f64) -> (Trace, Schedule) {
+        let op = |name: &str, duration_us: f64| Op { name: name.into(), duration_us, layer: None, phase: Phase::Other };
+        let weight = Tensor {
+            id: 1,
+            name: "w".into(),
+            size_bytes: 1_000_000,
+            kind: TensorKind::Weight,
+            alloc_op: None,
+            free_op: None,
+            uses: vec![TensorUse { op: 0, access: Access::Read }, TensorUse { op: 1, access: Access::Read }],
+        };
+        let gradient = Tensor {
+            id: 2,
+            name: "w.grad".into(),
+            size_bytes: 1_000_000,
+            kind: TensorKind::Gradient,
+            alloc_op: Some(1),
+            free_op: Some(1),
+            uses: vec![TensorUse { op: 1, access: Access::Write }],
+        };
+        let trace = Trace {
+            format_version: FORMAT_VERSION,
+            description: "the CPU step".into(),
+            gpu_capacity_bytes: 1 << 40,
+            ops: vec![op("forward", 1000.0), op("backward", 1000.0), op("other", 20000.0)],
+            tensors: vec![weight, gradient],
+        };
+        let transfer = |op: u32, tensor_id: u64, kind: ActionKind| Issued { op, tensor_id, kind, tier: Tier::Host };
+        let schedule = Schedule {
+            transfers: vec![
+                transfer(0, 1, ActionKind::Prefetch),
+                transfer(2, 1, ActionKind::Drop),
+                transfer(job_op, 2, ActionKind::Offload),
+            ],
+            cpu_jobs: vec![CpuJob { op: job_op, duration_us: job_us, waits_for: vec![2], produces: vec![1] }],
+        };
+        (trace, schedule)
+    }
+
+    #[test]
+    fn a_gradient_that_leaves_for_good_is_a_lone_departure() {
+        let (trace, schedule) = cpu_step(2, 5000.0);
+        let (plan, side) = plan_from_schedule(&trace, &schedule, 1 << 40).unwrap();
+        assert_eq!(side.lone_departures, vec![LoneDeparture { op: 2, tensor_index: 1, tier: Tier::Host }]);
+        assert_eq!(plan.migrations.len(), 1, "w's drop and read; g has no read to pair with");
+        assert_eq!(side.jobs, vec![WorkerJob { op: 2, duration_us: 5000.0, waits_for: vec![1], produces: vec![0] }]);
+        // Written twice without a read between (gradients accumulated in host memory): both
+        // writes are lone, and a job waits for both.
+        let mut twice = schedule.clone();
+        twice.transfers.insert(0, Issued { op: 1, tensor_id: 2, kind: ActionKind::Offload, tier: Tier::Host });
+        let (_, side) = plan_from_schedule(&trace, &twice, 1 << 40).unwrap();
+        assert_eq!(side.lone_departures.iter().map(|d| d.op).collect::<Vec<_>>(), vec![1, 2]);
+        // It moves its bytes: w read once, g written once.
+        let report = replay(&trace, &schedule, &hardware(1e9)).unwrap();
+        assert_eq!((report.host_read_bytes, report.host_written_bytes), (1_000_000, 1_000_000));
+        // A tensor that outlives the iteration and leaves without a read after it has its read
+        // wrap into the next iteration; with none at all it is refused, not a lone departure.
+        let mut persistent = schedule.clone();
+        persistent.transfers.remove(0);
+        assert!(matches!(plan_from_schedule(&trace, &persistent, 1 << 40), Err(Error::InvalidPlan(_))));
+    }
+
+    #[test]
+    fn a_cpu_job_hidden_under_compute_costs_nothing() {
+        // Step in backward: g leaves and the job is queued as backward leaves the unit (before
+        // op 2). g's write (1000 us) and the job (5000 us) end within op 2 (20000 us): the
+        // iteration is w's read (1000 us) and the ops (22000 us).
+        let (trace, schedule) = cpu_step(2, 5000.0);
+        let report = replay(&trace, &schedule, &hardware(1e9)).unwrap();
+        assert!((report.iteration_time_us - 23000.0).abs() < 1.0, "{}", report.iteration_time_us);
+        assert_eq!(report.demand_fetches, 0);
+        // Without the job: the same.
+        let none = Schedule { cpu_jobs: Vec::new(), ..schedule };
+        let without = replay(&trace, &none, &hardware(1e9)).unwrap();
+        assert!((without.iteration_time_us - report.iteration_time_us).abs() < 1e-6);
+    }
+
+    #[test]
+    fn a_cpu_job_longer_than_the_compute_after_it_bounds_the_iteration() {
+        // Step in backward, a 30000 us job: from op 2's start, g's write (1000 us), the job
+        // (30000 us), w's read for the next forward (1000 us), ops 0 and 1 (2000 us) are one
+        // chain, longer than op 2 (20000 us).
+        let (trace, schedule) = cpu_step(2, 30000.0);
+        let report = replay(&trace, &schedule, &hardware(1e9)).unwrap();
+        assert!((report.iteration_time_us - 34000.0).abs() < 1.0, "{}", report.iteration_time_us);
+        // Step after backward (at `optimizer.step()`, after the last op): nothing hides the
+        // chain; g's write (1000 us), the job (5000 us), w's read (1000 us) and the ops.
+        let (trace, schedule) = cpu_step(3, 5000.0);
+        let report = replay(&trace, &schedule, &hardware(1e9)).unwrap();
+        assert!((report.iteration_time_us - 29000.0).abs() < 1.0, "{}", report.iteration_time_us);
+        // A faster link shortens the chain by the write and the read only.
+        let fast = replay(&trace, &schedule, &hardware(1e15)).unwrap();
+        assert!((fast.iteration_time_us - 27000.0).abs() < 1.0, "{}", fast.iteration_time_us);
+    }
+
+    /// Two units' jobs, both queued after the last op: A reads g1 (10 MB, written after the
+    /// last op) and writes w1, B reads g2 (1 MB, written before op 1) and writes w2; 1000 us
+    /// each; w1 and w2 (1 MB each) are read before op 0. `b_first`: B is queued before A.
+    fn two_jobs(b_first: bool) -> (Trace, Schedule) {
+        let op = |name: &str| Op { name: name.into(), duration_us: 1000.0, layer: None, phase: Phase::Other };
+        let uses = vec![TensorUse { op: 0, access: Access::Read }, TensorUse { op: 1, access: Access::Read }];
+        let weight = |id: u64| Tensor {
+            id,
+            name: format!("w{id}"),
+            size_bytes: 1_000_000,
+            kind: TensorKind::Weight,
+            alloc_op: None,
+            free_op: None,
+            uses: uses.clone(),
+        };
+        let gradient = |id: u64, size_bytes: u64| Tensor {
+            id,
+            name: format!("g{id}"),
+            size_bytes,
+            kind: TensorKind::Gradient,
+            alloc_op: Some(1),
+            free_op: Some(1),
+            uses: vec![TensorUse { op: 1, access: Access::Write }],
+        };
+        let trace = Trace {
+            format_version: FORMAT_VERSION,
+            description: "two CPU jobs".into(),
+            gpu_capacity_bytes: 1 << 40,
+            ops: vec![op("forward"), op("backward")],
+            tensors: vec![weight(1), weight(2), gradient(11, 10_000_000), gradient(12, 1_000_000)],
+        };
+        let transfer = |op: u32, tensor_id: u64, kind: ActionKind| Issued { op, tensor_id, kind, tier: Tier::Host };
+        let job = |waits: u64, produces: u64| CpuJob {
+            op: 2,
+            duration_us: 1000.0,
+            waits_for: vec![waits],
+            produces: vec![produces],
+        };
+        let mut cpu_jobs = vec![job(11, 1), job(12, 2)];
+        if b_first {
+            cpu_jobs.reverse();
+        }
+        let schedule = Schedule {
+            transfers: vec![
+                transfer(0, 1, ActionKind::Prefetch),
+                transfer(0, 2, ActionKind::Prefetch),
+                transfer(1, 12, ActionKind::Offload),
+                transfer(2, 1, ActionKind::Drop),
+                transfer(2, 2, ActionKind::Drop),
+                transfer(2, 11, ActionKind::Offload),
+            ],
+            cpu_jobs,
+        };
+        (trace, schedule)
+    }
+
+    #[test]
+    fn cpu_jobs_run_one_at_a_time_in_the_order_they_were_queued() {
+        // A first: A waits for g1's write (10000 us), runs (1000 us); B, ready long before,
+        // runs after it (1000 us); w1's read overlaps B, w2's read follows B (1000 us); then
+        // ops 0 and 1.
+        let (trace, schedule) = two_jobs(false);
+        let report = replay(&trace, &schedule, &hardware(1e9)).unwrap();
+        assert!((report.iteration_time_us - 15000.0).abs() < 1.0, "{}", report.iteration_time_us);
+        // B first: B runs at once and w2 is read meanwhile; A and w1's read follow g1's write.
+        let (trace, schedule) = two_jobs(true);
+        let report = replay(&trace, &schedule, &hardware(1e9)).unwrap();
+        assert!((report.iteration_time_us - 14000.0).abs() < 1.0, "{}", report.iteration_time_us);
+    }
+
+    #[test]
+    fn cpu_jobs_the_replay_cannot_run_are_refused_naming_what_is_wrong() {
+        let (trace, schedule) = cpu_step(2, 5000.0);
+        let refused = |change: &dyn Fn(&mut CpuJob)| {
+            let mut broken = schedule.clone();
+            change(&mut broken.cpu_jobs[0]);
+            match plan_from_schedule(&trace, &broken, 1 << 40) {
+                Err(Error::InvalidPlan(why)) => why,
+                other => panic!("accepted: {other:?}"),
+            }
+        };
+        assert!(refused(&|job| job.waits_for = vec![9]).contains("tensor 9, which the trace lacks"));
+        assert!(refused(&|job| job.produces = vec![9]).contains("tensor 9, which the trace lacks"));
+        assert!(refused(&|job| job.op = 1).contains("waits for tensor 2, which has no lone departure before it"));
+        assert!(refused(&|job| job.produces = vec![2]).contains("does not outlive the iteration"));
+        assert!(refused(&|job| job.duration_us = -1.0).contains("not a time"));
+        assert!(refused(&|job| job.duration_us = f64::NAN).contains("not a time"));
+        assert!(refused(&|job| job.op = 4).contains("the trace has 3 ops"));
+        let mut unordered = schedule.clone();
+        unordered.cpu_jobs.insert(0, CpuJob { op: 3, duration_us: 1.0, waits_for: Vec::new(), produces: Vec::new() });
+        assert!(matches!(plan_from_schedule(&trace, &unordered, 1 << 40), Err(Error::InvalidPlan(_))));
+        let mut dropped = schedule.clone();
+        dropped.transfers[2].kind = ActionKind::Drop;
+        assert!(matches!(plan_from_schedule(&trace, &dropped, 1 << 40), Err(Error::InvalidPlan(_))));
+    }
+
+    #[test]
+    fn a_schedule_without_cpu_jobs_parses_as_before_and_unknown_fields_are_refused() {
+        let old: Schedule =
+            serde_json::from_str(r#"{"transfers": [{"op": 0, "tensor_id": 7, "kind": "prefetch", "tier": "host"}]}"#)
+                .unwrap();
+        assert_eq!(old, only(&[issued(0, ActionKind::Prefetch)]));
+        assert_eq!(
+            serde_json::to_string(&old).unwrap(),
+            r#"{"transfers":[{"op":0,"tensor_id":7,"kind":"prefetch","tier":"host"}]}"#
+        );
+        let (_, schedule) = cpu_step(3, 5000.0);
+        let text = serde_json::to_string(&schedule).unwrap();
+        assert!(
+            text.contains(r#""cpu_jobs":[{"op":3,"duration_us":5000.0,"waits_for":[2],"produces":[1]}]"#),
+            "{text}"
+        );
+        assert_eq!(serde_json::from_str::<Schedule>(&text).unwrap(), schedule);
+        assert!(serde_json::from_str::<Schedule>(r#"{"transfers": [], "cpu_job": []}"#).is_err());
     }
 }

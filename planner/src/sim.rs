@@ -9,6 +9,11 @@
 //! when it is issued (it waits while memory is short). GPU memory never exceeds capacity: when
 //! nothing in flight can free memory the run ends as out of memory. Several iterations run back to
 //! back and the last is reported, so that periods wrapping across iterations are in steady state.
+//!
+//! A runtime's own schedule (`crate::replay`) may add [`SideWork`]: writes that are never read
+//! back in the iteration (a gradient that leaves for good), and a CPU worker that runs jobs of
+//! measured duration one at a time in issue order, each once the writes it waits for are done;
+//! a read of a tensor a job produces waits for the job's end.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
@@ -28,6 +33,45 @@ pub enum Policy<'a> {
     /// No plan: when memory is short evict the least recently used tensors (host first, then
     /// SSD); fetch evicted tensors when an op needs them.
     Lru,
+}
+
+/// A write that is never read back in the iteration (a gradient the CPU step consumes on the
+/// host): it moves its bytes on the tier's write channel and changes no tensor's place (its GPU
+/// memory is the trace's, freed at its last use; its host memory is the runtime's own).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LoneDeparture {
+    /// Issued before this op; the op count: after the iteration's last op.
+    pub op: u32,
+    /// Index into the trace's tensor list.
+    pub tensor_index: u32,
+    /// Destination tier.
+    pub tier: Tier,
+}
+
+/// A job of the CPU worker (the CPU step's update of one unit), issued before op `op` (the op
+/// count: after the iteration's last op). It starts once the worker is free, every job issued
+/// before it has run (one thread, first in first out) and the lone departures of `waits_for`
+/// issued before it are done; a read of a tensor of `produces` issued before its end waits for
+/// it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkerJob {
+    /// Issued before this op; the op count: after the iteration's last op.
+    pub op: u32,
+    /// Time on the worker (measured, not counting its waits for `waits_for`).
+    pub duration_us: f64,
+    /// Indices of tensors whose lone departures it reads.
+    pub waits_for: Vec<u32>,
+    /// Indices of tensors it writes on their tier (read back afterwards).
+    pub produces: Vec<u32>,
+}
+
+/// Work a runtime's own schedule adds to a plan's migrations; both lists in issue order.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SideWork {
+    /// Writes never read back in the iteration.
+    pub lone_departures: Vec<LoneDeparture>,
+    /// The CPU worker's jobs.
+    pub jobs: Vec<WorkerJob>,
 }
 
 /// How the replay ended.
@@ -135,6 +179,13 @@ struct TensorState {
     /// Needed again while its write runs (`SimConfig::reads_wait_for_writes`): read back once
     /// the write is done.
     read_after_write: bool,
+    /// Worker jobs issued that produce it and have not ended: a read waits for them.
+    jobs_pending: u32,
+    /// A read waits for the jobs that produce it (issued when the last ends).
+    read_after_job: bool,
+    /// Lone departures of it issued and done so far (jobs wait for a count of done ones).
+    lone_issued: u32,
+    lone_done: u32,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -152,6 +203,9 @@ struct Transfer {
     /// Host-link time of an SSD transfer (`Hardware::ssd_via_host_link`): it takes the link
     /// and changes no tensor's place; the SSD channel's transfer does that.
     link_only: bool,
+    /// A lone departure ([`LoneDeparture`]): changes no tensor's place; its end may start a
+    /// worker job.
+    lone: bool,
 }
 
 #[derive(Debug)]
@@ -228,6 +282,24 @@ impl Channel {
 
 const WRITE: usize = 0;
 const READ: usize = 1;
+/// The CPU worker's index among the completions (after the four channels).
+const WORKER: usize = 4;
+
+/// A worker job issued and not started: its index in [`SideWork::jobs`] and, per tensor it waits
+/// for, the lone departures of it that must be done.
+#[derive(Debug)]
+struct QueuedJob {
+    job: usize,
+    needs: Vec<(u32, u32)>,
+}
+
+/// The CPU worker: one job at a time, in issue order.
+#[derive(Debug, Default)]
+struct Worker {
+    /// The job running: (end time, job index).
+    busy: Option<(f64, usize)>,
+    queue: VecDeque<QueuedJob>,
+}
 
 fn channel_of(tier: Tier, direction: usize) -> usize {
     tier.index() * 2 + direction
@@ -264,6 +336,11 @@ struct Simulator<'a> {
     op_uses: Vec<Vec<(u32, Access)>>,
     /// Per plan action: the tensor's index.
     action_tensor: Vec<u32>,
+    side: &'a SideWork,
+    /// Per op, and after the last: indices into `side`'s lone departures and jobs issued there.
+    lone_at_op: Vec<Vec<usize>>,
+    jobs_at_op: Vec<Vec<usize>>,
+    worker: Worker,
 }
 
 impl Simulator<'_> {
@@ -287,16 +364,24 @@ impl Simulator<'_> {
     }
 
     fn enqueue(&mut self, channel: usize, tensor: u32, urgent: bool) {
+        let deadline = self.tensors[tensor as usize].deadline;
+        self.push(channel, tensor, urgent, deadline, false);
+    }
+
+    /// Queues a transfer of `tensor` on `channel` (and on the host link where an SSD transfer
+    /// also takes it).
+    fn push(&mut self, channel: usize, tensor: u32, urgent: bool, deadline: u64, lone: bool) {
         self.sequence += 1;
         let transfer = Transfer {
             not_urgent: !urgent,
-            deadline: self.tensors[tensor as usize].deadline,
+            deadline,
             sequence: self.sequence,
             tensor,
             size_bytes: self.size(tensor),
             remaining_bytes: self.size(tensor),
             started: false,
             link_only: false,
+            lone,
         };
         self.channels[channel].queue.push(Reverse(transfer));
         self.kick(channel);
@@ -357,10 +442,13 @@ impl Simulator<'_> {
         }
     }
 
+    /// The earliest end among the channels' running transfers and the worker's job: (time,
+    /// channel index or `WORKER`).
     fn next_completion(&self) -> Option<(f64, usize)> {
         let mut best: Option<(f64, usize)> = None;
-        for (index, channel) in self.channels.iter().enumerate() {
-            if let Some((end, _, _)) = channel.busy {
+        let ends = self.channels.iter().map(|c| c.busy.map(|(end, _, _)| end));
+        for (index, end) in ends.chain(std::iter::once(self.worker.busy.map(|(end, _)| end))).enumerate() {
+            if let Some(end) = end {
                 if best.is_none_or(|(t, _)| end < t) {
                     best = Some((end, index));
                 }
@@ -370,6 +458,10 @@ impl Simulator<'_> {
     }
 
     fn complete(&mut self, channel_index: usize, end_us: f64) {
+        if channel_index == WORKER {
+            self.complete_job(end_us);
+            return;
+        }
         let Some((_, _, transfer)) = self.channels[channel_index].busy.take() else {
             return;
         };
@@ -384,7 +476,10 @@ impl Simulator<'_> {
         let tier = if channel_index < 2 { Tier::Ssd } else { Tier::Host };
         let tensor = transfer.tensor as usize;
         let size = transfer.size_bytes;
-        if channel_index % 2 == WRITE {
+        if transfer.lone {
+            self.tensors[tensor].lone_done += 1;
+            self.start_job();
+        } else if channel_index % 2 == WRITE {
             let state = self.tensors[tensor];
             if state.place == Place::Writing(tier) && state.rewrite && !state.cancel_offload {
                 // The data written is stale: write again, the tensor stays on the GPU meanwhile.
@@ -517,6 +612,17 @@ impl Simulator<'_> {
     fn prefetch(&mut self, tensor: u32, urgent: bool, deadline: u64) {
         let state = &mut self.tensors[tensor as usize];
         match state.place {
+            Place::OnTier(_) if state.jobs_pending > 0 => {
+                // The tier's copy is being produced: the read is issued at the job's end.
+                if state.read_after_job {
+                    state.urgent |= urgent;
+                    state.deadline = state.deadline.min(deadline);
+                } else {
+                    state.read_after_job = true;
+                    state.urgent = urgent;
+                    state.deadline = deadline;
+                }
+            }
             Place::OnTier(tier) => {
                 state.place = Place::WaitingMemory(tier);
                 state.urgent = urgent;
@@ -574,6 +680,67 @@ impl Simulator<'_> {
 
     fn uses_of_op(&self, op: u32) -> Vec<u32> {
         self.op_uses[op as usize].iter().map(|(t, _)| *t).collect()
+    }
+
+    /// Issues the side work of op `op` (the op count: after the last op), after the plan's
+    /// actions there: lone departures, then worker jobs.
+    fn issue_side_work(&mut self, op: u32) {
+        let side = self.side;
+        let lone = std::mem::take(&mut self.lone_at_op[op as usize]);
+        for &index in &lone {
+            let departure = side.lone_departures[index];
+            let tensor = departure.tensor_index;
+            self.tensors[tensor as usize].lone_issued += 1;
+            let deadline = self.global_op;
+            self.push(channel_of(departure.tier, WRITE), tensor, false, deadline, true);
+        }
+        self.lone_at_op[op as usize] = lone;
+        let jobs = std::mem::take(&mut self.jobs_at_op[op as usize]);
+        for &job in &jobs {
+            let needs = side.jobs[job].waits_for.iter().map(|&t| (t, self.tensors[t as usize].lone_issued)).collect();
+            for &tensor in &side.jobs[job].produces {
+                self.tensors[tensor as usize].jobs_pending += 1;
+            }
+            self.worker.queue.push_back(QueuedJob { job, needs });
+        }
+        self.jobs_at_op[op as usize] = jobs;
+        self.start_job();
+    }
+
+    /// Starts the worker's next job if the worker is free and the job's departures are done.
+    fn start_job(&mut self) {
+        if self.worker.busy.is_some() {
+            return;
+        }
+        let Some(head) = self.worker.queue.front() else {
+            return;
+        };
+        if head.needs.iter().any(|&(tensor, done)| self.tensors[tensor as usize].lone_done < done) {
+            return;
+        }
+        let job = head.job;
+        self.worker.queue.pop_front();
+        self.worker.busy = Some((self.now_us + self.side.jobs[job].duration_us, job));
+    }
+
+    /// The worker's job ends: reads waiting for what it produced are issued, the next job starts.
+    fn complete_job(&mut self, end_us: f64) {
+        let Some((_, job)) = self.worker.busy.take() else {
+            return;
+        };
+        self.now_us = self.now_us.max(end_us);
+        let side = self.side;
+        for &tensor in &side.jobs[job].produces {
+            let state = &mut self.tensors[tensor as usize];
+            state.jobs_pending -= 1;
+            if state.jobs_pending == 0 && state.read_after_job {
+                state.read_after_job = false;
+                let (urgent, deadline) = (state.urgent, state.deadline);
+                self.prefetch(tensor, urgent, deadline);
+            }
+        }
+        self.start_job();
+        self.serve_waiting();
     }
 }
 
@@ -652,11 +819,22 @@ impl Simulator<'_> {
             }
             self.actions_at_op[op as usize] = actions;
         }
+        self.issue_side_work(op);
         let allocation_bytes: u64 = self.allocations_at_op[op as usize].iter().map(|&t| self.size(t)).sum();
         let uses = self.op_uses[op as usize].clone();
         for &(tensor, _) in &uses {
             let state = &mut self.tensors[tensor as usize];
             match state.place {
+                Place::OnTier(_) if state.jobs_pending > 0 => {
+                    // Read at the end of the job that produces it (unless a prefetch waits so).
+                    let demanded = !state.read_after_job;
+                    state.read_after_job = true;
+                    state.urgent = true;
+                    state.deadline = self.global_op;
+                    if demanded && self.measuring {
+                        self.report.demand_fetches += 1;
+                    }
+                }
                 Place::OnTier(tier) => {
                     state.place = Place::WaitingMemory(tier);
                     state.urgent = true;
@@ -790,6 +968,18 @@ impl Simulator<'_> {
 
 /// Replays `trace` under `policy` on `hardware`.
 pub fn simulate(trace: &Trace, hardware: &Hardware, policy: Policy<'_>, config: SimConfig) -> Result<SimReport> {
+    simulate_with(trace, hardware, policy, config, &SideWork::default())
+}
+
+/// [`simulate`] with a runtime's side work (lone departures and CPU worker jobs; their tensor
+/// indices and ops are the caller's to check, as `crate::replay` does).
+pub fn simulate_with(
+    trace: &Trace,
+    hardware: &Hardware,
+    policy: Policy<'_>,
+    config: SimConfig,
+    side: &SideWork,
+) -> Result<SimReport> {
     trace.validate()?;
     hardware.validate()?;
     let n = trace.ops.len();
@@ -804,6 +994,14 @@ pub fn simulate(trace: &Trace, hardware: &Hardware, policy: Policy<'_>, config: 
         for tensor_use in &tensor.uses {
             op_uses[tensor_use.op as usize].push((index as u32, tensor_use.access));
         }
+    }
+    let mut lone_at_op = vec![Vec::new(); n + 1];
+    for (index, departure) in side.lone_departures.iter().enumerate() {
+        lone_at_op[departure.op as usize].push(index);
+    }
+    let mut jobs_at_op = vec![Vec::new(); n + 1];
+    for (index, job) in side.jobs.iter().enumerate() {
+        jobs_at_op[job.op as usize].push(index);
     }
     let mut actions_at_op = vec![Vec::new(); n];
     let mut action_tensor = Vec::new();
@@ -843,6 +1041,10 @@ pub fn simulate(trace: &Trace, hardware: &Hardware, policy: Policy<'_>, config: 
                 urgent: false,
                 last_used_seq: 0,
                 read_after_write: false,
+                jobs_pending: 0,
+                read_after_job: false,
+                lone_issued: 0,
+                lone_done: 0,
             };
             trace.tensors.len()
         ],
@@ -881,6 +1083,10 @@ pub fn simulate(trace: &Trace, hardware: &Hardware, policy: Policy<'_>, config: 
         actions_at_op,
         op_uses,
         action_tensor,
+        side,
+        lone_at_op,
+        jobs_at_op,
+        worker: Worker::default(),
     };
     sim.initial_state();
     if sim.gpu_used_bytes > sim.capacity_bytes {
@@ -906,6 +1112,7 @@ pub fn simulate(trace: &Trace, hardware: &Hardware, policy: Policy<'_>, config: 
                 return Ok(sim.report);
             }
         }
+        sim.issue_side_work(n as u32);
     }
     sim.report.iteration_time_us = sim.now_us - sim.iteration_start_us;
     // Transfers of the measured iteration still in flight are counted as issued traffic below.

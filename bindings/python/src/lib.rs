@@ -888,20 +888,21 @@ fn simulate_plan(
     })
 }
 
-/// Replays a runtime's own recorded schedule (`{"transfers": [...]}`: what it issued before each
-/// op of the trace, `teraio_planner::replay`) in the simulator on `hardware_json` (the planner's
+/// Replays a runtime's own recorded schedule (`{"transfers": [...], "cpu_jobs": [...]}`: what it
+/// issued before each op of the trace, `teraio_planner::replay`) in the simulator on `hardware_json` (the planner's
 /// `Hardware`, every field named) and returns the simulator's report as JSON: how long that
 /// schedule takes there.
 #[pyfunction]
 fn replay_schedule(py: Python<'_>, trace_json: &str, schedule_json: &str, hardware_json: &str) -> PyResult<String> {
     let trace = parse_trace(trace_json)?;
-    let schedule: Schedule = serde_json::from_str(schedule_json)
-        .map_err(|e| PlannerError::new_err(format!("the schedule is not {{\"transfers\": [...]}} JSON: {e}")))?;
+    let schedule: Schedule = serde_json::from_str(schedule_json).map_err(|e| {
+        PlannerError::new_err(format!("the schedule is not {{\"transfers\": [...], \"cpu_jobs\": [...]}} JSON: {e}"))
+    })?;
     let hardware: Hardware = serde_json::from_str(hardware_json)
         .map_err(|e| PlannerError::new_err(format!("the hardware is not the planner's Hardware JSON: {e}")))?;
     hardware.validate().map_err(planner_err)?;
     py.allow_threads(move || {
-        let report = replay(&trace, &schedule.transfers, &hardware).map_err(planner_err)?;
+        let report = replay(&trace, &schedule, &hardware).map_err(planner_err)?;
         serde_json::to_string(&report).map_err(|e| PlannerError::new_err(e.to_string()))
     })
 }

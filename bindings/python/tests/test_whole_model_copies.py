@@ -10,6 +10,7 @@ from typing import Any, Optional
 import pytest
 import teraio
 import torch
+from cpu_step import assert_cpu_step_predicted
 from teraio.runtime.modes.whole_model import ModelOffload
 from teraio.runtime.movers.tiers import HostTier
 from teraio.runtime.plans import capacity as cp
@@ -141,6 +142,8 @@ def test_copies_are_bitwise_against_training_without_offload(kwargs: dict[str, A
     assert _copied(result[3]) == linears
     assert report.compute_copy_parameters == len(linears)
     assert "compute copies: bfloat16" in str(report)
+    # The copies' bf16 transfers are their parameters' and gradients' in the record.
+    assert_cpu_step_predicted(result[3])
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"autocast": False}], ids=["autocast", "fp32"])
@@ -154,6 +157,7 @@ def test_copies_with_the_step_in_backward(kwargs: dict[str, Any]) -> None:
     report = result[3].report()
     assert report.step_in_backward and report.update == "cpu"
     assert report.compute_copies == ("off" if kwargs else "bfloat16"), report.compute_copies_reason
+    assert_cpu_step_predicted(result[3])
 
 
 def test_a_tied_head_stays_fp32() -> None:

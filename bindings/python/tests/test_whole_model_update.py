@@ -8,6 +8,8 @@ from typing import Any, Optional
 import pytest
 import teraio
 import torch
+from cpu_step import assert_cpu_step_predicted
+from teraio.planning import replay_schedule
 from teraio.runtime.modes.whole_model import ModelOffload
 from teraio.runtime.plans import capacity as cp
 from test_whole_model import TiedLM, _tokens
@@ -80,12 +82,107 @@ def test_cpu_step_is_torchs_fused_cpu_adamw(kwargs: dict[str, Any]) -> None:
     report = result[4].report()
     assert report.update == "cpu" and report.cpu_update_ms is not None
     assert "update on the CPU" in str(report)
-    # The simulator replays GPU ops and link transfers: no prediction, and the report says why.
-    assert report.predicted_iteration_ms is None
-    assert any("does not model the CPU step" in w for w in report.warnings)
+    # At optimizer.step(), after the last op: the replay's next forward waits for them.
+    record = assert_cpu_step_predicted(result[4])
+    assert all(job["op"] == len(record.trace["ops"]) for job in record.schedule["cpu_jobs"])
+    trained = [slot for slot in result[4].slots if slot.param.requires_grad]
+    assert len(record.schedule["cpu_jobs"]) == len(result[4]._update_groups(trained))
     # After exit the state is the user's optimizer's own again, on the model's device.
     optimizer = result[1]
     assert all(state["exp_avg"].device.type == "cpu" for state in optimizer.state.values())
+
+
+def _host_hardware(host_link_bytes_per_s: float) -> dict[str, Any]:
+    return {
+        "gpu_capacity_bytes": 1 << 40,
+        "host_capacity_bytes": 1 << 40,
+        "host_link_bytes_per_s": host_link_bytes_per_s,
+        "host_link_duplex_bytes_per_s": None,
+        "host_latency_us": 0.0,
+        "ssd_read_bytes_per_s": 1e9,
+        "ssd_write_bytes_per_s": 1e9,
+        "ssd_latency_us": 0.0,
+        "ssd_shared": False,
+        "ssd_via_host_link": True,
+    }
+
+
+def test_a_cpu_job_replays_between_the_gradients_write_and_the_parameters_read() -> None:
+    # Ops of 1000 us: forward and backward read w (1 MB); backward writes its gradient g (1 MB),
+    # which leaves for good after the last op, where the step queues the job (5000 us) that
+    # reads g and writes w; w is read before the forward. At 1 GB/s: g's write (1000 us), the
+    # job, w's read (1000 us) and the ops are one chain: 9000 us.
+    tensor = {"size_bytes": 1_000_000, "alloc_op": None, "free_op": None}
+    trace = {
+        "format_version": 1,
+        "description": "the CPU step, by hand",
+        "gpu_capacity_bytes": 1 << 40,
+        "ops": [{"name": "forward", "duration_us": 1000.0}, {"name": "backward", "duration_us": 1000.0}],
+        "tensors": [
+            {
+                **tensor,
+                "id": 1,
+                "name": "w",
+                "kind": "weight",
+                "uses": [{"op": 0, "access": "read"}, {"op": 1, "access": "read"}],
+            },
+            {
+                **tensor,
+                "id": 2,
+                "name": "w.grad",
+                "kind": "gradient",
+                "alloc_op": 1,
+                "free_op": 1,
+                "uses": [{"op": 1, "access": "write"}],
+            },
+        ],
+    }
+    transfers = [
+        {"op": 0, "tensor_id": 1, "kind": "prefetch", "tier": "host"},
+        {"op": 2, "tensor_id": 1, "kind": "drop", "tier": "host"},
+        {"op": 2, "tensor_id": 2, "kind": "offload", "tier": "host"},
+    ]
+    job = {"op": 2, "duration_us": 5000.0, "waits_for": [2], "produces": [1]}
+    with_job = replay_schedule(trace, {"transfers": transfers, "cpu_jobs": [job]}, _host_hardware(1e9))
+    assert with_job["iteration_time_us"] == pytest.approx(9000.0)
+    assert (with_job["host_read_bytes"], with_job["host_written_bytes"]) == (1_000_000, 1_000_000)
+    # A record without jobs (the schedule format before them): w's read and the ops; g's write
+    # runs meanwhile.
+    alone = replay_schedule(trace, {"transfers": transfers}, _host_hardware(1e9))
+    assert alone["iteration_time_us"] == pytest.approx(3000.0)
+    # Ten times the link: 100 us each for the write and the read.
+    fast = replay_schedule(trace, {"transfers": transfers, "cpu_jobs": [job]}, _host_hardware(1e10))
+    assert fast["iteration_time_us"] == pytest.approx(7200.0)
+    # A job naming a tensor the trace lacks is refused, naming it.
+    with pytest.raises(teraio.PlannerError, match="tensor 9, which the trace lacks"):
+        replay_schedule(
+            trace, {"transfers": transfers, "cpu_jobs": [{**job, "produces": [9]}]}, _host_hardware(1e9)
+        )
+
+
+def test_a_read_waiting_for_its_update_is_recorded_where_it_was_wanted() -> None:
+    # Whether a unit's update is done when the step reads ahead is a race: the record holds the
+    # read where it was wanted, once, whichever way the race went, and not where it was issued.
+    from teraio.schedule_record import ScheduleRecorder
+
+    recorder = ScheduleRecorder(torch.device("cpu"))
+    recorder.wanted("early", "host")  # before the record (the last iteration's step)
+    recorder.start()
+    recorder.begin("forward")
+    recorder.use("early", "early", "parameter", 8)
+    recorder.use("late", "late", "parameter", 8)
+    recorder.read("early", "host")  # issued now: wanted before the record, not recorded again
+    recorder.left("early", "host")
+    recorder.left("late", "host")
+    recorder.wanted("late", "host")
+    recorder.wanted("late", "host")  # still waiting at the next read ahead
+    recorder.finish()
+    recorder.read("late", "host")  # issued in the next iteration
+    record = recorder.result()
+    assert record is not None
+    names = {t["id"]: t["name"] for t in record.trace["tensors"]}
+    moves = [(names[t["tensor_id"]], t["kind"], t["op"]) for t in record.schedule["transfers"]]
+    assert moves == [("early", "drop", 1), ("late", "drop", 1), ("late", "prefetch", 1)]
 
 
 def test_cpu_step_against_the_default_single_tensor_adamw() -> None:
@@ -146,6 +243,11 @@ def test_cpu_step_in_backward_is_torchs_fused_cpu_adamw() -> None:
     report = result[4].report()
     assert report.update == "cpu" and report.step_in_backward and report.cpu_update_ms is not None
     assert "step in backward on the CPU" in str(report)
+    # Queued as backward leaves each unit: one job per batch of gradients sent out, after it.
+    record = assert_cpu_step_predicted(result[4])
+    gradients = {t["id"] for t in record.trace["tensors"] if t["kind"] == "gradient"}
+    out_at = sorted({x["op"] for x in record.schedule["transfers"] if x["tensor_id"] in gradients})
+    assert [job["op"] for job in record.schedule["cpu_jobs"]] == out_at
     # Gradients leave for host memory (the CPU step's input), once per iteration.
     moved = report.bytes_per_iteration
     params = sum(p.untyped_storage().nbytes() for p in result[0].parameters())

@@ -11,13 +11,21 @@ planner/src/replay.rs) at the machine's bandwidths, or at others (`ScheduleRecor
 - tensors: what the ops used (a parameter, its gradient, each optimizer-state tensor, a
   checkpointed block's inputs), read or written, with their sizes;
 - transfers: each read, write and drop the runtime issued, before the op that followed it (one
-  issued while an op runs counts before the next op: the replay issues it a little late).
+  issued while an op runs counts before the next op: the replay issues it a little late); a
+  gradient written to host memory and never read back in the iteration (the CPU step reads it
+  there) is a lone departure; a parameter's read that waits for the CPU step's update of it
+  is recorded where it was wanted (`wanted`), the replay's read waiting for the update's job;
+- CPU jobs (`update="cpu"`): each unit's update queued on the CPU step's worker, before the op
+  that followed it (at `optimizer.step()` after backward: after the last op), with its time on
+  the worker (measured there, not counting its wait for the gradients' copies), the gradients
+  it waits for and the parameters it writes, which their next read waits for.
 
 Only tensors that moved are recorded: a parameter kept on the GPU takes no link time.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Optional
 
@@ -61,6 +69,9 @@ class ScheduleRecord:
     schedule: dict[str, Any]
     #: Transfers of tensors no op used in the recorded iteration (not replayable; counted).
     unmodelled_transfers: int = 0
+    #: Tensors CPU jobs name that the trace lacks (no op used them or they did not move):
+    #: left out of the jobs, so nothing waits for them in the replay (counted).
+    unmodelled_job_tensors: int = 0
     #: Indices of the schedule's reads that moved no bytes: a tensor kept while its write ran.
     kept: list[int] = field(default_factory=list)
     #: The recorded iteration as it ran on the GPU: from its first op's start to its last op's
@@ -94,12 +105,18 @@ class ScheduleRecord:
         }
         return replay_schedule(self.trace, self.schedule, hardware)
 
+    @property
+    def cpu_update_ms(self) -> float:
+        """The CPU jobs' time on the worker, all of them (ms)."""
+        return sum(job["duration_us"] for job in self.schedule.get("cpu_jobs", [])) / 1e3
+
 
 class ScheduleRecorder:
     """Records one iteration (see the module docstring): `start`, then the runtime calls `wait`
     before it waits, `begin` after, `use` for what the running op touches, `read` / `wrote` /
-    `left` for its transfers; `finish` ends the record, `result` builds it (reading the GPU
-    marks then, not while training runs). Calls outside a record do nothing."""
+    `left` for its transfers, `cpu_job` for what it queues on the CPU step's worker; `finish`
+    ends the record, `result` builds it (reading the GPU marks and the jobs' times then, not
+    while training runs). Calls outside a record do nothing."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -109,14 +126,19 @@ class ScheduleRecorder:
         self._ops: list[list[Any]] = []  # [name, start mark, end mark or None]
         self._tensors: dict[Hashable, _Tensor] = {}
         self._transfers: list[tuple[int, Hashable, str, str, bool]] = []  # (..., moved bytes)
+        # (op, the job's future: its seconds on the worker, waits for, produces)
+        self._jobs: list[tuple[int, Future[float], list[Hashable], list[Hashable]]] = []
         # Tensors written whose GPU memory has not left since (the write's departure is owed),
         # tracked between records too; and which of them were written during the record.
         self._owed: dict[Hashable, str] = {}
         self._written: set[Hashable] = set()
+        # Reads recorded where they were wanted (`wanted`), not yet issued; kept between records.
+        self._wanted: set[Hashable] = set()
 
     def start(self) -> None:
         self.recording, self._finished, self._record = True, False, None
         self._ops, self._tensors, self._transfers, self._written = [], {}, [], set()
+        self._jobs = []
 
     def wait(self) -> None:
         """The runtime is about to wait for transfers: the running op ends here."""
@@ -142,7 +164,19 @@ class ScheduleRecorder:
             tensor.uses[op] = "write" if write else "read"
 
     def read(self, key: Hashable, tier: str) -> None:
+        if key in self._wanted:
+            self._wanted.discard(key)  # recorded where it was wanted
+            return
         self._issue(key, PREFETCH, tier)
+
+    def wanted(self, key: Hashable, tier: str) -> None:
+        """A read of `key` from `tier` is wanted here but waits for the CPU step's update of it:
+        recorded here, where the replay issues it to wait for that job, so that the record does
+        not depend on whether the update was done in time; the runtime's `read` once the wait
+        is over is this one."""
+        if key not in self._wanted:
+            self._wanted.add(key)
+            self._issue(key, PREFETCH, tier)
 
     def wrote(self, key: Hashable, tier: str, leaves: bool = True) -> None:
         """A write of `key` to `tier` was issued; `leaves`: its GPU memory goes with it (else it
@@ -173,6 +207,12 @@ class ScheduleRecorder:
             self._written.discard(key)
             self._issue(key, OFFLOAD, tier)
         self._issue(key, PREFETCH, tier, moves=False)
+
+    def cpu_job(self, future: Future[float], waits_for: list[Hashable], produces: list[Hashable]) -> None:
+        """A job was queued on the CPU worker: `future` gives its seconds on the worker once it
+        ran; it reads the lone departures of `waits_for` and writes `produces` on their tier."""
+        if self.recording:
+            self._jobs.append((len(self._ops), future, list(waits_for), list(produces)))
 
     def _issue(self, key: Hashable, kind: str, tier: str, moves: bool = True) -> None:
         if self.recording:
@@ -220,6 +260,21 @@ class ScheduleRecorder:
         transfers = [
             {"op": op, "tensor_id": ids[key], "kind": kind, "tier": tier} for op, key, kind, tier, _ in kept
         ]
+        cpu_jobs, unmodelled_job_tensors = [], 0
+        for op, future, waits_for, produces in self._jobs:
+            named = [*waits_for, *produces]
+            unmodelled_job_tensors += sum(key not in moved for key in named)
+            cpu_jobs.append(
+                {
+                    "op": op,
+                    "duration_us": future.result() * 1e6,
+                    "waits_for": [ids[key] for key in waits_for if key in moved],
+                    "produces": [ids[key] for key in produces if key in moved],
+                }
+            )
+        schedule: dict[str, Any] = {"transfers": transfers}
+        if cpu_jobs:
+            schedule["cpu_jobs"] = cpu_jobs
         return ScheduleRecord(
             trace={
                 "format_version": 1,
@@ -228,8 +283,9 @@ class ScheduleRecorder:
                 "ops": ops,
                 "tensors": tensors,
             },
-            schedule={"transfers": transfers},
+            schedule=schedule,
             unmodelled_transfers=len(self._transfers) - len(transfers),
+            unmodelled_job_tensors=unmodelled_job_tensors,
             kept=[index for index, t in enumerate(kept) if not t[4]],
             span_ms=span_ms,
         )

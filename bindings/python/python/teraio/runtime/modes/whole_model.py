@@ -244,7 +244,8 @@ class WholeModelReport:
     predicted_iteration_ms: Optional[float] = None
     #: (measured - predicted) / predicted, percent.
     prediction_error_percent: Optional[float] = None
-    #: The replay's figures: compute and stall time, bytes per tier, the bandwidths it assumed.
+    #: The replay's figures: compute and stall time, bytes per tier, the CPU step's jobs
+    #: (`cpu_update_ms`, `cpu_jobs`), the bandwidths it assumed.
     prediction: dict[str, Any] = field(default_factory=dict)
     #: Where the measurement and the prediction differ by more than the tolerance.
     warnings: list[str] = field(default_factory=list)
@@ -372,7 +373,9 @@ class WholeModelReport:
             lines.append(
                 f"  predicted {self.predicted_iteration_ms:.1f} ms (the simulator's replay of iteration "
                 f"{RECORDED_ITERATION + 1}: GPU work {p['compute_ms']:.1f} ms, waits "
-                f"{p['stall_ms']:.1f} ms; that iteration's host time outside its GPU work "
+                f"{p['stall_ms']:.1f} ms"
+                + (f", CPU step {p['cpu_update_ms']:.1f} ms on its worker" if p.get("cpu_jobs") else "")
+                + "; that iteration's host time outside its GPU work "
                 f"{p['outside_span_ms']:.1f} ms), measured {ms}: {self.prediction_error_percent:+.1f}%; "
                 f"that iteration ran {p['recorded_span_ms']:.1f} ms, "
                 f"{p['recorded_waits_ms']:.1f} ms of it waits; host link {_rate(p['host_link_bytes_per_s'])} "
@@ -1244,7 +1247,7 @@ class ModelOffload(Session):
         at its `_release`, the others' with the write."""
         tier = self._tier(slot, kind)
         self._counts.add("out", tier.name, kind, source.numel())
-        self.recorder.wrote((kind, slot.index), tier.name, leaves=kind != cp.PARAMETER)
+        self.recorder.wrote(_recorded(kind, slot.index), tier.name, leaves=kind != cp.PARAMETER)
         return tier.write((kind, slot.index), source)
 
     def _read(self, slot: _Slot, kind: Any, tensor: torch.Tensor) -> Transfer:
@@ -1262,7 +1265,7 @@ class ModelOffload(Session):
     def _read_into(self, slot: _Slot, kind: Any, target: torch.Tensor) -> Transfer:
         tier = self._tier(slot, kind)
         self._counts.add("in", tier.name, kind, target.numel())
-        self.recorder.read((kind, slot.index), tier.name)
+        self.recorder.read(_recorded(kind, slot.index), tier.name)
         return tier.read((kind, slot.index), target)
 
     def _record_use(self, slot: _Slot, kind: Any, write: bool = False) -> None:
@@ -1272,7 +1275,9 @@ class ModelOffload(Session):
         if isinstance(kind, tuple):
             nbytes, name, base = self._state_nbytes[(kind, slot.index)], f"{slot.name}.{kind[1]}", kind[0]
         else:
-            nbytes, name, base = slot.nbytes, slot.name + (".grad" if kind == cp.GRADIENT else ""), kind
+            # A compute copy's parameter and gradient cross the link in its dtype.
+            nbytes = _numel_bytes(slot.param, COPY_DTYPE) if slot.copied else slot.nbytes
+            name, base = slot.name + (".grad" if kind == cp.GRADIENT else ""), kind
         self.recorder.use((kind, slot.index), name, base, nbytes, write)
 
     def _drain_writes(self) -> None:
@@ -1291,6 +1296,11 @@ class ModelOffload(Session):
         leaves it for later and returns False."""
         if slot.update is not None:
             if not wait and not slot.update.done():
+                if slot.stale or not slot.resident:
+                    # The read comes once the update is done; for the record it is wanted now.
+                    kind = self._param_kind(slot)
+                    tier = HOST if slot.stale else self._tier(slot, kind).name
+                    self.recorder.wanted(_recorded(kind, slot.index), tier)
                 return False
             self._await_update(slot)
         if slot.stale:
@@ -1299,7 +1309,7 @@ class ModelOffload(Session):
             kind = self._param_kind(slot)
             target = flat_bytes(slot.param)
             self._counts.add("in", HOST, kind, target.numel())
-            self.recorder.read((kind, slot.index), HOST)
+            self.recorder.read(_recorded(kind, slot.index), HOST)
             slot.fetch = self.host.read((kind, slot.index), target)
             return True
         if slot.release_pending:
@@ -1740,6 +1750,9 @@ class ModelOffload(Session):
         `optimizer.step()` sets the next step's. With the step in backward the units' updates
         were queued in backward (`_queue_cpu_updates`); what is left here are gradients set by
         hand, and at the first step the compute copies' choice."""
+        # The record's last op ends where the step begins: the step's waits for the gradients'
+        # copies are the replay's (their lone departures before the CPU jobs), not the op's.
+        self.recorder.wait()
         stepped = [slot for slot in self.slots if slot.grad_held]
         if stepped or not self.step_in_backward:
             self._await_updates()  # a step with no forward pass since the last one
@@ -1808,6 +1821,13 @@ class ModelOffload(Session):
             [slot for slot in group if slot.copied],
             copies_out,
         )
+        # For the record: the job reads the gradients that left for good and writes the
+        # parameters, which their next read waits for (`_acquire`).
+        self.recorder.cpu_job(
+            future,
+            waits_for=[(cp.GRADIENT, slot.index) for slot in group],
+            produces=[(cp.PARAMETER, slot.index) for slot in group],
+        )
         for slot in group:
             slot.update = future
             slot.grad_held = False
@@ -1837,7 +1857,9 @@ class ModelOffload(Session):
         folds: list[tuple[_Slot, str]],
         copies: list[_Slot],
         copies_out: list[Any],
-    ) -> None:
+    ) -> float:
+        """Runs one group's update on the worker; returns its seconds there, the wait for the
+        gradients' copies left out (the replay waits for those copies itself)."""
         for event in copies_out:
             event.synchronize()  # the gradients are in host memory (the wait is not the step's)
         started = time.perf_counter()
@@ -1847,7 +1869,9 @@ class ModelOffload(Session):
         self.cpu_update.step(params, clip)
         for slot in copies:
             self._round_copy(slot)
-        self._cpu_update_s += time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        self._cpu_update_s += elapsed
+        return elapsed
 
     def _await_update(self, slot: _Slot) -> None:
         future, slot.update = slot.update, None
@@ -1986,9 +2010,7 @@ class ModelOffload(Session):
     # -- iterations and the report ---------------------------------------------------------------
 
     def _begin_iteration(self) -> None:
-        # The simulator replays GPU ops and link transfers; the CPU step is neither (a gradient
-        # leaves for good), so an iteration with it is not recorded.
-        if self.steps == RECORDED_ITERATION and self.update_site.site != cp.CPU_UPDATE:
+        if self.steps == RECORDED_ITERATION:
             self.recorder.start()
         self._position = 0
         self._step_started = time.perf_counter()
@@ -2112,6 +2134,10 @@ class ModelOffload(Session):
             "ssd_written_bytes": sim["ssd_written_bytes"],
             "demand_fetches": sim["demand_fetches"],
             "unmodelled_transfers": record.unmodelled_transfers,
+            # The CPU step's jobs the replay ran on its worker (update="cpu"; 0 otherwise).
+            "cpu_update_ms": record.cpu_update_ms,
+            "cpu_jobs": len(record.schedule.get("cpu_jobs", [])),
+            "unmodelled_job_tensors": record.unmodelled_job_tensors,
             "host_link_bytes_per_s": link,
             "host_link_duplex_bytes_per_s": duplex,
             "ssd_read_bytes_per_s": read,
@@ -2155,21 +2181,15 @@ class ModelOffload(Session):
         middle = later[len(later) // 2] if later else _Counts()
         times = self._step_times_ms[1:] or self._step_times_ms
         measured = statistics.median(times) if times else None
-        if self.update_site.site == cp.CPU_UPDATE:
+        try:
+            prediction = self.predict()
+        except PlannerError as failure:  # a schedule the replay cannot pair up: say so
             prediction, failure_text = (
                 None,
-                "no prediction: the simulator does not model the CPU step (update='cpu')",
+                f"no prediction: the recorded schedule does not replay ({failure})",
             )
         else:
-            try:
-                prediction = self.predict()
-            except PlannerError as failure:  # a schedule the replay cannot pair up: say so
-                prediction, failure_text = (
-                    None,
-                    f"no prediction: the recorded schedule does not replay ({failure})",
-                )
-            else:
-                failure_text = ""
+            failure_text = ""
         predicted = prediction["iteration_ms"] if prediction else None
         tokens = middle.tokens or None
         tokens_per_s = tokens / measured * 1e3 if tokens and measured else None
@@ -2324,6 +2344,12 @@ def _scale(tensor: torch.Tensor, coef: torch.Tensor, foreach: Optional[bool]) ->
         torch._foreach_mul_([tensor], coef)
     else:
         tensor.mul_(coef)
+
+
+def _recorded(kind: Any, index: int) -> tuple[Any, int]:
+    """The record's key of `kind` of parameter `index`: a compute copy's transfers are its
+    parameter's or gradient's, whose bytes they carry across the link."""
+    return ({PARAMETER_COPY: cp.PARAMETER, GRADIENT_COPY: cp.GRADIENT}.get(kind, kind), index)
 
 
 def _rate(bytes_per_s: Optional[float]) -> str:

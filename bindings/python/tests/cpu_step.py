@@ -1,0 +1,60 @@
+"""The CPU step's prediction (`update="cpu"`) as the whole-model tests check it."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+from teraio.runtime.modes.whole_model import ModelOffload
+
+
+def assert_cpu_step_predicted(run: ModelOffload) -> Any:
+    """The CPU step's prediction: the recorded iteration holds the worker's jobs, each waiting
+    for its parameters' gradients, which leave for good (a lone departure: their last transfer
+    is a write to host memory that no read follows), and writing those parameters; the replay
+    runs them. Returns the record."""
+    report = run.report()
+    record = run.recorder.result()
+    assert record is not None
+    assert report.predicted_iteration_ms is not None, report.warnings
+    assert "CPU step" in str(report)
+    jobs = record.schedule["cpu_jobs"]
+    assert report.prediction["cpu_jobs"] == len(jobs) > 1
+    assert report.prediction["cpu_update_ms"] == pytest.approx(sum(j["duration_us"] for j in jobs) / 1e3)
+    assert report.prediction["cpu_update_ms"] > 0
+    assert record.unmodelled_job_tensors == 0 and record.unmodelled_transfers == 0
+    names = {t["id"]: t["name"] for t in record.trace["tensors"]}
+    produced = sorted(names[i] for job in jobs for i in job["produces"])
+    assert produced == sorted(slot.name for slot in run.slots if slot.param.requires_grad)
+    for job in jobs:
+        assert sorted(names[i] for i in job["waits_for"]) == sorted(
+            names[i] + ".grad" for i in job["produces"]
+        )
+    for gradient in (t for t in record.trace["tensors"] if t["kind"] == "gradient"):
+        kinds = [
+            (x["kind"], x["tier"], x["op"])
+            for x in record.schedule["transfers"]
+            if x["tensor_id"] == gradient["id"]
+        ]
+        writes = [op for kind, tier, op in kinds if kind == "offload" and tier == "host"]
+        assert writes and len(writes) == sum(kind != "prefetch" for kind, _, _ in kinds)
+        # A read brings back the write before it (accumulated in fp32, or for a clip's norm);
+        # a write no read follows is lone (bf16 copies' writes accumulate in host memory).
+        assert all(kinds[i - 1][0] == "offload" for i, (kind, _, _) in enumerate(kinds) if kind == "prefetch")
+        follows = [*(kind for kind, _, _ in kinds[1:]), None]
+        assert any(kind == "offload" and after != "prefetch" for (kind, _, _), after in zip(kinds, follows))
+        assert next(j["op"] for j in jobs if gradient["id"] in j["waits_for"]) >= writes[-1]
+    # The replay runs the jobs one at a time: at a second each (far longer than the rest), the
+    # next forward pass waits for all of them, less the backward ops they overlap.
+    compute_us = sum(op["duration_us"] for op in record.trace["ops"])
+    slow = {**record.schedule, "cpu_jobs": [{**job, "duration_us": 1e6} for job in jobs]}
+    unbounded = dict(host_link_bytes_per_s=1e18, ssd_read_bytes_per_s=1e18, ssd_write_bytes_per_s=1e18)
+    replayed = dataclasses.replace(record, schedule=slow).replay(**unbounded)
+    latencies_us = len(record.schedule["transfers"]) * 10.0 * 2
+    assert (
+        len(jobs) * 1e6 - compute_us
+        <= replayed["iteration_time_us"]
+        <= len(jobs) * 1e6 + compute_us + latencies_us
+    )
+    return record
