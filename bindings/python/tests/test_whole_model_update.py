@@ -3,6 +3,7 @@ CPU step's arithmetic against torch's CPU AdamW, and the bytes each site moves."
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import Any, Optional
 
 import pytest
@@ -182,7 +183,51 @@ def test_a_read_waiting_for_its_update_is_recorded_where_it_was_wanted() -> None
     assert record is not None
     names = {t["id"]: t["name"] for t in record.trace["tensors"]}
     moves = [(names[t["tensor_id"]], t["kind"], t["op"]) for t in record.schedule["transfers"]]
-    assert moves == [("early", "drop", 1), ("late", "drop", 1), ("late", "prefetch", 1)]
+    # "early"'s read came before the record: the record owes it one (where "late", first used
+    # by the same op, was read), so that every departure pairs with a read.
+    assert moves == [
+        ("early", "drop", 1),
+        ("late", "drop", 1),
+        ("late", "prefetch", 1),
+        ("early", "prefetch", 1),
+    ]
+
+
+def test_a_resident_parameter_made_stale_by_the_cpu_step_is_read_back_in_the_replay() -> None:
+    # A parameter kept on the GPU, updated on the CPU: dropped after its update, read back at
+    # its next use, in the next iteration. The first iteration after it became resident begins
+    # with its copy fresh, so its record holds the drop alone; the record owes the read, issued
+    # where the tensors its first op uses were read, and replays with the job gating it.
+    from teraio.schedule_record import ScheduleRecorder
+
+    recorder = ScheduleRecorder(torch.device("cpu"))
+    recorder.start()
+    recorder.begin("embedding")
+    recorder.use("kept", "kept", "parameter", 1000)
+    recorder.begin("block")
+    recorder.read("streamed", "host")
+    recorder.begin("block forward")
+    recorder.use("streamed", "streamed", "parameter", 1000)
+    recorder.use("kept", "kept", "parameter", 1000)
+    recorder.left("streamed", "host")
+    recorder.begin("backward")
+    recorder.use("kept.grad", "kept.grad", "gradient", 1000, write=True)
+    recorder.wrote("kept.grad", "host")
+    future: Future[float] = Future()
+    future.set_result(0.001)
+    recorder.cpu_job(future, ["kept.grad"], ["kept"])
+    recorder.left("kept", "host")  # its GPU copy is stale once the job ran
+    recorder.finish()
+    record = recorder.result()
+    assert record is not None
+    names = {t["id"]: t["name"] for t in record.trace["tensors"]}
+    moves = [(names[t["tensor_id"]], t["kind"], t["op"]) for t in record.schedule["transfers"]]
+    assert moves.count(("kept", "drop", 4)) == 1
+    owed = [m for m in moves if m[0] == "kept" and m[1] == "prefetch"]
+    # First used by op 0, which no other tensor is: read just before it (wrapping).
+    assert owed == [("kept", "prefetch", 0)], moves
+    sim = record.replay(host_link_bytes_per_s=1e9, ssd_read_bytes_per_s=1e9, ssd_write_bytes_per_s=1e9)
+    assert sim["iteration_time_us"] > 0 and record.unmodelled_transfers == 0
 
 
 def test_cpu_step_against_the_default_single_tensor_adamw() -> None:

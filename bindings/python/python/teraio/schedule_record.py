@@ -233,6 +233,35 @@ class ScheduleRecorder:
             self._record = self._build()
         return self._record
 
+    def _reads_owed(
+        self, transfers: list[tuple[int, Hashable, str, str, bool]]
+    ) -> list[tuple[int, Hashable, str, str, bool]]:
+        """The read back of each persistent tensor in `transfers` that leaves without one: a
+        parameter kept on the GPU whose copy the CPU step makes stale is dropped after its
+        update and read again at its next use, in the next iteration; where the record began
+        with its copy fresh (the first iteration after it became resident), the record holds
+        the drop alone. The read is issued where the tensors first used by the same op were
+        read (their unit's read-ahead), else just before that op; the replay wraps it into the
+        next iteration, waiting for the update's job."""
+        events: dict[Hashable, list[str]] = {}
+        for _, key, kind, _, _ in transfers:
+            events.setdefault(key, []).append(kind)
+        first_use = {key: min(t.uses) for key, t in self._tensors.items() if t.uses}
+        read_at: dict[int, int] = {}  # first-use op -> the earliest read of a tensor it first uses
+        for op, key, kind, _, _ in transfers:
+            if kind == PREFETCH and key in first_use:
+                use = first_use[key]
+                read_at[use] = min(read_at.get(use, op), op)
+        owed = []
+        for key, kinds in events.items():
+            tensor = self._tensors[key]
+            reads = kinds.count(PREFETCH)
+            if tensor.persistent and kinds[0] != PREFETCH and len(kinds) - reads == reads + 1:
+                use = first_use[key]
+                tier = next(t[3] for t in transfers if t[1] == key)
+                owed.append((read_at.get(use, use), key, PREFETCH, tier, True))
+        return owed
+
     def _build(self) -> ScheduleRecord:
         ops = [
             {"name": name, "duration_us": max(0.0, elapsed_ms(start, end) * 1e3)}
@@ -256,7 +285,9 @@ class ScheduleRecorder:
                 "uses": [{"op": op, "access": access} for op, access in uses],
             }
             tensors.append(entry)
-        kept = [t for t in self._transfers if t[1] in moved]
+        recorded = [t for t in self._transfers if t[1] in moved]
+        # In op order (the recorded ones are), each owed read after those issued before its op.
+        kept = sorted(recorded + self._reads_owed(recorded), key=lambda t: t[0])
         transfers = [
             {"op": op, "tensor_id": ids[key], "kind": kind, "tier": tier} for op, key, kind, tier, _ in kept
         ]
@@ -284,7 +315,7 @@ class ScheduleRecorder:
                 "tensors": tensors,
             },
             schedule=schedule,
-            unmodelled_transfers=len(self._transfers) - len(transfers),
+            unmodelled_transfers=len(self._transfers) - len(recorded),
             unmodelled_job_tensors=unmodelled_job_tensors,
             kept=[index for index, t in enumerate(kept) if not t[4]],
             span_ms=span_ms,
