@@ -430,6 +430,32 @@ mod tests {
         assert!(matches!(plan_from_schedule(&trace(), &only(&late), 1 << 40), Err(Error::InvalidPlan(_))));
     }
 
+    /// A unit's parameter (1 MB, persistent) read by ops 0 (forward) and 1 (backward).
+    fn unit_weight(id: u64, name: &str) -> Tensor {
+        Tensor {
+            id,
+            name: name.into(),
+            size_bytes: 1_000_000,
+            kind: TensorKind::Weight,
+            alloc_op: None,
+            free_op: None,
+            uses: vec![TensorUse { op: 0, access: Access::Read }, TensorUse { op: 1, access: Access::Read }],
+        }
+    }
+
+    /// Its gradient, written by op 1 and gone after it.
+    fn unit_gradient(id: u64, name: &str, size_bytes: u64) -> Tensor {
+        Tensor {
+            id,
+            name: name.into(),
+            size_bytes,
+            kind: TensorKind::Gradient,
+            alloc_op: Some(1),
+            free_op: Some(1),
+            uses: vec![TensorUse { op: 1, access: Access::Write }],
+        }
+    }
+
     /// The CPU step's schedule: a unit with parameter w (id 1, 1 MB, persistent) read by ops 0
     /// (forward) and 1 (backward), and its gradient g (id 2, `gradient_bytes`, written by op 1,
     /// gone after it); ops of 1000, 1000 and 20000 us. w is read before op 0 and dropped (its
@@ -437,24 +463,8 @@ mod tests {
     /// that reads g and writes w (`job_us`) is queued.
     fn cpu_step(job_op: u32, job_us: f64) -> (Trace, Schedule) {
         let op = |name: &str, duration_us: f64| Op { name: name.into(), duration_us, layer: None, phase: Phase::Other };
-        let weight = Tensor {
-            id: 1,
-            name: "w".into(),
-            size_bytes: 1_000_000,
-            kind: TensorKind::Weight,
-            alloc_op: None,
-            free_op: None,
-            uses: vec![TensorUse { op: 0, access: Access::Read }, TensorUse { op: 1, access: Access::Read }],
-        };
-        let gradient = Tensor {
-            id: 2,
-            name: "w.grad".into(),
-            size_bytes: 1_000_000,
-            kind: TensorKind::Gradient,
-            alloc_op: Some(1),
-            free_op: Some(1),
-            uses: vec![TensorUse { op: 1, access: Access::Write }],
-        };
+        let weight = unit_weight(1, "w");
+        let gradient = unit_gradient(2, "w.grad", 1_000_000);
         let trace = Trace {
             format_version: FORMAT_VERSION,
             description: "the CPU step".into(),
@@ -535,25 +545,8 @@ mod tests {
     /// each; w1 and w2 (1 MB each) are read before op 0. `b_first`: B is queued before A.
     fn two_jobs(b_first: bool) -> (Trace, Schedule) {
         let op = |name: &str| Op { name: name.into(), duration_us: 1000.0, layer: None, phase: Phase::Other };
-        let uses = vec![TensorUse { op: 0, access: Access::Read }, TensorUse { op: 1, access: Access::Read }];
-        let weight = |id: u64| Tensor {
-            id,
-            name: format!("w{id}"),
-            size_bytes: 1_000_000,
-            kind: TensorKind::Weight,
-            alloc_op: None,
-            free_op: None,
-            uses: uses.clone(),
-        };
-        let gradient = |id: u64, size_bytes: u64| Tensor {
-            id,
-            name: format!("g{id}"),
-            size_bytes,
-            kind: TensorKind::Gradient,
-            alloc_op: Some(1),
-            free_op: Some(1),
-            uses: vec![TensorUse { op: 1, access: Access::Write }],
-        };
+        let weight = |id: u64| unit_weight(id, &format!("w{id}"));
+        let gradient = |id: u64, size_bytes: u64| unit_gradient(id, &format!("g{id}"), size_bytes);
         let trace = Trace {
             format_version: FORMAT_VERSION,
             description: "two CPU jobs".into(),
