@@ -78,7 +78,7 @@ class OffloadOptions:
             link's bytes outweighs the conversions it adds to the CPU step; on a CPU "device"
             off) or "off" (parameters and gradients cross the link in fp32).
         cpu_update_bandwidth: the CPU step's rate the choice of `update` assumes, in parameter +
-            gradient + state bytes per second ("auto": measured once per process on a 64 MiB
+            gradient + state bytes per second ("auto": measured once per process on a 256 MiB
             AdamW step, `machine.measure_cpu_update`).
         checkpoint: whole-block recomputation (activation checkpointing of the repeated blocks,
             e.g. transformer layers): None (the default: "off", and "all" in whole-model mode),
