@@ -29,7 +29,7 @@
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::sync::Arc;
 use std::time::Instant;
-use teraio_engine::gpu::{self, cuda, cufile, DeviceBuffer};
+use teraio_engine::cuda::{self as gpu, cufile, driver as cuda, DeviceBuffer};
 use teraio_engine::{parse_size, FormatConfig, GpuOptions, GpuPath, OpenConfig, Priority, Store, GIB, MIB};
 
 type Failure = Box<dyn std::error::Error>;

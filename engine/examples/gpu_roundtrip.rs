@@ -7,7 +7,8 @@
 //! Usage: gpu_roundtrip DIR [--max-bytes N] [--paths bounce,cufile]
 
 use std::time::Instant;
-use teraio_engine::gpu::{self, DeviceBuffer};
+use teraio_engine::cuda::{self as gpu, DeviceBuffer};
+use teraio_engine::GpuTicket;
 use teraio_engine::{parse_size, FormatConfig, GpuOptions, GpuPath, OpenConfig, Priority, Store, MIB};
 
 type Failure = Box<dyn std::error::Error>;
@@ -241,7 +242,7 @@ impl Drop for StreamOwned {
 /// Copies the get's destination to `out` on `stream` (which waits on the hand-off), waits for the
 /// stream only, then checks the ticket and returns the buffer.
 fn ticket_buffer_after_stream_copy(
-    ticket: gpu::GpuTicket<SubBuffer>,
+    ticket: GpuTicket<SubBuffer>,
     stream: &StreamOwned,
     out: &mut [u8],
 ) -> Result<SubBuffer, Failure> {

@@ -5,15 +5,17 @@
 //! [`layout::stripe`] (which device bytes hold which object bytes) -> the dispatcher and the
 //! in-flight budget -> [`queue`] (one worker per device, urgent lane first) -> [`backend`]
 //! (io_uring or psync, or a fault-injecting wrapper). The on-disk format is in `docs/format.md`.
-//! GPU memory (put/get from CUDA device pointers, the pinned bounce and cuFile paths) is in [`gpu`].
+//! GPU memory (put/get from CUDA device pointers, the pinned bounce and cuFile paths) is the
+//! store's [`store::gpu`], over [`cuda`] (the driver, libcufile, copies), which sits below the
+//! backends.
 //! docs/internals.md describes the threads, an op's life and the lock order.
 
 pub mod backend;
 pub mod buffer;
 pub mod config;
+pub mod cuda;
 pub mod device;
 pub mod error;
-pub mod gpu;
 pub mod layout;
 pub mod options;
 pub mod queue;
@@ -27,5 +29,6 @@ pub use config::{parse_size, FormatConfig, GpuOptions, GpuPath, OpenConfig, GIB,
 pub use error::{Error, Result};
 pub use queue::Priority;
 pub use stats::{IoCounters, LatencySummary, OpCounters, StatsSnapshot};
+pub use store::gpu::{GpuPathReport, GpuTicket};
 pub use store::ticket::{wait_all, wait_all_ok, DoneSignal, IoBuf, IoBufMut, Ticket};
 pub use store::{DeviceInfo, FsckReport, ObjectInfo, Store, StoreInfo, StoreInfoAtFormat};

@@ -27,7 +27,7 @@ use std::ptr::NonNull;
 use std::sync::{RwLock, RwLockReadGuard};
 use std::time::Duration;
 
-use teraio_engine::gpu::DeviceSlice;
+use teraio_engine::cuda::DeviceSlice;
 use teraio_engine::{BackendKind, Error, FormatConfig, OpenConfig, Priority, Store, Ticket};
 
 use registry::Registry;
@@ -1105,7 +1105,7 @@ mod gpu_tests {
         // SAFETY: a registered handle; the pointer is deliberately not device memory.
         let status = unsafe { teraio_put_gpu(handle, 1, host.as_ptr() as u64, host.len(), 0, std::ptr::null(), 0) };
         assert_ne!(status, TERAIO_OK);
-        let cuda_present = teraio_engine::gpu::probe().to_string().contains("CUDA driver: version");
+        let cuda_present = teraio_engine::cuda::probe().to_string().contains("CUDA driver: version");
         if cuda_present {
             assert_eq!(status, TERAIO_ERR_INVALID_ARGUMENT);
         } else {

@@ -149,7 +149,7 @@ fn priority(urgent: bool) -> Priority {
 /// The engine's ticket behind a [`Handle`]: host memory or GPU memory.
 enum AnyTicket {
     Host(Ticket<()>),
-    Gpu(teraio_engine::gpu::GpuTicket<()>),
+    Gpu(teraio_engine::GpuTicket<()>),
 }
 
 impl AnyTicket {
@@ -570,7 +570,7 @@ impl Store {
         let id = id.0;
         let after = raw_event(after)?;
         let store = self.store()?;
-        let slice = teraio_engine::gpu::DeviceSlice { ptr: address, len: length, device };
+        let slice = teraio_engine::cuda::DeviceSlice { ptr: address, len: length, device };
         // SAFETY: as documented above; the engine checks that the pointer is device memory.
         let ticket = py.allow_threads(|| unsafe {
             store.put_gpu_raw_after(id, slice, &meta_bytes(meta), priority(urgent), after.map(|e| e as _))
@@ -605,7 +605,7 @@ impl Store {
         let id = id.0;
         let after = raw_event(after)?;
         let store = self.store()?;
-        let slice = teraio_engine::gpu::DeviceSlice { ptr: address, len: length, device };
+        let slice = teraio_engine::cuda::DeviceSlice { ptr: address, len: length, device };
         // SAFETY: as documented above.
         let ticket = py.allow_threads(|| unsafe {
             store.get_gpu_raw_after(id, offset, slice, whole, priority(urgent), after.map(|e| e as _))
@@ -948,7 +948,7 @@ fn parse_bandwidth(text: &str) -> PyResult<f64> {
 /// What this machine offers for GPU I/O (CUDA driver, devices, cuFile and its mode), as text.
 #[pyfunction]
 fn gpu_probe(py: Python<'_>) -> String {
-    py.allow_threads(|| teraio_engine::gpu::probe().to_string())
+    py.allow_threads(|| teraio_engine::cuda::probe().to_string())
 }
 
 #[pymodule]

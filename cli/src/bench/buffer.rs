@@ -9,7 +9,8 @@ use crate::error::{CliError, CliResult};
 use crate::units::format_bytes;
 use serde::Serialize;
 use std::ops::{Deref, DerefMut};
-use teraio_engine::gpu::{DeviceBuffer, GpuTicket};
+use teraio_engine::cuda::DeviceBuffer;
+use teraio_engine::GpuTicket;
 use teraio_engine::{AlignedBuf, IoBuf, IoBufMut, Priority, Store, Ticket};
 
 /// Where the bench's I/O buffers live.

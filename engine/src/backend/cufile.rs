@@ -5,10 +5,10 @@
 //! SSD <-> GPU; in compatibility mode cuFile itself bounces through its own pinned buffers.
 
 use super::{Backend, BackendCompletion, BackendRequest, IoKind, Waker};
+use crate::cuda::cufile::{self, FileHandle};
+use crate::cuda::driver as cuda;
 use crate::device::Device;
 use crate::error::Result;
-use crate::gpu::cuda;
-use crate::gpu::cufile::{self, FileHandle};
 use std::io;
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex};

@@ -1,15 +1,16 @@
 //! The GPU data API: put and get from CUDA device memory, on the store's GPU path (chosen on the
-//! first GPU op by `crate::gpu::select`).
+//! first GPU op by `crate::store::gpu::select`).
 
 use super::api::{GetSpec, Memory, PutSpec};
 use super::op::GpuOp;
 use super::ticket::Ticket;
 use super::Store;
+use crate::cuda::handoff::Unissued;
+use crate::cuda::RawEvent;
 use crate::error::Result;
-use crate::gpu::handoff::Unissued;
-use crate::gpu::runtime::StoreGpu;
-use crate::gpu::{GpuTicket, RawEvent};
 use crate::queue::Priority;
+use crate::store::gpu::runtime::StoreGpu;
+use crate::store::gpu::GpuTicket;
 use std::sync::atomic::AtomicBool;
 use std::sync::Mutex;
 
@@ -18,19 +19,19 @@ impl Store {
     /// Sets up GPU I/O for CUDA device `ordinal` now (else the first GPU op does it): pins the
     /// bounce slab, chooses the path per `OpenConfig::gpu` (measuring both where `auto` may pick
     /// either) and returns what was chosen and why. Later calls return the first outcome.
-    pub fn gpu_setup(&self, ordinal: u32) -> Result<crate::gpu::GpuPathReport> {
+    pub fn gpu_setup(&self, ordinal: u32) -> Result<crate::store::gpu::GpuPathReport> {
         self.gpu_state(ordinal).map(|g| g.report.clone())
     }
 
     /// The GPU path report, if GPU I/O has been set up.
-    pub fn gpu_report(&self) -> Option<crate::gpu::GpuPathReport> {
+    pub fn gpu_report(&self) -> Option<crate::store::gpu::GpuPathReport> {
         self.shared.gpu.get().and_then(|r| r.as_ref().ok()).map(|g| g.report.clone())
     }
 
     pub(super) fn gpu_state(&self, ordinal: u32) -> Result<&StoreGpu> {
         self.shared
             .gpu
-            .get_or_init(|| crate::gpu::select::init_gpu(&self.shared, ordinal))
+            .get_or_init(|| crate::store::gpu::select::init_gpu(&self.shared, ordinal))
             .as_ref()
             .map_err(Clone::clone)
     }
@@ -38,7 +39,7 @@ impl Store {
     /// Starts writing device memory `data` as object `id`; the ticket hands `data` back when the
     /// put is durable. The caller's writes to `data` must be complete (e.g. its stream
     /// synchronized) before this call.
-    pub fn put_gpu<B: crate::gpu::DeviceIoBuf>(
+    pub fn put_gpu<B: crate::cuda::DeviceIoBuf>(
         &self,
         id: u64,
         data: B,
@@ -46,7 +47,7 @@ impl Store {
         priority: Priority,
     ) -> Result<GpuTicket<B>> {
         let slice =
-            crate::gpu::DeviceSlice { ptr: data.device_ptr(), len: data.device_len(), device: data.device_ordinal() };
+            crate::cuda::DeviceSlice { ptr: data.device_ptr(), len: data.device_len(), device: data.device_ordinal() };
         // SAFETY: the ticket owns `data`.
         let t = unsafe { self.put_gpu_raw(id, slice, meta, priority)? };
         Ok(t.holding(data))
@@ -54,16 +55,16 @@ impl Store {
 
     /// Starts reading the whole of object `id` into device memory `buf` (at least as long as the
     /// object; the rest is left untouched).
-    pub fn get_gpu<B: crate::gpu::DeviceIoBuf>(&self, id: u64, buf: B, priority: Priority) -> Result<GpuTicket<B>> {
+    pub fn get_gpu<B: crate::cuda::DeviceIoBuf>(&self, id: u64, buf: B, priority: Priority) -> Result<GpuTicket<B>> {
         let slice =
-            crate::gpu::DeviceSlice { ptr: buf.device_ptr(), len: buf.device_len(), device: buf.device_ordinal() };
+            crate::cuda::DeviceSlice { ptr: buf.device_ptr(), len: buf.device_len(), device: buf.device_ordinal() };
         // SAFETY: the ticket owns `buf`.
         let t = unsafe { self.get_gpu_raw(id, 0, slice, true, priority)? };
         Ok(t.holding(buf))
     }
 
     /// Starts reading `buf.device_len()` bytes of object `id` from byte `offset` into device memory.
-    pub fn get_gpu_range<B: crate::gpu::DeviceIoBuf>(
+    pub fn get_gpu_range<B: crate::cuda::DeviceIoBuf>(
         &self,
         id: u64,
         offset: u64,
@@ -71,7 +72,7 @@ impl Store {
         priority: Priority,
     ) -> Result<GpuTicket<B>> {
         let slice =
-            crate::gpu::DeviceSlice { ptr: buf.device_ptr(), len: buf.device_len(), device: buf.device_ordinal() };
+            crate::cuda::DeviceSlice { ptr: buf.device_ptr(), len: buf.device_len(), device: buf.device_ordinal() };
         // SAFETY: the ticket owns `buf`.
         let t = unsafe { self.get_gpu_raw(id, offset, slice, false, priority)? };
         Ok(t.holding(buf))
@@ -84,7 +85,7 @@ impl Store {
     pub unsafe fn put_gpu_raw(
         &self,
         id: u64,
-        src: crate::gpu::DeviceSlice,
+        src: crate::cuda::DeviceSlice,
         meta: &[u8],
         priority: Priority,
     ) -> Result<GpuTicket<()>> {
@@ -103,7 +104,7 @@ impl Store {
     pub unsafe fn put_gpu_raw_after(
         &self,
         id: u64,
-        src: crate::gpu::DeviceSlice,
+        src: crate::cuda::DeviceSlice,
         meta: &[u8],
         priority: Priority,
         after: Option<RawEvent>,
@@ -122,7 +123,7 @@ impl Store {
         &self,
         id: u64,
         offset: u64,
-        dst: crate::gpu::DeviceSlice,
+        dst: crate::cuda::DeviceSlice,
         whole: bool,
         priority: Priority,
     ) -> Result<GpuTicket<()>> {
@@ -141,7 +142,7 @@ impl Store {
         &self,
         id: u64,
         offset: u64,
-        dst: crate::gpu::DeviceSlice,
+        dst: crate::cuda::DeviceSlice,
         whole: bool,
         priority: Priority,
         after: Option<RawEvent>,
@@ -157,10 +158,10 @@ impl Store {
     ///
     /// # Safety
     /// `after`, if any, must be a live CUDA event for this call's length.
-    pub(super) unsafe fn gpu_op(&self, mem: crate::gpu::DeviceSlice, after: Option<RawEvent>) -> Result<GpuOp> {
+    pub(super) unsafe fn gpu_op(&self, mem: crate::cuda::DeviceSlice, after: Option<RawEvent>) -> Result<GpuOp> {
         let state = self.gpu_state(mem.device)?;
         if mem.len > 0 {
-            crate::gpu::cuda::check_device_pointer(mem.ptr, mem.len, mem.device)?;
+            crate::cuda::driver::check_device_pointer(mem.ptr, mem.len, mem.device)?;
         }
         let device = state.device(mem.device)?;
         let use_cufile = state.uses_cufile(mem.device);

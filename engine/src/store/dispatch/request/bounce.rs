@@ -4,12 +4,12 @@
 //! (`after_put_copy`); a get's disk read (`get_request`) completes into `after_get_read`, which
 //! has the piece checked and its host->device copy queued (`copy_to_gpu`, on a verify thread when
 //! the piece is checked), whose completion (`after_get_copy`) finishes the piece. Copies
-//! run on the engine's streams and complete on the copy engine's waiter thread (`gpu::copy`).
+//! run on the engine's streams and complete on the copy engine's waiter thread (`cuda::copy`).
 
 use super::PieceIo;
 use crate::buffer::BounceChunk;
+use crate::cuda::copy::CopyDirection;
 use crate::error::Result;
-use crate::gpu::copy::CopyDirection;
 use crate::layout::stripe::Piece;
 use crate::queue::Request;
 use crate::store::op::Op;

@@ -9,8 +9,8 @@ pub(super) mod host;
 
 use crate::backend::IoKind;
 use crate::buffer::BounceChunk;
+use crate::cuda::handoff::IssueHold;
 use crate::error::Error;
-use crate::gpu::handoff::IssueHold;
 use crate::layout::stripe::Piece;
 use crate::queue::Request;
 use crate::store::op::{Op, OpKind};

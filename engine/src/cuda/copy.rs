@@ -4,7 +4,7 @@
 //! and runs each copy's continuation (submit the disk write, or finish the request). No engine
 //! thread ever waits for PCIe, so disk and copies run side by side and the slower one sets the pace.
 
-use super::cuda::{self, Context, DevicePtr, Event, Stream};
+use super::driver::{self as cuda, Context, DevicePtr, Event, Stream};
 use super::waiter::EventWaiter;
 use crate::error::Result;
 use std::sync::atomic::{AtomicUsize, Ordering};

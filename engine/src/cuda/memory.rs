@@ -2,7 +2,7 @@
 //! (what `put_gpu`/`get_gpu` take and hand back through the ticket), and [`DeviceBuffer`], an
 //! owned `cuMemAlloc` allocation for tests, benchmarks and bindings.
 
-use super::cuda::{self, check, Context, DevicePtr};
+use super::driver::{self as cuda, check, Context, DevicePtr};
 use crate::error::Result;
 use cudarc::driver::sys;
 use std::ffi::c_void;

@@ -2,11 +2,11 @@
 //! per CUDA device a copy engine, hand-off flags and a gate (ops that start after a caller's
 //! event), and the cuFile queues when that path is used.
 
-use super::copy::CopyEngine;
-use super::cuda::{self, PinnedRegistration};
-use super::gate::Gate;
-use super::handoff::HandoffFlags;
 use super::GpuPathReport;
+use crate::cuda::copy::CopyEngine;
+use crate::cuda::driver::{self as cuda, PinnedRegistration};
+use crate::cuda::gate::Gate;
+use crate::cuda::handoff::HandoffFlags;
 use crate::error::Result;
 use crate::queue::DeviceQueue;
 use std::collections::HashMap;

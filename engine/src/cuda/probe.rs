@@ -4,8 +4,8 @@
 //! compatibility mode, and why. Nothing here falls back silently: the report says what was found
 //! and the store says which path it uses.
 
-use super::cuda::{self, DeviceDescription, DriverInfo};
 use super::cufile;
+use super::driver::{self as cuda, DeviceDescription, DriverInfo};
 use std::fmt;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};

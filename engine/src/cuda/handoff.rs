@@ -19,7 +19,7 @@
 //! after the legacy default stream). Waiting for work queued earlier only, the caller's stream
 //! never holds up the copies that would release it.
 
-use super::cuda::{self, Context, DevicePtr, PinnedRegistration};
+use super::driver::{self as cuda, Context, DevicePtr, PinnedRegistration};
 use crate::buffer::AlignedBuf;
 use crate::error::{Error, Result};
 use std::sync::atomic::{AtomicU32, Ordering};

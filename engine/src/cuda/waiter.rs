@@ -4,7 +4,7 @@
 //! events may wait for work whose completion the copy engine's waiter reports, so they must not
 //! share a thread.
 
-use super::cuda::{Context, Event};
+use super::driver::{Context, Event};
 use crate::error::{Error, Result};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Mutex};

@@ -15,7 +15,7 @@
 //! Marks are passed in the order they were made, and a mark can only depend on work queued
 //! before it, so the gate never waits for an op behind it.
 
-use super::cuda::{self, Context, Event, Stream};
+use super::driver::{self as cuda, Context, Event, Stream};
 use super::waiter::EventWaiter;
 use crate::error::{Error, Result};
 

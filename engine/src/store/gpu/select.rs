@@ -1,9 +1,9 @@
 //! Which GPU path a store uses: builds its GPU state on the first GPU op, and for `auto` measures
 //! the pinned bounce path against cuFile on a free run of device 0.
 
-use super::copy::CopyDirection;
 use super::runtime::StoreGpu;
 use crate::backend::IoKind;
+use crate::cuda::copy::CopyDirection;
 use crate::error::{Error, Result};
 use crate::layout::codec::round_up;
 use crate::queue::{DeviceQueue, Priority, Request};
@@ -14,8 +14,9 @@ use std::sync::{Arc, Mutex};
 
 /// Builds a store's GPU state on its first GPU op (see `GpuOptions` and docs/gpu.md).
 pub(crate) fn init_gpu(shared: &Arc<Shared>, ordinal: u32) -> Result<StoreGpu> {
+    use super::GpuPathReport;
     use crate::config::GpuPath;
-    use crate::gpu::{cuda, cufile, probe, GpuPathReport};
+    use crate::cuda::{cufile, driver as cuda, probe};
     let options = shared.config.gpu.clone();
     let ctx = cuda::context(ordinal)?;
     let (slab, slab_bytes) = shared.pool.slab();
@@ -206,7 +207,7 @@ fn measure_gpu_read(
     bytes: u64,
 ) -> Result<f64> {
     let chunk = shared.pool.chunk_bytes() as u64;
-    let scratch = super::DeviceBuffer::new(ordinal, bytes as usize)?;
+    let scratch = crate::cuda::DeviceBuffer::new(ordinal, bytes as usize)?;
     let device = gpu.device(ordinal)?;
     let (tx, rx) = std::sync::mpsc::channel::<Result<()>>();
     let pieces = bytes / chunk;

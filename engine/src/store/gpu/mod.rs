@@ -1,63 +1,31 @@
-//! GPU data paths: tensors in CUDA device memory move GPU <-> SSD without the caller staging them.
+//! The store's GPU data paths: tensors in CUDA device memory move GPU <-> SSD without the caller
+//! staging them (the CUDA calls themselves are [`crate::cuda`]).
 //!
-//! - [`probe()`] reports what the machine has (CUDA driver, GPUs, libcufile, nvidia-fs, cuFile's
-//!   configuration); with no CUDA every GPU call fails with a typed error saying so.
+//! - [`crate::cuda::probe()`] reports what the machine has (CUDA driver, GPUs, libcufile,
+//!   nvidia-fs, cuFile's configuration); with no CUDA every GPU call fails with a typed error
+//!   saying so.
 //! - The pinned bounce path (always there when CUDA is): each piece of an op goes through a chunk
 //!   of the store's bounce slab, which is page-locked for CUDA on first GPU use and registered with
-//!   io_uring as fixed buffers; copies run on the engine's own streams ([`copy`]) while the disk
-//!   works on other chunks.
+//!   io_uring as fixed buffers; copies run on the engine's own streams ([`crate::cuda::copy`])
+//!   while the disk works on other chunks.
 //! - The cuFile path ([`crate::backend::cufile`]): pieces go to libcufile straight from/to GPU
 //!   memory, in true GDS mode where nvidia-fs serves the file, else in cuFile's compatibility mode.
-//! - [`GpuTicket`] adds the stream hand-off ([`handoff`]) to an ordinary ticket: a caller's stream
-//!   waits for the op on the GPU.
-//! - The other way round, an op can start after a caller's CUDA event ([`gate`]): the engine waits
-//!   for the event on its own thread before it touches the caller's GPU memory.
+//! - [`GpuTicket`] adds the stream hand-off ([`crate::cuda::handoff`]) to an ordinary ticket: a
+//!   caller's stream waits for the op on the GPU.
+//! - The other way round, an op can start after a caller's CUDA event ([`crate::cuda::gate`]): the
+//!   engine waits for the event on its own thread before it touches the caller's GPU memory.
 //!
 //! Which path a store uses is decided on its first GPU op ([`GpuPathReport`] says which and why).
 
-pub mod copy;
-pub mod cuda;
-pub mod cufile;
-pub mod gate;
-pub mod handoff;
-pub mod memory;
-pub mod probe;
 pub(crate) mod runtime;
 pub(crate) mod select;
-pub mod waiter;
-
-pub use cuda::DevicePtr;
-pub use gate::RawEvent;
-pub use memory::{DeviceBuffer, DeviceIoBuf, DeviceSlice};
-pub use probe::{gds_obstacles, probe, GpuProbe};
 
 use crate::config::GpuPath;
+use crate::cuda::handoff;
 use crate::error::Result;
 use crate::store::ticket::Ticket;
 use std::sync::Arc;
 use std::time::Duration;
-
-/// Registers device memory with cuFile once (`cuFileBufRegister`), so that cuFile-path I/O into
-/// any part of it uses the registration instead of a per-I/O mapping or cuFile's bounce buffers
-/// (this matters in true GDS mode; compatibility mode ignores it). Registration is per process.
-///
-/// # Safety
-/// `mem` must stay allocated until [`deregister_gpu_buffer`] is called with `mem.ptr`, and no I/O
-/// into it may run during deregistration.
-pub unsafe fn register_gpu_buffer(mem: DeviceSlice) -> Result<()> {
-    cuda::check_device_pointer(mem.ptr, mem.len, mem.device)?;
-    // SAFETY: forwarded contract.
-    unsafe { cufile::cufile()?.register_buffer(mem.ptr, mem.len) }
-}
-
-/// Undoes [`register_gpu_buffer`].
-///
-/// # Safety
-/// `ptr` must have been registered, and no I/O into it may be running.
-pub unsafe fn deregister_gpu_buffer(ptr: DevicePtr) -> Result<()> {
-    // SAFETY: forwarded contract.
-    unsafe { cufile::cufile()?.deregister_buffer(ptr) }
-}
 
 /// What a store chose for GPU I/O, and why.
 #[derive(Debug, Clone)]
@@ -189,6 +157,7 @@ impl<B> GpuTicket<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cuda::{cufile, driver as cuda, probe, DeviceBuffer, DevicePtr, DeviceSlice, RawEvent};
     use crate::{FormatConfig, OpenConfig, Priority, Store, MIB};
     use handoff::HandoffSlot;
 

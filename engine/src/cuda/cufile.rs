@@ -181,7 +181,7 @@ fn open(lib: Library, name: String) -> std::result::Result<CuFile, String> {
 /// The library with its driver open, or why not (`BackendUnavailable { backend: "cufile" }`).
 /// The CUDA driver must be loadable first.
 pub fn cufile() -> Result<&'static CuFile> {
-    super::cuda::driver()?;
+    super::driver::driver()?;
     match CUFILE.get_or_init(load) {
         Ok(c) => Ok(c),
         Err(reason) => Err(Error::BackendUnavailable { backend: "cufile", reason: reason.clone() }),
