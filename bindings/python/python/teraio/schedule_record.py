@@ -243,23 +243,22 @@ class ScheduleRecorder:
         the drop alone. The read is issued where the tensors first used by the same op were
         read (their unit's read-ahead), else just before that op; the replay wraps it into the
         next iteration, waiting for the update's job."""
-        events: dict[Hashable, list[str]] = {}
-        for _, key, kind, _, _ in transfers:
-            events.setdefault(key, []).append(kind)
         first_use = {key: min(t.uses) for key, t in self._tensors.items() if t.uses}
+        events: dict[Hashable, list[str]] = {}
+        tiers: dict[Hashable, str] = {}  # each tensor's first transfer's tier
         read_at: dict[int, int] = {}  # first-use op -> the earliest read of a tensor it first uses
-        for op, key, kind, _, _ in transfers:
+        for op, key, kind, tier, _ in transfers:
+            events.setdefault(key, []).append(kind)
+            tiers.setdefault(key, tier)
             if kind == PREFETCH and key in first_use:
                 use = first_use[key]
                 read_at[use] = min(read_at.get(use, op), op)
         owed = []
         for key, kinds in events.items():
-            tensor = self._tensors[key]
             reads = kinds.count(PREFETCH)
-            if tensor.persistent and kinds[0] != PREFETCH and len(kinds) - reads == reads + 1:
+            if self._tensors[key].persistent and kinds[0] != PREFETCH and len(kinds) - reads == reads + 1:
                 use = first_use[key]
-                tier = next(t[3] for t in transfers if t[1] == key)
-                owed.append((read_at.get(use, use), key, PREFETCH, tier, True))
+                owed.append((read_at.get(use, use), key, PREFETCH, tiers[key], True))
         return owed
 
     def _build(self) -> ScheduleRecord:

@@ -336,8 +336,8 @@ def across_ranks(
     imbalance of the iteration before. Where that imbalance is steady, the slower rank's own
     segments of the measured iteration hold it again; where it was a one-off (a rank's first
     iterations allocate and warm up at their own moments), nothing else does. So every rank's
-    sum takes the least first segment of the ranks: on 2 H100s the measured first segments
-    differed by up to 82 ms between ranks whose iterations then settled alike."""
+    sum takes the least first segment of the ranks (ranks whose iterations settle alike can
+    measure first segments far apart)."""
     sizes = {len(s) for s in (*plans, *baselines)}
     if len(sizes) != 1 or len(plans) != len(baselines):
         raise ValueError(
