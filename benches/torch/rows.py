@@ -114,6 +114,15 @@ class Steps:
         self.losses: list[float] = []
         self.step_ms: list[float] = []
         self.peaks: list[tuple[int, int]] = []
+        #: The CUDA allocator's retries in each step: each one freed the cache and synchronized
+        #: the device, tens of ms where gigabytes are mapped again.
+        self.alloc_retries: list[int] = []
+        self._retries = self._retries_now()
+
+    def _retries_now(self) -> int:
+        if self.device.type != "cuda":
+            return 0
+        return int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
 
     def reset_peaks(self) -> None:
         """At the first timed step: the peaks are those of the timed steps."""
@@ -129,6 +138,9 @@ class Steps:
         self.step_ms.append(ms)
         if self.device.type == "cuda":
             self.peaks.append((torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()))
+            retries = self._retries_now()
+            self.alloc_retries.append(retries - self._retries)
+            self._retries = retries
         shown = self.losses[-1] if self.losses else float("nan")
         print(f"  [{self.label}] step {step}: loss {shown:.6f} {ms:.0f} ms", flush=True)
 
@@ -140,10 +152,16 @@ def train(
     warmup: int,
     step: Callable[[torch.Tensor], float],
     outer: Any,
+    profile_step: int = -1,
+    trace_path: str = "",
 ) -> None:
     """The timed loop: `step(tokens)` trains on one batch and returns its loss as a float (so
     that its time ends once the compute stream is done), inside `outer` (teraio's handle, or
-    nothing). Out of memory is recorded in `result`."""
+    nothing). Step `profile_step` runs under torch.profiler: its timeline's summary is printed
+    and its trace written to `trace_path` (timeline.profiled). Out of memory is recorded in
+    `result`."""
+    from timeline import profiled
+
     index = 0
     try:
         with outer:
@@ -152,16 +170,26 @@ def train(
                     steps.reset_peaks()
                 tokens = tokens.to(steps.device, non_blocking=True)
                 started = time.perf_counter()
-                loss = step(tokens)
+                with profiled(index == profile_step, trace_path):
+                    loss = step(tokens)
                 steps.done(index, loss, (time.perf_counter() - started) * 1e3)
     except torch.cuda.OutOfMemoryError as error:
         result.update(oom=True, oom_step=index, error=oom_error(error))
+
+
+def profiling(args: argparse.Namespace, label: str) -> dict[str, Any]:
+    """`train`'s profiling arguments from `run`'s `--profile-step` and `--trace-dir`."""
+    step = getattr(args, "profile_step", -1)
+    path = os.path.join(getattr(args, "trace_dir", "."), f"{label}-step{step}.json")
+    return {"profile_step": step, "trace_path": path}
 
 
 def finish(result: dict[str, Any], steps: Steps, warmup: int) -> None:
     """The losses, step times, ms/iter (the median after `warmup`) and peaks into `result`."""
     result["losses"] = steps.losses
     result["step_ms"] = steps.step_ms
+    if steps.alloc_retries:
+        result["alloc_retries"] = steps.alloc_retries
     timed = steps.step_ms[warmup:]
     if timed and not result.get("oom"):
         result["ms_per_iter"] = statistics.median(timed)
@@ -333,6 +361,13 @@ def parsers(
     one.add_argument("--mode", choices=modes, required=True)
     one.add_argument("--cap-bytes", type=int, default=0, help="set_per_process_memory_fraction, bytes")
     one.add_argument("--cap-fraction", type=float, default=None, help="the cap's share of the ideal peak")
+    one.add_argument(
+        "--profile-step",
+        type=int,
+        default=-1,
+        help="record this step with torch.profiler: a summary in the output, the trace in --trace-dir",
+    )
+    one.add_argument("--trace-dir", default=".", help="where --profile-step's trace goes")
     many = commands.add_parser("table", parents=[common], help="the whole table, one process per row")
     return parser, one, many
 

@@ -48,6 +48,8 @@
 #                             #   ideal per device count next to the simulator's replay of each row's
 #                             #   recorded iteration (summarize.py --array); WHAT=flagship: the
 #                             #   flagship on 4 x 2.5 GB/s
+#   run-gpu.sh run CMD...     # one command in this set-up (the wheel, PY_OVERLAY, the allocator's
+#                             #   settings), e.g. a bench script's `run` with --profile-step
 #   run-gpu.sh link           # the host link one way and both ways at once (probe_link.py, ~10 s)
 #   run-gpu.sh ab             # one call's A/B of whole-model rows: this tree's teraio ("new") against the
 #                             #   same package with OLD_PY's *.py files ("old": another commit's teraio
@@ -281,6 +283,11 @@ diagnose)
   cat "$OUT"/f-*.log | grep '^RESULT' > "$OUT/results.jsonl"
   summary
   (cd "$OUT" && tar czf logs.tgz f-*.log && rm -f f-*.log trace-b4.json plan-b4.json)
+  ;;
+
+run)
+  shift
+  "$@"
   ;;
 
 link)

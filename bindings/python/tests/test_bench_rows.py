@@ -64,7 +64,18 @@ def test_bench_regime_rows_on_cpu(tmp_path: pathlib.Path) -> None:
 def test_bench_loops_rows_on_cpu(tmp_path: pathlib.Path) -> None:
     pytest.importorskip("transformers")
     accum = ["--accum", "2"]
-    ideal = _row("bench_loops.py", tmp_path, "--mode", "ideal", *accum)
+    traces = tmp_path / "traces"
+    ideal = _row(
+        "bench_loops.py",
+        tmp_path,
+        "--mode",
+        "ideal",
+        *accum,
+        "--profile-step",
+        "3",
+        "--trace-dir",
+        str(traces),
+    )
     teraio_row = _row("bench_loops.py", tmp_path, "--mode", "teraio", *accum, "--cap-bytes", str(1 << 30))
     assert "error" not in teraio_row, teraio_row.get("error")
     for row in (ideal, teraio_row):
@@ -74,6 +85,8 @@ def test_bench_loops_rows_on_cpu(tmp_path: pathlib.Path) -> None:
     assert teraio_row["losses"] == ideal["losses"]  # bitwise, with accumulation and clipping
     assert teraio_row["full_state_fits_cap"] is True and "full_state_fits_cap" not in ideal
     assert teraio_row["teraio_report"]["steps"] == 4
+    # --profile-step: that step's timeline, written where --trace-dir says (gzipped).
+    assert [p.name for p in traces.iterdir()] == ["llama-ideal-accum2-step3.json.gz"]
     _no_scratch_left(tmp_path)
     bad = _run("bench_loops.py", tmp_path, "run", *COMMON, "--mode", "ideal", "--accum", "3", timeout=120)
     assert bad.returncode == 2 and "--accum 3 must divide --batch 2" in bad.stderr
@@ -108,3 +121,19 @@ def test_a_table_records_the_rows_it_has_no_time_for(
         assert [row["family"] for row in rows] == ["qwen2 accum 2", "qwen2 accum 4"]
     assert "no capped rows" in done.stdout and "skipped" in (out / "summary.md").read_text()
     assert not list(out.glob("*.log"))  # no row was started
+
+
+def test_probe_checkpointing_runs_each_variant_on_cpu(tmp_path: pathlib.Path) -> None:
+    pytest.importorskip("transformers")
+    done = _run(
+        "probe_checkpointing.py",
+        tmp_path,
+        "--tiny", "--steps", "3", "--warmup", "1", "--batch", "2", "--seq", "64",
+        "--cap-bytes", str(1 << 30), "--store-dir", str(tmp_path),
+        timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    medians = [line.split(":")[0] for line in done.stdout.splitlines() if ": median " in line]
+    assert medians == ["hf", "hf_head", "hf_sync", "blocks", "blocks_cache", "teraio"]
+    assert "teraio offload (block plan)" in done.stdout
+    assert not (tmp_path / "probe-checkpointing.dev").exists()  # the store is removed
