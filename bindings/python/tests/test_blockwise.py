@@ -133,6 +133,32 @@ def test_a_windowed_step_fits_below_the_step_with_all_the_state() -> None:
     assert bw.predict(measured, unwindowed, slow)[1] > limit  # all of it in forward: still there
 
 
+def test_a_windowed_step_holds_one_windows_temporaries() -> None:
+    # Parameters and gradients 10 GB, 8 GB of state, the step's temporaries 4 GB (a foreach
+    # AdamW's, about the parameters' bytes) with every parameter at once: the step peaks at 22 GB.
+    # At 14 GB it fits only windowed with the temporaries of what it steps at once: counted whole
+    # (4 GB) nothing fits, since 10 + 4 + 3 windows held of 0.5 GB is above 14 with all the state
+    # out.
+    measured = _measured(blocks=4, peak=10 * GB, state=8 * GB)
+    measured.step_peak_bytes = 10 * GB + 8 * GB + 4 * GB
+    limit = 14 * GB
+    sizes = [GB // 2] * 16
+    whole = dataclasses.replace(measured, step_temporaries_bytes=0)
+    plan, _ = bw.choose(whole, Link(1e12, 1e12), limit, sizes, 1 << 50, False, GB // 2)
+    assert plan is None
+    measured.step_temporaries_bytes = 4 * GB
+    plan, _ = bw.choose(measured, Link(1e12, 1e12), limit, sizes, 1 << 50, False, GB // 2)
+    assert plan is not None and plan.step_window_bytes == GB // 2
+    assert plan.predicted_peak_bytes <= limit
+    # The bound: the state that stays and one window share the temporaries, 4 GB x their share of
+    # the 8 GB of state.
+    stays = measured.state_bytes - plan.state_out_bytes
+    temporaries = int(4 * GB * (GB // 2 + stays) / (8 * GB))
+    held = 3 * GB // 2
+    expected = 10 * GB + 8 * GB + temporaries - plan.state_out_bytes + held
+    assert bw.step_bound(measured, plan) == expected <= limit
+
+
 def _with_selective(measured: Measurement, kept: int, recompute_ms: float) -> Measurement:
     for block in measured.blocks:
         block.selective_bytes, block.selective_recompute_ms = kept, recompute_ms

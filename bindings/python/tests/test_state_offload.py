@@ -151,3 +151,36 @@ def test_a_new_plan_keeps_what_stays_moved_out_and_brings_back_the_rest(
     executor.close()
     assert all(torch.equal(t, o) for t, o in zip(tensors, originals))
     assert executor.slots == []
+
+
+@pytest.mark.parametrize("tier", ["host", "ssd"])
+def test_state_with_no_room_back_stays_in_cpu_memory_at_exit(
+    tier: str, store: teraio.Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A run that stops with the state away and the device full (NoPlanFitsError at the plan,
+    # then the exit): what cannot come back keeps its bytes in host memory, with a warning.
+    from teraio.runtime.modes.state import StateExecutor
+    from teraio.runtime.plans.tensor import Move
+
+    torch.manual_seed(0)
+    tensors = [torch.randn(1000) for _ in range(3)]
+    originals = [t.clone() for t in tensors]
+    executor = StateExecutor(torch.device("cpu"), store=store)
+    executor.set_plan([Move(t, tier, None) for t in tensors])
+    executor.after_step()
+    assert [t.untyped_storage().nbytes() for t in tensors] == [0, 0, 0]
+    grown = 0
+    original_copy_up = StateExecutor._copy_up
+
+    def copy_up_until_full(self: StateExecutor, slot: Any) -> None:
+        nonlocal grown
+        if grown == 1:
+            raise torch.OutOfMemoryError("no room on the device")
+        grown += 1
+        original_copy_up(self, slot)
+
+    monkeypatch.setattr(StateExecutor, "_copy_up", copy_up_until_full)
+    with pytest.warns(UserWarning, match="2 optimizer-state tensors .* stay in host memory"):
+        executor.close()
+    assert all(torch.equal(t, o) for t, o in zip(tensors, originals))
+    assert executor.slots == []

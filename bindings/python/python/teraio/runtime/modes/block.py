@@ -301,7 +301,12 @@ class _Creation:
 
     def step_peak(self, state_bytes: int) -> int:
         """The step with all `state_bytes` of state on the device and every parameter at once."""
-        return self.base + state_bytes + int(self.temporaries_per_byte * self.stepped)
+        return self.base + state_bytes + self.step_temporaries()
+
+    def step_temporaries(self) -> int:
+        """The temporaries of a step over every parameter at once (the most per parameter byte
+        a window had, times all of them)."""
+        return int(self.temporaries_per_byte * self.stepped)
 
 
 class BlockOffload(Session):
@@ -1019,6 +1024,7 @@ class BlockOffload(Session):
             if self._step_windows:
                 assert self._step_peak_estimate is not None
                 measured.step_peak_bytes = self._step_peak_estimate
+                measured.step_temporaries_bytes = self._creation.step_temporaries()
             if self.reserve_auto:
                 self._reserve_from_allocator()
 

@@ -31,6 +31,7 @@ On a CPU "device" the same logic runs with synchronous copies, for tests and CPU
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -390,23 +391,27 @@ class StateExecutor:
             return
         self.stats.prefetched_bytes[slot.tier] += slot.nbytes
         if slot.tier == SSD:
-            if slot.get is not None:
-                return
-            if slot.put is not None or slot in self._pending:
-                # Still being written: finish the write first (the read needs the object).
-                if slot.put is None:
-                    if slot.d2h_event is not None:
-                        slot.d2h_event.synchronize()
-                    self._start_put(slot)
-                slot.put.wait()
-                slot.put = None
-                self._pending.remove(slot)
-            self._host_buffer(slot)
-            assert self.store is not None
-            slot.get = self.store.start_get(slot.object_id, slot.host, slot.nbytes, urgent=True)
-            self._pending.append(slot)
+            self._start_ssd_read(slot)
             return
         self._copy_up(slot)
+
+    def _start_ssd_read(self, slot: _StateSlot) -> None:
+        """Starts reading an SSD slot's bytes into its pinned buffer (`slot.get`), its write
+        finished first (the read needs the object)."""
+        if slot.get is not None:
+            return
+        if slot.put is not None or slot in self._pending:
+            if slot.put is None:
+                if slot.d2h_event is not None:
+                    slot.d2h_event.synchronize()
+                self._start_put(slot)
+            slot.put.wait()
+            slot.put = None
+            self._pending.remove(slot)
+        self._host_buffer(slot)
+        assert self.store is not None
+        slot.get = self.store.start_get(slot.object_id, slot.host, slot.nbytes, urgent=True)
+        self._pending.append(slot)
 
     def _finish_get(self, slot: _StateSlot) -> None:
         slot.get.wait()
@@ -468,8 +473,37 @@ class StateExecutor:
 
     def close(self) -> None:
         """Brings every state tensor back (the optimizer is usable without teraio afterwards) and
-        deletes the executor's objects from the store."""
-        self.set_plan([])
+        deletes the executor's objects from the store. Where the device has no room for it (a
+        run that stopped with the state away and the GPU full: `NoPlanFitsError`, out of memory),
+        what did not come back stays in host memory instead (its pinned buffer, no second
+        copy), with a warning: its bytes are kept (`optimizer.state_dict()` reads them)."""
+        try:
+            self.set_plan([])
+        except torch.OutOfMemoryError:
+            away = [slot for slot in self.slots if not slot.resident]
+            for slot in away:
+                self._keep_in_host_memory(slot)
+            warnings.warn(
+                f"teraio: {len(away)} optimizer-state tensors ({sum(s.nbytes for s in away)} bytes) "
+                "did not fit back on the device at exit and stay in host memory",
+                stacklevel=2,
+            )
+            self.slots = []
+
+    def _keep_in_host_memory(self, slot: _StateSlot) -> None:
+        """Makes a slot's pinned buffer its tensor's data (its storage on the device is empty),
+        once the copy out is done, or the store has read the bytes back into it."""
+        if slot.tier == SSD:
+            self._start_ssd_read(slot)
+            slot.get.wait()
+            slot.get = None
+            self._pending.remove(slot)
+        elif slot.d2h_event is not None and self.cuda:
+            slot.d2h_event.synchronize()
+        assert slot.host is not None and slot.tensor.is_contiguous()
+        slot.tensor.data = slot.host[: slot.nbytes].view(slot.tensor.dtype).view(slot.tensor.shape)
+        if slot.tier == SSD and self.store is not None and not self.store.closed:
+            self.store.delete(slot.object_id)
 
 
 def pin_within_iteration(trace: dict[str, Any], kind: str) -> None:

@@ -7,6 +7,7 @@ The block mode (`teraio.runtime.modes.block`) measures and runs it.
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -79,6 +80,10 @@ class Measurement:
     #: Peak allocated bytes in forward + backward (optimizer state away) and in the step.
     peak_bytes: int = 0
     step_peak_bytes: int = 0
+    #: Of `step_peak_bytes`, the step's temporaries (a foreach AdamW's are about the parameters'
+    #: bytes), which scale with the parameters stepped at once: a windowed step holds one
+    #: window's. 0 where they are not known apart (then counted whole, windowed too).
+    step_temporaries_bytes: int = 0
     #: Optimizer-state bytes that may leave the GPU between steps.
     state_bytes: int = 0
     #: Forward and backward passes per step (gradient accumulation over micro-batches): the
@@ -367,21 +372,55 @@ def across_ranks(
 
 
 def peak_bound(measured: Measurement, plan: Plan) -> int:
+    return max(forward_bound(measured, plan), step_bound(measured, plan))
+
+
+def forward_bound(measured: Measurement, plan: Plan) -> int:
+    """Forward and backward's peak: as measured with every block recomputed and the state away,
+    plus what the plan keeps, its host blocks' copies and the state it leaves on the GPU."""
     kept = sum(resident_bytes(b, a) for b, a in zip(measured.blocks, plan.actions))
     # The window, and the block whose copies backward is using while the next one arrives.
     largest = max((b.saved_bytes for b in measured.blocks), default=0)
     hosted = window_bytes(measured, plan) + largest if HOST in plan.actions else 0
     state_left = measured.state_bytes - plan.state_out_bytes
-    return max(measured.peak_bytes + kept + hosted + state_left, step_bound(measured, plan))
+    return measured.peak_bytes + kept + hosted + state_left
 
 
 def step_bound(measured: Measurement, plan: Plan) -> int:
     """The step's peak: as measured with all the state back, or, windowed, less the moved state
-    but the windows it holds (its temporaries counted whole, as measured)."""
+    but the windows it holds, and with the temporaries of what it steps at once (a window and
+    the parameters whose state stays: `_windowed_temporaries`)."""
     if not plan.step_window_bytes:
         return measured.step_peak_bytes
     held = plan.step_held_bytes or STEP_WINDOWS_HELD * plan.step_window_bytes
-    return min(measured.step_peak_bytes, measured.step_peak_bytes - plan.state_out_bytes + held)
+    temporaries = _windowed_temporaries(measured, plan.step_window_bytes, plan.state_out_bytes)
+    windowed = measured.step_peak_bytes - measured.step_temporaries_bytes + temporaries
+    return min(measured.step_peak_bytes, windowed - plan.state_out_bytes + held)
+
+
+def _windowed_temporaries(measured: Measurement, window: int, state_out: int) -> int:
+    """The temporaries of a windowed step: the share of the whole step's that the parameters of
+    one window and those whose state stays (stepped with the last window) take, in proportion to
+    their state (the state per parameter byte is the optimizer's, the same for every one)."""
+    whole = measured.step_temporaries_bytes
+    if not whole or not measured.state_bytes:
+        return whole
+    share = min(1.0, (window + max(0, measured.state_bytes - state_out)) / measured.state_bytes)
+    return int(whole * share)
+
+
+def _step_state_need(measured: Measurement, plan: Plan, limit_bytes: int) -> int:
+    """The state bytes a windowed step must have moved for its bound (`step_bound`) to fit
+    `limit_bytes`: each byte moved frees itself and its share of the temporaries."""
+    whole, state = measured.step_temporaries_bytes, max(1, measured.state_bytes)
+    # step_bound at `out` bytes moved: base - out * (1 + whole / state), base as below.
+    base = (
+        measured.step_peak_bytes
+        - whole
+        + whole * (plan.step_window_bytes + measured.state_bytes) / state
+        + plan.step_held_bytes
+    )
+    return math.ceil((base - limit_bytes) / (1 + whole / state))
 
 
 def _restore_position(measured: Measurement, plan: Plan, limit: int) -> Optional[int]:
@@ -438,7 +477,7 @@ def fit_layout(
         # make room for the windows it holds.
         plan.step_window_bytes = step_window
         plan.step_held_bytes = step_held or STEP_WINDOWS_HELD * step_window
-        need = max(need, measured.step_peak_bytes - limit_bytes + plan.step_held_bytes)
+        need = max(forward_bound(measured, plan) - limit_bytes, _step_state_need(measured, plan, limit_bytes))
     if need > 0 and not _move_state(plan, need, state_sizes, host_left, has_store):
         return None
     # A windowed step brings the state back itself; else where backward frees room, in the last
