@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 from typing import Any
 
@@ -293,3 +294,27 @@ def test_prefetch_streams_spread_copies_in_flight() -> None:
     assert executor._prefetch_stream(7) == 1
     # ...else the one whose last copy is needed first.
     assert executor._prefetch_stream(2) == 0
+
+
+@pytest.mark.parametrize(
+    ("options", "mode"),
+    [
+        ({"granularity": "tensor", "gpu_memory": 1 << 40, "min_bytes": 64 << 10}, "tensor"),
+        ({"granularity": "block", "gpu_memory": 1 << 40}, "block"),
+        ({"whole_model": "on", "gpu_memory": 1 << 30, "host_memory": 1 << 30}, "whole-model"),
+    ],
+)
+def test_every_mode_reports_one_report_type(options: dict[str, Any], mode: str) -> None:
+    # Whichever mode runs, the report is a teraio.Report: the fields every mode fills, then the
+    # mode's own section, all of them flat in as_dict().
+    model, optimizer = make()
+    with teraio.offload(model, optimizer, reserve=0, **options) as run:
+        train(model, optimizer, batches(4, rows=256))
+    report = run.report()
+    assert isinstance(report, teraio.Report) and report.mode == mode
+    assert report.steps == 4 and len(report.step_times_ms) == 4
+    assert report.gpu_memory_bytes == options["gpu_memory"]
+    common = {f.name for f in dataclasses.fields(teraio.Report)}
+    fields = report.as_dict()
+    assert common <= set(fields) and fields["mode"] == mode
+    assert len(fields) > len(common)  # the mode's section

@@ -1,12 +1,15 @@
-"""What an activation-offload run did (`teraio.offload(...).report()`): the `Report` type, and
-the check of a measured iteration against its prediction that both plans' reports make.
+"""What an offload run did (`teraio.offload(...).report()`): `Report`, the fields every mode's
+report has, the tensor plan's section (`TensorReport`), and the check of a measured iteration
+against its prediction that every report makes.
 
-The block plan's report is `modes.block.BlockReport`; the whole-model mode's is
-`modes.whole_model.WholeModelReport`. Each is built with `prediction_fields`.
+The block plan's section is `modes.block.BlockReport` and the whole-model mode's
+`modes.whole_model.WholeModelReport`; both are `Report`s. Each is built with `prediction_fields`
+or `check_prediction`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -48,19 +51,42 @@ def prediction_fields(measured_ms: Optional[float], predicted_ms: Optional[float
 
 @dataclass
 class Report:
-    """What an offload run did: predicted vs measured iteration time, stalls, traffic, peak."""
+    """What an offload run did, whichever mode ran it: the fields every mode's report fills. Each
+    mode's report adds its own section (`TensorReport`, `modes.block.BlockReport`,
+    `modes.whole_model.WholeModelReport`); `as_dict` gives all of them flat."""
 
+    #: The mode that ran: "tensor", "block" or "whole-model".
+    mode: str
+    #: Iterations run, and each one's wall time from its forward to the end of its step, ms.
     steps: int
+    step_times_ms: list[float]
+    #: The median iteration the report counts (the mode's section says which), ms.
+    measured_iteration_ms: Optional[float]
+    #: The mode's prediction of that iteration, ms, and (measured - predicted) / predicted,
+    #: percent (`check_prediction`); None where there is none.
+    predicted_iteration_ms: Optional[float]
+    prediction_error_percent: Optional[float]
+    #: The allocator's peak over the counted iterations, and the budget (`gpu_memory`).
+    peak_gpu_bytes: Optional[int]
+    gpu_memory_bytes: int
+    #: Host time in teraio per counted iteration, ms, by where it was spent ("hooks", ...).
+    host_ms_per_iteration: dict[str, float]
+    #: What the runtime assumed about the machine and where each figure came from.
+    machine: dict[str, Any]
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class TensorReport(Report):
+    """The tensor plan's report: predicted against measured iteration, stalls, traffic, peak."""
+
     planned_steps: int
     ideal_iteration_ms: Optional[float]
-    predicted_iteration_ms: Optional[float]
     predicted_percent_of_ideal: Optional[float]
-    measured_iteration_ms: Optional[float]
-    step_times_ms: list[float]
-    peak_gpu_bytes: Optional[int]
     predicted_peak_bytes: Optional[int]
     unplanned_peak_bytes: Optional[int]
-    gpu_memory_bytes: int
     bytes_per_iteration: dict[str, dict[str, int]]
     stalls: dict[str, Any]
     plan_summary: dict[str, Any] = field(default_factory=dict)
@@ -71,31 +97,22 @@ class Report:
     #: Median of the planned iterations, ms: {"forward"|"backward"|"step": {"measured", "profiled"}},
     #: and "between" (from one step's end to the next forward pass; the profile has no ops there).
     phases_ms: dict[str, dict[str, float]] = field(default_factory=dict)
-    #: Host time inside teraio per planned iteration, ms: the saved-tensor hooks (and of that,
-    #: waits for device-to-host copies in flight and for SSD reads/writes), before and after the
-    #: step. Host time the GPU did not wait for costs nothing; a blocked host that lets the GPU
-    #: run dry does.
-    host_ms_per_iteration: dict[str, float] = field(default_factory=dict)
+    # `host_ms_per_iteration` (Report): the saved-tensor hooks (and of that, waits for
+    # device-to-host copies in flight and for SSD reads/writes), before and after the step. Host
+    # time the GPU did not wait for costs nothing; a blocked host that lets the GPU run dry does.
     #: Saved activations dropped at the save and recomputed in backward, per planned iteration.
     recomputed_bytes_per_iteration: int = 0
     #: How `ideal_iteration_ms` was made: an estimate from calibrated op times (see
     #: teraio.calibration) unless a measured ideal was given; and the raw profiled sum.
     ideal_source: str = ""
     profiled_ops_ms: Optional[float] = None
-    #: (measured - predicted) / predicted, percent; `prediction_warning` says when it is past
-    #: `PREDICTION_TOLERANCE`.
-    prediction_error_percent: Optional[float] = None
+    #: Says when `prediction_error_percent` is past `PREDICTION_TOLERANCE`.
     prediction_warning: str = ""
     #: Blocks run under activation checkpointing in the planned iterations, and the candidates.
     checkpointed_blocks: list[str] = field(default_factory=list)
     checkpoint_summary: dict[str, Any] = field(default_factory=dict)
-    #: What the runtime assumed about the machine and where each figure came from.
-    machine: dict[str, Any] = field(default_factory=dict)
     #: Time in teraio's hooks per planned iteration as a percent of the ideal iteration.
     host_percent_of_ideal: Optional[float] = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items()}
 
     def __str__(self) -> str:
         def ms(value: Optional[float]) -> str:

@@ -57,7 +57,6 @@ loop's `loss.item()` until all of them were done (gigabytes of state: a stall of
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 import weakref
@@ -96,7 +95,7 @@ from ..plans.block import (
     Measurement,
     Plan,
 )
-from ..report import prediction_fields
+from ..report import Report, prediction_fields
 from ..session import Budget, Session
 from .state import StateExecutor, host_then_store, movable_state
 
@@ -128,23 +127,18 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 
 @dataclass
-class BlockReport:
-    """What a block-plan run did (`teraio.offload(...).report()` with granularity "block")."""
+class BlockReport(Report):
+    """What a block-plan run did (`teraio.offload(...).report()` with granularity "block"): the
+    `Report` fields, then the block plan's."""
 
-    steps: int
     planned_steps: int
-    measured_iteration_ms: Optional[float]
-    predicted_iteration_ms: Optional[float]
-    prediction_error_percent: Optional[float]
     prediction_warning: str
     checkpoint_all_ms: Optional[float]
     #: How `checkpoint_all_ms` was measured: the A/B trial's median iteration, or (no trial) the
     #: sum of the spans the measuring iterations timed, not one whole iteration.
     checkpoint_all_source: str
     ideal_estimate_ms: Optional[float]
-    peak_gpu_bytes: Optional[int]
     predicted_peak_bytes: Optional[int]
-    gpu_memory_bytes: int
     reserve_bytes: int
     actions: dict[str, str]
     #: Per iteration counted (`planned_steps`: those after the A/B trial where it ran, else all with
@@ -155,13 +149,10 @@ class BlockReport:
     recomputed_bytes_per_iteration: int
     state_bytes_per_iteration: dict[str, dict[str, int]]
     stalls: dict[str, Any]
-    #: Host time in teraio per planned iteration, ms (pack/unpack, the gradient hooks, before and
-    #: after the step): {"hooks": the median over the planned iterations}.
-    host_ms_per_iteration: dict[str, float]
+    # `host_ms_per_iteration` (Report): pack/unpack, the gradient hooks, before and after the
+    # step: {"hooks": the median over the planned iterations}.
     #: Its mean, with the one-time work of installing and switching plans.
     host_ms_mean: float
-    step_times_ms: list[float]
-    machine: dict[str, Any] = field(default_factory=dict)
     choice: dict[str, Any] = field(default_factory=dict)
     host_peak_bytes: int = 0
     #: How selective checkpointing was measured (`BlockOffload._take_selective`): the probe
@@ -176,9 +167,6 @@ class BlockReport:
     #: rank waited for: "waits_for"), each rank's own prediction, measured parts and predicted
     #: segments (`block_plan.segments`, for both sides of the A/B trial). Empty otherwise.
     ranks: dict[str, Any] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
     def __str__(self) -> str:
         def ms(value: Optional[float]) -> str:
@@ -1508,6 +1496,7 @@ class BlockOffload(Session):
             "allocator_retries": self._retries_per_iteration(),
         }
         return BlockReport(
+            mode="block",
             steps=self.step,
             planned_steps=count,
             **prediction_fields(measured_ms, predicted),

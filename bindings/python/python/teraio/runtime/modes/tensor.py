@@ -34,7 +34,7 @@ from ..errors import NoPlanFitsError
 from ..movers.copy import pinned_size
 from ..movers.tiers import HOST, SSD
 from ..plans.tensor import decisions_from_plan, parameter_moves_from_plan, state_moves_from_plan
-from ..report import Report, prediction_fields
+from ..report import TensorReport, prediction_fields
 from ..session import Budget, Session
 from .activations import ActivationExecutor
 from .state import (
@@ -796,7 +796,7 @@ class TensorOffload(Session):
 
     # -- report --------------------------------------------------------------------------------
 
-    def report(self) -> Report:
+    def report(self) -> TensorReport:
         """Predicted vs measured iteration time, stalls, bytes per tier, peak memory."""
         planned_times = []
         planned_peaks = []
@@ -859,7 +859,8 @@ class TensorOffload(Session):
         source = self.calibration.describe()
         if self.op_time_scale != 1.0:
             source += f", times op_time_scale {self.op_time_scale}"
-        return Report(
+        return TensorReport(
+            mode="tensor",
             steps=self.step,
             planned_steps=len(planned_times),
             ideal_iteration_ms=ideal_ms,

@@ -115,7 +115,7 @@ from ..movers.copy import flat_bytes
 from ..movers.saved import SavedStats, SavedTensorMover
 from ..movers.tiers import GPU, HOST, SSD, HostTier, SsdTier, Transfer
 from ..plans import capacity as cp
-from ..report import check_prediction
+from ..report import Report, check_prediction
 from ..session import Budget, Session
 from . import cpu_update
 
@@ -202,15 +202,11 @@ def needs_whole_model(
 
 
 @dataclass
-class WholeModelReport:
-    """What whole-model offload did (per-iteration figures: median over the steps after the first)."""
+class WholeModelReport(Report):
+    """What whole-model offload did (per-iteration figures: median over the steps after the
+    first): the `Report` fields, then whole-model mode's."""
 
-    steps: int
-    measured_iteration_ms: Optional[float]
-    step_times_ms: list[float]
     step_ms: Optional[float]
-    peak_gpu_bytes: Optional[int]
-    gpu_memory_bytes: int
     #: {"in"|"out": {tier: {kind: bytes}}} per iteration (median iteration's counts).
     bytes_per_iteration: dict[str, dict[str, dict[str, int]]]
     #: Where each kind lives: {tier: {kind: bytes}}.
@@ -226,10 +222,8 @@ class WholeModelReport:
     #: Host time blocked waiting for transfers, per iteration (ms): before a unit's forward or
     #: recomputation, and inside the step.
     wait_ms_per_iteration: dict[str, float] = field(default_factory=dict)
-    #: Host time in the runtime per iteration (ms, medians over the iterations after the first),
-    #: shaped as the other modes' reports have it: "hooks" (forward and backward, the step in
-    #: backward included) and "step" (the streamed step).
-    host_ms_per_iteration: dict[str, float] = field(default_factory=dict)
+    # `host_ms_per_iteration` (Report): medians over the iterations after the first, "hooks"
+    # (forward and backward, the step in backward included) and "step" (the streamed step).
     #: Units whose parameters were not prefetched in time and were fetched on demand.
     on_demand_fetches: int = 0
     #: Parameters the first two iterations' unused memory kept on the GPU for good.
@@ -238,19 +232,14 @@ class WholeModelReport:
     returned_to: str = "gpu"
     #: The optimizer stepped each parameter in backward (`step_in_backward`).
     step_in_backward: bool = False
-    #: The simulator's replay of the recorded iteration (`RECORDED_ITERATION`) at the planned
-    #: bandwidths (`machine`), plus that iteration's host time outside its GPU work: None
-    #: before that iteration has run.
-    predicted_iteration_ms: Optional[float] = None
-    #: (measured - predicted) / predicted, percent.
-    prediction_error_percent: Optional[float] = None
+    # `predicted_iteration_ms` (Report): the simulator's replay of the recorded iteration
+    # (`RECORDED_ITERATION`) at the planned bandwidths (`machine`), plus that iteration's host
+    # time outside its GPU work: None before that iteration has run.
     #: The replay's figures: compute and stall time, bytes per tier, the CPU step's jobs
     #: (`cpu_update_ms`, `cpu_jobs`), the bandwidths it assumed.
     prediction: dict[str, Any] = field(default_factory=dict)
     #: Where the measurement and the prediction differ by more than the tolerance.
     warnings: list[str] = field(default_factory=list)
-    mode: str = "whole-model"
-    machine: dict[str, Any] = field(default_factory=dict)
     #: Parameters, gradients and optimizer state together: what training without offload holds
     #: on the GPU before any activation.
     model_state_bytes: int = 0
@@ -289,9 +278,6 @@ class WholeModelReport:
     model_tflops: Optional[float] = None
     #: Options that would change this run's speed, each with why (`step_in_backward_hint`).
     hints: list[str] = field(default_factory=list)
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
     def __str__(self) -> str:
         def gib(value: Optional[int]) -> str:
@@ -2206,6 +2192,7 @@ class ModelOffload(Session):
             iteration_ms=measured,
         )
         return WholeModelReport(
+            mode="whole-model",
             steps=self.steps,
             measured_iteration_ms=measured,
             step_times_ms=list(self._step_times_ms),
