@@ -1,0 +1,157 @@
+"""FSDP2 with `teraio.offload` on two GPUs (NCCL): a `torch.distributed.checkpoint` saved while the
+optimizer state is in teraio's tiers, and training resumed from it. Skipped without 2 GPUs (CI
+has none; `benches/torch/run-gpu.sh tests` with `PYTEST_ARGS=bindings/python/tests/test_fsdp_cuda.py`
+on the 2-GPU machine runs it).
+
+Each rank trains tiny.py's model, wide and with few rows so that the AdamW state is most of what
+the GPU holds, sharded with `fully_shard`:
+
+1. plain FSDP2, SAVE_AT + AFTER steps;
+2. the same inside `teraio.offload` with default arguments but a budget below what the plain run
+   needed less half its state (the block plan must move optimizer state to host memory), saving a
+   DCP checkpoint after SAVE_AT steps, when the state is off the GPU;
+3. a new model and optimizer inside `teraio.offload` load the checkpoint before any step and
+   train the AFTER steps again.
+
+Checks: (2) has (1)'s losses bitwise (the same kernels on the same bytes, the same collectives);
+the state was away at the save; (3) gives (2)'s last AFTER losses and final shards bitwise.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import pathlib
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+import teraio  # noqa: E402
+from ranks import rank_store, spawn_ranks  # noqa: E402
+from tiny import batches, make, train  # noqa: E402
+
+try:
+    from torch.distributed.fsdp import fully_shard
+except ImportError:  # torch without FSDP2
+    fully_shard = None
+
+WORLD = 2
+SHAPE = {"dim": 1024, "hidden": 4096, "layers": 4}
+ROWS = 512  # global rows per step; each rank trains ROWS // WORLD of them
+SAVE_AT = 6
+AFTER = 3
+DEADLINE_S = 300.0
+
+pytestmark = pytest.mark.skipif(
+    fully_shard is None
+    or not torch.cuda.is_available()
+    or torch.cuda.device_count() < WORLD
+    or not dist.is_available()
+    or not dist.is_nccl_available(),
+    reason=f"FSDP2 on {WORLD} GPUs with NCCL is needed",
+)
+
+
+def _build(rank: int) -> tuple[Any, Any]:
+    model, _ = make(device=f"cuda:{rank}", **SHAPE)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _shards(model: Any) -> dict[str, Any]:
+    return {name: value.to_local().clone() for name, value in model.state_dict().items()}
+
+
+def _rank_main(rank: int, tmp: str, store_root: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    torch.cuda.set_device(rank)
+    out = pathlib.Path(tmp)
+    dist.init_process_group(
+        "nccl",
+        init_method=f"file://{out / 'rendezvous'}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    device = torch.device("cuda", rank)
+    per = ROWS // WORLD
+    data = [
+        x[rank * per : (rank + 1) * per].to(device)
+        for x in batches(SAVE_AT + AFTER, rows=ROWS, dim=SHAPE["dim"])
+    ]
+    result: dict[str, Any] = {"rank": rank}
+
+    held = torch.cuda.memory_allocated(device)
+    model, optimizer = _build(rank)
+    torch.cuda.reset_peak_memory_stats(device)
+    plain = train(model, optimizer, data)
+    # What the plain run needed beyond what the process held already.
+    need = torch.cuda.max_memory_allocated(device) - held
+    state = sum(
+        value.to_local().numel() * value.to_local().element_size()
+        for entry in optimizer.state.values()
+        for value in entry.values()
+        if hasattr(value, "to_local")
+    )
+    del model, optimizer
+    torch.cuda.empty_cache()
+
+    store = rank_store(store_root, f"rank{rank}")
+    checkpoint = str(out / "checkpoint")
+    try:
+
+        def budget() -> int:
+            # The budget is process-wide: what the process holds now (the checkpoint's bytes
+            # among it, before the resumed run) and the plain run's need less half its state.
+            return torch.cuda.memory_allocated(device) + need - state // 2
+
+        options: dict[str, Any] = dict(store=store, gpu_memory=budget(), reserve=0)
+        model, optimizer = _build(rank)
+        with teraio.offload(model, optimizer, **options) as run:
+            losses = train(model, optimizer, data[:SAVE_AT])
+            result["state_away_at_save"] = sum(not slot.resident for slot in run.state.slots)
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint)
+            del model_sd, optim_sd  # as a loop lets them go: they hold GPU memory
+            losses += train(model, optimizer, data[SAVE_AT:])
+        result["report"] = str(run.report())
+        finished = _shards(model)
+        # The first run's memory goes before the second measures its own peak.
+        del model, optimizer, run
+        torch.cuda.empty_cache()
+
+        options["gpu_memory"] = budget()
+        model, optimizer = _build(rank)
+        with teraio.offload(model, optimizer, **options):
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint)
+            set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+            del model_sd, optim_sd
+            resumed = train(model, optimizer, data[SAVE_AT:])
+        shards = _shards(model)
+        result["resumed_shards_equal"] = all(torch.equal(shards[k], v) for k, v in finished.items())
+    finally:
+        store.close()
+    result.update(plain=plain, losses=losses, resumed=resumed)
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def test_fsdp2_on_two_gpus_resumes_from_a_checkpoint_taken_with_the_state_away(
+    store_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    spawn_ranks(_rank_main, (str(tmp_path), str(store_dir)), WORLD, DEADLINE_S)
+    for r in range(WORLD):
+        result = json.loads((tmp_path / f"rank{r}.json").read_text())
+        print(result["report"])
+        assert result["losses"] == result["plain"], [a - b for a, b in zip(result["losses"], result["plain"])]
+        assert result["state_away_at_save"] > 0, "the optimizer state was on the GPU at the save"
+        assert result["resumed"] == result["losses"][SAVE_AT:]
+        assert result["resumed_shards_equal"]
