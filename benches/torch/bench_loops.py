@@ -132,15 +132,7 @@ def run_in(args: argparse.Namespace, scratch: str) -> dict[str, Any]:
         return total
 
     steps = rows.Steps(f"{args.family} {args.mode} accum {args.accum}", device)
-    rows.train(
-        result,
-        steps,
-        batches,
-        args.warmup,
-        step,
-        outer,
-        **rows.profiling(args, f"{args.family}-{args.mode}-accum{args.accum}"),
-    )
+    rows.train(result, steps, batches, step, outer, args, f"{args.family}-{args.mode}-accum{args.accum}")
     rows.finish(result, steps, args.warmup)
     if saved is not None:
         result["peak_estimate_bytes"] = regime.model_state_bytes(model) + sum(saved.seen.values())

@@ -288,15 +288,7 @@ def run_in(args: argparse.Namespace, scratch: str) -> dict[str, Any]:
         return loss.item()
 
     steps = rows.Steps(f"{result['family']} {args.dtype} {args.mode}", device)
-    rows.train(
-        result,
-        steps,
-        batches,
-        args.warmup,
-        step,
-        outer,
-        **rows.profiling(args, f"{result['family']}-{args.mode}"),
-    )
+    rows.train(result, steps, batches, step, outer, args, f"{result['family']}-{args.mode}")
     rows.finish(result, steps, args.warmup)
     if args.mode in ("hf_ckpt", "sac"):
         result["checkpointed_layers"] = baselines.checkpointed_layers(model)

@@ -149,19 +149,22 @@ def train(
     result: dict[str, Any],
     steps: Steps,
     batches: list[torch.Tensor],
-    warmup: int,
     step: Callable[[torch.Tensor], float],
     outer: Any,
-    profile_step: int = -1,
-    trace_path: str = "",
+    args: argparse.Namespace,
+    label: str,
 ) -> None:
     """The timed loop: `step(tokens)` trains on one batch and returns its loss as a float (so
     that its time ends once the compute stream is done), inside `outer` (teraio's handle, or
-    nothing). Step `profile_step` runs under torch.profiler: its timeline's summary is printed
-    and its trace written to `trace_path` (timeline.profiled). Out of memory is recorded in
+    nothing); the first `--warmup` steps are left out of the peaks. Step `--profile-step` runs
+    under torch.profiler: its timeline's summary is printed and its trace written to
+    `--trace-dir`/`label`-stepN.json.gz (timeline.profiled). Out of memory is recorded in
     `result`."""
     from timeline import profiled
 
+    warmup = args.warmup
+    profile_step = getattr(args, "profile_step", -1)
+    trace_path = os.path.join(getattr(args, "trace_dir", "."), f"{label}-step{profile_step}.json")
     index = 0
     try:
         with outer:
@@ -175,13 +178,6 @@ def train(
                 steps.done(index, loss, (time.perf_counter() - started) * 1e3)
     except torch.cuda.OutOfMemoryError as error:
         result.update(oom=True, oom_step=index, error=oom_error(error))
-
-
-def profiling(args: argparse.Namespace, label: str) -> dict[str, Any]:
-    """`train`'s profiling arguments from `run`'s `--profile-step` and `--trace-dir`."""
-    step = getattr(args, "profile_step", -1)
-    path = os.path.join(getattr(args, "trace_dir", "."), f"{label}-step{step}.json")
-    return {"profile_step": step, "trace_path": path}
 
 
 def finish(result: dict[str, Any], steps: Steps, warmup: int) -> None:

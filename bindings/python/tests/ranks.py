@@ -27,16 +27,17 @@ def spawn_ranks(main: Callable[..., None], args: tuple[Any, ...], world: int, de
                 process.join(5)
 
 
-def init_gloo(init_file: str, rank: int, world: int) -> None:
-    """This rank's gloo process group (a file rendezvous, so no port)."""
+def init_group(init_file: str, rank: int, world: int, backend: str = "gloo", timeout_s: float = 60) -> None:
+    """This rank's process group (a file rendezvous, so no port): gloo, or the `backend` given
+    (NCCL on GPUs)."""
     import torch.distributed as dist
 
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"file://{init_file}",
         rank=rank,
         world_size=world,
-        timeout=datetime.timedelta(seconds=60),
+        timeout=datetime.timedelta(seconds=timeout_s),
     )
 
 

@@ -27,7 +27,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 import teraio  # noqa: E402
-from ranks import init_gloo, rank_store, spawn_ranks  # noqa: E402
+from ranks import init_group, rank_store, spawn_ranks  # noqa: E402
 from tiny import batches, make, train  # noqa: E402
 
 WORLD = 2
@@ -88,7 +88,7 @@ def _rank_main(
 ) -> None:
     # One thread per rank (2 ranks on small CI machines); the plain and offloaded runs below share it.
     torch.set_num_threads(1)
-    init_gloo(init_file, rank, WORLD)
+    init_group(init_file, rank, WORLD)
     try:
         per = ROWS // WORLD
         data = [x[rank * per : (rank + 1) * per] for x in batches(STEPS, rows=ROWS)]
@@ -191,7 +191,7 @@ def _probe_rank_main(rank: int, init_file: str, out_dir: str, store_root: str) -
     from teraio import machine
 
     torch.set_num_threads(1)
-    init_gloo(init_file, rank, WORLD)
+    init_group(init_file, rank, WORLD)
     try:
         store = rank_store(store_root, f"probe{rank}", 64 << 20)
         calls: list[tuple[str, float, float]] = []

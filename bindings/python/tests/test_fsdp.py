@@ -39,7 +39,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 import teraio  # noqa: E402
-from ranks import init_gloo, rank_store, spawn_ranks  # noqa: E402
+from ranks import init_group, rank_store, spawn_ranks  # noqa: E402
 from teraio import sharded  # noqa: E402
 from tiny import batches, make, train  # noqa: E402
 
@@ -128,7 +128,7 @@ def _live_gathered_bytes(trace: dict[str, Any]) -> int:
 
 
 def _init(init_file: str) -> None:
-    init_gloo(init_file, int(os.environ["TERAIO_TEST_RANK"]), WORLD)
+    init_group(init_file, int(os.environ["TERAIO_TEST_RANK"]), WORLD)
 
 
 def _rank_main(rank: int, tmp: str, store_root: str) -> None:

@@ -19,7 +19,6 @@ the state was away at the save; (3) gives (2)'s last AFTER losses and final shar
 
 from __future__ import annotations
 
-import datetime
 import json
 import pathlib
 from typing import Any
@@ -30,7 +29,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 import teraio  # noqa: E402
-from ranks import rank_store, spawn_ranks  # noqa: E402
+from ranks import init_group, rank_store, spawn_ranks  # noqa: E402
 from tiny import batches, make, train  # noqa: E402
 
 try:
@@ -73,13 +72,7 @@ def _rank_main(rank: int, tmp: str, store_root: str) -> None:
 
     torch.cuda.set_device(rank)
     out = pathlib.Path(tmp)
-    dist.init_process_group(
-        "nccl",
-        init_method=f"file://{out / 'rendezvous'}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=120),
-    )
+    init_group(str(out / "rendezvous"), rank, WORLD, backend="nccl", timeout_s=120)
     device = torch.device("cuda", rank)
     per = ROWS // WORLD
     data = [
