@@ -483,6 +483,13 @@ class StateExecutor:
             away = [slot for slot in self.slots if not slot.resident]
             for slot in away:
                 self._keep_in_host_memory(slot)
+            for slot in self.slots:  # those that did come back: their copies up are waited for
+                if slot.resident:
+                    self._join(slot)
+                    if slot.tier == SSD and self.store is not None and not self.store.closed:
+                        self.store.delete(slot.object_id)
+            if self.cuda:
+                torch.cuda.current_stream(self.device).synchronize()
             warnings.warn(
                 f"teraio: {len(away)} optimizer-state tensors ({sum(s.nbytes for s in away)} bytes) "
                 "did not fit back on the device at exit and stay in host memory",
