@@ -12,7 +12,8 @@ variant, each adding one of the things teraio's checkpoint-every-block side does
     teraio        teraio.offload with default arguments under the cap (its report says which side
                   of its A/B trial ran when)
 
-    python3 benches/torch/probe_checkpointing.py --family llama --accum 2 --variants hf,blocks,teraio
+    python3 benches/torch/probe_checkpointing.py --family llama --accum 2 --variants hf,blocks,teraio \
+        --cap-bytes 30598522905
 
 Prints each variant's step times and median; `--tiny` runs on the CPU (a test of the script).
 """
@@ -21,10 +22,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from functools import partial
 from typing import Any
@@ -34,17 +36,16 @@ import torch
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import baselines
 import bench_regime as regime
+import rows
 
 VARIANTS = ("hf", "hf_head", "hf_sync", "blocks", "blocks_cache", "teraio")
 
 
-def run_variant(args: argparse.Namespace) -> None:
+def run_variant(args: argparse.Namespace, scratch: str) -> None:
     device = torch.device("cpu" if args.tiny else "cuda")
-    if args.cap_bytes and device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_bytes / total))
+    variant = args.mode = args.variant
+    rows.set_cap(args, device)
     model = regime.build_model(args.family, "autocast", device, args.tiny)
-    variant = args.variant
     outer: Any = contextlib.nullcontext()
     if variant.startswith("hf"):
         baselines.enable_hf_checkpointing(model)
@@ -63,13 +64,9 @@ def run_variant(args: argparse.Namespace) -> None:
     if variant == "teraio":
         import teraio
 
-        store = teraio.Store.create(
-            [f"{args.store_dir}/probe-checkpointing.dev"],
-            file_size_bytes=(256 << 20) if args.tiny else (8 << 30),
-            durable=False,
-            force=True,
+        outer = teraio.offload(
+            model, optimizer, store=rows.make_store(args, scratch), gpu_memory=args.cap_bytes
         )
-        outer = teraio.offload(model, optimizer, store=store, gpu_memory=args.cap_bytes or None)
     batches = regime.make_batches(args.steps, args.batch, args.seq, model.config.vocab_size)
     autocast = partial(torch.autocast, device.type, dtype=torch.bfloat16)
     times = []
@@ -96,7 +93,6 @@ def run_variant(args: argparse.Namespace) -> None:
     )
     if variant == "teraio":
         print(outer.report(), flush=True)
-        os.remove(f"{args.store_dir}/probe-checkpointing.dev")
 
 
 def main() -> int:
@@ -112,19 +108,26 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=14)
     parser.add_argument("--warmup", type=int, default=9)
     parser.add_argument(
-        "--cap-bytes", type=int, default=0, help="the allocator's cap (and teraio's gpu_memory)"
+        "--cap-bytes",
+        type=int,
+        default=0,
+        help="the allocator's cap and teraio's gpu_memory (teraio needs it)",
     )
-    parser.add_argument("--store-dir", default="/tmp")
+    parser.add_argument("--store-dir", default="", help="where teraio's store file goes (default: temp dir)")
+    parser.add_argument("--store-gib", type=float, default=8.0)
     parser.add_argument("--tiny", action="store_true", help="CPU, 2 small layers (tests of this script)")
     args = parser.parse_args()
     if args.variant:
-        run_variant(args)
+        scratch = tempfile.mkdtemp(prefix="teraio-probe-")
+        try:
+            run_variant(args, scratch)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
         return 0
     for variant in args.variants.split(","):
         if variant not in VARIANTS:
             raise SystemExit(f"--variants: {variant!r} is not one of {', '.join(VARIANTS)}")
-        forwarded = [a for a in sys.argv[1:]]
-        subprocess.run([sys.executable, __file__, *forwarded, "--variant", variant], check=False)
+        subprocess.run([sys.executable, __file__, *sys.argv[1:], "--variant", variant], check=False)
     return 0
 
 

@@ -55,8 +55,8 @@ class Report:
     mode's report adds its own section (`TensorReport`, `modes.block.BlockReport`,
     `modes.whole_model.WholeModelReport`); `as_dict` gives all of them flat."""
 
-    #: The mode that ran: "tensor", "block" or "whole-model".
-    mode: str
+    #: The mode that ran: "tensor", "block" or "whole-model" (each mode's report sets its own).
+    mode: str = field(init=False, default="")
     #: Iterations run, and each one's wall time from its forward to the end of its step, ms.
     steps: int
     step_times_ms: list[float]
@@ -82,6 +82,7 @@ class Report:
 class TensorReport(Report):
     """The tensor plan's report: predicted against measured iteration, stalls, traffic, peak."""
 
+    mode: str = field(init=False, default="tensor")
     planned_steps: int
     ideal_iteration_ms: Optional[float]
     predicted_percent_of_ideal: Optional[float]

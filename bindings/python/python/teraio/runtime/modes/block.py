@@ -131,6 +131,7 @@ class BlockReport(Report):
     """What a block-plan run did (`teraio.offload(...).report()` with granularity "block"): the
     `Report` fields, then the block plan's."""
 
+    mode: str = field(init=False, default="block")
     planned_steps: int
     prediction_warning: str
     checkpoint_all_ms: Optional[float]
@@ -1496,7 +1497,6 @@ class BlockOffload(Session):
             "allocator_retries": self._retries_per_iteration(),
         }
         return BlockReport(
-            mode="block",
             steps=self.step,
             planned_steps=count,
             **prediction_fields(measured_ms, predicted),

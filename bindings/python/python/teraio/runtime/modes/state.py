@@ -222,13 +222,17 @@ class StateExecutor:
                 self._restore_slot(slot)
         for slot in slots:
             self._join(slot)
-            if slot.put is not None:
-                slot.put.wait()
-                slot.put = None
-            if slot.tier == SSD and self.store is not None and not self.store.closed:
-                self.store.delete(slot.object_id)
+            self._delete_stored(slot)
         if slots and self.cuda:
             torch.cuda.current_stream(self.device).synchronize()
+
+    def _delete_stored(self, slot: _StateSlot) -> None:
+        """Deletes an SSD slot's object from the store once its write is done."""
+        if slot.put is not None:
+            slot.put.wait()
+            slot.put = None
+        if slot.tier == SSD and self.store is not None and not self.store.closed:
+            self.store.delete(slot.object_id)
 
     def planned_bytes(self, tier: str) -> int:
         return sum(slot.nbytes for slot in self.slots if slot.tier == tier)
@@ -486,8 +490,7 @@ class StateExecutor:
             for slot in self.slots:  # those that did come back: their copies up are waited for
                 if slot.resident:
                     self._join(slot)
-                    if slot.tier == SSD and self.store is not None and not self.store.closed:
-                        self.store.delete(slot.object_id)
+                self._delete_stored(slot)
             if self.cuda:
                 torch.cuda.current_stream(self.device).synchronize()
             warnings.warn(
@@ -509,8 +512,6 @@ class StateExecutor:
             slot.d2h_event.synchronize()
         assert slot.host is not None and slot.tensor.is_contiguous()
         slot.tensor.data = slot.host[: slot.nbytes].view(slot.tensor.dtype).view(slot.tensor.shape)
-        if slot.tier == SSD and self.store is not None and not self.store.closed:
-            self.store.delete(slot.object_id)
 
 
 def pin_within_iteration(trace: dict[str, Any], kind: str) -> None:

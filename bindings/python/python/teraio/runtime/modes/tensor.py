@@ -860,7 +860,6 @@ class TensorOffload(Session):
         if self.op_time_scale != 1.0:
             source += f", times op_time_scale {self.op_time_scale}"
         return TensorReport(
-            mode="tensor",
             steps=self.step,
             planned_steps=len(planned_times),
             ideal_iteration_ms=ideal_ms,

@@ -206,6 +206,7 @@ class WholeModelReport(Report):
     """What whole-model offload did (per-iteration figures: median over the steps after the
     first): the `Report` fields, then whole-model mode's."""
 
+    mode: str = field(init=False, default="whole-model")
     step_ms: Optional[float]
     #: {"in"|"out": {tier: {kind: bytes}}} per iteration (median iteration's counts).
     bytes_per_iteration: dict[str, dict[str, dict[str, int]]]
@@ -2192,7 +2193,6 @@ class ModelOffload(Session):
             iteration_ms=measured,
         )
         return WholeModelReport(
-            mode="whole-model",
             steps=self.steps,
             measured_iteration_ms=measured,
             step_times_ms=list(self._step_times_ms),

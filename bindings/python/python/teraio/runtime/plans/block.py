@@ -471,13 +471,14 @@ def fit_layout(
     predicted; None where moving all it may does not make it fit. `step_window`/`step_held`:
     a windowed step's window and what its windows hold at once (`choose`)."""
     plan = Plan(list(actions), window_blocks=window)
-    need = peak_bound(measured, plan) - limit_bytes
     if step_window and measured.step_peak_bytes > limit_bytes:
         # The step cannot take all the state back: it runs in windows, and the state moved must
         # make room for the windows it holds.
         plan.step_window_bytes = step_window
         plan.step_held_bytes = step_held or STEP_WINDOWS_HELD * step_window
         need = max(forward_bound(measured, plan) - limit_bytes, _step_state_need(measured, plan, limit_bytes))
+    else:
+        need = peak_bound(measured, plan) - limit_bytes
     if need > 0 and not _move_state(plan, need, state_sizes, host_left, has_store):
         return None
     # A windowed step brings the state back itself; else where backward frees room, in the last
