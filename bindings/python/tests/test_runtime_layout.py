@@ -1,7 +1,7 @@
 """The shape of `teraio/` read from its source (no torch needed): floors whose imports only point
-down and never circle, the store called from one module, copies between GPU and host memory made
-in the movers, object ids from `teraio.ids`; and docs/runtime.md's options table, made from
-`OffloadOptions`.
+down and never circle, the store called from one module (the tiers), copies between GPU and host
+memory made in the movers, object ids from `teraio.ids`; and docs/runtime.md's options table,
+made from `OffloadOptions`.
 
 docs/runtime.md describes the floors.
 """
@@ -288,6 +288,33 @@ def test_copies_between_gpu_and_host_live_in_the_movers() -> None:
 )
 def test_the_copy_check_sees_a_copy(line: str) -> None:
     assert _COPY_CALL.search(line)
+
+
+#: A call that moves bytes to or from a store, or deletes its objects.
+_STORE_CALL = re.compile(
+    r"\bstore\.(start_put|start_get|put_async|get_async|put|get|get_bytes|delete|delete_many)\("
+)
+#: Where they may stand: the tiers (every mode's bytes go through them) and the store-bandwidth
+#: measurement (`machine`, which times such calls on purpose).
+_STORE_HOMES = {"teraio.runtime.movers.tiers", "teraio.machine", "teraio.store"}
+
+
+def test_one_module_of_the_runtime_calls_the_store() -> None:
+    outside = [
+        f"{module}:{number}: {line.strip()}"
+        for module, path in _modules().items()
+        if module not in _STORE_HOMES
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if _STORE_CALL.search(line)
+    ]
+    assert outside == []
+
+
+@pytest.mark.parametrize(
+    "line", ["self.store.start_put(1, host, 3)", "store.delete(object_id)", "self.store.get_async(i, b)"]
+)
+def test_the_store_check_sees_a_call(line: str) -> None:
+    assert _STORE_CALL.search(line)
 
 
 #: A literal object-id base (`1 << 40` and up): ids come from `teraio.ids` instead.

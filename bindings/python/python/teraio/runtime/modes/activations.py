@@ -20,10 +20,11 @@ measured no gain (the pieces of a copy already ready still ran first).
 A prefetch the plan did not issue in time is issued on demand; that and any wait for an SSD
 read are counted as stalls, and the result is still exact.
 
-SSD tier: the device-to-host copy lands in a pinned buffer, then the engine writes it from there
-(`Store.start_put`, asynchronous); reads come back into a pinned buffer and are copied up. So the
-activations' SSD bytes are staged in pinned host memory (`SSD_STAGING_BYTES`), where the
-whole-model mode's SSD tier (`movers.tiers.SsdTier`) goes through the engine's GPU path.
+SSD tier (`movers.tiers.StagedSsdTier`): the device-to-host copy lands in a pinned buffer, then
+the engine writes it from there; reads come back into a pinned buffer and are copied up. So the
+activations' SSD bytes are staged in pinned host memory (at most `SSD_STAGING_BYTES` of writes
+in flight), and the GPU memory of a save goes back once its copy lands, not once the disk has
+it.
 
 Recomputation (`teraio.recompute`): a saved tensor the plan marks "recompute" is not copied at
 all; the executor keeps the handles of its sources (earlier saves, parameters, captured module
@@ -36,6 +37,7 @@ On a CPU "device" the same logic runs with synchronous copies (for tests and CPU
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import weakref
 from collections import deque
@@ -51,7 +53,7 @@ from ...recompute import Recipe, Source
 from ...sharded import is_parameter_memory
 from ...store import Store
 from ..movers.copy import copy_now, copy_on_stream, flat_bytes, join_copy, pinned_buffer, pinned_size
-from ..movers.tiers import HOST, SSD, TierCounters
+from ..movers.tiers import HOST, SSD, StagedSsdTier, TierCounters
 from ..plans.tensor import RECOMPUTE, PackDecision
 
 #: Prefetches are copied in pieces of this size (64 MiB: about a millisecond on a PCIe 5 x16
@@ -73,6 +75,10 @@ PULL_HEADROOM_BYTES = 2 << 30
 #: The CUDA allocator's statistics as nested dicts, straight from C++ (None: this build has no
 #: such function; `torch.cuda.memory_allocated` is used instead).
 _cuda_memory_stats = getattr(torch._C, "_cuda_memoryStats", None)
+
+
+def _nothing() -> None:
+    return None
 
 
 def _deadline(need_event: Optional[int]) -> int:
@@ -127,8 +133,6 @@ class _Slot:
         "host",
         "object_id",
         "d2h_event",
-        "put_handle",
-        "get_handle",
         "gpu",
         "h2d_event",
         "weak",
@@ -145,8 +149,6 @@ class _Slot:
         self.object_id = object_id
         self.host: Optional[torch.Tensor] = None
         self.d2h_event: Any = None
-        self.put_handle: Any = None
-        self.get_handle: Any = None
         self.gpu: Optional[torch.Tensor] = None
         self.h2d_event: Any = None
         # The event where backward first needs it (the prefetch's deadline); None: unknown.
@@ -194,6 +196,7 @@ class ActivationExecutor:
         self.device = device
         self.cuda = device.type == "cuda"
         self.store = store
+        self.ssd = StagedSsdTier(store, SSD_STAGING_BYTES) if store is not None else None
         self.host_memory_bytes = host_memory_bytes
         self.min_bytes = min_bytes
         self.gpu_memory_bytes = gpu_memory_bytes
@@ -224,12 +227,9 @@ class ActivationExecutor:
         # Weak: a slot (and the GPU copy it restores) lives only as long as autograd holds it.
         self._slots_by_pack: dict[int, weakref.ref[_Slot]] = {}
         self._dedup: dict[Any, weakref.ref[_Slot]] = {}
-        self._pending_puts: deque[_Slot] = deque()
-        self._pending_gets: list[_Slot] = []
         self._inflight: deque[tuple[Any, int]] = deque()
         self._inflight_bytes = 0
         self._host_in_use = 0
-        self._written_objects: set[int] = set()
         # Recomputation: the saved tensors recipes read (their first save's handle is kept until
         # backward starts), the handles kept this iteration, and parameters/buffers by trace id.
         self._capture_ids: set[int] = set()
@@ -355,16 +355,15 @@ class ActivationExecutor:
             packs_off = self._pack_index != len(self.decisions)
             if packs_off or (self.planned_events is not None and self._event_index != self.planned_events):
                 self.stats.event_misalignments += 1
-        self._pump(wait=True)
+        if self.ssd is not None:
+            self.ssd.poll()
+            self.stats.ssd_wait_s += self.ssd.flush()
         self._dedup.clear()
 
     def close(self) -> None:
         """Finishes pending writes and deletes the executor's objects from the store."""
-        self._pump(wait=True)
-        if self.store is not None and not self.store.closed:
-            for object_id in sorted(self._written_objects):
-                self.store.delete(object_id)
-        self._written_objects.clear()
+        if self.ssd is not None:
+            self.ssd.close()
 
     # -- hooks ---------------------------------------------------------------------------------
 
@@ -403,8 +402,8 @@ class ActivationExecutor:
         """What every save/unpack event does first: moves SSD work along, issues the prefetches
         planned for it (and those put off), and runs the optimizer-state / parameter clock.
         Each step is skipped at once where it has nothing to do (most events)."""
-        if self._pending_puts or self._pending_gets:
-            self._pump(wait=False)
+        if self.ssd is not None and self.ssd.busy:
+            self.ssd.poll()
         if self._deferred or event_index in self.prefetch_at_event:
             self._issue_prefetches(event_index)
         if self.on_event is not None:
@@ -639,15 +638,9 @@ class ActivationExecutor:
         else:
             copy_now(slot.host.untyped_storage(), source)
         if slot.tier == SSD:
-            self._pending_puts.append(slot)
-            self._pump(wait=False)
-            staged = sum(s.nbytes for s in self._pending_puts)
-            if staged > SSD_STAGING_BYTES:
-                # Pinned staging must not outgrow host memory when the disk is slower than the
-                # saves: wait for the writes in flight.
-                started = time.perf_counter()
-                self._pump(wait=True)
-                self.stats.ssd_wait_s += time.perf_counter() - started
+            assert self.ssd is not None
+            self.stats.ssd_wait_s += self.ssd.write(slot.object_id, slot.host, slot.nbytes, slot.d2h_event)
+            slot.host = None  # the tier holds it until the store has the bytes
 
     def _throttle(self, nbytes: int) -> None:
         """Bounds device-to-host bytes in flight: GPU memory is only freed once they land."""
@@ -663,44 +656,6 @@ class ActivationExecutor:
         while self._inflight and self._inflight[0][0].query():
             _, size = self._inflight.popleft()
             self._inflight_bytes -= size
-
-    def _pump(self, wait: bool) -> None:
-        """Starts SSD writes whose device-to-host copy is done; drops pinned buffers written out."""
-        store = self.store
-        pending = self._pending_puts
-        still: deque[_Slot] = deque()
-        while pending:
-            slot = pending.popleft()
-            if slot.put_handle is None:
-                if slot.d2h_event is not None and not slot.d2h_event.query():
-                    if not wait:
-                        still.append(slot)
-                        continue
-                    slot.d2h_event.synchronize()
-                assert store is not None
-                host = slot.host
-                assert host is not None
-                slot.put_handle = store.start_put(slot.object_id, host, slot.nbytes)
-                self._written_objects.add(slot.object_id)
-            if wait or slot.put_handle.is_done():
-                slot.put_handle.wait()
-                slot.put_handle = None
-                if slot.gpu is None:
-                    slot.host = None
-                continue
-            still.append(slot)
-        self._pending_puts = still
-        if self._pending_gets:
-            waiting = []
-            for slot in self._pending_gets:
-                if slot.get_handle is None:
-                    continue
-                if slot.get_handle.is_done():
-                    self._finish_get(slot)
-                    self._copy_up(slot)
-                else:
-                    waiting.append(slot)
-            self._pending_gets = waiting
 
     def _issue_prefetches(self, event_index: int) -> None:
         indices = self.prefetch_at_event.get(event_index)
@@ -736,20 +691,19 @@ class ActivationExecutor:
     def _prefetch(self, slot: _Slot) -> None:
         self.stats.prefetched_bytes[slot.tier] += slot.nbytes
         if slot.tier == SSD:
-            self._finish_put(slot)
-            if slot.host is None:
-                slot.host = pinned_buffer(slot.nbytes, self.cuda)
-            assert self.store is not None
-            host = slot.host
-            slot.get_handle = self.store.start_get(slot.object_id, host, slot.nbytes, urgent=True)
+            assert self.ssd is not None
+            slot.host = pinned_buffer(slot.nbytes, self.cuda)
             if not self.cuda:
-                self._finish_get(slot)
+                self.stats.ssd_wait_s += self.ssd.read(slot.object_id, slot.host, slot.nbytes, _nothing)
+                self.stats.ssd_wait_s += self.ssd.wait_read(slot.object_id)
                 slot.gpu = slot.host.clone()
                 slot.host = None
                 return
-            # The host-to-device copy is issued once the read is in (`_pump`, at the latest `_await`).
+            # The host-to-device copy is issued once the read is in (at an event's poll, at the
+            # latest in `_await`).
             slot.gpu = self._device_buffer(slot.nbytes)
-            self._pending_gets.append(slot)
+            arrived = functools.partial(self._copy_up, slot)
+            self.stats.ssd_wait_s += self.ssd.read(slot.object_id, slot.host, slot.nbytes, arrived)
             return
         host = slot.host
         assert host is not None
@@ -823,35 +777,8 @@ class ActivationExecutor:
         self.stats.prefetches_per_stream[index] += 1
         return index
 
-    def _finish_put(self, slot: _Slot) -> None:
-        if slot in self._pending_puts or slot.put_handle is not None:
-            started = time.perf_counter()
-            if slot.put_handle is None:
-                if slot.d2h_event is not None:
-                    slot.d2h_event.synchronize()
-                assert self.store is not None and slot.host is not None
-                slot.put_handle = self.store.start_put(slot.object_id, slot.host, slot.nbytes, urgent=True)
-                self._written_objects.add(slot.object_id)
-            slot.put_handle.wait()
-            slot.put_handle = None
-            self._pending_puts = deque(s for s in self._pending_puts if s is not slot)
-            self.stats.ssd_wait_s += time.perf_counter() - started
-
-    def _finish_get(self, slot: _Slot) -> None:
-        if slot.get_handle is not None:
-            if not slot.get_handle.is_done():
-                started = time.perf_counter()
-                slot.get_handle.wait()
-                self.stats.ssd_wait_s += time.perf_counter() - started
-            else:
-                slot.get_handle.wait()
-            slot.get_handle = None
-
     def _await(self, slot: _Slot) -> None:
-        if slot.tier == SSD and slot.get_handle is not None:
-            self._finish_get(slot)
-            if self.cuda:
-                self._pending_gets = [s for s in self._pending_gets if s is not slot]
-                self._copy_up(slot)
+        if slot.tier == SSD and self.ssd is not None:
+            self.stats.ssd_wait_s += self.ssd.wait_read(slot.object_id)
         if self.cuda and slot.h2d_event is not None:
             torch.cuda.current_stream(self.device).wait_event(slot.h2d_event)

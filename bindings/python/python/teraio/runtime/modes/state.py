@@ -14,7 +14,7 @@ forward pass peaks. For each state tensor the plan moves, the executor
 - at the event the plan maps the prefetch to (a `saved_tensors_hooks` event in the backward pass
   of the next iteration), grows the storage back and copies the bytes up (host tier: a host-to-
   device copy on its own stream; SSD tier: the engine reads into a pinned buffer, copied up as
-  soon as it is in);
+  soon as it is in: `movers.tiers.StagedSsdTier`);
 - before the next step (`before_step`), issues whatever was not issued yet (counted as on demand)
   and makes the compute stream wait for every restore, so the step always sees its exact bytes.
 
@@ -30,6 +30,7 @@ On a CPU "device" the same logic runs with synchronous copies, for tests and CPU
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ from ... import ids
 from ...sharded import local_tensor
 from ...store import Store
 from ..movers.copy import copy_now, copy_on_stream, flat_bytes, pinned_buffer, pinned_size
-from ..movers.tiers import HOST, SSD, TierCounters
+from ..movers.tiers import HOST, SSD, StagedSsdTier, TierCounters
 from ..plans.tensor import Move
 
 
@@ -113,8 +114,6 @@ class _StateSlot:
         "issued",
         "d2h_event",
         "restore",
-        "put",
-        "get",
     )
 
     def __init__(self, tensor: torch.Tensor, tier: str, object_id: int) -> None:
@@ -122,13 +121,13 @@ class _StateSlot:
         self.tier = tier
         self.nbytes = int(tensor.untyped_storage().nbytes())
         self.object_id = object_id
-        self.host: Optional[torch.Tensor] = None  # pinned copy (host tier; SSD tier while staged)
+        # Pinned copy (host tier; SSD tier: from the copy out until the SSD tier has it, and
+        # while a read from the SSD tier is in it).
+        self.host: Optional[torch.Tensor] = None
         self.resident = True  # the GPU storage holds the bytes (or a queued copy will)
         self.issued = False  # its restore has been issued since it was last moved out
         self.d2h_event: Any = None
         self.restore: Any = None  # CUDA event of the host-to-device copy in flight
-        self.put: Any = None  # engine handle of the SSD write in flight
-        self.get: Any = None  # engine handle of the SSD read in flight
 
 
 class StateExecutor:
@@ -146,6 +145,7 @@ class StateExecutor:
         self.device = device
         self.cuda = device.type == "cuda"
         self.store = store
+        self.ssd = StagedSsdTier(store) if store is not None else None
         self.object_id_base = object_id_base
         self._next_object_id = object_id_base
         self.stats = StateStats()
@@ -156,7 +156,6 @@ class StateExecutor:
         # Events with anything in the three tables (most events have nothing: one test each).
         self._action_events: set[int] = set()
         self._between_steps: list[int] = []
-        self._pending: list[_StateSlot] = []  # SSD tier: staged writes and reads in flight
         # Set by `bring_back` where it restored state between steps: out again at the next event.
         self._out_at_next_event = False
         if self.cuda:
@@ -175,7 +174,6 @@ class StateExecutor:
             if slot is not None and slot.tier == self._tier(move):
                 kept[id(tensor)] = slot
         self._drop([slot for slot in self.slots if id(slot.tensor) not in kept])
-        self._pending = [slot for slot in self._pending if id(slot.tensor) in kept]
         self.slots = []
         self.prefetch_at_event = {}
         self.release_at_event = {}
@@ -228,11 +226,8 @@ class StateExecutor:
 
     def _delete_stored(self, slot: _StateSlot) -> None:
         """Deletes an SSD slot's object from the store once its write is done."""
-        if slot.put is not None:
-            slot.put.wait()
-            slot.put = None
-        if slot.tier == SSD and self.store is not None and not self.store.closed:
-            self.store.delete(slot.object_id)
+        if slot.tier == SSD and self.ssd is not None:
+            self.ssd.delete(slot.object_id)
 
     def planned_bytes(self, tier: str) -> int:
         return sum(slot.nbytes for slot in self.slots if slot.tier == tier)
@@ -283,7 +278,9 @@ class StateExecutor:
         slot.issued = False
         self.stats.offloaded_bytes[slot.tier] += slot.nbytes
         if slot.tier == SSD:
-            self._pending.append(slot)
+            assert self.ssd is not None and slot.host is not None
+            self.ssd.write(slot.object_id, slot.host, slot.nbytes, slot.d2h_event)
+            slot.host = None  # the tier holds it until the store has the bytes
 
     def _host_buffer(self, slot: _StateSlot) -> torch.Tensor:
         if slot.host is None:
@@ -291,36 +288,17 @@ class StateExecutor:
         return slot.host
 
     def poll(self) -> None:
-        """Moves SSD-tier work along without blocking: starts writes whose device-to-host copy
-        is done, frees their staging once written, copies reads up once they are in."""
-        still = []
-        for slot in self._pending:
-            if slot.get is not None:
-                if slot.get.is_done():
-                    self._finish_get(slot)
-                    continue
-            elif slot.put is None:
-                if slot.d2h_event is None or slot.d2h_event.query():
-                    self._start_put(slot)
-            elif slot.put.is_done():
-                slot.put.wait()
-                slot.put = None
-                slot.host = None  # the pinned block goes back to PyTorch's pool
-                continue
-            still.append(slot)
-        self._pending = still
-
-    def _start_put(self, slot: _StateSlot) -> None:
-        assert self.store is not None and slot.host is not None
-        slot.put = self.store.start_put(slot.object_id, slot.host, slot.nbytes)
+        """Moves SSD-tier work along without blocking (`StagedSsdTier.poll`): writes start once
+        their copy out is done, reads are copied up once they are in."""
+        if self.ssd is not None and self.ssd.busy:
+            self.ssd.poll()
 
     # -- during the next iteration: back ---------------------------------------------------------
 
     def on_event(self, event_index: int) -> None:
         """Does what the plan maps to this `saved_tensors_hooks` event: releases (tensors moved
         within the iteration), restores, and makes compute wait for restores it needs next."""
-        if self._pending:
-            self.poll()
+        self.poll()
         self.issue_deferred_out()
         if event_index not in self._action_events:
             return
@@ -379,9 +357,8 @@ class StateExecutor:
 
     def _join(self, slot: _StateSlot) -> None:
         """Makes the compute stream wait for the slot's restore (an SSD read is waited for)."""
-        if slot.get is not None:
-            self._pending.remove(slot)
-            self._finish_get(slot)
+        if slot.tier == SSD and self.ssd is not None:
+            self.ssd.wait_read(slot.object_id)
         restore, slot.restore = slot.restore, None
         if restore is not None and self.cuda:
             torch.cuda.current_stream(self.device).wait_event(restore)
@@ -400,26 +377,15 @@ class StateExecutor:
         self._copy_up(slot)
 
     def _start_ssd_read(self, slot: _StateSlot) -> None:
-        """Starts reading an SSD slot's bytes into its pinned buffer (`slot.get`), its write
-        finished first (the read needs the object)."""
-        if slot.get is not None:
+        """Starts reading an SSD slot's bytes into a pinned buffer, copied up once they are in
+        (`_arrived`)."""
+        assert self.ssd is not None
+        if self.ssd.reading(slot.object_id):
             return
-        if slot.put is not None or slot in self._pending:
-            if slot.put is None:
-                if slot.d2h_event is not None:
-                    slot.d2h_event.synchronize()
-                self._start_put(slot)
-            slot.put.wait()
-            slot.put = None
-            self._pending.remove(slot)
-        self._host_buffer(slot)
-        assert self.store is not None
-        slot.get = self.store.start_get(slot.object_id, slot.host, slot.nbytes, urgent=True)
-        self._pending.append(slot)
+        arrived = functools.partial(self._arrived, slot)
+        self.ssd.read(slot.object_id, self._host_buffer(slot), slot.nbytes, arrived)
 
-    def _finish_get(self, slot: _StateSlot) -> None:
-        slot.get.wait()
-        slot.get = None
+    def _arrived(self, slot: _StateSlot) -> None:
         self._copy_up(slot)
         slot.host = None  # the pinned block returns to the pool once the copy is done
 
@@ -471,7 +437,7 @@ class StateExecutor:
                     "moves state of the shapes it profiled; load a state dict of this model and "
                     "optimizer, or load it before teraio.offload"
                 )
-            assert slot.resident and slot.get is None and slot.put is None
+            assert slot.resident and not (self.ssd and self.ssd.reading(slot.object_id))
             slot.tensor = new
             slot.issued = False
 
@@ -504,10 +470,9 @@ class StateExecutor:
         """Makes a slot's pinned buffer its tensor's data (its storage on the device is empty),
         once the copy out is done, or the store has read the bytes back into it."""
         if slot.tier == SSD:
+            assert self.ssd is not None
             self._start_ssd_read(slot)
-            slot.get.wait()
-            slot.get = None
-            self._pending.remove(slot)
+            self.ssd.wait_read(slot.object_id, arrive=False)
         elif slot.d2h_event is not None and self.cuda:
             slot.d2h_event.synchronize()
         assert slot.host is not None and slot.tensor.is_contiguous()

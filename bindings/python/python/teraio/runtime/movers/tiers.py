@@ -24,14 +24,27 @@ and return a `Transfer` that says when the copy is done and makes compute wait f
   source right after. A read's failure is raised by the next `poll` or `close` (the stream was
   released for it too).
 
+- `StagedSsdTier`: objects in a `teraio.Store` written from and read into pinned host buffers
+  through the engine's host path; the caller copies between the GPU and those buffers (with
+  `copy.copy_on_stream`). For tensors whose GPU memory must go back as soon as their copy to
+  host memory lands, well before the disk has them (a saved activation in the forward pass,
+  optimizer state after the step), where the GPU path would hold the GPU memory until the write
+  is done. The host path cannot wait for a CUDA event, so a write starts at the first `poll`
+  after the copy that fills its buffer (`copied`) is done, and a read's `arrived` runs at the
+  first `poll` after its bytes are in (or when the caller waits for it). The tier holds a
+  write's buffer until the store has the bytes: the caller lets go of it at once, so pinned
+  memory holds only what is still on its way to the disk, at most `staging_bytes` of it (a
+  write past that waits for those before it).
+
 On a CPU "device" both tiers copy synchronously (host tier) or through the engine's host path
-(SSD tier), for tests and CPU-only stacks.
+(SSD tiers), for tests and CPU-only stacks.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -69,7 +82,17 @@ class TierCounters(Counters):
     prefetches_on_demand: int = 0
 
 
-__all__ = ["GPU", "HOST", "SSD", "Counters", "HostTier", "SsdTier", "TierCounters", "Transfer"]
+__all__ = [
+    "GPU",
+    "HOST",
+    "SSD",
+    "Counters",
+    "HostTier",
+    "SsdTier",
+    "StagedSsdTier",
+    "TierCounters",
+    "Transfer",
+]
 
 
 class Transfer:
@@ -398,3 +421,148 @@ class SsdTier:
             for object_id in self.ids.values():
                 self.store.delete(object_id)
         self.ids.clear()
+
+
+class _Staged:
+    """A staged write or read of one object: its pinned buffer, the copy that fills it (a write),
+    the engine's handle once started, and what runs when a read is in."""
+
+    __slots__ = ("host", "nbytes", "copied", "handle", "arrived")
+
+    def __init__(
+        self,
+        host: torch.Tensor,
+        nbytes: int,
+        copied: Any = None,
+        handle: Optional[Handle] = None,
+        arrived: Optional[Callable[[], None]] = None,
+    ) -> None:
+        self.host = host
+        self.nbytes = nbytes
+        self.copied = copied
+        self.handle = handle
+        self.arrived = arrived
+
+
+class StagedSsdTier:
+    """Objects in a store, staged through pinned host buffers (see the module docstring). Object
+    ids are the caller's; one write and one read of an object are in flight at a time."""
+
+    name = SSD
+
+    def __init__(self, store: Store, staging_bytes: Optional[int] = None) -> None:
+        self.store = store
+        self.staging_bytes = staging_bytes
+        #: Every object written and not deleted since.
+        self.written: set[int] = set()
+        # In issue order (dicts keep it).
+        self._writes: dict[int, _Staged] = {}
+        self._reads: dict[int, _Staged] = {}
+
+    @property
+    def busy(self) -> bool:
+        """Whether a write or read is in flight (`poll` has work)."""
+        return bool(self._writes or self._reads)
+
+    def staged_bytes(self) -> int:
+        """Pinned bytes held for writes the store does not have yet."""
+        return sum(staged.nbytes for staged in self._writes.values())
+
+    def writing(self, object_id: int) -> bool:
+        return object_id in self._writes
+
+    def reading(self, object_id: int) -> bool:
+        return object_id in self._reads
+
+    def write(self, object_id: int, host: torch.Tensor, nbytes: int, copied: Any = None) -> float:
+        """Writes the first `nbytes` of `host` (pinned host memory) as the object once `copied`
+        (the CUDA event of the copy that fills `host`; None: it is filled) has completed. The
+        tier keeps `host` until the store has it. Returns the seconds spent waiting: for the
+        object's previous write, and for writes in flight past `staging_bytes`."""
+        waited = self.wait_write(object_id)
+        self._writes[object_id] = _Staged(host, nbytes, copied)
+        self.written.add(object_id)
+        self.poll()
+        if self.staging_bytes is not None and self.staged_bytes() > self.staging_bytes:
+            # Staging must not outgrow host memory when the disk is slower than the writes.
+            for earlier in list(self._writes):
+                waited += self.wait_write(earlier)
+        return waited
+
+    def read(self, object_id: int, host: torch.Tensor, nbytes: int, arrived: Callable[[], None]) -> float:
+        """Reads the object into `host` (pinned host memory), after its write; `arrived` runs
+        once the bytes are in (at a `poll`, or in `wait_read`), where the caller copies them on.
+        Returns the seconds spent waiting for its write."""
+        waited = self.wait_write(object_id, urgent=True) + self.wait_read(object_id)
+        handle = self.store.start_get(object_id, host, nbytes, urgent=True)
+        self._reads[object_id] = _Staged(host, nbytes, handle=handle, arrived=arrived)
+        return waited
+
+    def poll(self) -> None:
+        """Moves the work along without blocking: starts the writes whose buffer is filled, lets
+        go of the buffers of finished writes, runs `arrived` for the reads that are in. Raises
+        the error of a write or read that failed."""
+        for object_id, staged in list(self._writes.items()):
+            if staged.handle is None:
+                if staged.copied is not None and not staged.copied.query():
+                    continue
+                staged.handle = self.store.start_put(object_id, staged.host, staged.nbytes)
+            if staged.handle.is_done():
+                del self._writes[object_id]
+                staged.handle.wait()
+        for object_id, staged in list(self._reads.items()):
+            if staged.handle is not None and staged.handle.is_done():
+                del self._reads[object_id]
+                staged.handle.wait()
+                assert staged.arrived is not None
+                staged.arrived()
+
+    def wait_write(self, object_id: int, urgent: bool = False) -> float:
+        """Waits until the store has the object's write in flight, if any (started now, after
+        its copy, where it was not yet); returns the seconds spent waiting."""
+        staged = self._writes.pop(object_id, None)
+        if staged is None:
+            return 0.0
+        started = time.perf_counter()
+        if staged.handle is None:
+            if staged.copied is not None:
+                staged.copied.synchronize()
+            staged.handle = self.store.start_put(object_id, staged.host, staged.nbytes, urgent=urgent)
+        staged.handle.wait()
+        return time.perf_counter() - started
+
+    def wait_read(self, object_id: int, arrive: bool = True) -> float:
+        """Waits for the object's read in flight, if any, then runs its `arrived` (not where
+        `arrive` is False: the caller takes the bytes from the buffer itself); returns the
+        seconds spent waiting."""
+        staged = self._reads.pop(object_id, None)
+        if staged is None:
+            return 0.0
+        assert staged.handle is not None and staged.arrived is not None
+        started = time.perf_counter()
+        staged.handle.wait()
+        waited = time.perf_counter() - started
+        if arrive:
+            staged.arrived()
+        return waited
+
+    def flush(self) -> float:
+        """Waits for every write in flight; returns the seconds spent waiting."""
+        return sum(self.wait_write(object_id) for object_id in list(self._writes))
+
+    def delete(self, object_id: int) -> None:
+        """Deletes the object from the store, once its write in flight is done."""
+        self.wait_write(object_id)
+        if object_id in self.written:
+            self.written.discard(object_id)
+            if not self.store.closed:
+                self.store.delete(object_id)
+
+    def close(self) -> None:
+        """Waits for every write and read in flight (their buffers go back only then) and
+        deletes every object the tier wrote."""
+        self.flush()
+        for object_id in list(self._reads):
+            self.wait_read(object_id, arrive=False)
+        for object_id in sorted(self.written):
+            self.delete(object_id)
