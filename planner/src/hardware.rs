@@ -83,8 +83,8 @@ pub struct Hardware {
     /// Host link bandwidth per direction left for offloading, with one direction busy.
     pub host_link_bytes_per_s: f64,
     /// Host link bandwidth per direction while both directions move data at once (a PCIe link
-    /// gives each direction less then: the H100 machine's measured 55 GB/s one way and 45 GB/s
-    /// each way both at once). None (the default): `host_link_bytes_per_s` either way.
+    /// gives each direction less then: measure it with both directions busy). None (the
+    /// default): `host_link_bytes_per_s` either way.
     #[serde(default)]
     pub host_link_duplex_bytes_per_s: Option<f64>,
     /// Fixed cost per host transfer.

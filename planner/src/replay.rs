@@ -32,9 +32,8 @@ use crate::trace::Trace;
 pub const REPLAY_POLICY: &str = "replayed schedule";
 
 /// Iterations a replay runs back to back (the last is reported): where a tier cannot keep up,
-/// its backlog grows over the first iterations, and the last must show the steady state. On
-/// the H100 a record whose store writes took longer than the iteration's GPU work settled at
-/// the third.
+/// its backlog grows over the first iterations, and the last must show the steady state (a
+/// record whose store writes outlast the iteration's GPU work settles within three).
 pub const REPLAY_ITERATIONS: u32 = 4;
 
 /// One transfer the runtime issued: before op `op` (the op count: after the last op, which is

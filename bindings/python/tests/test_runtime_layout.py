@@ -283,6 +283,22 @@ def test_copies_between_gpu_and_host_live_in_the_movers() -> None:
     assert outside == []
 
 
+#: Where asynchronous copies between GPU and host memory are issued: one module of the runtime,
+#: and the link measurement.
+_ASYNC_COPY_HOMES = {"teraio.runtime.movers.copy", "teraio.machine"}
+
+
+def test_one_module_of_the_runtime_copies_between_gpu_and_host() -> None:
+    outside = [
+        f"{module}:{number}: {line.strip()}"
+        for module, path in _modules().items()
+        if module not in _ASYNC_COPY_HOMES
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"non_blocking\s*=", line)
+    ]
+    assert outside == []
+
+
 @pytest.mark.parametrize(
     "line", ["host.copy_(source)", "x.to(y, non_blocking=True)", "torch.empty(1, pin_memory=cuda)"]
 )

@@ -1059,8 +1059,8 @@ class BlockOffload(Session):
         measuring steps then run in windows, `_measuring_window`); none where both fit (the
         measuring iterations then run as checkpointing runs, copying nothing; state the first
         step moved out comes back). On a CPU "device", with no allocator to measure, all of it.
-        State in flight while measuring slows the measured iterations (Llama 1.2B: 414 ms
-        measured for 316)."""
+        State in flight while measuring slows the measured iterations, which the plan is made
+        from."""
         if self._state_moves_set or not self.options.offload_optimizer_state:
             return
         tensors = self._state_tensors_all()

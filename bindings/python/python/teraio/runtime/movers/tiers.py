@@ -53,7 +53,7 @@ import torch
 
 from ...pinned import RegisteredBuffer
 from ...store import Handle, Store
-from .copy import copies_on_stream
+from .copy import copies_on_stream, copy_now
 
 #: The tier of tensors that stay on the GPU.
 GPU = "gpu"
@@ -211,7 +211,7 @@ class HostTier:
         self.reserve(key, source.numel())
         host = self.buffers[key]
         if not self.cuda:
-            host.copy_(source)
+            copy_now(host, source)
             return Transfer(source.numel(), _finished, _nothing)
         return self._queue("out", key, source, host)
 
@@ -221,7 +221,7 @@ class HostTier:
         host = self.buffers[key]
         assert host.numel() == target.numel(), f"{key}: {host.numel()} != {target.numel()}"
         if not self.cuda:
-            target.copy_(host)
+            copy_now(target, host)
             return Transfer(target.numel(), _finished, _nothing)
         return self._queue("in", key, target, host)
 
