@@ -107,6 +107,12 @@ class OffloadOptions:
             estimate from raw profiled op times. None: on CUDA only.
         if_no_fit: "raise" (default: a clear error before the planned iterations when no plan
             fits the budget) or "run" (train anyway, waiting for transfers as needed).
+        frozen_compute_copies: the block plan: "auto" (default: where the first iteration's
+            forward runs under bf16 or fp16 autocast, the frozen fp32 weights held only by
+            `torch.nn.Linear` modules in the repeated blocks, such as LoRA's base weights, are
+            held on the device in that dtype, their fp32 values in CPU memory; the same bits,
+            half their device memory and no saved casts; `state_dict()` returns the fp32 values
+            from CPU memory, and leaving puts them back; `runtime/movers/frozen.py`) or "off".
         loss_head: the block plan and whole-model mode: "chunked" (default: a Hugging Face causal
             LM's loss runs as `teraio.head.causal_lm_loss`, the same bits without the full-size
             fp32 copies of the logits) or "model" (the model's own loss, as it is).
@@ -143,6 +149,7 @@ class OffloadOptions:
     op_time_scale: float = 1.0
     calibrate: Optional[bool] = False
     if_no_fit: str = "raise"
+    frozen_compute_copies: str = "auto"
     loss_head: str = "chunked"
     warmup_steps: Optional[int] = None
     min_bytes: int = 1 << 20
@@ -165,6 +172,7 @@ class OffloadOptions:
             "tier_preference": ("auto", "host", "ssd"),
             "if_no_fit": ("raise", "run"),
             "loss_head": ("chunked", "model"),
+            "frozen_compute_copies": ("auto", "off"),
         }
         for name, allowed in choices.items():
             value = getattr(self, name)

@@ -81,6 +81,7 @@ from ...timing import elapsed_ms as _ms
 from ...timing import mark
 from ..errors import NoPlanFitsError
 from ..movers.copy import pinned_size
+from ..movers.frozen import FrozenCopies, frozen_linear_parameters
 from ..movers.saved import SavedStats, SavedTensorMover
 from ..movers.tiers import HOST, SSD
 from ..plans import block as block_plan
@@ -168,6 +169,9 @@ class BlockReport(Report):
     #: rank waited for: "waits_for"), each rank's own prediction, measured parts and predicted
     #: segments (`block_plan.segments`, for both sides of the A/B trial). Empty otherwise.
     ranks: dict[str, Any] = field(default_factory=dict)
+    #: Frozen Linear weights held in autocast's dtype (`movers.frozen`): {"dtype", "parameters",
+    #: "saved_bytes": device bytes less than in fp32}; empty where none were.
+    frozen_copies: dict[str, Any] = field(default_factory=dict)
 
     def __str__(self) -> str:
         def ms(value: Optional[float]) -> str:
@@ -204,6 +208,13 @@ class BlockReport(Report):
             f"  loss head: {self.loss_head}",
             f"  machine: {self.machine}",
         ]
+        if self.frozen_copies:
+            lines.insert(
+                -2,
+                f"  frozen weights: {self.frozen_copies['parameters']} held in "
+                f"{self.frozen_copies['dtype']} ({format_bytes(self.frozen_copies['saved_bytes'])} "
+                "less device memory)",
+            )
         if self.ranks:
             lines.insert(2, "  " + _ranks_line(self.ranks))
         if self.prediction_warning:
@@ -347,6 +358,13 @@ class BlockOffload(Session):
             self.device, store=self.store, object_id_base=ids.base("optimizer_state"), **streams
         )
         self.measured = Measurement([BlockCost(name) for name, _ in self.blocks])
+        # Frozen Linear weights in autocast's dtype (`movers.frozen`), decided as the first
+        # iteration's first block starts (None: not this run).
+        self.frozen: Optional[FrozenCopies] = None
+        if options.frozen_compute_copies == "auto" and not sharded.is_sharded(model):
+            found = frozen_linear_parameters(model, [module for _, module in self.blocks])
+            self.frozen = FrozenCopies(self.device, found) if found else None
+        self._frozen_decided = self.frozen is None
         self.loss_head = LossHead(model, enabled=options.loss_head == "chunked")
         self.plan: Optional[Plan] = None
         self.tried: list[dict[str, Any]] = []
@@ -440,11 +458,21 @@ class BlockOffload(Session):
         self.loss_head.__exit__()
         self.mover.close()
         self.state.close()
+        if self.frozen is not None:
+            self.frozen.restore()
 
     # -- blocks --------------------------------------------------------------------------------
 
     def _wrapped(self, index: int, original: Callable[..., Any]) -> Callable[..., Any]:
+        module = self.blocks[index][1]
+
         def forward(*args: Any, **kwargs: Any) -> Any:
+            if not self._frozen_decided:
+                self._decide_frozen()
+            frozen = self.frozen
+            if frozen is not None and frozen.active and not frozen.matches():
+                with frozen.masters_in(module):
+                    return original(*args, **kwargs)
             if not torch.is_grad_enabled():
                 return original(*args, **kwargs)
             if self._entered != index:  # called without its hooks (`block.forward(x)`)
@@ -487,6 +515,25 @@ class BlockOffload(Session):
             return out
 
         return forward
+
+    def _decide_frozen(self) -> None:
+        """The first block's first forward with gradients: frozen Linear weights go to autocast's
+        dtype where it runs with bf16 or fp16 (before anything is measured, so the plan sees the
+        memory they leave)."""
+        if not torch.is_grad_enabled():
+            return
+        self._frozen_decided = True
+        assert self.frozen is not None
+        kind = self.device.type
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+        if dtype in (torch.bfloat16, torch.float16) and self.step == 0:
+            # The saved-tensor mover never copies parameters: it must know their new storages
+            # (and forget the old ones, whose memory the allocator hands out again).
+            self.mover.skip.difference_update(self.frozen.storages())
+            self.frozen.install(dtype)
+            self.mover.skip.update(self.frozen.storages())
+        else:
+            self.frozen = None
 
     def _pre_forward(self, index: int) -> Callable[..., None]:
         def hook(module: Module, args: Any) -> None:
@@ -1531,4 +1578,5 @@ class BlockOffload(Session):
             selective=dict(self.selective_measured),
             loss_head=self.loss_head.describe(),
             ranks=ranks,
+            frozen_copies=self.frozen.summary() if self.frozen is not None else {},
         )
