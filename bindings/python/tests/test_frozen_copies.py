@@ -52,7 +52,8 @@ def _frozen_names(model: torch.nn.Module) -> list[str]:
 
 def test_the_frozen_linear_weights_are_the_blocks_own() -> None:
     model, _ = _lora(all_parameters=False)
-    found = frozen_linear_parameters(model, list(model.layers))
+    cpu = torch.device("cpu")
+    found = frozen_linear_parameters(model, list(model.layers), cpu)
     # Each block's two LoRA linears have a frozen base weight and bias; the frozen embedding is
     # no Linear's, the trained head is not frozen.
     assert len(found) == 4 * len(model.layers)
@@ -60,7 +61,8 @@ def test_the_frozen_linear_weights_are_the_blocks_own() -> None:
     tied = torch.nn.Linear(64, 96, bias=False)
     tied.weight = model.embed.weight  # held by an Embedding too
     model.layers[0].extra = tied
-    assert len(frozen_linear_parameters(model, list(model.layers))) == len(found)
+    assert len(frozen_linear_parameters(model, list(model.layers), cpu)) == len(found)
+    assert frozen_linear_parameters(model, list(model.layers), torch.device("meta")) == []
 
 
 @pytest.mark.parametrize("action", [KEEP, RECOMPUTE])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import fnmatch
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -272,15 +273,19 @@ _COPY_CALL = re.compile(r"\.copy_\(|non_blocking\s*=|pin_memory\s*=")
 _COPY_HOMES = ("teraio.runtime.movers.*", "teraio.machine", "teraio.pinned")
 
 
-def test_copies_between_gpu_and_host_live_in_the_movers() -> None:
-    outside = [
+def _lines_outside(pattern: re.Pattern[str], homes: Iterable[str]) -> list[str]:
+    """Lines matching `pattern` in modules that match none of `homes` (`fnmatch` patterns)."""
+    return [
         f"{module}:{number}: {line.strip()}"
         for module, path in _modules().items()
-        if not any(fnmatch.fnmatchcase(module, home) for home in _COPY_HOMES)
+        if not any(fnmatch.fnmatchcase(module, home) for home in homes)
         for number, line in enumerate(path.read_text().splitlines(), 1)
-        if _COPY_CALL.search(line)
+        if pattern.search(line)
     ]
-    assert outside == []
+
+
+def test_copies_between_gpu_and_host_live_in_the_movers() -> None:
+    assert _lines_outside(_COPY_CALL, _COPY_HOMES) == []
 
 
 #: Where asynchronous copies between GPU and host memory are issued: one module of the runtime,
@@ -289,14 +294,7 @@ _ASYNC_COPY_HOMES = {"teraio.runtime.movers.copy", "teraio.machine"}
 
 
 def test_one_module_of_the_runtime_copies_between_gpu_and_host() -> None:
-    outside = [
-        f"{module}:{number}: {line.strip()}"
-        for module, path in _modules().items()
-        if module not in _ASYNC_COPY_HOMES
-        for number, line in enumerate(path.read_text().splitlines(), 1)
-        if re.search(r"non_blocking\s*=", line)
-    ]
-    assert outside == []
+    assert _lines_outside(re.compile(r"non_blocking\s*="), _ASYNC_COPY_HOMES) == []
 
 
 @pytest.mark.parametrize(
@@ -316,14 +314,7 @@ _STORE_HOMES = {"teraio.runtime.movers.tiers", "teraio.machine", "teraio.store"}
 
 
 def test_one_module_of_the_runtime_calls_the_store() -> None:
-    outside = [
-        f"{module}:{number}: {line.strip()}"
-        for module, path in _modules().items()
-        if module not in _STORE_HOMES
-        for number, line in enumerate(path.read_text().splitlines(), 1)
-        if _STORE_CALL.search(line)
-    ]
-    assert outside == []
+    assert _lines_outside(_STORE_CALL, _STORE_HOMES) == []
 
 
 @pytest.mark.parametrize(

@@ -362,7 +362,7 @@ class BlockOffload(Session):
         # iteration's first block starts (None: not this run).
         self.frozen: Optional[FrozenCopies] = None
         if options.frozen_compute_copies == "auto" and not sharded.is_sharded(model):
-            found = frozen_linear_parameters(model, [module for _, module in self.blocks])
+            found = frozen_linear_parameters(model, [module for _, module in self.blocks], self.device)
             self.frozen = FrozenCopies(self.device, found) if found else None
         self._frozen_decided = self.frozen is None
         self.loss_head = LossHead(model, enabled=options.loss_head == "chunked")

@@ -32,9 +32,11 @@ import torch
 from torch.nn import Module
 
 
-def frozen_linear_parameters(model: Module, blocks: list[Module]) -> list[tuple[Module, str]]:
-    """(module, name) of every frozen fp32 parameter held only by Linear modules inside `blocks`
-    (see the module docstring), each once."""
+def frozen_linear_parameters(
+    model: Module, blocks: list[Module], device: torch.device
+) -> list[tuple[Module, str]]:
+    """(module, name) of every frozen fp32 parameter on `device` held only by Linear modules inside
+    `blocks` (see the module docstring), each once."""
     owners: dict[int, list[Module]] = {}
     for module in model.modules():
         for param in module._parameters.values():
@@ -48,6 +50,8 @@ def frozen_linear_parameters(model: Module, blocks: list[Module]) -> list[tuple[
                 continue
             for name, param in module._parameters.items():
                 if param is None or param.requires_grad or param.dtype != torch.float32 or id(param) in seen:
+                    continue
+                if param.device != device:
                     continue
                 if any(type(owner) is not torch.nn.Linear for owner in owners[id(param)]):
                     continue
