@@ -219,11 +219,13 @@ def _rank_main(rank: int, tmp: str, store_root: str) -> None:
                 moved_before = sum(run.state.stats.offloaded_bytes.values())
                 after = train(model, optimizer, data[SAVE_AT:])
                 moved_after = sum(run.state.stats.offloaded_bytes.values())
+                state_planned = run.state.planned_bytes("host") + run.state.planned_bytes("ssd")
             shards = _shards(model)
             resumed[name] = {
                 "losses": after,
                 "planned_at_load": planned,
                 "state_moved_after_load": moved_after - moved_before,
+                "state_planned": state_planned,
                 "shards_equal": all(torch.equal(shards[k], v) for k, v in offload_shards.items()),
             }
         result["resumed"] = resumed
@@ -280,7 +282,11 @@ def test_fsdp2_offload_bitwise_and_checkpoint_resume(store_dir: pathlib.Path, tm
         for name, resumed in result["resumed"].items():
             assert resumed["losses"] == result["losses"][SAVE_AT:], name
             assert resumed["shards_equal"], name
-            assert resumed["state_moved_after_load"] > 0, name
+            # The plan comes from profiled op times, and a loaded machine may give one that moves
+            # no optimizer state: where it moves some, the state the load put in the optimizer
+            # moves after the load.
+            if resumed["state_planned"]:
+                assert resumed["state_moved_after_load"] > 0, name
         assert not result["resumed"]["before_any_step"]["planned_at_load"]
         assert result["resumed"]["with_the_plan"]["planned_at_load"]
 
