@@ -36,7 +36,7 @@ import contextlib
 import os
 import sys
 from functools import partial
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -82,6 +82,37 @@ def row_base(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
+def accumulating_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    trained: list[torch.nn.Parameter],
+    accum: int,
+    clip: float,
+    autocast: Callable[[], Any],
+    forward_context: Callable[[], Any] = contextlib.nullcontext,
+    after_step: Callable[[], None] = lambda: None,
+) -> Callable[[torch.Tensor], float]:
+    """The loop as users write it, one batch a call: `accum` micro-batches, each
+    `(loss / accum).backward()`, then `clip_grad_norm_` (where `clip`), the step, `after_step()`
+    and `zero_grad`; returns the batch's loss."""
+
+    def step(tokens: torch.Tensor) -> float:
+        total = 0.0
+        for part in tokens.chunk(accum):
+            with forward_context(), autocast():
+                loss = model(input_ids=part, labels=part).loss / accum
+            loss.backward()
+            total += loss.item()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(trained, clip)
+        optimizer.step()
+        after_step()
+        optimizer.zero_grad(set_to_none=True)
+        return total
+
+    return step
+
+
 def run_in(args: argparse.Namespace, scratch: str) -> dict[str, Any]:
     device, result, cap = rows.start(args, row_base(args), clip=args.clip)
     if args.batch % args.accum:
@@ -118,19 +149,7 @@ def run_in(args: argparse.Namespace, scratch: str) -> dict[str, Any]:
     forward_context = saved.context if saved is not None else contextlib.nullcontext
     autocast = partial(torch.autocast, device.type, dtype=torch.bfloat16)
 
-    def step(tokens: torch.Tensor) -> float:
-        total = 0.0
-        for part in tokens.chunk(args.accum):
-            with forward_context(), autocast():
-                loss = model(input_ids=part, labels=part).loss / args.accum
-            loss.backward()
-            total += loss.item()
-        if args.clip:
-            torch.nn.utils.clip_grad_norm_(trained, args.clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return total
-
+    step = accumulating_step(model, optimizer, trained, args.accum, args.clip, autocast, forward_context)
     steps = rows.Steps(f"{args.family} {args.mode} accum {args.accum}", device)
     rows.train(result, steps, batches, step, outer, args, f"{args.family}-{args.mode}-accum{args.accum}")
     rows.finish(result, steps, args.warmup)

@@ -27,7 +27,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from functools import partial
 from typing import Any
 
@@ -35,6 +34,7 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import baselines
+import bench_loops as loops
 import bench_regime as regime
 import rows
 
@@ -69,22 +69,17 @@ def run_variant(args: argparse.Namespace, scratch: str) -> None:
         )
     batches = regime.make_batches(args.steps, args.batch, args.seq, model.config.vocab_size)
     autocast = partial(torch.autocast, device.type, dtype=torch.bfloat16)
-    times = []
-    with outer:
-        for tokens in batches:
-            tokens = tokens.to(device)
-            started = time.perf_counter()
-            for part in tokens.chunk(args.accum):
-                with autocast():
-                    loss = model(input_ids=part, labels=part).loss / args.accum
-                loss.backward()
-                loss.item()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            if variant == "hf_sync" and device.type == "cuda":
-                torch.cuda.current_stream().synchronize()
-            optimizer.zero_grad(set_to_none=True)
-            times.append((time.perf_counter() - started) * 1e3)
+    sync = variant == "hf_sync" and device.type == "cuda"
+    after_step = torch.cuda.current_stream().synchronize if sync else lambda: None
+    step = loops.accumulating_step(
+        model, optimizer, list(model.parameters()), args.accum, 1.0, autocast, after_step=after_step
+    )
+    steps, result = rows.Steps(variant, device), {}
+    rows.train(result, steps, batches, step, outer, args, f"probe-{variant}")
+    if result.get("oom"):
+        print(f"{variant}: out of memory at step {result['oom_step']}", flush=True)
+        return
+    times = steps.step_ms
     timed = times[args.warmup :]
     print(
         f"{variant}: median {statistics.median(timed):.1f} ms over {len(timed)} steps; "
