@@ -1,12 +1,17 @@
 """Runs a test's rank function in spawned processes (the multi-process DDP and FSDP2 tests), and
-what each rank sets up: its gloo process group and its own store."""
+what each rank sets up: its gloo process group, its own store, and FSDP2 over the model's layers."""
 
 from __future__ import annotations
 
 import datetime
 import pathlib
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
+
+try:
+    from torch.distributed.fsdp import fully_shard
+except ImportError:  # torch without FSDP2
+    fully_shard = None
 
 
 def spawn_ranks(main: Callable[..., None], args: tuple[Any, ...], world: int, deadline_s: float) -> None:
@@ -48,3 +53,17 @@ def rank_store(root: str, name: str, size_bytes: int = 256 << 20) -> Any:
     path = pathlib.Path(root) / name
     path.mkdir(parents=True, exist_ok=True)
     return teraio.Store.create([path / "dev0"], file_size_bytes=size_bytes, durable=False, force=True)
+
+
+def shard_layers(model: Any, mesh: Optional[Any] = None) -> None:
+    """FSDP2 as the tests use it: each of `model.layers`, then the root (on `mesh` where given)."""
+    assert fully_shard is not None
+    on = {} if mesh is None else {"mesh": mesh}
+    for layer in model.layers:
+        fully_shard(layer, **on)
+    fully_shard(model, **on)
+
+
+def local_shards(model: Any) -> dict[str, Any]:
+    """This rank's shard of each entry of the model's state dict (copies)."""
+    return {name: value.to_local().clone() for name, value in model.state_dict().items()}

@@ -39,14 +39,9 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 import teraio  # noqa: E402
-from ranks import init_group, rank_store, spawn_ranks  # noqa: E402
+from ranks import fully_shard, init_group, local_shards, rank_store, shard_layers, spawn_ranks  # noqa: E402
 from teraio import sharded  # noqa: E402
 from tiny import batches, make, train  # noqa: E402
-
-try:
-    from torch.distributed.fsdp import fully_shard
-except ImportError:  # torch without FSDP2
-    fully_shard = None
 
 WORLD = 2
 LAYERS = 4
@@ -74,15 +69,9 @@ def _build() -> tuple[Any, Any]:
     model, _ = make(layers=LAYERS)
     # A CPU mesh: without one, fully_shard moves the model to CUDA where a GPU is present.
     mesh = init_device_mesh("cpu", (WORLD,))
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    shard_layers(model, mesh)
     # The optimizer holds the sharded parameters (DTensors), so it is made after sharding.
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-
-def _shards(model: Any) -> dict[str, Any]:
-    return {name: value.to_local().clone() for name, value in model.state_dict().items()}
 
 
 def _state(optimizer: Any) -> list[Any]:
@@ -175,7 +164,7 @@ def _rank_main(rank: int, tmp: str, store_root: str) -> None:
     plain_calls: list[Any] = []
     with _recording_collectives(plain_calls):
         plain = train(model, optimizer, data)
-    plain_shards, plain_state = _shards(model), _state(optimizer)
+    plain_shards, plain_state = local_shards(model), _state(optimizer)
 
     store = rank_store(store_root, f"rank{rank}")
     options = dict(
@@ -202,7 +191,7 @@ def _rank_main(rank: int, tmp: str, store_root: str) -> None:
         result["report"] = report.as_dict()
         result["report_text"] = str(report)
         result["brought_back"] = run.state.stats.brought_back
-        offload_shards, offload_state = _shards(model), _state(optimizer)
+        offload_shards, offload_state = local_shards(model), _state(optimizer)
         dist.destroy_process_group()
 
         # A new process group, model and optimizer resume from the checkpoint.
@@ -220,7 +209,7 @@ def _rank_main(rank: int, tmp: str, store_root: str) -> None:
                 after = train(model, optimizer, data[SAVE_AT:])
                 moved_after = sum(run.state.stats.offloaded_bytes.values())
                 state_planned = run.state.planned_bytes("host") + run.state.planned_bytes("ssd")
-            shards = _shards(model)
+            shards = local_shards(model)
             resumed[name] = {
                 "losses": after,
                 "planned_at_load": planned,
@@ -330,7 +319,7 @@ def _block_rank_main(rank: int, tmp: str, store_root: str) -> None:
     plain_calls: list[Any] = []
     with _recording_collectives(plain_calls):
         plain = train(model, optimizer, data)
-    plain_shards = _shards(model)
+    plain_shards = local_shards(model)
     shard_bytes = sum(p.to_local().numel() * 4 for p in model.parameters())
 
     store = rank_store(store_root, f"block{rank}")
@@ -375,7 +364,7 @@ def _block_rank_main(rank: int, tmp: str, store_root: str) -> None:
         losses=losses,
         plain_calls=plain_calls,
         calls=calls,
-        shards_equal=all(torch.equal(v, plain_shards[k]) for k, v in _shards(model).items()),
+        shards_equal=all(torch.equal(v, plain_shards[k]) for k, v in local_shards(model).items()),
     )
     (out / f"block{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()

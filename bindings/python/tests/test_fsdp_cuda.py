@@ -29,13 +29,8 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 import teraio  # noqa: E402
-from ranks import init_group, rank_store, spawn_ranks  # noqa: E402
+from ranks import fully_shard, init_group, local_shards, rank_store, shard_layers, spawn_ranks  # noqa: E402
 from tiny import batches, make, train  # noqa: E402
-
-try:
-    from torch.distributed.fsdp import fully_shard
-except ImportError:  # torch without FSDP2
-    fully_shard = None
 
 WORLD = 2
 SHAPE = {"dim": 1024, "hidden": 4096, "layers": 4}
@@ -56,14 +51,8 @@ pytestmark = pytest.mark.skipif(
 
 def _build(rank: int) -> tuple[Any, Any]:
     model, _ = make(device=f"cuda:{rank}", **SHAPE)
-    for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+    shard_layers(model)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-
-def _shards(model: Any) -> dict[str, Any]:
-    return {name: value.to_local().clone() for name, value in model.state_dict().items()}
 
 
 def _rank_main(rank: int, tmp: str, store_root: str) -> None:
@@ -115,7 +104,7 @@ def _rank_main(rank: int, tmp: str, store_root: str) -> None:
             del model_sd, optim_sd  # as a loop lets them go: they hold GPU memory
             losses += train(model, optimizer, data[SAVE_AT:])
         result["report"] = str(run.report())
-        finished = _shards(model)
+        finished = local_shards(model)
         # The first run's memory goes before the second measures its own peak.
         del model, optimizer, run
         torch.cuda.empty_cache()
@@ -128,7 +117,7 @@ def _rank_main(rank: int, tmp: str, store_root: str) -> None:
             set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
             del model_sd, optim_sd
             resumed = train(model, optimizer, data[SAVE_AT:])
-        shards = _shards(model)
+        shards = local_shards(model)
         result["resumed_shards_equal"] = all(torch.equal(shards[k], v) for k, v in finished.items())
     finally:
         store.close()
