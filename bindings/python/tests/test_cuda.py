@@ -487,6 +487,38 @@ def test_whole_model_state_too_big_for_the_budget_is_left_in_cpu_memory(store: t
             assert torch.equal(value.cpu(), optimizer.state[q][key].cpu()), key
 
 
+def test_the_suggested_batch_fits_the_budget() -> None:
+    """Whole-model mode at batch 2 estimates the largest batch its budget holds; a run at that
+    batch peaks within the budget, and the estimate from that run agrees within a sequence."""
+    from test_whole_model import TiedLM
+
+    budget = 1 << 30  # half of it the allocator's reserve
+    vocab, seq = 2048, 1024
+
+    def run(batch: int) -> Any:
+        torch.manual_seed(0)
+        model = TiedLM(vocab=vocab, dim=256, layers=4).to(DEVICE)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        generator = torch.Generator().manual_seed(1)
+        options = {"gpu_memory": budget, "host_memory": 1 << 30, "whole_model": "on", "update": "gpu"}
+        with teraio.offload(model, optimizer, **options) as session:
+            for _ in range(4):
+                tokens = torch.randint(0, vocab, (batch, seq), generator=generator).to(DEVICE)
+                model(tokens).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            largest = session.suggest_batch()
+        return largest, session.report()
+
+    largest, report = run(2)
+    assert report.batch == 2 and report.largest_batch == largest
+    # Each sequence's fp32 logits and their gradients take tens of MiB; the budget holds several.
+    assert largest > 2, str(report)
+    again, at_largest = run(largest)
+    assert at_largest.peak_gpu_bytes <= budget, str(at_largest)
+    assert abs(again - largest) <= 1, (again, largest)
+
+
 def test_whole_model_gradient_clipping_is_exact_on_cuda(store: teraio.Store) -> None:
     data = batches(3, rows=ROWS, device=DEVICE)
 

@@ -150,3 +150,62 @@ def test_a_host_block_copies_no_frozen_weight(monkeypatch: Any) -> None:
     # "off": each block saves the bf16 casts of its frozen weights for backward, and they go to
     # host memory; with the copies nothing is cast, and the weights themselves never move.
     assert moved["off"] - moved["auto"] == 2 * weights
+
+
+def _accumulating_loop(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, data: list[torch.Tensor], micro: int
+) -> list[float]:
+    """Each batch split into `micro` micro-batches, `(loss / micro).backward()` each under bf16
+    autocast, then `clip_grad_norm_` to 1, the step and `zero_grad`: the losses and the norms seen."""
+    seen = []
+    for batch in data:
+        for part in batch.chunk(micro):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(part) / micro
+            loss.backward()
+            seen.append(loss.item())
+        seen.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return seen
+
+
+@pytest.mark.parametrize("micro", [2, 4])
+@pytest.mark.parametrize("action", [KEEP, RECOMPUTE])
+def test_gradient_accumulation_with_bf16_frozen_weights_is_bitwise(
+    monkeypatch: Any, action: str, micro: int
+) -> None:
+    data = _tokens(STEPS)
+    ref_model, ref_opt = _lora(all_parameters=False)
+    reference = _accumulating_loop(ref_model, ref_opt, data, micro)
+    run = _run(monkeypatch, action)
+    model, optimizer = run.model, run.optimizer
+    names = _frozen_names(model)
+    originals = {n: p.detach().clone() for n, p in model.named_parameters() if n in names}
+    with run:
+        seen = _accumulating_loop(model, optimizer, data[:1], micro)
+        params = dict(model.named_parameters())
+        assert {params[n].dtype for n in names} == {torch.bfloat16}
+        seen += _accumulating_loop(model, optimizer, data[1:], micro)
+        # Still the copies after every step, and the plan made with the forced action.
+        assert {params[n].dtype for n in names} == {torch.bfloat16}
+        assert run.plan is not None and list(run.plan.actions) == [action] * len(model.layers)
+    assert len(seen) == STEPS * (micro + 1)
+    assert seen == reference
+    for (name, p), q in zip(ref_model.named_parameters(), model.parameters()):
+        assert q.dtype == p.dtype and torch.equal(p, q), name
+    for p, q in zip(ref_model.parameters(), model.parameters()):
+        for key, value in ref_opt.state[p].items():
+            assert torch.equal(value, optimizer.state[q][key]), key
+    # The trained parameters moved (the comparison above compares training, not two copies of
+    # the initial values).
+    fresh, _ = _lora(all_parameters=False)
+    trained = [n for n, p in fresh.named_parameters() if p.requires_grad]
+    params = dict(model.named_parameters())
+    assert all(not torch.equal(params[n], dict(fresh.named_parameters())[n]) for n in trained)
+    report = run.report()
+    assert report.frozen_copies["dtype"] == "bfloat16" and report.frozen_copies["parameters"] == len(names)
+    assert report.frozen_copies["saved_bytes"] == sum(originals[n].numel() * 2 for n in names)
+    # At exit: the fp32 values back, as they were.
+    for n in names:
+        assert params[n].dtype == torch.float32 and torch.equal(params[n], originals[n]), n

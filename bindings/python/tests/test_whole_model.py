@@ -595,3 +595,39 @@ def test_no_prediction_before_the_recorded_iteration(store: teraio.Store) -> Non
     report = run.report()
     assert report.predicted_iteration_ms is None and run.predict() is None
     assert "predicted: none" in str(report)
+
+
+def test_the_largest_batch_keeps_the_modelled_peak_within_the_usable_bytes() -> None:
+    gib = 1 << 30
+    fit = cp.largest_batch(
+        batch=2, peak_bytes=7 * gib, start_bytes=2 * gib, held_bytes=gib, usable_bytes=15 * gib
+    )
+    # 4 GiB grew with 2 sequences: 2 GiB each, 3 GiB at any batch, (15 - 3) / 2 = 6 sequences.
+    assert (fit.batch, fit.largest, fit.per_sample_bytes, fit.fixed_bytes) == (2, 6, 2 * gib, 3 * gib)
+    for batch, peak, usable in [(1, 5 * gib, 9 * gib), (3, 11 * gib, 40 * gib + 5), (8, 9 * gib, 9 * gib)]:
+        fit = cp.largest_batch(
+            batch=batch, peak_bytes=peak, start_bytes=gib, held_bytes=gib, usable_bytes=usable
+        )
+        grows = peak - 2 * gib
+        assert fit.largest is not None
+        assert fit.fixed_bytes * batch + fit.largest * grows <= usable * batch
+        assert fit.fixed_bytes * batch + (fit.largest + 1) * grows > usable * batch
+    # Usable memory below what the iteration holds at any batch: nothing fits.
+    assert cp.largest_batch(batch=4, peak_bytes=5, start_bytes=1, held_bytes=1, usable_bytes=1).largest == 0
+    # A peak that did not grow above the fixed part gives no estimate, and says so.
+    flat = cp.largest_batch(
+        batch=4, peak_bytes=3 * gib, start_bytes=2 * gib, held_bytes=gib, usable_bytes=gib
+    )
+    assert flat.largest is None and "no estimate" in flat.reason
+
+
+def test_suggest_batch_needs_two_iterations_on_a_gpu(store: teraio.Store) -> None:
+    _, run = _run(_tied, _tokens(3), store, host_memory=1 << 30)
+    with pytest.raises(RuntimeError, match="two training iterations on a GPU"):
+        run.suggest_batch()
+    report = run.report()
+    assert report.largest_batch is None and "the largest that fits" not in str(report)
+    model, optimizer = make()
+    block = teraio.offload(model, optimizer, gpu_memory="1GiB", whole_model="off")
+    with pytest.raises(NotImplementedError, match="whole-model mode's"):
+        block.suggest_batch()

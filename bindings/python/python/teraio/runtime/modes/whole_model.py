@@ -279,6 +279,11 @@ class WholeModelReport(Report):
     model_tflops: Optional[float] = None
     #: Options that would change this run's speed, each with why (`step_in_backward_hint`).
     hints: list[str] = field(default_factory=list)
+    #: The micro-batch the loop ran (sequences), and the largest the budget holds, estimated
+    #: (`ModelOffload.batch_fit`; None without an estimate), with how it was made.
+    batch: Optional[int] = None
+    largest_batch: Optional[int] = None
+    largest_batch_note: str = ""
 
     def __str__(self) -> str:
         def gib(value: Optional[int]) -> str:
@@ -313,6 +318,15 @@ class WholeModelReport(Report):
             ),
             f"  peak GPU memory {gib(self.peak_gpu_bytes)} (budget {gib(self.gpu_memory_bytes)}), "
             f"step windows {gib(self.peak_step_window_bytes)}",
+            *(
+                [
+                    f"  batch {self.batch}; the largest that fits: "
+                    + ("unknown" if self.largest_batch is None else str(self.largest_batch))
+                    + f" ({self.largest_batch_note})"
+                ]
+                if self.largest_batch_note
+                else []
+            ),
             f"  without offload: parameters, gradients and optimizer state alone take "
             f"{gib(self.model_state_bytes)}, {self.model_state_bytes / max(self.gpu_memory_bytes, 1):.2f}x "
             "the budget",
@@ -1464,13 +1478,17 @@ class ModelOffload(Session):
         count toward the iteration's tokens."""
         if not torch.is_grad_enabled():
             return
+        counts = self._counts
+        if self.cuda and counts.start_bytes is None:
+            counts.start_bytes = int(torch.cuda.memory_allocated(self.device))
         for value in (*args, *kwargs.values()):
             if (
                 isinstance(value, torch.Tensor)
                 and not value.is_floating_point()
                 and value.dtype != torch.bool
             ):
-                self._counts.tokens += value.numel()
+                counts.tokens += value.numel()
+                counts.batch = max(counts.batch, value.shape[0] if value.dim() > 1 else 1)
                 return
 
     def _record_input_out(self, key: tuple[int, int, int], nbytes: int, tier: str) -> None:
@@ -2019,6 +2037,10 @@ class ModelOffload(Session):
             if now > before:
                 self._counts.add(direction, tier, cp.ACTIVATION, now - before)
         self._saved_moved = moved
+        if self.cuda:
+            # Before `_keep_resident` makes parameters resident (it reads the same peaks).
+            self._counts.peak_bytes = self._peak_bytes()
+            self._counts.reserved_peak_bytes = int(torch.cuda.max_memory_reserved(self.device))
         if self._recorded is None:
             self._recorded = list(self._order)
             self._keep_resident(first=True)
@@ -2047,21 +2069,7 @@ class ModelOffload(Session):
         peak = int(torch.cuda.max_memory_allocated(self.device))
         reserved = int(torch.cuda.max_memory_reserved(self.device))
         reserve = reserve_from_allocator(self.gpu_memory_bytes, reserved, peak)
-        # Writes to the store hold GPU memory until the engine has read it, up to their bounds;
-        # an iteration need not have reached them.
-        in_flight = 0
-        if any(slot.tiers[cp.GRADIENT] == SSD for slot in self.slots):
-            in_flight += MAX_GRADIENT_WRITES_BYTES
-        if any(slot.tiers[cp.STATE] == SSD for slot in self.slots):
-            in_flight += self.plan.window_bytes
-        if not self.moves_gradients and first:
-            # The first iteration had no state to read in: later ones hold, in backward, the state
-            # of the unit it recomputes and up to `pull_forward_bytes` of state read ahead.
-            again = [unit for unit in set(self._order) if self._order.count(unit) > 1]
-            in_flight += self.pull_forward_bytes + max(
-                (sum(self._state_bytes[i] for i in self.units[unit].slots) for unit in again), default=0
-            )
-        spare = self.gpu_memory_bytes - reserve - peak - in_flight
+        spare = self.gpu_memory_bytes - reserve - peak - self._unreached_bytes(first)
         for slot in sorted(self.slots, key=lambda s: -s.nbytes):
             if slot.tiers[cp.PARAMETER] == GPU or slot.nbytes > spare:
                 continue
@@ -2070,6 +2078,66 @@ class ModelOffload(Session):
             self._join(slot)
             slot.tiers[cp.PARAMETER] = GPU
             self.resident_parameter_bytes += slot.nbytes
+
+    def _unreached_bytes(self, first: bool) -> int:
+        """GPU memory an iteration may hold that the measured one need not have reached: writes to
+        the store hold GPU memory until the engine has read it, up to their bounds; and where
+        `first` (the first iteration, before any step) with the step in backward on the GPU, the
+        state later iterations read in backward (the recomputed unit's, and up to
+        `pull_forward_bytes` read ahead)."""
+        in_flight = 0
+        if any(slot.tiers[cp.GRADIENT] == SSD for slot in self.slots):
+            in_flight += MAX_GRADIENT_WRITES_BYTES
+        if any(slot.tiers[cp.STATE] == SSD for slot in self.slots):
+            in_flight += self.plan.window_bytes
+        if not self.moves_gradients and first:
+            again = [unit for unit in set(self._order) if self._order.count(unit) > 1]
+            in_flight += self.pull_forward_bytes + max(
+                (sum(self._state_bytes[i] for i in self.units[unit].slots) for unit in again), default=0
+            )
+        return in_flight
+
+    def batch_fit(self) -> Optional[cp.BatchFit]:
+        """The largest micro-batch this budget holds, estimated from the second iteration (the
+        first with every kind of traffic; `capacity.largest_batch`): None before it ran, on a CPU
+        device, or for a model fed no token ids. What the estimate counts as held at any batch:
+        the memory allocated as the iteration began, the largest unit's parameters and gradients
+        (on the GPU together in its backward), and the store writes in flight."""
+        if not self.cuda or len(self._iterations) < 2:
+            return None
+        counts = self._iterations[1]
+        if not counts.batch or counts.start_bytes is None or counts.peak_bytes is None:
+            return None
+        assert counts.reserved_peak_bytes is not None
+        unit_bytes = max(
+            sum(self.slots[i].nbytes * (2 if self.slots[i].param.requires_grad else 1) for i in unit.slots)
+            for unit in self.units
+        )
+        reserve = reserve_from_allocator(self.gpu_memory_bytes, counts.reserved_peak_bytes, counts.peak_bytes)
+        return cp.largest_batch(
+            batch=counts.batch,
+            peak_bytes=counts.peak_bytes,
+            start_bytes=counts.start_bytes,
+            held_bytes=unit_bytes + self._unreached_bytes(first=False),
+            usable_bytes=self.gpu_memory_bytes - reserve,
+        )
+
+    def suggest_batch(self) -> int:
+        """The largest micro-batch (sequences of the length trained) that the GPU budget holds, as
+        estimated by `batch_fit`: call it after two training iterations. The plan keeps the
+        layout it chose for the batch the loop gives; a larger batch is the loop's to make (a new
+        `teraio.offload` session plans for it). Raises RuntimeError where there is no estimate
+        (before the second iteration, on a CPU device, for a model fed no token ids, or where the
+        peak did not grow with the batch)."""
+        fit = self.batch_fit()
+        if fit is None:
+            raise RuntimeError(
+                "suggest_batch() needs two training iterations on a GPU with token ids as the model's "
+                f"input (this session ran {len(self._iterations)} on {self.device})"
+            )
+        if fit.largest is None:
+            raise RuntimeError(f"suggest_batch(): {fit.reason}")
+        return fit.largest
 
     def predict(
         self,
@@ -2192,7 +2260,11 @@ class ModelOffload(Session):
             cpu_wait_ms=middle.wait_s.get("cpu step", 0.0) * 1e3,
             iteration_ms=measured,
         )
+        fit = self.batch_fit()
         return WholeModelReport(
+            batch=fit.batch if fit else None,
+            largest_batch=fit.largest if fit else None,
+            largest_batch_note=fit.reason if fit else "",
             steps=self.steps,
             measured_iteration_ms=measured,
             step_times_ms=list(self._step_times_ms),
@@ -2294,6 +2366,13 @@ class _Counts:
         # step in backward at its end); the step's own is `wait_s["step"]`.
         self.host_s = 0.0
         self.tokens = 0  # `ModelOffload._count_tokens`
+        # The largest micro-batch (sequences) of a training forward pass, the GPU memory allocated
+        # as the iteration's first one began, and the iteration's allocated and reserved peaks
+        # (on a GPU): what `ModelOffload.batch_fit` estimates from.
+        self.batch = 0
+        self.start_bytes: Optional[int] = None
+        self.peak_bytes: Optional[int] = None
+        self.reserved_peak_bytes: Optional[int] = None
 
     def add(self, direction: str, tier: str, kind: Any, nbytes: int) -> None:
         base = kind[0] if isinstance(kind, tuple) else kind

@@ -280,3 +280,56 @@ def choose_compute_copies(
     if with_copies < without:
         return True, f"they shorten the bound ({bound}): {figures}"
     return False, f"they would not shorten the bound ({bound}): {figures}; compute_copies='on' forces them"
+
+
+@dataclass(frozen=True)
+class BatchFit:
+    """The largest micro-batch the GPU budget holds, estimated from one measured iteration at
+    `batch` sequences (`largest_batch`); None where the iteration's peak did not grow above what
+    it holds at any batch (`reason` says why)."""
+
+    batch: int
+    largest: Optional[int]
+    per_sample_bytes: int
+    fixed_bytes: int
+    usable_bytes: int
+    reason: str
+
+
+def largest_batch(
+    *, batch: int, peak_bytes: int, start_bytes: int, held_bytes: int, usable_bytes: int
+) -> BatchFit:
+    """The GPU peak modelled as fixed + batch x per-sample bytes, from one iteration at `batch`.
+
+    Fixed: what the iteration held as its first forward pass began (`start_bytes`: resident and
+    prefetched parameters, the step's state on the GPU), plus `held_bytes`, what the runtime holds
+    above that at any batch (one unit's parameters and gradients, writes in flight). The rest of
+    the peak grows with the batch: activations, their gradients and every temporary. Counting
+    every temporary as growing errs toward a smaller batch. The largest batch keeps the modelled
+    peak within `usable_bytes` (the budget less the allocator's reserve)."""
+    assert batch > 0, batch
+    grows = peak_bytes - start_bytes - held_bytes
+    fixed = peak_bytes - max(grows, 0)
+    if grows <= 0:
+        return BatchFit(
+            batch,
+            None,
+            0,
+            fixed,
+            usable_bytes,
+            f"the iteration's peak ({_gib(peak_bytes)}) did not grow above what it holds at any batch "
+            f"({_gib(start_bytes)} at its start and {_gib(held_bytes)} of one unit's parameters, "
+            "gradients and writes): no estimate",
+        )
+    per_sample = grows // batch
+    largest = max(0, (usable_bytes - fixed) * batch // grows)
+    return BatchFit(
+        batch,
+        largest,
+        per_sample,
+        fixed,
+        usable_bytes,
+        f"an estimate from the iteration at batch {batch}: {_gib(fixed)} at any batch, "
+        f"{_gib(per_sample)} per sequence, {_gib(usable_bytes)} usable (gpu_memory less the "
+        "allocator's reserve); every temporary counted as growing with the batch",
+    )
