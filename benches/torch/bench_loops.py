@@ -14,7 +14,8 @@ Rows, per family (`--families`, default qwen2,llama):
     hf_ckpt    model.gradient_checkpointing_enable(use_reentrant=False), the same accumulation
 
 at each `--fractions` share of the ideal peak (65% and 50%). With `--lora`, the Llama-3.2-3B
-shape through `peft` (rank 16, alpha 32, every linear layer of the decoder): LoRA without a cap,
+shape (`--lora-family`: another of bench_regime.py's) through `peft` (rank 16, alpha 32, every
+linear layer of the decoder): LoRA without a cap,
 then teraio and LoRA + checkpointing at the same shares of LoRA's own peak; each row says
 whether full fine-tuning's training state (parameters, gradients and AdamW's moments, fp32) fits
 its cap (`full_state_bytes`).
@@ -197,7 +198,7 @@ def table_main(args: argparse.Namespace) -> int:
     families = rows.split(args.families)
     fractions = [float(f) for f in rows.split(args.fractions)]
     accums = [int(a) for a in rows.split(args.accums)]
-    for name in families + ([LORA_FAMILY] if args.lora else []):
+    for name in families + ([args.lora_family] if args.lora else []):
         if name not in regime.FAMILIES:
             raise SystemExit(f"unknown family {name!r}: one of {', '.join(regime.FAMILIES)}")
     for accum in accums:
@@ -217,14 +218,14 @@ def table_main(args: argparse.Namespace) -> int:
                 for mode in ("teraio", "hf_ckpt"):
                     table.record(table.row(family, mode, accum, 0, peak, fraction), f"{family} accum {accum}")
     if args.lora:
-        group = f"{LORA_FAMILY} lora r{LORA_RANK}"
-        ideal = table.row(LORA_FAMILY, "ideal", 1, LORA_RANK)
+        group = f"{args.lora_family} lora r{LORA_RANK}"
+        ideal = table.row(args.lora_family, "ideal", 1, LORA_RANK)
         table.record(ideal, group)
         peak = peak_of(ideal)
         if peak:
             for fraction in fractions:
                 for mode in ("teraio", "hf_ckpt"):
-                    table.record(table.row(LORA_FAMILY, mode, 1, LORA_RANK, peak, fraction), group)
+                    table.record(table.row(args.lora_family, mode, 1, LORA_RANK, peak, fraction), group)
     return table.finish()
 
 
@@ -242,7 +243,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     one.add_argument("--lora-rank", type=int, default=0, help="LoRA through peft at this rank (0: none)")
     rows.table_arguments(many, "qwen2,llama", deadline_s=420.0, timeout_s=120.0, teraio_timeout_s=200.0)
     many.add_argument("--accums", default="2,4", help="micro-batches per step, each a row per mode")
-    many.add_argument("--lora", action="store_true", help=f"the LoRA rows ({LORA_FAMILY}, rank {LORA_RANK})")
+    many.add_argument("--lora", action="store_true", help=f"the LoRA rows (rank {LORA_RANK})")
+    many.add_argument("--lora-family", default=LORA_FAMILY, help="the model of the LoRA rows")
     return rows.main(parser, argv, "loops", run_in, row_base, table_main, check_run=accum_problem)
 
 

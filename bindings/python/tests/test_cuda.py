@@ -492,7 +492,7 @@ def test_the_suggested_batch_fits_the_budget() -> None:
     batch peaks within the budget, and the estimate from that run agrees within a sequence."""
     from test_whole_model import TiedLM
 
-    budget = 1 << 30  # half of it the allocator's reserve
+    budget = 1 << 30
     vocab, seq = 2048, 1024
 
     def run(batch: int) -> Any:

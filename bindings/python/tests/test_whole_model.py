@@ -614,7 +614,11 @@ def test_the_largest_batch_keeps_the_modelled_peak_within_the_usable_bytes() -> 
         assert fit.fixed_bytes * batch + (fit.largest + 1) * grows > usable * batch
     # Usable memory below what the iteration holds at any batch: nothing fits.
     assert cp.largest_batch(batch=4, peak_bytes=5, start_bytes=1, held_bytes=1, usable_bytes=1).largest == 0
-    # A peak that did not grow above the fixed part gives no estimate, and says so.
+    # A peak that grew less than half with the batch (or not at all) gives no estimate, and says so.
+    small = cp.largest_batch(
+        batch=1, peak_bytes=8 * gib, start_bytes=4 * gib, held_bytes=3 * gib, usable_bytes=16 * gib
+    )
+    assert small.largest is None and "measure a larger batch than 1" in small.reason
     flat = cp.largest_batch(
         batch=4, peak_bytes=3 * gib, start_bytes=2 * gib, held_bytes=gib, usable_bytes=gib
     )

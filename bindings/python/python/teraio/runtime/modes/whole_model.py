@@ -106,7 +106,7 @@ from torch.utils._foreach_utils import (
 from ... import blocks as bk
 from ... import ids
 from ...head import LossHead
-from ...machine import measure_cpu_update, reserve_from_allocator, resolve_link
+from ...machine import RESERVE_EXTRA_BYTES, measure_cpu_update, reserve_from_allocator, resolve_link
 from ...options import OffloadOptions
 from ...planning import format_bytes, parse_bandwidth, parse_size
 from ...schedule_record import ScheduleRecorder
@@ -2040,7 +2040,8 @@ class ModelOffload(Session):
         if self.cuda:
             # Before `_keep_resident` makes parameters resident (it reads the same peaks).
             self._counts.peak_bytes = self._peak_bytes()
-            self._counts.reserved_peak_bytes = int(torch.cuda.max_memory_reserved(self.device))
+            stats = torch.cuda.memory_stats(self.device)
+            self._counts.split_peak_bytes = int(stats.get("inactive_split_bytes.all.peak", 0))
         if self._recorded is None:
             self._recorded = list(self._order)
             self._keep_resident(first=True)
@@ -2102,24 +2103,27 @@ class ModelOffload(Session):
         first with every kind of traffic; `capacity.largest_batch`): None before it ran, on a CPU
         device, or for a model fed no token ids. What the estimate counts as held at any batch:
         the memory allocated as the iteration began, the largest unit's parameters and gradients
-        (on the GPU together in its backward), and the store writes in flight."""
+        (on the GPU together in its backward), and the store writes in flight. Usable: the budget
+        less the split blocks the allocator held but could not hand out whole at that iteration's
+        peak (none with expandable segments) and `RESERVE_EXTRA_BYTES`, the margin every plan
+        keeps; not the planning reserve's 10% share, which is headroom for the allocator's
+        behaviour at the batch that was measured."""
         if not self.cuda or len(self._iterations) < 2:
             return None
         counts = self._iterations[1]
         if not counts.batch or counts.start_bytes is None or counts.peak_bytes is None:
             return None
-        assert counts.reserved_peak_bytes is not None
         unit_bytes = max(
             sum(self.slots[i].nbytes * (2 if self.slots[i].param.requires_grad else 1) for i in unit.slots)
             for unit in self.units
         )
-        reserve = reserve_from_allocator(self.gpu_memory_bytes, counts.reserved_peak_bytes, counts.peak_bytes)
+        margin = counts.split_peak_bytes + RESERVE_EXTRA_BYTES
         return cp.largest_batch(
             batch=counts.batch,
             peak_bytes=counts.peak_bytes,
             start_bytes=counts.start_bytes,
             held_bytes=unit_bytes + self._unreached_bytes(first=False),
-            usable_bytes=self.gpu_memory_bytes - reserve,
+            usable_bytes=self.gpu_memory_bytes - margin,
         )
 
     def suggest_batch(self) -> int:
@@ -2367,12 +2371,13 @@ class _Counts:
         self.host_s = 0.0
         self.tokens = 0  # `ModelOffload._count_tokens`
         # The largest micro-batch (sequences) of a training forward pass, the GPU memory allocated
-        # as the iteration's first one began, and the iteration's allocated and reserved peaks
-        # (on a GPU): what `ModelOffload.batch_fit` estimates from.
+        # as the iteration's first one began, the iteration's allocated peak and its peak of split
+        # blocks the allocator held but could not hand out whole (on a GPU): what
+        # `ModelOffload.batch_fit` estimates from.
         self.batch = 0
         self.start_bytes: Optional[int] = None
         self.peak_bytes: Optional[int] = None
-        self.reserved_peak_bytes: Optional[int] = None
+        self.split_peak_bytes = 0
 
     def add(self, direction: str, tier: str, kind: Any, nbytes: int) -> None:
         base = kind[0] if isinstance(kind, tuple) else kind
