@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 import pytest
-from teraio.runtime.modes.whole_model import ModelOffload
+from teraio.runtime.modes.whole_model import RECORDED_ITERATION, ModelOffload
 
 
 def assert_cpu_step_predicted(run: ModelOffload) -> Any:
@@ -57,4 +57,21 @@ def assert_cpu_step_predicted(run: ModelOffload) -> Any:
         <= replayed["iteration_time_us"]
         <= len(jobs) * 1e6 + compute_us + latencies_us
     )
+    # The loop's host time between iterations is an op after the recorded ones, which the jobs
+    # queued at the step run through: with the jobs at a second each and that time at half a
+    # second, the prediction is the jobs' time, not their sum with it. On the CPU device it is
+    # at most the wall time outside the recorded span (the marks it is taken from lie outside).
+    outside = report.prediction["outside_span_ms"]
+    assert outside >= 0
+    if not run.cuda:
+        assert outside <= report.step_times_ms[RECORDED_ITERATION] - record.span_ms + 1e-6
+    slow_record = dataclasses.replace(record, schedule=slow)
+    run.recorder.result = lambda: slow_record  # type: ignore[method-assign]
+    run._loop_host_ms = lambda span_ms: 500.0  # type: ignore[method-assign]
+    try:
+        predicted = run.predict(host_link_bandwidth=1e18, ssd_bandwidth=1e18)
+    finally:
+        del run.recorder.result, run._loop_host_ms
+    assert predicted is not None and predicted["outside_span_ms"] == 500.0
+    assert predicted["iteration_ms"] <= (len(jobs) * 1e6 + compute_us + latencies_us) / 1e3
     return record

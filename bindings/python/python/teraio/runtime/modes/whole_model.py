@@ -591,6 +591,9 @@ class ModelOffload(Session):
         self._counts = _Counts()
         self._iterations: list[_Counts] = []
         self._step_started = 0.0
+        # Host times (`time.perf_counter`) in the recorded iteration: its start, the first unit's
+        # entry, and the end of the CPU step's wait for the gradients' copies (`_loop_host_ms`).
+        self._recorded_marks: dict[str, float] = {}
         self._step_ms: list[float] = []
         self._window_bytes = 0  # GPU bytes of streamed tensors the step holds now
         self.peak_step_window_bytes = 0
@@ -1355,6 +1358,8 @@ class ModelOffload(Session):
             self._enter_unit_traced(index)
 
     def _enter_unit_traced(self, index: int) -> None:
+        if self.recorder.recording and "first_entry" not in self._recorded_marks:
+            self._recorded_marks["first_entry"] = time.perf_counter()
         self._gradients_complete()  # the unit backward left
         self.recorder.wait()
         started = time.perf_counter()
@@ -1773,6 +1778,8 @@ class ModelOffload(Session):
             self.host.flush()
             self.host.d2h.synchronize()  # the gradients are in host memory
             self.host.h2d.synchronize()  # and no read of a master is in flight
+        if self.recorder.recording:
+            self._recorded_marks["copies_done"] = time.perf_counter()
         assert self.cpu_update is not None
         if self.compute_copies is None:
             self._enable_copies(stepped)
@@ -2015,10 +2022,11 @@ class ModelOffload(Session):
     # -- iterations and the report ---------------------------------------------------------------
 
     def _begin_iteration(self) -> None:
-        if self.steps == RECORDED_ITERATION:
-            self.recorder.start()
         self._position = 0
         self._step_started = time.perf_counter()
+        if self.steps == RECORDED_ITERATION:
+            self.recorder.start()
+            self._recorded_marks = {"start": self._step_started}
         self._peak.arm()
 
     def _end_iteration(self) -> None:
@@ -2079,6 +2087,21 @@ class ModelOffload(Session):
             self._join(slot)
             slot.tiers[cp.PARAMETER] = GPU
             self.resident_parameter_bytes += slot.nbytes
+
+    def _loop_host_ms(self, span_ms: float) -> float:
+        """The recorded iteration's host time outside what the replay models (ms): the loop's
+        own between iterations (`optimizer.step()`'s return, zero_grad, the next batch, launching
+        the first op). With the CPU step, the time from the iteration's start to the first
+        unit's entry, and from the end of the step's wait for the gradients' copies to the
+        iteration's end: the replay models both that wait (the jobs wait for the copies) and the
+        first unit's wait for its update. Otherwise the wall time outside the GPU span (`span_ms`,
+        which the step's waits fall inside)."""
+        wall_ms = self._step_times_ms[RECORDED_ITERATION]
+        marks = self._recorded_marks
+        if "copies_done" in marks and "first_entry" in marks:
+            end = marks["start"] + wall_ms / 1e3
+            return max(0.0, (marks["first_entry"] - marks["start"]) + (end - marks["copies_done"])) * 1e3
+        return max(0.0, wall_ms - span_ms)
 
     def _unreached_bytes(self, first: bool) -> int:
         """GPU memory an iteration may hold that the measured one need not have reached: writes to
@@ -2166,25 +2189,27 @@ class ModelOffload(Session):
         read = self.link.ssd_read if ssd_bandwidth is None else parse_bandwidth(ssd_bandwidth)
         write = self.link.ssd_write if ssd_bandwidth is None else read
         write = write if ssd_write_bandwidth is None else parse_bandwidth(ssd_write_bandwidth)
-        sim = record.replay(
+        # The loop's own host time between iterations, which no bandwidth changes, is an op of
+        # its own after the last: the transfers and CPU jobs issued after the last op run
+        # through it, as the worker and the copy engines do while the loop runs.
+        outside_ms = self._loop_host_ms(record.span_ms)
+        gap = {"name": "the loop's host time between iterations", "duration_us": outside_ms * 1e3}
+        with_gap = dataclasses.replace(record, trace={**record.trace, "ops": [*record.trace["ops"], gap]})
+        sim = with_gap.replay(
             host_link_bytes_per_s=link,
             ssd_read_bytes_per_s=read,
             ssd_write_bytes_per_s=write,
             ssd_shared=self.link.ssd_shared,
             host_link_duplex_bytes_per_s=duplex,
         )
-        # The recorded iteration's wall time outside its GPU span: the loop's own host time
-        # between iterations (optimizer.step()'s return, zero_grad, the next batch, launching the
-        # first op), which no bandwidth changes.
-        wall_ms = self._step_times_ms[RECORDED_ITERATION]
-        outside_ms = max(0.0, wall_ms - record.span_ms)
+        compute_ms = sim["compute_time_us"] / 1e3 - outside_ms
         return {
-            "iteration_ms": sim["iteration_time_us"] / 1e3 + outside_ms,
-            "compute_ms": sim["compute_time_us"] / 1e3,
+            "iteration_ms": sim["iteration_time_us"] / 1e3,
+            "compute_ms": compute_ms,
             "stall_ms": sim["stall_time_us"] / 1e3,
             # The same iteration as it ran: its GPU span, and its waits (span less the ops).
             "recorded_span_ms": record.span_ms,
-            "recorded_waits_ms": record.span_ms - sim["compute_time_us"] / 1e3,
+            "recorded_waits_ms": record.span_ms - compute_ms,
             "outside_span_ms": outside_ms,
             "ops": len(record.trace["ops"]),
             "host_read_bytes": sim["host_read_bytes"],
