@@ -62,9 +62,18 @@ def assert_cpu_step_predicted(run: ModelOffload) -> Any:
     # second, the prediction is the jobs' time, not their sum with it. On the CPU device it is
     # at most the wall time outside the recorded span (the marks it is taken from lie outside).
     outside = report.prediction["outside_span_ms"]
+    wall_ms = report.step_times_ms[RECORDED_ITERATION]
     assert outside >= 0
     if not run.cuda:
-        assert outside <= report.step_times_ms[RECORDED_ITERATION] - record.span_ms + 1e-6
+        assert outside <= wall_ms - record.span_ms + 1e-6
+    marks = run._recorded_marks
+    if run.step_in_backward:  # optimizer.step() waits for no copies: the wall time outside the span
+        assert "copies_done" not in marks
+        assert outside == pytest.approx(max(0.0, wall_ms - record.span_ms))
+    else:  # from the marks: before the first unit's entry, after the copies' wait
+        before = marks["first_entry"] - marks["start"]
+        after = marks["start"] + wall_ms / 1e3 - marks["copies_done"]
+        assert outside == pytest.approx((before + after) * 1e3)
     slow_record = dataclasses.replace(record, schedule=slow)
     run.recorder.result = lambda: slow_record  # type: ignore[method-assign]
     run._loop_host_ms = lambda span_ms: 500.0  # type: ignore[method-assign]

@@ -489,10 +489,11 @@ def test_whole_model_state_too_big_for_the_budget_is_left_in_cpu_memory(store: t
 
 def test_the_suggested_batch_fits_the_budget() -> None:
     """Whole-model mode at batch 4 estimates the largest batch its budget holds; a run at that
-    batch peaks within the budget, and the estimate from that run agrees within a sequence."""
+    batch peaks within the budget but not far below what the estimate calls usable, and the
+    estimate from that run agrees within a tenth."""
     from test_whole_model import TiedLM
 
-    budget = 1 << 30
+    budget = 4 << 30
     vocab, seq = 2048, 2048
 
     def run(batch: int) -> Any:
@@ -515,8 +516,9 @@ def test_the_suggested_batch_fits_the_budget() -> None:
     # Each sequence's fp32 logits and their gradients take tens of MiB; the budget holds several.
     assert largest > 4, str(report)
     again, at_largest = run(largest)
-    assert at_largest.peak_gpu_bytes <= budget, str(at_largest)
-    assert abs(again - largest) <= 1, (again, largest)
+    usable = budget - (512 << 20)  # no split blocks with expandable segments: the margin alone
+    assert 0.8 * usable <= at_largest.peak_gpu_bytes <= budget, str(at_largest)
+    assert abs(again - largest) <= max(1, largest // 10), (again, largest)
 
 
 def test_whole_model_gradient_clipping_is_exact_on_cuda(store: teraio.Store) -> None:

@@ -630,6 +630,7 @@ def test_suggest_batch_needs_two_iterations_on_a_gpu(store: teraio.Store) -> Non
     with pytest.raises(RuntimeError, match="two training iterations on a GPU"):
         run.suggest_batch()
     report = run.report()
+    assert report.batch == 4  # the token ids' rows
     assert report.largest_batch is None and "the largest that fits" not in str(report)
     model, optimizer = make()
     block = teraio.offload(model, optimizer, gpu_memory="1GiB", whole_model="off")

@@ -234,8 +234,8 @@ class WholeModelReport(Report):
     #: The optimizer stepped each parameter in backward (`step_in_backward`).
     step_in_backward: bool = False
     # `predicted_iteration_ms` (Report): the simulator's replay of the recorded iteration
-    # (`RECORDED_ITERATION`) at the planned bandwidths (`machine`), plus that iteration's host
-    # time outside its GPU work: None before that iteration has run.
+    # (`RECORDED_ITERATION`) at the planned bandwidths (`machine`), with that iteration's loop
+    # host time as an op of it (`ModelOffload._loop_host_ms`): None before that iteration ran.
     #: The replay's figures: compute and stall time, bytes per tier, the CPU step's jobs
     #: (`cpu_update_ms`, `cpu_jobs`), the bandwidths it assumed.
     prediction: dict[str, Any] = field(default_factory=dict)
@@ -279,8 +279,9 @@ class WholeModelReport(Report):
     model_tflops: Optional[float] = None
     #: Options that would change this run's speed, each with why (`step_in_backward_hint`).
     hints: list[str] = field(default_factory=list)
-    #: The micro-batch the loop ran (sequences), and the largest the budget holds, estimated
-    #: (`ModelOffload.batch_fit`; None without an estimate), with how it was made.
+    #: The largest micro-batch the loop ran (sequences; None where its forward takes no token
+    #: ids), and the largest the budget holds, estimated (`ModelOffload.batch_fit`; None
+    #: without an estimate), with how it was made.
     batch: Optional[int] = None
     largest_batch: Optional[int] = None
     largest_batch_note: str = ""
@@ -376,7 +377,7 @@ class WholeModelReport(Report):
                 f"{RECORDED_ITERATION + 1}: GPU work {p['compute_ms']:.1f} ms, waits "
                 f"{p['stall_ms']:.1f} ms"
                 + (f", CPU step {p['cpu_update_ms']:.1f} ms on its worker" if p.get("cpu_jobs") else "")
-                + "; that iteration's host time outside its GPU work "
+                + "; the loop's host time between iterations "
                 f"{p['outside_span_ms']:.1f} ms), measured {ms}: {self.prediction_error_percent:+.1f}%; "
                 f"that iteration ran {p['recorded_span_ms']:.1f} ms, "
                 f"{p['recorded_waits_ms']:.1f} ms of it waits; host link {_rate(p['host_link_bytes_per_s'])} "
@@ -2045,8 +2046,9 @@ class ModelOffload(Session):
             if now > before:
                 self._counts.add(direction, tier, cp.ACTIVATION, now - before)
         self._saved_moved = moved
-        if self.cuda:
-            # Before `_keep_resident` makes parameters resident (it reads the same peaks).
+        if self.cuda and self.steps == 1:
+            # The iteration `batch_fit` reads, before `_keep_resident` makes more parameters
+            # resident.
             self._counts.peak_bytes = self._peak_bytes()
             stats = torch.cuda.memory_stats(self.device)
             self._counts.split_peak_bytes = int(stats.get("inactive_split_bytes.all.peak", 0))
@@ -2091,11 +2093,12 @@ class ModelOffload(Session):
     def _loop_host_ms(self, span_ms: float) -> float:
         """The recorded iteration's host time outside what the replay models (ms): the loop's
         own between iterations (`optimizer.step()`'s return, zero_grad, the next batch, launching
-        the first op). With the CPU step, the time from the iteration's start to the first
-        unit's entry, and from the end of the step's wait for the gradients' copies to the
-        iteration's end: the replay models both that wait (the jobs wait for the copies) and the
-        first unit's wait for its update. Otherwise the wall time outside the GPU span (`span_ms`,
-        which the step's waits fall inside)."""
+        the first op). With the CPU step at `optimizer.step()`, the time from the iteration's
+        start to the first unit's entry, and from the end of the step's wait for the gradients'
+        copies to the iteration's end: the replay models both that wait (the jobs wait for the
+        copies) and the first unit's wait for its update. Otherwise (the GPU step, or the CPU
+        step in backward, whose `optimizer.step()` waits for no copies) the wall time outside the
+        GPU span (`span_ms`, which the step's waits fall inside)."""
         wall_ms = self._step_times_ms[RECORDED_ITERATION]
         marks = self._recorded_marks
         if "copies_done" in marks and "first_entry" in marks:
@@ -2128,9 +2131,10 @@ class ModelOffload(Session):
         the memory allocated as the iteration began, the largest unit's parameters and gradients
         (on the GPU together in its backward), and the store writes in flight. Usable: the budget
         less the split blocks the allocator held but could not hand out whole at that iteration's
-        peak (none with expandable segments) and `RESERVE_EXTRA_BYTES`, the margin every plan
-        keeps; not the planning reserve's 10% share, which is headroom for the allocator's
-        behaviour at the batch that was measured."""
+        peak and `RESERVE_EXTRA_BYTES`, the margin every plan keeps; not the planning reserve's
+        10% share, which is headroom for the allocator's behaviour at the batch that was
+        measured. With expandable segments the allocator counts no split blocks, and the partly
+        used pages it cannot release are not counted either: the margin alone covers them."""
         if not self.cuda or len(self._iterations) < 2:
             return None
         counts = self._iterations[1]
@@ -2191,7 +2195,8 @@ class ModelOffload(Session):
         write = write if ssd_write_bandwidth is None else parse_bandwidth(ssd_write_bandwidth)
         # The loop's own host time between iterations, which no bandwidth changes, is an op of
         # its own after the last: the transfers and CPU jobs issued after the last op run
-        # through it, as the worker and the copy engines do while the loop runs.
+        # through it, as the worker and the copy engines do while the loop runs (reads issued
+        # there for the next forward pass are no longer at its first op: not urgent).
         outside_ms = self._loop_host_ms(record.span_ms)
         gap = {"name": "the loop's host time between iterations", "duration_us": outside_ms * 1e3}
         with_gap = dataclasses.replace(record, trace={**record.trace, "ops": [*record.trace["ops"], gap]})
@@ -2291,7 +2296,7 @@ class ModelOffload(Session):
         )
         fit = self.batch_fit()
         return WholeModelReport(
-            batch=fit.batch if fit else None,
+            batch=max((counts.batch for counts in self._iterations), default=0) or None,
             largest_batch=fit.largest if fit else None,
             largest_batch_note=fit.reason if fit else "",
             steps=self.steps,

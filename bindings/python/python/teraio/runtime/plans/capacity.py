@@ -308,9 +308,11 @@ def largest_batch(
     Fixed: what the iteration held as its first forward pass began (`start_bytes`: resident and
     prefetched parameters, the step's state on the GPU), plus `held_bytes`, what the runtime holds
     above that at any batch (one unit's parameters and gradients, writes in flight). The rest of
-    the peak grows with the batch: activations, their gradients and every temporary. Counting
-    every temporary as growing errs toward a smaller batch. The largest batch keeps the modelled
-    peak within `usable_bytes` (the budget less the allocator's margin).
+    the peak grows with the batch: activations, their gradients and every temporary. The largest
+    batch keeps the modelled peak within `usable_bytes` (the budget less the allocator's margin).
+    It is an estimate, off by about a sequence either way where the split is: parameters kept
+    resident to fill memory the batch left (in `start_bytes`) shrink at a larger batch, and the
+    largest unit's parameters may be resident already or not all on the GPU at the peak.
 
     Where less than `MIN_GROWN_SHARE` of the peak grew, there is no estimate: at a batch that
     small the peak falls where parameters dominate (a tied embedding's backward), not where the
@@ -320,7 +322,7 @@ def largest_batch(
     assert batch > 0, batch
     grows = peak_bytes - start_bytes - held_bytes
     fixed = peak_bytes - max(grows, 0)
-    if grows < MIN_GROWN_SHARE * peak_bytes:
+    if grows <= 0 or grows < MIN_GROWN_SHARE * peak_bytes:
         return BatchFit(
             batch,
             None,
