@@ -17,6 +17,7 @@ from teraio.runtime.movers.frozen import frozen_linear_parameters  # noqa: E402
 from teraio.runtime.movers.tiers import HOST as HOST_TIER  # noqa: E402
 from teraio.runtime.plans.block import HOST, KEEP, RECOMPUTE  # noqa: E402
 from test_loops import STEPS, _force, _lora, _tokens  # noqa: E402
+from test_loops import _loop as _accumulating_loop  # noqa: E402
 
 
 def _loop(model: torch.nn.Module, optimizer: torch.optim.Optimizer, data: list[torch.Tensor]) -> list[float]:
@@ -152,24 +153,6 @@ def test_a_host_block_copies_no_frozen_weight(monkeypatch: Any) -> None:
     assert moved["off"] - moved["auto"] == 2 * weights
 
 
-def _accumulating_loop(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, data: list[torch.Tensor], micro: int
-) -> list[float]:
-    """Each batch split into `micro` micro-batches, `(loss / micro).backward()` each under bf16
-    autocast, then `clip_grad_norm_` to 1, the step and `zero_grad`: the losses and the norms seen."""
-    seen = []
-    for batch in data:
-        for part in batch.chunk(micro):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(part) / micro
-            loss.backward()
-            seen.append(loss.item())
-        seen.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return seen
-
-
 @pytest.mark.parametrize("micro", [2, 4])
 @pytest.mark.parametrize("action", [KEEP, RECOMPUTE])
 def test_gradient_accumulation_with_bf16_frozen_weights_is_bitwise(
@@ -177,16 +160,16 @@ def test_gradient_accumulation_with_bf16_frozen_weights_is_bitwise(
 ) -> None:
     data = _tokens(STEPS)
     ref_model, ref_opt = _lora(all_parameters=False)
-    reference = _accumulating_loop(ref_model, ref_opt, data, micro)
+    reference = _accumulating_loop(ref_model, ref_opt, data, micro, clip=1.0, autocast=torch.bfloat16)
     run = _run(monkeypatch, action)
     model, optimizer = run.model, run.optimizer
     names = _frozen_names(model)
     originals = {n: p.detach().clone() for n, p in model.named_parameters() if n in names}
     with run:
-        seen = _accumulating_loop(model, optimizer, data[:1], micro)
+        seen = _accumulating_loop(model, optimizer, data[:1], micro, clip=1.0, autocast=torch.bfloat16)
         params = dict(model.named_parameters())
         assert {params[n].dtype for n in names} == {torch.bfloat16}
-        seen += _accumulating_loop(model, optimizer, data[1:], micro)
+        seen += _accumulating_loop(model, optimizer, data[1:], micro, clip=1.0, autocast=torch.bfloat16)
         # Still the copies after every step, and the plan made with the forced action.
         assert {params[n].dtype for n in names} == {torch.bfloat16}
         assert run.plan is not None and list(run.plan.actions) == [action] * len(model.layers)

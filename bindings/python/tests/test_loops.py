@@ -7,6 +7,7 @@ TERAIO_TEST_DIR=$PWD/target/py-test-stores python -m pytest -q bindings/python/t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable, Optional
 
@@ -48,14 +49,17 @@ def _loop(
     clip: Optional[float] = None,
     scheduler: Optional[Any] = None,
     evaluate: Optional[torch.Tensor] = None,
+    autocast: Optional[torch.dtype] = None,
 ) -> list[float]:
-    """Each batch split into `micro` micro-batches, `(loss / micro).backward()` each, then (with
-    `clip`) `clip_grad_norm_`, the step, the scheduler's step, and (with `evaluate`) a forward
-    under `torch.no_grad()`: the losses it saw, and the evaluation's, in order."""
+    """Each batch split into `micro` micro-batches, `(loss / micro).backward()` each (the forward
+    under CPU autocast to `autocast`, if given), then (with `clip`) `clip_grad_norm_`, the step,
+    the scheduler's step, and (with `evaluate`) a forward under `torch.no_grad()`: the losses it
+    saw, the clipped norms, and the evaluation's, in order."""
     seen = []
     for batch in data:
         for part in batch.chunk(micro):
-            loss = model(part) / micro
+            with torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext():
+                loss = model(part) / micro
             loss.backward()
             seen.append(loss.item())
         if clip is not None:
