@@ -633,6 +633,6 @@ def test_suggest_batch_needs_two_iterations_on_a_gpu(store: teraio.Store) -> Non
     assert report.batch == 4  # the token ids' rows
     assert report.largest_batch is None and "the largest that fits" not in str(report)
     model, optimizer = make()
+    # The block plan fits the batch the loop gives it: it has no estimate to offer.
     block = teraio.offload(model, optimizer, gpu_memory="1GiB", whole_model="off")
-    with pytest.raises(NotImplementedError, match="whole-model mode's"):
-        block.suggest_batch()
+    assert not hasattr(block, "suggest_batch")

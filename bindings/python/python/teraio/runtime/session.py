@@ -95,15 +95,6 @@ class Session:
         self._peaks: list[int] = []
         self._clipping: Optional[_Clipping] = None
 
-    def suggest_batch(self) -> int:
-        """The largest micro-batch the GPU budget holds: whole-model mode estimates it
-        (`modes.whole_model.ModelOffload.suggest_batch`). The block and tensor plans fit the
-        batch they are given by their per-block and per-tensor actions instead."""
-        raise NotImplementedError(
-            f"suggest_batch() is whole-model mode's; this session runs the {type(self).__name__} plan, "
-            "which fits the batch the loop gives it (its report says what it kept, moved and recomputed)"
-        )
-
     # -- hooks in and out ------------------------------------------------------------------------
 
     def _refuse_resident_overflow(self, remedy: str) -> None:

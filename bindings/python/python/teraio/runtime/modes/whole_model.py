@@ -1485,7 +1485,8 @@ class ModelOffload(Session):
         if not torch.is_grad_enabled():
             return
         counts = self._counts
-        if self.cuda and counts.start_bytes is None:
+        if self.cuda and self.steps == 1 and counts.start_bytes is None:
+            # Read on the iteration `batch_fit` estimates from only.
             counts.start_bytes = int(torch.cuda.memory_allocated(self.device))
         for value in (*args, *kwargs.values()):
             if (
