@@ -622,10 +622,12 @@ def test_block_plan_is_exact_on_cuda(monkeypatch: Any, action: Any) -> None:
         assert report.bytes_per_iteration["offloaded"]["host"] > 0
 
 
+@pytest.mark.parametrize("scale", [1.0, 0.3])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_loss_head_is_the_same_bits_as_torchs_on_cuda(dtype: Any) -> None:
+def test_loss_head_is_the_same_bits_as_torchs_on_cuda(dtype: Any, scale: float) -> None:
     """A Qwen2-sized vocabulary over 1000 rows, in 5 chunks: the same kernels per row as
-    `cross_entropy`, so the same bits (the reductions run over the same values in both)."""
+    `cross_entropy`, so the same bits (the reductions run over the same values in both), with
+    the gradient computed in forward (`loss.backward()`) and in backward (a scaled loss)."""
     from teraio import head
 
     vocab = 151936
@@ -634,9 +636,11 @@ def test_loss_head_is_the_same_bits_as_torchs_on_cuda(dtype: Any) -> None:
     target = torch.randint(0, vocab, (1000,), device=DEVICE, generator=generator)
     target[10:30] = -100
     expected = torch.nn.functional.cross_entropy(logits.float(), target)
-    (expected_grad,) = torch.autograd.grad(expected, logits)
-    loss = head.cross_entropy(logits, target, chunk_bytes=vocab * 4 * 200)
-    (grad,) = torch.autograd.grad(loss, logits)
+    (expected_grad,) = torch.autograd.grad(expected * scale if scale != 1.0 else expected, logits)
+    state = head.HeadState()
+    loss = head.cross_entropy(logits, target, chunk_bytes=vocab * 4 * 200, state=state)
+    (grad,) = torch.autograd.grad(loss * scale if scale != 1.0 else loss, logits)
+    assert state.gradient_in_forward == (scale == 1.0)
     assert torch.equal(loss, expected)
     assert torch.equal(grad, expected_grad)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any
 
@@ -26,19 +27,24 @@ def _targets(rows: int = 50, vocab: int = 64) -> torch.Tensor:
     return target
 
 
+@pytest.mark.parametrize("scale", [1.0, 1.3, 0.5])
 @pytest.mark.parametrize("chunk_bytes", CHUNKS)
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cross_entropy_is_the_same_bits_as_torchs(
-    dtype: torch.dtype, reduction: str, chunk_bytes: Any
+    dtype: torch.dtype, reduction: str, chunk_bytes: Any, scale: float
 ) -> None:
+    """For the gradient `loss.backward()` gives (1: the gradient computed in forward) and for
+    scaled losses (computed in backward for the value given)."""
     logits, target = _logits(dtype), _targets()
     expected = F.cross_entropy(logits.float(), target, reduction=reduction)
-    (expected_grad,) = torch.autograd.grad(expected * 1.3, logits)
-    loss = head.cross_entropy(logits, target, reduction=reduction, chunk_bytes=chunk_bytes)
-    (grad,) = torch.autograd.grad(loss * 1.3, logits)
+    (expected_grad,) = torch.autograd.grad(expected * scale if scale != 1.0 else expected, logits)
+    state = head.HeadState()
+    loss = head.cross_entropy(logits, target, reduction=reduction, chunk_bytes=chunk_bytes, state=state)
+    (grad,) = torch.autograd.grad(loss * scale if scale != 1.0 else loss, logits)
     assert loss.dtype == torch.float32 and torch.equal(loss, expected)
     assert grad.dtype == dtype and torch.equal(grad, expected_grad)
+    assert state.gradient_in_forward == (scale == 1.0)
 
 
 def test_every_row_ignored_is_nan_as_in_torch() -> None:
@@ -55,12 +61,22 @@ def test_causal_lm_loss_is_hugging_faces_bit_for_bit(monkeypatch: Any, chunk_byt
     logits = _logits(torch.bfloat16, rows=2 * 25).view(2, 25, 64).detach().requires_grad_()
     labels = _targets().view(2, 25)
     shifted = torch.roll(labels, -1, dims=1)
-    for kwargs in ({}, {"num_items_in_batch": torch.tensor(31)}, {"shift_labels": shifted}):
-        expected = loss_utils.ForCausalLMLoss(logits, labels, 64, **kwargs)
-        (expected_grad,) = torch.autograd.grad(expected, logits)
-        loss = head.causal_lm_loss(logits, labels, 64, **kwargs)
-        (grad,) = torch.autograd.grad(loss, logits)
-        assert torch.equal(loss, expected) and torch.equal(grad, expected_grad), kwargs
+    cases = (
+        {},
+        {"num_items_in_batch": torch.tensor(31)},
+        {"num_items_in_batch": 37},
+        {"shift_labels": shifted},
+    )
+    for kwargs in cases:
+        for scale in (1.0, 0.25, 0.3):  # loss.backward(), accumulation over 4, a weighted loss
+            expected = loss_utils.ForCausalLMLoss(logits, labels, 64, **kwargs)
+            (expected_grad,) = torch.autograd.grad(expected * scale if scale != 1.0 else expected, logits)
+            state = head.HeadState()
+            loss = head.causal_lm_loss(logits, labels, 64, **kwargs, state=state)
+            (grad,) = torch.autograd.grad(loss * scale if scale != 1.0 else loss, logits)
+            assert torch.equal(loss, expected) and torch.equal(grad, expected_grad), (kwargs, scale)
+            # Divided inside the loss: `loss.backward()` gives it 1, so forward's gradient serves.
+            assert state.gradient_in_forward == (scale == 1.0), (kwargs, scale)
 
 
 class _LargestTensor(TorchDispatchMode):
@@ -112,25 +128,87 @@ class _Outputs(TorchDispatchMode):
         return out
 
 
-def test_what_forward_leaves_for_backward_is_a_value_per_row() -> None:
-    """Between forward and backward the loss holds nothing of the vocabulary's size: each
-    chunk's fp32 log-softmax is freed in forward and computed again in backward."""
+class _Ops(TorchDispatchMode):
+    """The ops run inside it, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _alive_bytes(outputs: _Outputs) -> list[torch.Tensor]:
+    return [ref() for ref in outputs.refs if ref() is not None]
+
+
+def test_what_forward_leaves_for_backward_is_the_logits_gradient_and_a_value_per_row() -> None:
+    """Between forward and backward the loss holds nothing of the vocabulary's size in fp32:
+    the logits' gradient in their dtype (computed in forward) and one value per row. Backward
+    then computes no log-softmax: it hands that gradient on."""
     rows, vocab = 400, 64
     logits, target = _logits(torch.bfloat16, rows=rows, vocab=vocab), _targets(rows=rows, vocab=vocab)
     with _Outputs() as outputs:
         loss = head.cross_entropy(logits, target, chunk_bytes=4 * vocab * 10)
-    alive = [ref() for ref in outputs.refs if ref() is not None]
-    assert sum(t.untyped_storage().nbytes() for t in alive) <= 4 * 8 * rows
-    loss.backward()
-    assert logits.grad is not None
+    alive = _alive_bytes(outputs)
+    gradients = [t for t in alive if t.shape == logits.shape]
+    assert len(gradients) == 1 and gradients[0].dtype == torch.bfloat16
+    rest = [t for t in alive if t.shape != logits.shape]
+    assert sum(t.untyped_storage().nbytes() for t in rest) <= 4 * 8 * rows
+    with _Ops() as ops:
+        loss.backward()
+    assert logits.grad is not None and not any("log_softmax" in name for name in ops.names)
 
 
-def test_backward_twice_gives_the_same_gradient() -> None:
+def test_a_scaled_loss_moves_the_gradient_to_backward_for_the_rest_of_the_session() -> None:
+    """The first backward of a scaled loss (accumulation's `(loss / N).backward()`) computes the
+    gradient for that value; from then on forward leaves a value per row and no gradient."""
+    rows, vocab = 400, 64
+    logits, target = _logits(torch.bfloat16, rows=rows, vocab=vocab), _targets(rows=rows, vocab=vocab)
+    state = head.HeadState()
+    grads = []
+    for step in range(2):
+        with _Outputs() as outputs:
+            loss = head.cross_entropy(logits, target, chunk_bytes=4 * vocab * 10, state=state)
+        alive = _alive_bytes(outputs)
+        assert any(t.shape == logits.shape for t in alive) == (step == 0)
+        if step == 1:
+            assert sum(t.untyped_storage().nbytes() for t in alive) <= 4 * 8 * rows
+        with _Ops() as ops:
+            (grad,) = torch.autograd.grad(loss / 2, logits)
+        assert any("log_softmax" in name for name in ops.names)
+        grads.append(grad)
+        assert not state.gradient_in_forward
+    expected = F.cross_entropy(logits.float(), target)
+    (expected_grad,) = torch.autograd.grad(expected / 2, logits)
+    assert all(torch.equal(grad, expected_grad) for grad in grads)
+
+
+def test_no_gradient_is_computed_where_none_is_wanted() -> None:
+    rows, vocab = 400, 64
+    logits, target = _logits(torch.bfloat16, rows=rows, vocab=vocab), _targets(rows=rows, vocab=vocab)
+    # Under no_grad, and for logits that need no gradient.
+    for context, source in ((torch.no_grad(), logits), (contextlib.nullcontext(), logits.detach())):
+        with context, _Outputs() as outputs:
+            head.cross_entropy(source, target, chunk_bytes=4 * vocab * 10)
+        assert not any(t.shape == logits.shape for t in _alive_bytes(outputs))
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.3])
+def test_backward_twice_gives_the_same_gradient(scale: float) -> None:
     logits, target = _logits(torch.bfloat16), _targets()
-    loss = head.cross_entropy(logits, target, chunk_bytes=4 * 64 * 7)
+    loss = head.cross_entropy(logits, target, chunk_bytes=4 * 64 * 7) * scale
     (first,) = torch.autograd.grad(loss, logits, retain_graph=True)
     (second,) = torch.autograd.grad(loss, logits)
     assert torch.equal(first, second)
+    # Accumulated into a leaf's .grad twice, the gradient computed in forward stays unchanged.
+    logits.grad = None
+    loss = head.cross_entropy(logits, target, chunk_bytes=4 * 64 * 7) * scale
+    loss.backward(retain_graph=True)
+    loss.backward()
+    assert torch.equal(logits.grad, 2 * first)
 
 
 def test_bad_shapes_and_reductions_are_clear_errors() -> None:
@@ -139,6 +217,34 @@ def test_bad_shapes_and_reductions_are_clear_errors() -> None:
         head.cross_entropy(logits.view(5, 10, 64), target)
     with pytest.raises(ValueError, match="reduction 'mean' or 'sum'"):
         head.cross_entropy(logits, target, reduction="none")
+
+
+def test_accelerates_fp32_copy_of_the_outputs_is_left_out_where_this_loss_ran() -> None:
+    """A model Accelerate prepared for bf16 copies its logits to fp32 after each forward; under
+    the head a forward whose loss it computed for a gradient returns the bf16 logits (the same
+    values), the same loss and the same gradients, and every other forward keeps the copy."""
+    accelerate = pytest.importorskip("accelerate")
+    accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)
+    model = accelerate.Accelerator(cpu=True, mixed_precision="bf16").prepare(_hf_causal_lm())
+    prepared = model.__dict__["forward"]
+    tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(4))
+    reference = model(input_ids=tokens, labels=tokens)
+    (reference_grad,) = torch.autograd.grad(reference.loss, model.lm_head.weight)
+    assert reference.logits.dtype == torch.float32
+    loss_head = head.LossHead(model)
+    with loss_head:
+        out = model(input_ids=tokens, labels=tokens)
+        assert out.logits.dtype == torch.bfloat16 and torch.equal(out.logits.float(), reference.logits)
+        assert torch.equal(out.loss, reference.loss)
+        (grad,) = torch.autograd.grad(out.loss, model.lm_head.weight)
+        assert torch.equal(grad, reference_grad)
+        with torch.no_grad():  # evaluation
+            assert model(input_ids=tokens, labels=tokens).logits.dtype == torch.float32
+        assert model(input_ids=tokens).logits.dtype == torch.float32  # a loop computing its own loss
+        assert "fp32 copy of its outputs left out" in loss_head.describe()
+    assert model.__dict__["forward"] is prepared
+    with head.LossHead(model, enabled=False):
+        assert model(input_ids=tokens, labels=tokens).logits.dtype == torch.float32
 
 
 def _hf_causal_lm() -> torch.nn.Module:
@@ -155,7 +261,8 @@ def test_the_block_plan_runs_a_hugging_face_causal_lm_loss_as_teraios_and_gives_
     assert model.loss_function is loss_utils.ForCausalLMLoss
     tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(4))
     with teraio.offload(model, optimizer, gpu_memory="1GiB", whole_model="off") as run:
-        assert model.loss_function is head.causal_lm_loss
+        assert model.loss_function is run.loss_head.loss
+        assert model.loss_function.func is head.causal_lm_loss
         assert "_loss_function" not in model.model.__dict__  # the base model has no loss
         model(input_ids=tokens, labels=tokens).loss.backward()
         optimizer.step()
@@ -189,7 +296,7 @@ def test_whole_model_mode_runs_the_chunked_loss_too_and_gives_it_back() -> None:
         optimizer = torch.optim.AdamW(model.parameters())
         options = dict(gpu_memory="1GiB", whole_model="on", loss_head=loss_head)
         with teraio.offload(model, optimizer, **options) as run:
-            expected = head.causal_lm_loss if loss_head == "chunked" else loss_utils.ForCausalLMLoss
+            expected = run.loss_head.loss if loss_head == "chunked" else loss_utils.ForCausalLMLoss
             assert model.loss_function is expected
             losses[loss_head] = []
             for _ in range(2):

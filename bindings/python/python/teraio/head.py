@@ -8,38 +8,57 @@ the logits' gradient. For a 1.5B model with such a vocabulary that is a large sh
 iteration's peak when every block is checkpointed.
 
 `teraio.offload` replaces a Hugging Face model's `ForCausalLMLoss` with `causal_lm_loss` (the
-same label shift and reduction) for as long as it runs (`LossHead`). That loss runs the kernels
-`cross_entropy` runs, one chunk of rows at a time (`CHUNK_BYTES` of fp32 logits each):
+same label shift, reduction and division by `num_items_in_batch`) for as long as it runs
+(`LossHead`). That loss runs the kernels `cross_entropy` and its backward run, one chunk of rows
+at a time (`CHUNK_BYTES` of fp32 logits each): each chunk is upcast, its log-softmax taken, the
+target entries picked, and the chunk's log-softmax freed. The loss is `nll_loss` over the picked
+entries, the same reduction over the same values.
 
-- forward: each chunk is upcast, its log-softmax taken and the target entries picked; the chunk's
-  log-softmax is then freed. The loss is `nll_loss` over the picked entries, the same reduction
-  over the same values. What backward keeps is the logits (the model's output, alive anyway)
-  and one fp32 value per row;
-- backward: each chunk's log-softmax is computed again (the same kernel on the same rows: the
-  same bits), and its gradient is nll_loss's and log_softmax's own backward over that chunk,
-  written into the logits' gradient in their dtype (as the upcast's backward casts it).
+The logits' gradient is computed in the same pass, for the gradient `loss.backward()` gives the
+loss (exactly 1): nll_loss's and log_softmax's own backward over each chunk, written in the
+logits' dtype (as the upcast's backward casts it). Backward reads the loss's gradient on the host
+(one synchronization, when the gradient came from forward):
+
+- exactly 1: it hands on the gradient forward computed. Nothing is computed twice;
+- anything else (`(loss / 4).backward()`, a weighted sum of losses): it computes each chunk's
+  log-softmax again and the gradient for the value given, and `HeadState` stops computing it in
+  forward for the rest of the session, since the loop scales its loss.
 
 So the head's peak falls from the logits plus three fp32 copies to the logits, their gradient
 and one chunk's temporaries: nothing of the vocabulary's size in fp32 outlives a chunk (at
-8 x 2048 tokens of a 128K vocabulary, the kept log-softmax alone would be 7.8 GiB). The cost is
-a second log-softmax per chunk, a pass over memory. Every kernel computes a row from that row
-alone, so the loss and the gradients are the same bits as the model's own loss
+8 x 2048 tokens of a 128K vocabulary, a kept log-softmax alone would be 7.8 GiB). Every kernel
+computes a row from that row alone, and the gradient is computed for the exact value it is
+scaled by, so the loss and the gradients are the same bits as the model's own loss
 (tests/test_head.py checks it). Pass `loss_head="model"` to `teraio.offload` to keep the model's
 own loss.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
-from typing import Any, Callable, Optional
+import types
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch.autograd.function import once_differentiable
 
-#: fp32 logits per chunk: the size of each kept log-softmax chunk and of each temporary.
+#: fp32 logits per chunk: the size of each log-softmax chunk and of each temporary.
 CHUNK_BYTES = 256 << 20
 
 _REDUCTIONS = {"mean": 1, "sum": 2}
+
+Divisor = Union[torch.Tensor, int, float, None]
+
+
+class HeadState:
+    """What one session's loss has learnt of its loop: whether forward computes the logits'
+    gradient (`gradient_in_forward`, until a backward brings a gradient other than 1), and how
+    many losses it computed for a gradient (`losses`)."""
+
+    def __init__(self) -> None:
+        self.gradient_in_forward = True
+        self.losses = 0
 
 
 def chunk_rows(vocab: int, chunk_bytes: int) -> int:
@@ -47,56 +66,110 @@ def chunk_rows(vocab: int, chunk_bytes: int) -> int:
     return max(1, chunk_bytes // (vocab * 4))
 
 
+def _column_grad(
+    grad: torch.Tensor,
+    divisor: Divisor,
+    picked: torch.Tensor,
+    column_target: torch.Tensor,
+    reduction: int,
+    ignore_index: int,
+    total_weight: torch.Tensor,
+) -> torch.Tensor:
+    """nll_loss's gradient at each row's target entry, for `grad` on the loss (divided by
+    `divisor` first, as the division's own backward does)."""
+    if divisor is not None:
+        grad = grad / divisor
+    return torch.ops.aten.nll_loss_backward(
+        grad, picked, column_target, None, reduction, ignore_index, total_weight
+    )
+
+
+def _chunk_grad(log_softmax: torch.Tensor, picks: torch.Tensor, column_grad: torch.Tensor) -> torch.Tensor:
+    """nll_loss's and log_softmax's backward over one chunk: its logits' gradient, in fp32."""
+    nll_grad = torch.zeros_like(log_softmax)
+    nll_grad.scatter_(1, picks, column_grad)
+    return torch._log_softmax_backward_data(nll_grad, log_softmax, 1, torch.float32)
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
     """`cross_entropy(logits.float(), target, ignore_index=..., reduction=...)` over 2-D logits,
-    one chunk of rows at a time (the module docstring)."""
+    divided by `divisor` where one is given, one chunk of rows at a time (the module docstring)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, logits: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str, rows: int
+        ctx: Any,
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        ignore_index: int,
+        reduction: str,
+        rows: int,
+        divisor: Divisor,
+        state: HeadState,
     ) -> torch.Tensor:
+        code = _REDUCTIONS[reduction]
         with torch.autocast(logits.device.type, enabled=False):
             ignored = target == ignore_index
             # Ignored rows pick entry 0 (any valid index): nll_loss leaves them out.
             picks = target.masked_fill(ignored, 0).unsqueeze(1)
             picked = torch.empty((logits.shape[0], 1), dtype=torch.float32, device=logits.device)
-            for start in range(0, logits.shape[0], rows):
-                log_softmax = torch.log_softmax(logits[start : start + rows].float(), dim=1)
-                picked[start : start + rows] = log_softmax.gather(1, picks[start : start + rows])
-                del log_softmax
             # nll_loss over the picked column: every row's target is its column 0.
             column_target = target.masked_fill(~ignored, 0)
+            gradient = column_grad = None
+            if ctx.needs_input_grad[0] and state.gradient_in_forward:
+                # nll_loss's total weight (the labelled rows) before any entry is picked: the
+                # kernel counts it from the targets alone.
+                _, counted = torch.ops.aten.nll_loss_forward(
+                    torch.zeros_like(picked), column_target, None, code, ignore_index
+                )
+                one = torch.ones((), dtype=torch.float32, device=logits.device)
+                column_grad = _column_grad(one, divisor, picked, column_target, code, ignore_index, counted)
+                gradient = torch.empty_like(logits)
+            for start in range(0, logits.shape[0], rows):
+                chunk = slice(start, start + rows)
+                log_softmax = torch.log_softmax(logits[chunk].float(), dim=1)
+                picked[chunk] = log_softmax.gather(1, picks[chunk])
+                if gradient is not None:
+                    gradient[chunk] = _chunk_grad(log_softmax, picks[chunk], column_grad[chunk])
+                del log_softmax
             loss, total_weight = torch.ops.aten.nll_loss_forward(
-                picked, column_target, None, _REDUCTIONS[reduction], ignore_index
+                picked, column_target, None, code, ignore_index
             )
-        # The logits, not their log-softmax: backward computes each chunk's again (the same
-        # kernel on the same rows: the same bits), so nothing of the vocabulary's size in fp32
-        # outlives a chunk. The logits are the model's output, alive anyway.
-        ctx.save_for_backward(logits, picks, picked, column_target, total_weight)
+            if divisor is not None:
+                loss = loss / divisor
+        # The logits, not their log-softmax: where backward must compute the gradient itself, it
+        # computes each chunk's log-softmax again (the same kernel on the same rows: the same
+        # bits). The logits are the model's output, alive anyway.
+        ctx.save_for_backward(logits, picks, picked, column_target, total_weight, gradient)
         ctx.rows = rows
-        ctx.reduction = _REDUCTIONS[reduction]
+        ctx.reduction = code
         ctx.ignore_index = ignore_index
+        ctx.divisor = divisor
+        ctx.state = state
         return loss
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
-        logits, picks, picked, column_target, total_weight = ctx.saved_tensors
+        logits, picks, picked, column_target, total_weight, gradient = ctx.saved_tensors
+        none = (None,) * 6
+        if gradient is not None:
+            if grad.item() == 1.0:
+                return (gradient, *none)
+            # The loop scales its loss: the gradient for this value, and none in forward again.
+            ctx.state.gradient_in_forward = False
+            del gradient
         rows = ctx.rows
         with torch.autocast(logits.device.type, enabled=False):
-            column_grad = torch.ops.aten.nll_loss_backward(
-                grad, picked, column_target, None, ctx.reduction, ctx.ignore_index, total_weight
+            column_grad = _column_grad(
+                grad, ctx.divisor, picked, column_target, ctx.reduction, ctx.ignore_index, total_weight
             )
             logits_grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
             for start in range(0, logits.shape[0], rows):
-                log_softmax = torch.log_softmax(logits[start : start + rows].float(), dim=1)
-                nll_grad = torch.zeros_like(log_softmax)
-                nll_grad.scatter_(1, picks[start : start + rows], column_grad[start : start + rows])
-                logits_grad[start : start + rows] = torch._log_softmax_backward_data(
-                    nll_grad, log_softmax, 1, torch.float32
-                )
-                del log_softmax, nll_grad
-        return logits_grad, None, None, None, None
+                chunk = slice(start, start + rows)
+                log_softmax = torch.log_softmax(logits[chunk].float(), dim=1)
+                logits_grad[chunk] = _chunk_grad(log_softmax, picks[chunk], column_grad[chunk])
+                del log_softmax
+        return (logits_grad, *none)
 
 
 def cross_entropy(
@@ -106,10 +179,14 @@ def cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     chunk_bytes: Optional[int] = None,
+    divisor: Divisor = None,
+    state: Optional[HeadState] = None,
 ) -> torch.Tensor:
-    """`torch.nn.functional.cross_entropy(logits.float(), target, ...)` for 2-D `logits` (rows,
-    vocabulary) and 1-D class indices, computed in chunks of rows (module docstring); the
-    gradient comes back in `logits`' dtype. `chunk_bytes`: None for `CHUNK_BYTES`."""
+    """`torch.nn.functional.cross_entropy(logits.float(), target, ...) / divisor` (no division
+    where `divisor` is None) for 2-D `logits` (rows, vocabulary) and 1-D class indices, computed
+    in chunks of rows (module docstring); the gradient comes back in `logits`' dtype.
+    `chunk_bytes`: None for `CHUNK_BYTES`; `state`: the session's `HeadState` (None: a new one,
+    which computes the gradient in forward)."""
     if logits.dim() != 2 or target.dim() != 1 or target.shape[0] != logits.shape[0]:
         raise ValueError(
             f"teraio.head.cross_entropy: logits (rows, vocabulary) and target (rows,), not "
@@ -118,7 +195,9 @@ def cross_entropy(
     if reduction not in _REDUCTIONS:
         raise ValueError(f"teraio.head.cross_entropy: reduction 'mean' or 'sum', not {reduction!r}")
     rows = chunk_rows(logits.shape[1], CHUNK_BYTES if chunk_bytes is None else chunk_bytes)
-    return _ChunkedCrossEntropy.apply(logits, target, ignore_index, reduction, rows)
+    return _ChunkedCrossEntropy.apply(
+        logits, target, ignore_index, reduction, rows, divisor, state if state is not None else HeadState()
+    )
 
 
 def causal_lm_loss(
@@ -128,26 +207,55 @@ def causal_lm_loss(
     num_items_in_batch: Optional[torch.Tensor] = None,
     ignore_index: int = -100,
     shift_labels: Optional[torch.Tensor] = None,
+    *,
+    state: Optional[HeadState] = None,
     **kwargs: Any,
 ) -> torch.Tensor:
     """Hugging Face's `ForCausalLMLoss` (transformers.loss.loss_utils: labels shifted left by
-    one, mean over the labelled tokens, or the sum over `num_items_in_batch`) with
-    `cross_entropy` above for its `logits.float()` and `nn.functional.cross_entropy`."""
+    one, mean over the labelled tokens, or the sum divided by `num_items_in_batch`) with
+    `cross_entropy` above for its `logits.float()`, `nn.functional.cross_entropy` and the
+    division. `state`: as for `cross_entropy` (`LossHead` passes its session's)."""
+    if state is not None and logits.requires_grad and torch.is_grad_enabled():
+        state.losses += 1
     if shift_labels is None:
         labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
         shift_labels = labels[..., 1:].contiguous()
-    reduction = "sum" if num_items_in_batch is not None else "mean"
-    loss = cross_entropy(
+    if num_items_in_batch is None:
+        reduction, divisor = "mean", None
+    else:
+        reduction = "sum"
+        divisor = num_items_in_batch
+        if torch.is_tensor(divisor):
+            divisor = divisor.to(logits.device)
+    return cross_entropy(
         logits.view(-1, vocab_size),
         shift_labels.view(-1).to(logits.device),
         ignore_index=ignore_index,
         reduction=reduction,
+        divisor=divisor,
+        state=state,
     )
-    if reduction == "sum":
-        if torch.is_tensor(num_items_in_batch):
-            num_items_in_batch = num_items_in_batch.to(loss.device)
-        loss = loss / num_items_in_batch
-    return loss
+
+
+_AccelerateForward = tuple[Any, Callable[..., Any], Callable[[Any], Any]]
+
+
+def _accelerate_forward(model: torch.nn.Module) -> Optional[_AccelerateForward]:
+    """Accelerate's mixed-precision forward on `model`, which `accelerator.prepare` (and so the
+    Trainer) sets: the autocast forward wrapped in `ConvertOutputsToFp32`, which copies every
+    bf16/fp16 output to fp32. (model.forward as set, the autocast forward, the conversion); None
+    where the model has none. accelerate is never imported here: a model it prepared has loaded it."""
+    operations = sys.modules.get("accelerate.utils.operations")
+    forward = model.__dict__.get("forward")
+    if operations is None or forward is None:
+        return None
+    converting = getattr(getattr(forward, "__func__", forward), "__wrapped__", None)
+    if not isinstance(converting, operations.ConvertOutputsToFp32):
+        return None
+    inner = converting.model_forward
+    if isinstance(forward, types.MethodType):
+        inner = types.MethodType(inner, forward.__self__)
+    return forward, inner, operations.convert_to_fp32
 
 
 def _loss_of(module: torch.nn.Module, mapping: dict[str, Any]) -> Optional[Callable[..., Any]]:
@@ -162,16 +270,30 @@ def _loss_of(module: torch.nn.Module, mapping: dict[str, Any]) -> Optional[Calla
 
 class LossHead:
     """While entered (and `enabled`: `loss_head="chunked"`), the model's Hugging Face modules
-    whose loss is `ForCausalLMLoss` compute it with `causal_lm_loss` (through transformers' own
-    `loss_function` setter); on exit each gets back what it had. `replaced` names them (empty:
-    disabled, or the model's loss is not one this knows). transformers is never imported here:
-    a model built with it has loaded it."""
+    whose loss is `ForCausalLMLoss` compute it with `causal_lm_loss` and this session's
+    `HeadState` (`loss`, set through transformers' own `loss_function` setter); on exit each gets
+    back what it had. `replaced` names them (empty: disabled, or the model's loss is not one this
+    knows). transformers is never imported here: a model built with it has loaded it.
+
+    A model that Accelerate prepared for mixed precision copies its bf16 logits to fp32 after
+    every forward (`ConvertOutputsToFp32`): at 4 x 2048 tokens of a 128K vocabulary, 4 GiB made
+    at the end of the forward pass, where the iteration's memory peaks, and dropped unread when
+    the loop takes the loss. While entered, a forward in which this loss ran for a gradient
+    returns its outputs as the model computed them (the loss is fp32 already; the logits stay
+    in the model's dtype); any other forward (evaluation under `no_grad`, a loop that computes
+    its own loss from the logits) keeps Accelerate's copy. `fp32_copy_skipped` says whether it
+    applies."""
 
     def __init__(self, model: torch.nn.Module, enabled: bool = True) -> None:
         self.model = model
         self.enabled = enabled
         self.replaced: list[str] = []
+        self.state = HeadState()
+        #: What the replaced modules compute their loss with.
+        self.loss: Callable[..., torch.Tensor] = functools.partial(causal_lm_loss, state=self.state)
         self._restore: list[tuple[torch.nn.Module, Any]] = []
+        self._forward: Any = _UNSET
+        self.fp32_copy_skipped = False
 
     def __enter__(self) -> LossHead:
         loss_utils = sys.modules.get("transformers.loss.loss_utils")
@@ -182,11 +304,34 @@ class LossHead:
             if _loss_of(module, mapping) is not hf_loss:
                 continue
             self._restore.append((module, module.__dict__.get("_loss_function", _UNSET)))
-            module.loss_function = causal_lm_loss  # type: ignore[union-attr]
+            module.loss_function = self.loss  # type: ignore[union-attr]
             self.replaced.append(name or type(module).__name__)
+        if self.replaced:
+            self._skip_fp32_copy()
         return self
 
+    def _skip_fp32_copy(self) -> None:
+        """Accelerate's fp32 copy of the outputs, left out of forwards whose loss this computed
+        (the class docstring)."""
+        found = _accelerate_forward(self.model)
+        if found is None:
+            return
+        previous, autocast_forward, to_fp32 = found
+        state = self.state
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            losses = state.losses
+            outputs = autocast_forward(*args, **kwargs)
+            return outputs if state.losses != losses else to_fp32(outputs)
+
+        self._forward = previous
+        self.model.forward = forward  # type: ignore[method-assign]
+        self.fp32_copy_skipped = True
+
     def __exit__(self, *exc: object) -> None:
+        if self._forward is not _UNSET:
+            self.model.__dict__["forward"] = self._forward
+            self._forward = _UNSET
         for module, previous in reversed(self._restore):
             if previous is _UNSET:
                 module.__dict__.pop("_loss_function", None)
@@ -200,9 +345,15 @@ class LossHead:
             return "the model's own (loss_head='model')"
         if not self.replaced:
             return "the model's own (not a Hugging Face causal-LM loss)"
+        where = (
+            "the logits' gradient in forward"
+            if self.state.gradient_in_forward
+            else "the logits' gradient in backward (the loop scales its loss)"
+        )
+        skipped = "; Accelerate's fp32 copy of its outputs left out" if self.fp32_copy_skipped else ""
         return (
-            f"cross-entropy in chunks of {CHUNK_BYTES >> 20} MiB of fp32 logits "
-            f"(teraio.head, in {', '.join(self.replaced)})"
+            f"cross-entropy in chunks of {CHUNK_BYTES >> 20} MiB of fp32 logits, {where} "
+            f"(teraio.head, in {', '.join(self.replaced)}{skipped})"
         )
 
 
