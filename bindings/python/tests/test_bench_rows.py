@@ -137,3 +137,60 @@ def test_probe_checkpointing_runs_each_variant_on_cpu(tmp_path: pathlib.Path) ->
     assert medians == ["hf", "hf_head", "hf_sync", "blocks", "blocks_cache", "teraio"]
     assert "teraio offload (block plan)" in done.stdout
     _no_scratch_left(tmp_path)  # the teraio variant's store went with its scratch folder
+
+
+def _trace(path: pathlib.Path, kernels: list[tuple[str, str, float, int]]) -> None:
+    """A chrome trace as torch.profiler writes it: the three phases on the host, one launch per
+    kernel inside its phase, and the kernels (name, phase, ms, stream)."""
+    phases = {"forward": 0, "backward": 1000, "step": 2000}
+    events: list[dict[str, Any]] = [
+        {"ph": "X", "cat": "user_annotation", "name": name, "ts": start, "dur": 900}
+        for name, start in phases.items()
+    ]
+    for index, (name, phase, ms, stream) in enumerate(kernels):
+        launch = phases[phase] + 10 + index
+        events.append(
+            {
+                "ph": "X",
+                "cat": "cuda_runtime",
+                "name": "cudaLaunchKernel",
+                "ts": launch,
+                "dur": 1,
+                "args": {"correlation": index},
+            }
+        )
+        category = "gpu_memcpy" if name.startswith("Memcpy") else "kernel"
+        events.append(
+            {
+                "ph": "X",
+                "cat": category,
+                "name": name,
+                "ts": 5000 + 100 * index,
+                "dur": ms * 1e3,
+                "args": {"correlation": index, "stream": stream},
+            }
+        )
+    path.write_text(json.dumps({"traceEvents": events}))
+
+
+def test_profile_loop_compares_kernel_time_by_phase_and_kind(tmp_path: pathlib.Path) -> None:
+    plain = [
+        ("nvjet_sm90_gemm", "forward", 2.0, 7),
+        ("cunn_SoftMaxForward", "forward", 1.0, 7),
+        ("nvjet_sm90_gemm", "backward", 4.0, 7),
+        ("multi_tensor_apply_kernel", "step", 3.0, 7),
+    ]
+    offloaded = plain + [("cunn_SoftMaxForward", "backward", 1.5, 7), ("Memcpy DtoH", "forward", 6.0, 21)]
+    _trace(tmp_path / "plain.json", plain)
+    _trace(tmp_path / "offloaded.json", offloaded)
+    done = _run(
+        "profile_loop.py", tmp_path, "compare", str(tmp_path / "plain.json"), str(tmp_path / "offloaded.json")
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {line[:34].strip(): line[34:].split() for line in done.stdout.splitlines() if line[:1] != " "}
+    assert rows["forward, matmul"] == ["2.00", "2.00"]
+    assert rows["backward, softmax"] == ["0.00", "1.50"]
+    assert rows["forward, copy stream 21"] == ["0.00", "6.00"]
+    assert rows["step, foreach"] == ["3.00", "3.00"]
+    assert rows["compute stream, all"] == ["10.00", "11.50"]  # the copy stream is not compute
+    assert "+1.50  backward cunn_SoftMaxForward" in done.stdout
