@@ -103,9 +103,11 @@ def compare_main(args: argparse.Namespace) -> int:
     print(f"{'compute stream, all':34s}" + "".join(f"{t:{width + 2}.2f}" for t in totals))
     if len(tables) >= 2:
         first, second = tables[0][1], tables[1][1]
-        changes = sorted(((second.get(k, 0.0) - first.get(k, 0.0)), k) for k in set(first) | set(second))
+        changes = [(second.get(k, 0.0) - first.get(k, 0.0), k) for k in set(first) | set(second)]
+        more = sorted((c for c in changes if c[0] > 0), reverse=True)[: args.top]
+        less = sorted(c for c in changes if c[0] < 0)[: args.top]
         print(f"kernels that differ most, {names[0]} -> {names[1]} (ms):")
-        for delta, (phase, name) in changes[-args.top :][::-1] + changes[: args.top]:
+        for delta, (phase, name) in more + less:
             print(f"  {delta:+8.2f}  {phase:8s} {name}")
     return 0
 

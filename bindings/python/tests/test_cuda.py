@@ -622,12 +622,15 @@ def test_block_plan_is_exact_on_cuda(monkeypatch: Any, action: Any) -> None:
         assert report.bytes_per_iteration["offloaded"]["host"] > 0
 
 
+@pytest.mark.parametrize("divisor", [None, 8171, "tensor"])
 @pytest.mark.parametrize("scale", [1.0, 0.3])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_loss_head_is_the_same_bits_as_torchs_on_cuda(dtype: Any, scale: float) -> None:
+def test_loss_head_is_the_same_bits_as_torchs_on_cuda(dtype: Any, scale: float, divisor: Any) -> None:
     """A Qwen2-sized vocabulary over 1000 rows, in 5 chunks: the same kernels per row as
     `cross_entropy`, so the same bits (the reductions run over the same values in both), with
-    the gradient computed in forward (`loss.backward()`) and in backward (a scaled loss)."""
+    the gradient computed in forward (`loss.backward()`) and in backward (a scaled loss); and
+    the sum divided by a count as Hugging Face divides by `num_items_in_batch` (a Python int,
+    which CUDA divides by as a reciprocal, and a tensor on the device)."""
     from teraio import head
 
     vocab = 151936
@@ -635,10 +638,17 @@ def test_loss_head_is_the_same_bits_as_torchs_on_cuda(dtype: Any, scale: float) 
     logits = (torch.randn(1000, vocab, device=DEVICE, generator=generator) * 4).to(dtype).requires_grad_()
     target = torch.randint(0, vocab, (1000,), device=DEVICE, generator=generator)
     target[10:30] = -100
-    expected = torch.nn.functional.cross_entropy(logits.float(), target)
+    if divisor == "tensor":
+        divisor = torch.tensor(8171, device=DEVICE)
+    reduction = "mean" if divisor is None else "sum"
+    expected = torch.nn.functional.cross_entropy(logits.float(), target, reduction=reduction)
+    if divisor is not None:
+        expected = expected / divisor
     (expected_grad,) = torch.autograd.grad(expected * scale if scale != 1.0 else expected, logits)
     state = head.HeadState()
-    loss = head.cross_entropy(logits, target, chunk_bytes=vocab * 4 * 200, state=state)
+    loss = head.cross_entropy(
+        logits, target, chunk_bytes=vocab * 4 * 200, reduction=reduction, divisor=divisor, state=state
+    )
     (grad,) = torch.autograd.grad(loss * scale if scale != 1.0 else loss, logits)
     assert state.gradient_in_forward == (scale == 1.0)
     assert torch.equal(loss, expected)

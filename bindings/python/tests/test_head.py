@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import copy
+import inspect
 import weakref
 from typing import Any
 
@@ -64,7 +66,11 @@ def test_causal_lm_loss_is_hugging_faces_bit_for_bit(monkeypatch: Any, chunk_byt
     cases = (
         {},
         {"num_items_in_batch": torch.tensor(31)},
+        {"num_items_in_batch": torch.tensor(31.0)},  # the Trainer's: a float tensor
+        {"num_items_in_batch": torch.tensor([[31]])},  # per replica under DataParallel
+        {"num_items_in_batch": torch.tensor(31, dtype=torch.float64)},
         {"num_items_in_batch": 37},
+        {"num_items_in_batch": 37.5},
         {"shift_labels": shifted},
     )
     for kwargs in cases:
@@ -74,6 +80,7 @@ def test_causal_lm_loss_is_hugging_faces_bit_for_bit(monkeypatch: Any, chunk_byt
             state = head.HeadState()
             loss = head.causal_lm_loss(logits, labels, 64, **kwargs, state=state)
             (grad,) = torch.autograd.grad(loss * scale if scale != 1.0 else loss, logits)
+            assert loss.dtype == expected.dtype and loss.shape == expected.shape, (kwargs, scale)
             assert torch.equal(loss, expected) and torch.equal(grad, expected_grad), (kwargs, scale)
             # Divided inside the loss: `loss.backward()` gives it 1, so forward's gradient serves.
             assert state.gradient_in_forward == (scale == 1.0), (kwargs, scale)
@@ -151,7 +158,7 @@ def test_what_forward_leaves_for_backward_is_the_logits_gradient_and_a_value_per
     rows, vocab = 400, 64
     logits, target = _logits(torch.bfloat16, rows=rows, vocab=vocab), _targets(rows=rows, vocab=vocab)
     with _Outputs() as outputs:
-        loss = head.cross_entropy(logits, target, chunk_bytes=4 * vocab * 10)
+        loss = head.cross_entropy(logits, target, chunk_bytes=4 * vocab * 10, state=head.HeadState())
     alive = _alive_bytes(outputs)
     gradients = [t for t in alive if t.shape == logits.shape]
     assert len(gradients) == 1 and gradients[0].dtype == torch.bfloat16
@@ -186,29 +193,42 @@ def test_a_scaled_loss_moves_the_gradient_to_backward_for_the_rest_of_the_sessio
     assert all(torch.equal(grad, expected_grad) for grad in grads)
 
 
-def test_no_gradient_is_computed_where_none_is_wanted() -> None:
+def test_no_gradient_is_computed_in_forward_where_none_is_wanted() -> None:
+    """Under no_grad, for logits that need no gradient, and without a `HeadState` (a direct
+    call), forward runs no backward kernel and counts no loss."""
     rows, vocab = 400, 64
     logits, target = _logits(torch.bfloat16, rows=rows, vocab=vocab), _targets(rows=rows, vocab=vocab)
-    # Under no_grad, and for logits that need no gradient.
-    for context, source in ((torch.no_grad(), logits), (contextlib.nullcontext(), logits.detach())):
-        with context, _Outputs() as outputs:
-            head.cross_entropy(source, target, chunk_bytes=4 * vocab * 10)
-        assert not any(t.shape == logits.shape for t in _alive_bytes(outputs))
+    cases = (
+        (torch.no_grad(), logits, head.HeadState()),
+        (contextlib.nullcontext(), logits.detach(), head.HeadState()),
+        (contextlib.nullcontext(), logits, None),
+    )
+    for context, source, state in cases:
+        with context, _Ops() as ops:
+            loss = head.cross_entropy(source, target, chunk_bytes=4 * vocab * 10, state=state)
+        assert not any("backward" in name for name in ops.names), ops.names
+        assert state is None or state.losses == 0
+        assert torch.equal(loss, F.cross_entropy(logits.detach().float(), target))
+    state = head.HeadState()
+    with _Ops() as ops:
+        head.cross_entropy(logits, target, chunk_bytes=4 * vocab * 10, state=state)
+    assert any("_log_softmax_backward_data" in name for name in ops.names) and state.losses == 1
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.3])
-def test_backward_twice_gives_the_same_gradient(scale: float) -> None:
+def test_backward_through_a_retained_graph_gives_the_same_gradient_each_time(scale: float) -> None:
     logits, target = _logits(torch.bfloat16), _targets()
-    loss = head.cross_entropy(logits, target, chunk_bytes=4 * 64 * 7) * scale
+    loss = head.cross_entropy(logits, target, chunk_bytes=4 * 64 * 7, state=head.HeadState()) * scale
     (first,) = torch.autograd.grad(loss, logits, retain_graph=True)
-    (second,) = torch.autograd.grad(loss, logits)
+    (second,) = torch.autograd.grad(loss, logits, retain_graph=True)
     assert torch.equal(first, second)
-    # Accumulated into a leaf's .grad twice, the gradient computed in forward stays unchanged.
-    logits.grad = None
-    loss = head.cross_entropy(logits, target, chunk_bytes=4 * 64 * 7) * scale
-    loss.backward(retain_graph=True)
-    loss.backward()
-    assert torch.equal(logits.grad, 2 * first)
+    # Into a leaf's .grad, zeroed in place between backwards: were .grad the gradient forward
+    # computed, the zeroing would reach the next backward.
+    loss = head.cross_entropy(logits, target, chunk_bytes=4 * 64 * 7, state=head.HeadState()) * scale
+    for _ in range(3):
+        loss.backward(retain_graph=True)
+        assert torch.equal(logits.grad, first)
+        logits.grad.zero_()
 
 
 def test_bad_shapes_and_reductions_are_clear_errors() -> None:
@@ -219,32 +239,77 @@ def test_bad_shapes_and_reductions_are_clear_errors() -> None:
         head.cross_entropy(logits, target, reduction="none")
 
 
-def test_accelerates_fp32_copy_of_the_outputs_is_left_out_where_this_loss_ran() -> None:
-    """A model Accelerate prepared for bf16 copies its logits to fp32 after each forward; under
-    the head a forward whose loss it computed for a gradient returns the bf16 logits (the same
-    values), the same loss and the same gradients, and every other forward keeps the copy."""
+def _prepared(how: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A model with Accelerate's bf16 forward (the model the loop calls, the Hugging Face model):
+    set by `accelerator.prepare` (a method), as Accelerate sets it where the forward has no
+    `__func__` (a function), or prepared and then wrapped in DataParallel (on the CPU it calls
+    the model as it is)."""
     accelerate = pytest.importorskip("accelerate")
     accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)
-    model = accelerate.Accelerator(cpu=True, mixed_precision="bf16").prepare(_hf_causal_lm())
-    prepared = model.__dict__["forward"]
+    model = _hf_causal_lm()
+    if how == "function":
+        from accelerate.utils import convert_outputs_to_fp32
+
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+        model.forward = convert_outputs_to_fp32(autocast(model.forward))
+        return model, model
+    model = accelerate.Accelerator(cpu=True, mixed_precision="bf16").prepare(model)
+    return (torch.nn.DataParallel(model), model) if how == "wrapped" else (model, model)
+
+
+@pytest.mark.parametrize("how", ["method", "function", "wrapped"])
+def test_accelerates_fp32_copy_of_the_outputs_is_left_out_where_this_loss_ran(how: str) -> None:
+    """A model Accelerate prepared for bf16 copies its outputs to fp32 after each forward; under
+    the head a forward whose loss it computed for a gradient returns them as computed (the bf16
+    logits, the hidden states: the same values), the same loss and the same gradients; every
+    other forward keeps the copy; on exit Accelerate's forward is back. (The hidden states
+    here are fp32 already: autocast adds the bf16 blocks' outputs to the fp32 residual.)"""
+    model, inner = _prepared(how)
+    prepared = inner.__dict__["forward"]
+    signature = inspect.signature(inner.forward)
     tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(4))
-    reference = model(input_ids=tokens, labels=tokens)
-    (reference_grad,) = torch.autograd.grad(reference.loss, model.lm_head.weight)
+    reference = model(input_ids=tokens, labels=tokens, output_hidden_states=True)
+    (reference_grad,) = torch.autograd.grad(reference.loss, inner.lm_head.weight)
     assert reference.logits.dtype == torch.float32
     loss_head = head.LossHead(model)
     with loss_head:
-        out = model(input_ids=tokens, labels=tokens)
+        out = model(input_ids=tokens, labels=tokens, output_hidden_states=True)
         assert out.logits.dtype == torch.bfloat16 and torch.equal(out.logits.float(), reference.logits)
+        for state, expected in zip(out.hidden_states, reference.hidden_states):
+            assert torch.equal(state.float(), expected)
         assert torch.equal(out.loss, reference.loss)
-        (grad,) = torch.autograd.grad(out.loss, model.lm_head.weight)
+        (grad,) = torch.autograd.grad(out.loss, inner.lm_head.weight)
         assert torch.equal(grad, reference_grad)
         with torch.no_grad():  # evaluation
             assert model(input_ids=tokens, labels=tokens).logits.dtype == torch.float32
         assert model(input_ids=tokens).logits.dtype == torch.float32  # a loop computing its own loss
-        assert "fp32 copy of its outputs left out" in loss_head.describe()
-    assert model.__dict__["forward"] is prepared
+        assert "fp32 copy of the outputs left out" in loss_head.describe()
+        assert inspect.signature(inner.forward) == signature  # generate() reads it
+    assert inner.__dict__["forward"] is prepared
+    with head.LossHead(model, fp32_outputs="all") as kept:
+        assert model(input_ids=tokens, labels=tokens).logits.dtype == torch.float32
+        assert not kept.fp32_copy_skipped and "fp32 copy" not in kept.describe()
     with head.LossHead(model, enabled=False):
         assert model(input_ids=tokens, labels=tokens).logits.dtype == torch.float32
+
+
+def test_a_copy_of_the_model_made_under_the_head_runs_its_own_weights() -> None:
+    model, _ = _prepared("method")
+    tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(4))
+    with head.LossHead(model):
+        twin = copy.deepcopy(model)
+        with torch.no_grad():
+            twin.lm_head.weight.zero_()
+        assert not twin(input_ids=tokens, labels=tokens).logits.any()
+        assert model(input_ids=tokens, labels=tokens).logits.any()
+
+
+def test_a_forward_the_loop_sets_under_the_head_stays_after_it() -> None:
+    model, _ = _prepared("method")
+    with head.LossHead(model):
+        mine = model.forward.__func__.__wrapped__.model_forward.__get__(model)
+        model.forward = mine
+    assert model.__dict__["forward"] is mine
 
 
 def _hf_causal_lm() -> torch.nn.Module:

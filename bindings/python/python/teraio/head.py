@@ -75,25 +75,47 @@ def _column_grad(
     ignore_index: int,
     total_weight: torch.Tensor,
 ) -> torch.Tensor:
-    """nll_loss's gradient at each row's target entry, for `grad` on the loss (divided by
-    `divisor` first, as the division's own backward does)."""
+    """nll_loss's gradient at each row's target entry, for `grad` on the loss. With a divisor,
+    first the division's own backward, then what autograd does with a gradient whose shape or
+    dtype is not its input's (a per-replica (n, 1) count, a float64 one): summed to the
+    shape, cast to the dtype."""
     if divisor is not None:
-        grad = grad / divisor
+        grad = (grad / divisor).sum_to_size(()).to(torch.float32)
     return torch.ops.aten.nll_loss_backward(
         grad, picked, column_target, None, reduction, ignore_index, total_weight
     )
 
 
-def _chunk_grad(log_softmax: torch.Tensor, picks: torch.Tensor, column_grad: torch.Tensor) -> torch.Tensor:
-    """nll_loss's and log_softmax's backward over one chunk: its logits' gradient, in fp32."""
-    nll_grad = torch.zeros_like(log_softmax)
-    nll_grad.scatter_(1, picks, column_grad)
-    return torch._log_softmax_backward_data(nll_grad, log_softmax, 1, torch.float32)
+def _run_chunks(
+    logits: torch.Tensor,
+    rows: int,
+    picks: torch.Tensor,
+    picked: Optional[torch.Tensor] = None,
+    column_grad: Optional[torch.Tensor] = None,
+    gradient: Optional[torch.Tensor] = None,
+) -> None:
+    """One pass over the logits, `rows` at a time: each chunk's fp32 log-softmax, its target
+    entries into `picked` and (with `column_grad`) nll_loss's and log_softmax's own backward
+    over it into `gradient`, in `gradient`'s dtype (the upcast's backward casts so). Each chunk's
+    temporaries are freed before the next."""
+    for start in range(0, logits.shape[0], rows):
+        chunk = slice(start, start + rows)
+        log_softmax = torch.log_softmax(logits[chunk].float(), dim=1)
+        if picked is not None:
+            picked[chunk] = log_softmax.gather(1, picks[chunk])
+        if gradient is not None:
+            assert column_grad is not None
+            nll_grad = torch.zeros_like(log_softmax)
+            nll_grad.scatter_(1, picks[chunk], column_grad[chunk])
+            gradient[chunk] = torch._log_softmax_backward_data(nll_grad, log_softmax, 1, torch.float32)
+            del nll_grad
+        del log_softmax
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
     """`cross_entropy(logits.float(), target, ignore_index=..., reduction=...)` over 2-D logits,
-    divided by `divisor` where one is given, one chunk of rows at a time (the module docstring)."""
+    divided by `divisor` where one is given, one chunk of rows at a time (the module docstring).
+    `state` None: the gradient is computed in backward."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -104,9 +126,12 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         reduction: str,
         rows: int,
         divisor: Divisor,
-        state: HeadState,
+        state: Optional[HeadState],
+        wanted: bool,
     ) -> torch.Tensor:
         code = _REDUCTIONS[reduction]
+        if wanted and state is not None:
+            state.losses += 1
         with torch.autocast(logits.device.type, enabled=False):
             ignored = target == ignore_index
             # Ignored rows pick entry 0 (any valid index): nll_loss leaves them out.
@@ -115,22 +140,16 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             # nll_loss over the picked column: every row's target is its column 0.
             column_target = target.masked_fill(~ignored, 0)
             gradient = column_grad = None
-            if ctx.needs_input_grad[0] and state.gradient_in_forward:
+            if wanted and state is not None and state.gradient_in_forward:
                 # nll_loss's total weight (the labelled rows) before any entry is picked: the
                 # kernel counts it from the targets alone.
-                _, counted = torch.ops.aten.nll_loss_forward(
-                    torch.zeros_like(picked), column_target, None, code, ignore_index
-                )
-                one = torch.ones((), dtype=torch.float32, device=logits.device)
+                zeros = torch.zeros_like(picked)
+                _, counted = torch.ops.aten.nll_loss_forward(zeros, column_target, None, code, ignore_index)
+                # `loss.backward()`'s gradient: ones in the loss's shape and dtype.
+                one = torch.ones_like(zeros[0, 0] if divisor is None else zeros[0, 0] / divisor)
                 column_grad = _column_grad(one, divisor, picked, column_target, code, ignore_index, counted)
                 gradient = torch.empty_like(logits)
-            for start in range(0, logits.shape[0], rows):
-                chunk = slice(start, start + rows)
-                log_softmax = torch.log_softmax(logits[chunk].float(), dim=1)
-                picked[chunk] = log_softmax.gather(1, picks[chunk])
-                if gradient is not None:
-                    gradient[chunk] = _chunk_grad(log_softmax, picks[chunk], column_grad[chunk])
-                del log_softmax
+            _run_chunks(logits, rows, picks, picked, column_grad, gradient)
             loss, total_weight = torch.ops.aten.nll_loss_forward(
                 picked, column_target, None, code, ignore_index
             )
@@ -138,8 +157,10 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 loss = loss / divisor
         # The logits, not their log-softmax: where backward must compute the gradient itself, it
         # computes each chunk's log-softmax again (the same kernel on the same rows: the same
-        # bits). The logits are the model's output, alive anyway.
-        ctx.save_for_backward(logits, picks, picked, column_target, total_weight, gradient)
+        # bits). The logits are the model's output, alive anyway. The gradient computed here is
+        # held apart from the saved tensors, so that backward lets it go as soon as it is used.
+        ctx.save_for_backward(logits, picks, picked, column_target, total_weight)
+        ctx.gradient = [] if gradient is None else [gradient]
         ctx.rows = rows
         ctx.reduction = code
         ctx.ignore_index = ignore_index
@@ -150,25 +171,23 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
-        logits, picks, picked, column_target, total_weight, gradient = ctx.saved_tensors
-        none = (None,) * 6
-        if gradient is not None:
-            if grad.item() == 1.0:
+        logits, picks, picked, column_target, total_weight = ctx.saved_tensors
+        none = (None,) * 7
+        if ctx.gradient:
+            gradient = ctx.gradient.pop()
+            if bool((grad == 1).all()):  # one host synchronization
                 return (gradient, *none)
             # The loop scales its loss: the gradient for this value, and none in forward again.
             ctx.state.gradient_in_forward = False
             del gradient
-        rows = ctx.rows
+        # Here too for a second backward through a retained graph: the first one handed on
+        # forward's gradient.
         with torch.autocast(logits.device.type, enabled=False):
             column_grad = _column_grad(
                 grad, ctx.divisor, picked, column_target, ctx.reduction, ctx.ignore_index, total_weight
             )
             logits_grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-            for start in range(0, logits.shape[0], rows):
-                chunk = slice(start, start + rows)
-                log_softmax = torch.log_softmax(logits[chunk].float(), dim=1)
-                logits_grad[chunk] = _chunk_grad(log_softmax, picks[chunk], column_grad[chunk])
-                del log_softmax
+            _run_chunks(logits, ctx.rows, picks, column_grad=column_grad, gradient=logits_grad)
         return (logits_grad, *none)
 
 
@@ -185,8 +204,9 @@ def cross_entropy(
     """`torch.nn.functional.cross_entropy(logits.float(), target, ...) / divisor` (no division
     where `divisor` is None) for 2-D `logits` (rows, vocabulary) and 1-D class indices, computed
     in chunks of rows (module docstring); the gradient comes back in `logits`' dtype.
-    `chunk_bytes`: None for `CHUNK_BYTES`; `state`: the session's `HeadState` (None: a new one,
-    which computes the gradient in forward)."""
+    `chunk_bytes`: None for `CHUNK_BYTES`. `state`: a `HeadState` kept across calls, with which
+    forward computes the gradient until a backward brings a gradient other than 1; None: the
+    gradient is computed in backward (no synchronization)."""
     if logits.dim() != 2 or target.dim() != 1 or target.shape[0] != logits.shape[0]:
         raise ValueError(
             f"teraio.head.cross_entropy: logits (rows, vocabulary) and target (rows,), not "
@@ -195,9 +215,10 @@ def cross_entropy(
     if reduction not in _REDUCTIONS:
         raise ValueError(f"teraio.head.cross_entropy: reduction 'mean' or 'sum', not {reduction!r}")
     rows = chunk_rows(logits.shape[1], CHUNK_BYTES if chunk_bytes is None else chunk_bytes)
-    return _ChunkedCrossEntropy.apply(
-        logits, target, ignore_index, reduction, rows, divisor, state if state is not None else HeadState()
-    )
+    # Read here: inside the Function's forward grad mode is off, and `needs_input_grad` does not
+    # say whether the caller's was.
+    wanted = torch.is_grad_enabled() and logits.requires_grad
+    return _ChunkedCrossEntropy.apply(logits, target, ignore_index, reduction, rows, divisor, state, wanted)
 
 
 def causal_lm_loss(
@@ -215,8 +236,6 @@ def causal_lm_loss(
     one, mean over the labelled tokens, or the sum divided by `num_items_in_batch`) with
     `cross_entropy` above for its `logits.float()`, `nn.functional.cross_entropy` and the
     division. `state`: as for `cross_entropy` (`LossHead` passes its session's)."""
-    if state is not None and logits.requires_grad and torch.is_grad_enabled():
-        state.losses += 1
     if shift_labels is None:
         labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
         shift_labels = labels[..., 1:].contiguous()
@@ -237,25 +256,48 @@ def causal_lm_loss(
     )
 
 
-_AccelerateForward = tuple[Any, Callable[..., Any], Callable[[Any], Any]]
+#: Module wrappers (DDP and the like, each holding the model as `.module`) looked through for
+#: Accelerate's mixed-precision forward.
+MAX_WRAPPERS = 4
 
 
-def _accelerate_forward(model: torch.nn.Module) -> Optional[_AccelerateForward]:
-    """Accelerate's mixed-precision forward on `model`, which `accelerator.prepare` (and so the
-    Trainer) sets: the autocast forward wrapped in `ConvertOutputsToFp32`, which copies every
-    bf16/fp16 output to fp32. (model.forward as set, the autocast forward, the conversion); None
-    where the model has none. accelerate is never imported here: a model it prepared has loaded it."""
+def _accelerate_forward(model: torch.nn.Module) -> Optional[tuple[torch.nn.Module, Any, Any]]:
+    """Accelerate's mixed-precision forward, which `accelerator.prepare` (and so the Trainer)
+    sets on the model before any DDP wrapper: the autocast forward inside `ConvertOutputsToFp32`,
+    which copies every bf16/fp16 output to fp32. (the module that has it, its `forward` as set,
+    the `ConvertOutputsToFp32`); None where there is none. accelerate is never imported here: a
+    model it prepared has loaded it."""
     operations = sys.modules.get("accelerate.utils.operations")
-    forward = model.__dict__.get("forward")
-    if operations is None or forward is None:
+    if operations is None:
         return None
-    converting = getattr(getattr(forward, "__func__", forward), "__wrapped__", None)
-    if not isinstance(converting, operations.ConvertOutputsToFp32):
-        return None
-    inner = converting.model_forward
-    if isinstance(forward, types.MethodType):
-        inner = types.MethodType(inner, forward.__self__)
-    return forward, inner, operations.convert_to_fp32
+    module = model
+    for _ in range(MAX_WRAPPERS + 1):
+        forward = module.__dict__.get("forward")
+        converting = getattr(getattr(forward, "__func__", forward), "__wrapped__", None)
+        if isinstance(converting, operations.ConvertOutputsToFp32):
+            return module, forward, converting
+        inner = getattr(module, "module", None)
+        if not isinstance(inner, torch.nn.Module):
+            return None
+        module = inner
+    return None
+
+
+def _loss_only_forward(
+    converting: Any, to_fp32: Callable[[Any], Any], state: HeadState
+) -> Callable[..., Any]:
+    """Accelerate's forward (`converting`, a `ConvertOutputsToFp32`) without its fp32 copy of
+    the outputs in a forward where `state`'s loss ran for a gradient. Installed as Accelerate
+    installs its own (a method where it set a method), and `__wrapped__` as its own: the
+    signature (`generate()` reads it), `copy.deepcopy` and `unwrap_model` see through it."""
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        losses = state.losses
+        outputs = converting.model_forward(*args, **kwargs)
+        return outputs if state.losses != losses else to_fp32(outputs)
+
+    forward.__wrapped__ = converting  # type: ignore[attr-defined]
+    return forward
 
 
 def _loss_of(module: torch.nn.Module, mapping: dict[str, Any]) -> Optional[Callable[..., Any]]:
@@ -275,24 +317,29 @@ class LossHead:
     back what it had. `replaced` names them (empty: disabled, or the model's loss is not one this
     knows). transformers is never imported here: a model built with it has loaded it.
 
-    A model that Accelerate prepared for mixed precision copies its bf16 logits to fp32 after
-    every forward (`ConvertOutputsToFp32`): at 4 x 2048 tokens of a 128K vocabulary, 4 GiB made
-    at the end of the forward pass, where the iteration's memory peaks, and dropped unread when
-    the loop takes the loss. While entered, a forward in which this loss ran for a gradient
-    returns its outputs as the model computed them (the loss is fp32 already; the logits stay
-    in the model's dtype); any other forward (evaluation under `no_grad`, a loop that computes
-    its own loss from the logits) keeps Accelerate's copy. `fp32_copy_skipped` says whether it
-    applies."""
+    A model that Accelerate prepared for mixed precision copies its bf16 outputs to fp32 after
+    every forward (`ConvertOutputsToFp32`): the logits at 4 x 2048 tokens of a 128K vocabulary
+    are 4 GiB, made at the end of the forward pass where the iteration's memory peaks, and a loop
+    that takes the loss drops them unread. With `fp32_outputs="loss_only"`, while entered, a
+    forward in which this loss ran for a gradient returns its outputs as the model computed them:
+    the loss in fp32, every other output (the logits, hidden states) in the model's dtype. Any
+    other forward (evaluation under `no_grad`, a loop that computes its own loss from the
+    logits) keeps Accelerate's copy; so does `fp32_outputs="all"`. `fp32_copy_skipped` says
+    whether it applies."""
 
-    def __init__(self, model: torch.nn.Module, enabled: bool = True) -> None:
+    def __init__(self, model: torch.nn.Module, enabled: bool = True, fp32_outputs: str = "loss_only") -> None:
+        if fp32_outputs not in ("loss_only", "all"):
+            raise ValueError(f"fp32_outputs must be 'loss_only' or 'all', not {fp32_outputs!r}")
         self.model = model
         self.enabled = enabled
+        self.fp32_outputs = fp32_outputs
         self.replaced: list[str] = []
         self.state = HeadState()
         #: What the replaced modules compute their loss with.
         self.loss: Callable[..., torch.Tensor] = functools.partial(causal_lm_loss, state=self.state)
         self._restore: list[tuple[torch.nn.Module, Any]] = []
-        self._forward: Any = _UNSET
+        #: Where the forward without the fp32 copy went: (module, what it had, what was set).
+        self._forward: Optional[tuple[torch.nn.Module, Any, Any]] = None
         self.fp32_copy_skipped = False
 
     def __enter__(self) -> LossHead:
@@ -306,7 +353,7 @@ class LossHead:
             self._restore.append((module, module.__dict__.get("_loss_function", _UNSET)))
             module.loss_function = self.loss  # type: ignore[union-attr]
             self.replaced.append(name or type(module).__name__)
-        if self.replaced:
+        if self.replaced and self.fp32_outputs == "loss_only":
             self._skip_fp32_copy()
         return self
 
@@ -316,22 +363,22 @@ class LossHead:
         found = _accelerate_forward(self.model)
         if found is None:
             return
-        previous, autocast_forward, to_fp32 = found
-        state = self.state
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            losses = state.losses
-            outputs = autocast_forward(*args, **kwargs)
-            return outputs if state.losses != losses else to_fp32(outputs)
-
-        self._forward = previous
-        self.model.forward = forward  # type: ignore[method-assign]
+        module, previous, converting = found
+        operations = sys.modules["accelerate.utils.operations"]
+        forward: Any = _loss_only_forward(converting, operations.convert_to_fp32, self.state)
+        if isinstance(previous, types.MethodType):
+            forward = types.MethodType(forward, module)
+        module.__dict__["forward"] = forward
+        self._forward = (module, previous, forward)
         self.fp32_copy_skipped = True
 
     def __exit__(self, *exc: object) -> None:
-        if self._forward is not _UNSET:
-            self.model.__dict__["forward"] = self._forward
-            self._forward = _UNSET
+        if self._forward is not None:
+            module, previous, installed = self._forward
+            # Accelerate's forward back, unless the loop set another one meanwhile.
+            if module.__dict__.get("forward") is installed:
+                module.__dict__["forward"] = previous
+            self._forward = None
         for module, previous in reversed(self._restore):
             if previous is _UNSET:
                 module.__dict__.pop("_loss_function", None)
@@ -350,7 +397,11 @@ class LossHead:
             if self.state.gradient_in_forward
             else "the logits' gradient in backward (the loop scales its loss)"
         )
-        skipped = "; Accelerate's fp32 copy of its outputs left out" if self.fp32_copy_skipped else ""
+        skipped = (
+            "; Accelerate's fp32 copy of the outputs left out of its training forwards"
+            if self.fp32_copy_skipped
+            else ""
+        )
         return (
             f"cross-entropy in chunks of {CHUNK_BYTES >> 20} MiB of fp32 logits, {where} "
             f"(teraio.head, in {', '.join(self.replaced)}{skipped})"

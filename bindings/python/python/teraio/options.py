@@ -115,7 +115,14 @@ class OffloadOptions:
             from CPU memory, and leaving puts them back; `runtime/movers/frozen.py`) or "off".
         loss_head: the block plan and whole-model mode: "chunked" (default: a Hugging Face causal
             LM's loss runs as `teraio.head.causal_lm_loss`, the same bits without the full-size
-            fp32 copies of the logits) or "model" (the model's own loss, as it is).
+            fp32 copies of the logits; it computes the logits' gradient in forward while the
+            loop's `loss.backward()` gives the loss a gradient of 1, and reads that gradient on
+            the host in backward, one synchronization) or "model" (the model's own loss, as it is).
+        fp32_outputs: with `loss_head="chunked"`, on a model Accelerate prepared for mixed
+            precision (the Trainer's): "loss_only" (default: a training forward whose loss the
+            head computed returns the loss in fp32 and every other output, the logits among them,
+            in the model's dtype, without Accelerate's fp32 copy of them) or "all" (Accelerate's
+            fp32 copy of every output, as without teraio).
 
     Runtime:
         warmup_steps: iterations before the profiled one (None: 1, or 2 under DDP).
@@ -151,6 +158,7 @@ class OffloadOptions:
     if_no_fit: str = "raise"
     frozen_compute_copies: str = "auto"
     loss_head: str = "chunked"
+    fp32_outputs: str = "loss_only"
     warmup_steps: Optional[int] = None
     min_bytes: int = 1 << 20
     max_inflight_bytes: Size = 2 << 30
@@ -172,6 +180,7 @@ class OffloadOptions:
             "tier_preference": ("auto", "host", "ssd"),
             "if_no_fit": ("raise", "run"),
             "loss_head": ("chunked", "model"),
+            "fp32_outputs": ("loss_only", "all"),
             "frozen_compute_copies": ("auto", "off"),
         }
         for name, allowed in choices.items():
