@@ -3,8 +3,9 @@
 `run` trains bench_regime.py's model (bf16 autocast, SDPA, AdamW, batch 4 x 2048) in the plain
 loop (forward with labels, backward, step, zero_grad), without teraio (`--mode ideal`) or under
 `teraio.offload` with default arguments at `--cap-bytes` (`--mode teraio`), prints each step's
-time and peak, records step `--profile-step` with torch.profiler and writes its chrome trace
-(gzipped) to `--out-dir`; then teraio's report and the median step after the first four:
+time and peak, records step `--profile-step` with torch.profiler (`timeline.profiled`: the
+gzipped chrome trace in `--out-dir`, and its summary); then teraio's report and the median step
+after the first four:
 
     python3 benches/torch/profile_loop.py run --family llama --mode ideal --steps 10 --profile-step 8
     python3 benches/torch/profile_loop.py run --family llama --mode teraio --cap-bytes 30598567168 \\
@@ -119,11 +120,11 @@ def run_main(args: argparse.Namespace) -> int:
     import teraio
 
     from bench_regime import build_model, make_batches
+    from rows import set_cap
+    from timeline import profiled
 
     device = torch.device("cuda")
-    if args.cap_bytes:
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_bytes / total), 0)
+    set_cap(args, device)
     model = build_model(args.family, "autocast", device, tiny=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batches = make_batches(args.steps, args.batch, args.seq, model.config.vocab_size)
@@ -131,25 +132,19 @@ def run_main(args: argparse.Namespace) -> int:
     store: Optional[Any] = None
     session: Any = contextlib.nullcontext()
     if args.mode == "teraio":
-        if not args.cap_bytes:
-            raise SystemExit("--mode teraio needs --cap-bytes")
         store = teraio.Store.create(
             [os.path.join(directory, "dev0")], file_size_bytes=16 << 30, durable=False, force=True
         )
         session = teraio.offload(model, optimizer, store=store, gpu_memory=args.cap_bytes)
     times = []
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    trace = os.path.join(args.out_dir, f"trace-{args.family}-{args.mode}-{args.cap_bytes}.json")
     try:
         with session as run:
             for step, tokens in enumerate(batches):
                 tokens = tokens.to(device)
                 torch.cuda.synchronize()
-                started = time.perf_counter()
-                profiling = step == args.profile_step
-                recorder = (
-                    torch.profiler.profile(activities=activities) if profiling else contextlib.nullcontext()
-                )
-                with recorder:
+                with profiled(step == args.profile_step, trace):
+                    started = time.perf_counter()
                     with torch.profiler.record_function("forward"):
                         with torch.autocast("cuda", dtype=torch.bfloat16):
                             loss = model(input_ids=tokens, labels=tokens).loss
@@ -160,18 +155,9 @@ def run_main(args: argparse.Namespace) -> int:
                         optimizer.zero_grad(set_to_none=True)
                     loss.item()
                     torch.cuda.synchronize()
-                times.append((time.perf_counter() - started) * 1e3)
+                    times.append((time.perf_counter() - started) * 1e3)
                 peak = torch.cuda.max_memory_allocated() / 2**30
                 print(f"step {step}: {times[-1]:.1f} ms, peak {peak:.2f} GiB", flush=True)
-                if profiling:
-                    path = os.path.join(
-                        args.out_dir, f"trace-{args.family}-{args.mode}-{args.cap_bytes}.json"
-                    )
-                    recorder.export_chrome_trace(path)
-                    with open(path, "rb") as src, gzip.open(path + ".gz", "wb") as dst:
-                        shutil.copyfileobj(src, dst)
-                    os.remove(path)
-                    print(f"trace of step {step}: {path}.gz")
         if run is not None:
             print(run.report())
     finally:

@@ -86,19 +86,28 @@ def test_causal_lm_loss_is_hugging_faces_bit_for_bit(monkeypatch: Any, chunk_byt
             assert state.gradient_in_forward == (scale == 1.0), (kwargs, scale)
 
 
-class _LargestTensor(TorchDispatchMode):
-    """The most bytes any op's output held."""
+class _Recorded(TorchDispatchMode):
+    """What the ops inside it did: their names, weak references to their outputs, and the most
+    bytes any output held."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.names: list[str] = []
+        self.refs: list[Any] = []
         self.largest = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.names.append(func.__name__)
         out = func(*args, **(kwargs or {}))
         for value in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(value, torch.Tensor):
+                self.refs.append(weakref.ref(value))
                 self.largest = max(self.largest, value.untyped_storage().nbytes())
         return out
+
+    def alive(self) -> list[torch.Tensor]:
+        """The outputs still referenced."""
+        return [ref() for ref in self.refs if ref() is not None]
 
 
 def test_no_tensor_of_the_loss_is_larger_than_the_logits(monkeypatch: Any) -> None:
@@ -111,7 +120,7 @@ def test_no_tensor_of_the_loss_is_larger_than_the_logits(monkeypatch: Any) -> No
     logits_bytes = logits.untyped_storage().nbytes()
     sizes = {}
     for name, loss_fn in (("model", loss_utils.ForCausalLMLoss), ("teraio", head.causal_lm_loss)):
-        with _LargestTensor() as largest:
+        with _Recorded() as largest:
             loss = loss_fn(logits, labels, 64)
             loss.backward()
         sizes[name] = largest.largest
@@ -120,51 +129,20 @@ def test_no_tensor_of_the_loss_is_larger_than_the_logits(monkeypatch: Any) -> No
     assert sizes["teraio"] <= logits_bytes
 
 
-class _Outputs(TorchDispatchMode):
-    """Weak references to every op's outputs."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.refs: list[Any] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for value in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(value, torch.Tensor):
-                self.refs.append(weakref.ref(value))
-        return out
-
-
-class _Ops(TorchDispatchMode):
-    """The ops run inside it, by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.names.append(func.__name__)
-        return func(*args, **(kwargs or {}))
-
-
-def _alive_bytes(outputs: _Outputs) -> list[torch.Tensor]:
-    return [ref() for ref in outputs.refs if ref() is not None]
-
-
 def test_what_forward_leaves_for_backward_is_the_logits_gradient_and_a_value_per_row() -> None:
     """Between forward and backward the loss holds nothing of the vocabulary's size in fp32:
     the logits' gradient in their dtype (computed in forward) and one value per row. Backward
     then computes no log-softmax: it hands that gradient on."""
     rows, vocab = 400, 64
     logits, target = _logits(torch.bfloat16, rows=rows, vocab=vocab), _targets(rows=rows, vocab=vocab)
-    with _Outputs() as outputs:
+    with _Recorded() as outputs:
         loss = head.cross_entropy(logits, target, chunk_bytes=4 * vocab * 10, state=head.HeadState())
-    alive = _alive_bytes(outputs)
+    alive = outputs.alive()
     gradients = [t for t in alive if t.shape == logits.shape]
     assert len(gradients) == 1 and gradients[0].dtype == torch.bfloat16
     rest = [t for t in alive if t.shape != logits.shape]
     assert sum(t.untyped_storage().nbytes() for t in rest) <= 4 * 8 * rows
-    with _Ops() as ops:
+    with _Recorded() as ops:
         loss.backward()
     assert logits.grad is not None and not any("log_softmax" in name for name in ops.names)
 
@@ -177,13 +155,13 @@ def test_a_scaled_loss_moves_the_gradient_to_backward_for_the_rest_of_the_sessio
     state = head.HeadState()
     grads = []
     for step in range(2):
-        with _Outputs() as outputs:
+        with _Recorded() as outputs:
             loss = head.cross_entropy(logits, target, chunk_bytes=4 * vocab * 10, state=state)
-        alive = _alive_bytes(outputs)
+        alive = outputs.alive()
         assert any(t.shape == logits.shape for t in alive) == (step == 0)
         if step == 1:
             assert sum(t.untyped_storage().nbytes() for t in alive) <= 4 * 8 * rows
-        with _Ops() as ops:
+        with _Recorded() as ops:
             (grad,) = torch.autograd.grad(loss / 2, logits)
         assert any("log_softmax" in name for name in ops.names)
         grads.append(grad)
@@ -204,13 +182,13 @@ def test_no_gradient_is_computed_in_forward_where_none_is_wanted() -> None:
         (contextlib.nullcontext(), logits, None),
     )
     for context, source, state in cases:
-        with context, _Ops() as ops:
+        with context, _Recorded() as ops:
             loss = head.cross_entropy(source, target, chunk_bytes=4 * vocab * 10, state=state)
         assert not any("backward" in name for name in ops.names), ops.names
         assert state is None or state.losses == 0
         assert torch.equal(loss, F.cross_entropy(logits.detach().float(), target))
     state = head.HeadState()
-    with _Ops() as ops:
+    with _Recorded() as ops:
         head.cross_entropy(logits, target, chunk_bytes=4 * vocab * 10, state=state)
     assert any("_log_softmax_backward_data" in name for name in ops.names) and state.losses == 1
 
@@ -286,7 +264,7 @@ def test_accelerates_fp32_copy_of_the_outputs_is_left_out_where_this_loss_ran(ho
         assert "fp32 copy of the outputs left out" in loss_head.describe()
         assert inspect.signature(inner.forward) == signature  # generate() reads it
     assert inner.__dict__["forward"] is prepared
-    with head.LossHead(model, fp32_outputs="all") as kept:
+    with head.LossHead(model, skip_fp32_copy=False) as kept:
         assert model(input_ids=tokens, labels=tokens).logits.dtype == torch.float32
         assert not kept.fp32_copy_skipped and "fp32 copy" not in kept.describe()
     with head.LossHead(model, enabled=False):

@@ -225,7 +225,7 @@ def causal_lm_loss(
     logits: torch.Tensor,
     labels: torch.Tensor,
     vocab_size: int,
-    num_items_in_batch: Optional[torch.Tensor] = None,
+    num_items_in_batch: Divisor = None,
     ignore_index: int = -100,
     shift_labels: Optional[torch.Tensor] = None,
     *,
@@ -320,19 +320,18 @@ class LossHead:
     A model that Accelerate prepared for mixed precision copies its bf16 outputs to fp32 after
     every forward (`ConvertOutputsToFp32`): the logits at 4 x 2048 tokens of a 128K vocabulary
     are 4 GiB, made at the end of the forward pass where the iteration's memory peaks, and a loop
-    that takes the loss drops them unread. With `fp32_outputs="loss_only"`, while entered, a
-    forward in which this loss ran for a gradient returns its outputs as the model computed them:
+    that takes the loss drops them unread. With `skip_fp32_copy` (`fp32_outputs="loss_only"`),
+    while entered, a forward in which this loss ran for a gradient returns its outputs as the
+    model computed them:
     the loss in fp32, every other output (the logits, hidden states) in the model's dtype. Any
     other forward (evaluation under `no_grad`, a loop that computes its own loss from the
-    logits) keeps Accelerate's copy; so does `fp32_outputs="all"`. `fp32_copy_skipped` says
-    whether it applies."""
+    logits) keeps Accelerate's copy; so does every forward without `skip_fp32_copy`
+    (`fp32_outputs="all"`). `fp32_copy_skipped` says whether it applies."""
 
-    def __init__(self, model: torch.nn.Module, enabled: bool = True, fp32_outputs: str = "loss_only") -> None:
-        if fp32_outputs not in ("loss_only", "all"):
-            raise ValueError(f"fp32_outputs must be 'loss_only' or 'all', not {fp32_outputs!r}")
+    def __init__(self, model: torch.nn.Module, enabled: bool = True, skip_fp32_copy: bool = True) -> None:
         self.model = model
         self.enabled = enabled
-        self.fp32_outputs = fp32_outputs
+        self.skip_fp32_copy = skip_fp32_copy
         self.replaced: list[str] = []
         self.state = HeadState()
         #: What the replaced modules compute their loss with.
@@ -353,11 +352,11 @@ class LossHead:
             self._restore.append((module, module.__dict__.get("_loss_function", _UNSET)))
             module.loss_function = self.loss  # type: ignore[union-attr]
             self.replaced.append(name or type(module).__name__)
-        if self.replaced and self.fp32_outputs == "loss_only":
-            self._skip_fp32_copy()
+        if self.replaced and self.skip_fp32_copy:
+            self._install_loss_only_forward()
         return self
 
-    def _skip_fp32_copy(self) -> None:
+    def _install_loss_only_forward(self) -> None:
         """Accelerate's fp32 copy of the outputs, left out of forwards whose loss this computed
         (the class docstring)."""
         found = _accelerate_forward(self.model)

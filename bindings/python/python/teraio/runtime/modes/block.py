@@ -365,7 +365,7 @@ class BlockOffload(Session):
             found = frozen_linear_parameters(model, [module for _, module in self.blocks], self.device)
             self.frozen = FrozenCopies(self.device, found) if found else None
         self._frozen_decided = self.frozen is None
-        self.loss_head = LossHead(model, options.loss_head == "chunked", options.fp32_outputs)
+        self.loss_head = LossHead(model, options.loss_head == "chunked", options.fp32_outputs == "loss_only")
         self.plan: Optional[Plan] = None
         self.tried: list[dict[str, Any]] = []
         self.choice: dict[str, Any] = {}

@@ -467,7 +467,7 @@ class ModelOffload(Session):
         self.recorder = ScheduleRecorder(self.device)
         # A Hugging Face causal LM's loss in chunks: its fp32 logits would be the iteration's
         # largest tensor (8 x 2048 tokens of a 128K vocabulary: 7.8 GiB).
-        self.loss_head = LossHead(model, options.loss_head == "chunked", options.fp32_outputs)
+        self.loss_head = LossHead(model, options.loss_head == "chunked", options.fp32_outputs == "loss_only")
         named = _named_unique_parameters(model)
         _refuse_shared_storage(named)
         _refuse_foreign_parameters(named, optimizer)
