@@ -19,7 +19,8 @@ trains `--steps` steps on its rows of every global batch, for each configuration
   on a GPU this, `fsdp_cpu_offload` and `fsdp_teraio` run with the allocator capped at teraio's
   budget (`CAPPED`): the same per-rank memory, where an out-of-memory is the row's result;
 - `fsdp_cpu_offload`: FSDP2 with `CPUOffloadPolicy` (sharded parameters, gradients and optimizer
-  state live in host memory; the optimizer steps on the CPU);
+  state live in host memory; the optimizer steps on the CPU); `fsdp_cpu_offload_ckpt`: the same
+  with every block checkpointed, as a user under a cap would run it (capped too);
 - `fsdp_teraio`: FSDP2 inside `teraio.offload(model, optimizer, store=store, gpu_memory=budget)`
   with the budget `--budget-share` (default 50%) of that rank's `fsdp` peak (the allocator's on a
   GPU, the profiled unplanned peak on the CPU) and one store per rank
@@ -56,10 +57,22 @@ import torch.nn.functional as F
 
 GIB = 1 << 30
 HERE = os.path.dirname(os.path.abspath(__file__))
-CONFIGS = ("fsdp", "fsdp_repeat", "fsdp_ckpt", "fsdp_cpu_offload", "fsdp_teraio", "big_teraio", "big_fsdp")
+CONFIGS = (
+    "fsdp",
+    "fsdp_repeat",
+    "fsdp_ckpt",
+    "fsdp_cpu_offload",
+    "fsdp_cpu_offload_ckpt",
+    "fsdp_teraio",
+    "big_teraio",
+    "big_fsdp",
+)
 #: On a GPU these run with the allocator capped at `--budget-share` of the `fsdp` peak: FSDP2's
 #: own offload and checkpointing at the same per-rank memory as teraio.
-CAPPED = ("fsdp_ckpt", "fsdp_cpu_offload", "fsdp_teraio")
+CAPPED = ("fsdp_ckpt", "fsdp_cpu_offload", "fsdp_cpu_offload_ckpt", "fsdp_teraio")
+#: Configurations with FSDP2's `CPUOffloadPolicy`, and those that checkpoint every block.
+CPU_OFFLOADED = ("fsdp_cpu_offload", "fsdp_cpu_offload_ckpt")
+CHECKPOINTED = ("fsdp_ckpt", "fsdp_cpu_offload_ckpt")
 #: --family: bench_regime.py's family and the changes to its shape.
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("llama", {}),
@@ -165,7 +178,7 @@ def build(args: argparse.Namespace, device: torch.device, config: str) -> tuple[
 
     big = config.startswith("big_")
     policy: dict[str, Any] = {}
-    if config == "fsdp_cpu_offload":
+    if config in CPU_OFFLOADED:
         # Pinned host memory needs CUDA; on a CPU device the policy's code path runs unpinned.
         policy["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     if args.precision == "bf16":
@@ -175,11 +188,11 @@ def build(args: argparse.Namespace, device: torch.device, config: str) -> tuple[
         model: Any = Model(args.vocab, args.dim, args.hidden, args.layers).to(device)
         layers = model.layers
         for layer in layers:
-            layer.checkpointed = config == "fsdp_ckpt"
+            layer.checkpointed = config in CHECKPOINTED
     else:
         family, overrides = ("llama", BIG) if big else FAMILIES[args.family]
         model = hf_model(family, overrides, torch.device("meta") if big else device, args.tiny)
-        if config == "fsdp_ckpt":
+        if config in CHECKPOINTED:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         layers = model.model.layers
     if device.type == "cpu":
@@ -382,7 +395,7 @@ def run_config(
         mine["report"] = str(report)
         mine["store_errors"] = store.stats()["errors"]
         store.close()
-    if config == "fsdp_cpu_offload":
+    if config in CPU_OFFLOADED:
         # Sharded parameters, gradients and optimizer state are kept in host memory.
         state = [v for s in optimizer.state.values() for v in s.values()]
         tiers["host"]["resident"] = local_bytes(model.parameters()) * 2 + local_bytes(state)

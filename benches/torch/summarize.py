@@ -152,7 +152,7 @@ def status(r: dict[str, Any]) -> str:
 
 def mode_label(r: dict[str, Any]) -> str:
     """teraio rows say whether they ran with default arguments or the machine's measured ones."""
-    mode = r.get("mode", "?")
+    mode = r.get("mode", r.get("config", "?"))  # bench_fsdp.py's rows name a configuration
     arguments = r.get("arguments")
     names = {"defaults": "default arguments", "measured": "measured bandwidths"}
     return f"{mode} ({names.get(arguments, arguments)})" if mode == "teraio" and arguments else mode

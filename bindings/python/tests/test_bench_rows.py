@@ -195,3 +195,28 @@ def test_profile_loop_compares_kernel_time_by_phase_and_kind(tmp_path: pathlib.P
     assert rows["compute stream, all"] == ["10.00", "11.50"]  # the copy stream is not compute
     listed = done.stdout.split("differ most", 1)[1].splitlines()[1:]
     assert listed == ["     +1.50  backward cunn_SoftMaxForward"]  # kernels that did not change: not listed
+
+
+def test_probe_cpu_step_prints_a_row_per_interval_and_load(tmp_path: pathlib.Path) -> None:
+    done = _run(
+        "probe_cpu_step.py",
+        tmp_path,
+        "--units",
+        "2",
+        "--unit-params",
+        "1000000",
+        "--intervals",
+        "5,0.5",
+        "--rounds",
+        "1",
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    cells = [line.split("|")[1:3] for line in done.stdout.splitlines() if line.startswith("| ")]
+    rows = [(interval.strip(), load.strip()) for interval, load in cells if interval.strip()[0].isdigit()]
+    # No GPU here: the host-link load is left out.
+    assert rows == [
+        ("5 ms", "idle"),
+        ("5 ms", "Python"),
+        ("0.5 ms", "idle"),
+        ("0.5 ms", "Python"),
+    ]

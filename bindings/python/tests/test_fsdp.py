@@ -289,7 +289,7 @@ def test_fsdp_benchmark_smoke(tmp_path: pathlib.Path, store_dir: pathlib.Path) -
     lines = done.stdout.splitlines()
     results = [json.loads(line[len("RESULT ") :]) for line in lines if line.startswith("RESULT ")]
     by_config = {r["config"]: r for r in results}
-    configs = {"fsdp", "fsdp_repeat", "fsdp_ckpt", "fsdp_cpu_offload", "fsdp_teraio"}
+    configs = {"fsdp", "fsdp_repeat", "fsdp_ckpt", "fsdp_cpu_offload", "fsdp_cpu_offload_ckpt", "fsdp_teraio"}
     assert set(by_config) == configs, done.stdout[-4000:]
     for result in results:
         assert result["ok"], result

@@ -3,6 +3,7 @@ CPU step's arithmetic against torch's CPU AdamW, and the bytes each site moves."
 
 from __future__ import annotations
 
+import sys
 from concurrent.futures import Future
 from typing import Any, Optional
 
@@ -11,7 +12,7 @@ import teraio
 import torch
 from cpu_step import assert_cpu_step_predicted
 from teraio.planning import replay_schedule
-from teraio.runtime.modes.whole_model import ModelOffload
+from teraio.runtime.modes.whole_model import CPU_STEP_SWITCH_INTERVAL_S, ModelOffload
 from teraio.runtime.plans import capacity as cp
 from test_whole_model import TiedLM, _tokens
 from test_whole_model_copies import _by_base_kind, _count_host_copies
@@ -473,3 +474,19 @@ def test_update_outside_whole_model_mode_says_it_has_no_effect() -> None:
     with pytest.warns(UserWarning, match="update='cpu' has no effect"):
         run = teraio.offload(model, optimizer, gpu_memory="1GiB", whole_model="off", update="cpu")
     assert not isinstance(run, ModelOffload)
+
+
+def test_the_cpu_step_shortens_pythons_switch_interval_while_the_session_runs() -> None:
+    # The worker takes the GIL back after each torch op; the loop's thread running Python holds
+    # it up to one switch interval each time (benches/torch/probe_cpu_step.py).
+    before = sys.getswitchinterval()
+    model, optimizer = _build()
+    with pytest.raises(RuntimeError, match="the loop failed"):
+        with teraio.offload(model, optimizer, gpu_memory=4096, host_memory=1 << 30, update="cpu"):
+            assert sys.getswitchinterval() == CPU_STEP_SWITCH_INTERVAL_S < before
+            train_steps(model, optimizer, _tokens(1))
+            raise RuntimeError("the loop failed")
+    assert sys.getswitchinterval() == before  # restored, on an error too
+    model, optimizer = _build()
+    with teraio.offload(model, optimizer, gpu_memory=4096, host_memory=1 << 30, update="gpu"):
+        assert sys.getswitchinterval() == before  # no CPU step: left as it was
