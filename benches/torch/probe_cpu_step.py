@@ -36,24 +36,29 @@ def _idle(stop: Callable[[], bool]) -> None:
         time.sleep(0.001)
 
 
-def _copies(stop: Callable[[], bool]) -> None:
-    """Both directions of the host link at once, in rounds of 1 GiB each way."""
+def _copier() -> Callable[[Callable[[], bool]], None]:
+    """A load that keeps both directions of the host link busy, in rounds of 1 GiB each way (its
+    buffers allocated here, outside the timed steps)."""
     size = 256 << 20
     host_in = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(4)]
     host_out = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(4)]
     gpu_in = [torch.empty(size, dtype=torch.uint8, device="cuda") for _ in range(4)]
     gpu_out = [torch.empty(size, dtype=torch.uint8, device="cuda") for _ in range(4)]
     to_gpu, to_host = torch.cuda.Stream(), torch.cuda.Stream()
-    while not stop():
-        for k in range(4):
-            with torch.cuda.stream(to_gpu):
-                gpu_in[k].copy_(host_in[k], non_blocking=True)
-            with torch.cuda.stream(to_host):
-                host_out[k].copy_(gpu_out[k], non_blocking=True)
-        to_gpu.wait_stream(to_host)
-        done = torch.cuda.Event()
-        done.record(to_gpu)
-        done.synchronize()
+
+    def copies(stop: Callable[[], bool]) -> None:
+        while not stop():
+            for k in range(4):
+                with torch.cuda.stream(to_gpu):
+                    gpu_in[k].copy_(host_in[k], non_blocking=True)
+                with torch.cuda.stream(to_host):
+                    host_out[k].copy_(gpu_out[k], non_blocking=True)
+            to_gpu.wait_stream(to_host)
+            done = torch.cuda.Event()  # waited for by spinning, as CUDA's default does
+            done.record(to_gpu)
+            done.synchronize()
+
+    return copies
 
 
 def main() -> None:
@@ -80,7 +85,7 @@ def main() -> None:
 
     loads: dict[str, Callable[[Callable[[], bool]], None]] = {"idle": _idle, "Python": _busy_python}
     if torch.cuda.is_available():
-        loads["host link both ways"] = _copies
+        loads["host link both ways"] = _copier()
     worker = concurrent.futures.ThreadPoolExecutor(1)
     total = args.units * numel
     default_interval = sys.getswitchinterval()
