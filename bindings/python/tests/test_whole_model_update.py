@@ -490,3 +490,13 @@ def test_the_cpu_step_shortens_pythons_switch_interval_while_the_session_runs() 
     model, optimizer = _build()
     with teraio.offload(model, optimizer, gpu_memory=4096, host_memory=1 << 30, update="gpu"):
         assert sys.getswitchinterval() == before  # no CPU step: left as it was
+    # Nested sessions (two models in one process): the interval stays short until the outer one
+    # ends, and then is the one found before either.
+    first, second = _build(), _build(seed=1)
+    options = {"gpu_memory": 4096, "host_memory": 1 << 30, "update": "cpu"}
+    with teraio.offload(*first, **options):
+        with teraio.offload(*second, **options):
+            train_steps(*second, _tokens(1))
+        assert sys.getswitchinterval() == CPU_STEP_SWITCH_INTERVAL_S
+        train_steps(*first, _tokens(1))
+    assert sys.getswitchinterval() == before
