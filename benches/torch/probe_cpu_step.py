@@ -1,7 +1,15 @@
-"""The CPU step's rate and what slows it: a fused CPU AdamW over `--units` units of `--unit-params`
-fp32 parameters, run the way whole-model mode's `update="cpu"` runs it (one
-`optimizer.step()` per unit on a worker thread, the other units' gradients None), while the
-main thread
+"""The CPU step's rate and what slows it: an AdamW step over `--units` units of `--unit-params`
+fp32 parameters, run the way whole-model mode's `update="cpu"` runs it (one step per unit on a
+worker thread), by each of `--kernels`:
+
+- "torch": torch's fused CPU AdamW over fp32 gradients (`optimizer.step()` per unit, the other
+  units' gradients None);
+- "torch+copies": the same with the compute copies' passes: bf16 gradients widened into the fp32
+  ones first, the updated masters rounded to bf16 copies after;
+- "teraio": the engine's kernel (`teraio.cpu_adamw`, the default CPU step for Adam/AdamW)
+  reading the bf16 gradients and writing the bf16 copies in its one pass;
+
+while the main thread
 
 - idles (blocked: the baseline);
 - keeps the host link busy both ways (pinned host <-> GPU copies on two streams, waited for
@@ -22,6 +30,7 @@ import time
 from typing import Callable
 
 import torch
+from teraio.cpu_adamw import AdamHyper, AdamTensor, CpuAdamW
 
 
 def _busy_python(stop: Callable[[], bool]) -> None:
@@ -69,19 +78,46 @@ def main() -> None:
     parser.add_argument(
         "--rounds", type=int, default=2, help="steps per case (the fastest counts: other work comes and goes)"
     )
+    parser.add_argument(
+        "--kernels", default="torch,torch+copies,teraio", help="steps to time (comma-separated)"
+    )
     args = parser.parse_args()
     numel = args.unit_params
     params = [torch.nn.Parameter(torch.zeros(numel)) for _ in range(args.units)]
     grads = [torch.full_like(p, 1e-3) for p in params]
+    low_grads = [g.bfloat16() for g in grads]
+    copies = [torch.empty(numel, dtype=torch.bfloat16) for _ in params]
     for param, grad in zip(params, grads):
         param.grad = grad
     optimizer = torch.optim.AdamW(params, fused=True)
     optimizer.step()  # allocates the state
+    kernel = CpuAdamW(torch.get_num_threads())
+    hyper = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True)
 
-    def unit_step(index: int) -> None:
+    def torch_step(index: int) -> None:
         for k, param in enumerate(params):
             param.grad = grads[k] if k == index else None
         optimizer.step()
+
+    def torch_step_with_copies(index: int) -> None:
+        grads[index].copy_(low_grads[index])
+        torch_step(index)
+        copies[index].copy_(params[index].detach())
+
+    def teraio_step(index: int) -> None:
+        state = optimizer.state[params[index]]
+        state["step"].add_(1)
+        tensor = AdamTensor(
+            params[index].detach(),
+            low_grads[index],
+            state["exp_avg"],
+            state["exp_avg_sq"],
+            step=float(state["step"]),
+            copy=copies[index],
+        )
+        kernel.step(hyper, [tensor])
+
+    steps = {"torch": torch_step, "torch+copies": torch_step_with_copies, "teraio": teraio_step}
 
     loads: dict[str, Callable[[Callable[[], bool]], None]] = {"idle": _idle, "Python": _busy_python}
     if torch.cuda.is_available():
@@ -90,23 +126,30 @@ def main() -> None:
     total = args.units * numel
     default_interval = sys.getswitchinterval()
     threads = torch.get_num_threads()
-    print(f"fused CPU AdamW, {args.units} units x {numel} parameters, {threads} threads")
-    print("| switch interval | main thread | worker ms | G parameters/s |")
-    print("|---:|---|---:|---:|")
+    print(f"AdamW, {args.units} units x {numel} parameters, {threads} threads")
+    print("| step | switch interval | main thread | worker ms | G parameters/s |")
+    print("|---|---:|---|---:|---:|")
     try:
-        for interval_ms in (float(v) for v in args.intervals.split(",")):
+        for step_name, interval_ms, (name, load) in (
+            (k, float(v), case)
+            for k in args.kernels.split(",")
+            for v in args.intervals.split(",")
+            for case in loads.items()
+        ):
             sys.setswitchinterval(interval_ms / 1e3)
-            for name, load in loads.items():
-                times = []
-                for _ in range(args.rounds):
-                    started = time.perf_counter()
-                    futures = [worker.submit(unit_step, i) for i in range(args.units)]
-                    load(lambda futures=futures: all(f.done() for f in futures))
-                    for future in futures:
-                        future.result()
-                    times.append(time.perf_counter() - started)
-                best = min(times)
-                print(f"| {interval_ms:g} ms | {name} | {best * 1e3:.0f} | {total / best / 1e9:.2f} |")
+            unit_step = steps[step_name]
+            times = []
+            for _ in range(args.rounds):
+                started = time.perf_counter()
+                futures = [worker.submit(unit_step, i) for i in range(args.units)]
+                load(lambda futures=futures: all(f.done() for f in futures))
+                for future in futures:
+                    future.result()
+                times.append(time.perf_counter() - started)
+            best = min(times)
+            print(
+                f"| {step_name} | {interval_ms:g} ms | {name} | {best * 1e3:.0f} | {total / best / 1e9:.2f} |"
+            )
     finally:
         sys.setswitchinterval(default_interval)
         worker.shutdown()

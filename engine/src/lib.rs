@@ -9,7 +9,11 @@
 //! store's [`store::gpu`], over [`cuda`] (the driver, libcufile, copies), which sits below the
 //! backends.
 //! docs/internals.md describes the threads, an op's life and the lock order.
+//!
+//! Beside the store, [`adamw`] is the CPU Adam/AdamW step the offload runtime runs over
+//! host-resident optimizer state.
 
+pub mod adamw;
 pub mod backend;
 pub mod buffer;
 pub mod config;

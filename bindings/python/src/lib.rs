@@ -951,12 +951,126 @@ fn gpu_probe(py: Python<'_>) -> String {
     py.allow_threads(|| teraio_engine::cuda::probe().to_string())
 }
 
+/// One parameter of a `CpuAdamW.step` call, as addresses: (param f32, grad, grad is bf16,
+/// exp_avg f32, exp_avg_sq f32, bf16 copy or None, elements, step).
+type AdamTensorAddresses = (usize, usize, bool, usize, usize, Option<usize>, usize, f64);
+
+/// The CPU Adam/AdamW step over host buffers (`teraio_engine::adamw`), on its own threads, with
+/// the GIL released while it runs.
+#[pyclass(frozen)]
+struct CpuAdamW {
+    inner: teraio_engine::adamw::AdamW,
+}
+
+#[pymethods]
+impl CpuAdamW {
+    #[new]
+    fn new(threads: usize) -> PyResult<Self> {
+        let inner = teraio_engine::adamw::AdamW::new(threads).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        Ok(CpuAdamW { inner })
+    }
+
+    #[getter]
+    fn threads(&self) -> usize {
+        self.inner.threads()
+    }
+
+    /// Steps one parameter group. The caller (`teraio.runtime.modes.cpu_update`) passes the
+    /// addresses of live, contiguous CPU tensors of the stated dtypes and `numel` elements, which
+    /// nothing else touches until this returns; null, misaligned and overlapping buffers are
+    /// refused here before anything is written. `vector_width`: each tensor's last
+    /// `numel % vector_width` elements are rounded in the order of torch's scalar tail loop
+    /// (`teraio.cpu_adamw.TORCH_TAIL_WIDTH`, 8: where torch's fused CPU kernel puts them with AVX2
+    /// and AVX-512 alike); 0: every element in its vector loop's order.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (*, lr, beta1, beta2, eps, weight_decay, decoupled, maximize, tensors, grad_scale=None, vector_width=8))]
+    fn step(
+        &self,
+        py: Python<'_>,
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
+        decoupled: bool,
+        maximize: bool,
+        tensors: Vec<AdamTensorAddresses>,
+        grad_scale: Option<f32>,
+        vector_width: usize,
+    ) -> PyResult<()> {
+        use teraio_engine::adamw::{Grad, Hyper, Tensor};
+        check_adam_addresses(&tensors)?;
+        let hyper = Hyper { lr, beta1, beta2, eps, weight_decay, decoupled, maximize };
+        py.allow_threads(|| {
+            let views = tensors
+                .iter()
+                .map(|&(param, grad, bf16, exp_avg, exp_avg_sq, copy, n, step)| {
+                    // SAFETY: checked non-null, aligned and disjoint (`check_adam_addresses`);
+                    // live and unshared for the call by the caller's contract above.
+                    unsafe {
+                        Tensor {
+                            param: std::slice::from_raw_parts_mut(param as *mut f32, n),
+                            grad: if bf16 {
+                                Grad::Bf16(std::slice::from_raw_parts(grad as *const u16, n))
+                            } else {
+                                Grad::F32(std::slice::from_raw_parts(grad as *const f32, n))
+                            },
+                            exp_avg: std::slice::from_raw_parts_mut(exp_avg as *mut f32, n),
+                            exp_avg_sq: std::slice::from_raw_parts_mut(exp_avg_sq as *mut f32, n),
+                            copy: copy.map(|c| std::slice::from_raw_parts_mut(c as *mut u16, n)),
+                            step,
+                        }
+                    }
+                })
+                .collect();
+            self.inner.step(&hyper, views, grad_scale, vector_width)
+        })
+        .map_err(|e| PyValueError::new_err(e.to_string()))
+    }
+}
+
+/// Every buffer of a `CpuAdamW.step` call non-null and aligned, and no buffer written
+/// overlapping any other buffer of the call.
+fn check_adam_addresses(tensors: &[AdamTensorAddresses]) -> PyResult<()> {
+    let mut written = Vec::new();
+    let mut read = Vec::new();
+    for (index, &(param, grad, bf16, exp_avg, exp_avg_sq, copy, n, _)) in tensors.iter().enumerate() {
+        let grad_size = if bf16 { 2 } else { 4 };
+        let buffers = [(param, 4, true), (grad, grad_size, false), (exp_avg, 4, true), (exp_avg_sq, 4, true)];
+        for (address, size, writes) in buffers.into_iter().chain(copy.map(|c| (c, 2, true))) {
+            if address == 0 || address % size != 0 {
+                return Err(PyValueError::new_err(format!(
+                    "CpuAdamW.step: tensor {index}: address {address:#x} is null or not aligned to {size} bytes"
+                )));
+            }
+            let range = (address, address + n * size);
+            if writes {
+                written.push(range);
+            } else {
+                read.push(range);
+            }
+        }
+    }
+    let mut all: Vec<(usize, usize, bool)> =
+        written.iter().map(|&(a, b)| (a, b, true)).chain(read.iter().map(|&(a, b)| (a, b, false))).collect();
+    all.sort_unstable();
+    for pair in all.windows(2) {
+        let ((_, end, first_writes), (start, _, second_writes)) =
+            ((pair[0].0, pair[0].1, pair[0].2), (pair[1].0, pair[1].1, pair[1].2));
+        if start < end && (first_writes || second_writes) {
+            return Err(PyValueError::new_err("CpuAdamW.step: a buffer it writes overlaps another buffer of the call"));
+        }
+    }
+    Ok(())
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_function(wrap_pyfunction!(gpu_probe, m)?)?;
     m.add_class::<Store>()?;
     m.add_class::<Handle>()?;
+    m.add_class::<CpuAdamW>()?;
     m.add_function(wrap_pyfunction!(plan, m)?)?;
     m.add_function(wrap_pyfunction!(simulate_plan, m)?)?;
     m.add_function(wrap_pyfunction!(replay_schedule, m)?)?;

@@ -197,7 +197,7 @@ def test_profile_loop_compares_kernel_time_by_phase_and_kind(tmp_path: pathlib.P
     assert listed == ["     +1.50  backward cunn_SoftMaxForward"]  # kernels that did not change: not listed
 
 
-def test_probe_cpu_step_prints_a_row_per_interval_and_load(tmp_path: pathlib.Path) -> None:
+def test_probe_cpu_step_prints_a_row_per_kernel_interval_and_load(tmp_path: pathlib.Path) -> None:
     done = _run(
         "probe_cpu_step.py",
         tmp_path,
@@ -211,12 +211,12 @@ def test_probe_cpu_step_prints_a_row_per_interval_and_load(tmp_path: pathlib.Pat
         "1",
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    cells = [line.split("|")[1:3] for line in done.stdout.splitlines() if line.startswith("| ")]
-    rows = [(interval.strip(), load.strip()) for interval, load in cells if interval.strip()[0].isdigit()]
+    cells = [line.split("|")[1:4] for line in done.stdout.splitlines() if line.startswith("| ")]
+    rows = [tuple(c.strip() for c in cell) for cell in cells if cell[1].strip()[0].isdigit()]
     # No GPU here: the host-link load is left out.
     assert rows == [
-        ("5 ms", "idle"),
-        ("5 ms", "Python"),
-        ("0.5 ms", "idle"),
-        ("0.5 ms", "Python"),
+        (kernel, interval, load)
+        for kernel in ("torch", "torch+copies", "teraio")
+        for interval in ("5 ms", "0.5 ms")
+        for load in ("idle", "Python")
     ]

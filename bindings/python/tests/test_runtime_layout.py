@@ -51,13 +51,13 @@ FLOORS: list[tuple[str, list[str]]] = [
             "teraio.timing",
         ],
     ),
-    ("planner and store", ["teraio.planning", "teraio.store"]),
+    ("planner, store and CPU step", ["teraio.planning", "teraio.store", "teraio.cpu_adamw"]),
     ("binding", ["teraio._native"]),
 ]
 
-#: The modules that may name the binding (`_native`): the store's face, the planner's face and the
-#: package's exports of the engine's errors and constants.
-BINDING_FACES = {"teraio.store", "teraio.planning", "teraio"}
+#: The modules that may name the binding (`_native`): the store's face, the planner's face, the
+#: CPU step's face and the package's exports of the engine's errors and constants.
+BINDING_FACES = {"teraio.store", "teraio.planning", "teraio.cpu_adamw", "teraio"}
 
 
 def _modules() -> dict[str, Path]:

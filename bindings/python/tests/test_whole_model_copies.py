@@ -392,6 +392,12 @@ def test_auto_weighs_the_link_against_the_conversions() -> None:
     # A slow CPU (few cores) makes the conversions too dear even there.
     slow_cpu = cp.choose_compute_copies(**figures, cpu_update_bytes_per_s=10e9, host_link_bytes_per_s=12e9)
     assert slow_cpu[0] is False
+    # With the CPU step's kernel converting in its own pass they cost nothing: on everywhere.
+    for link in (50e9, 12e9):
+        fused = cp.choose_compute_copies(
+            **figures, cpu_update_bytes_per_s=10e9, host_link_bytes_per_s=link, converted_in_step=True
+        )
+        assert fused[0] is True and "converts in its own pass" in fused[1]
 
 
 def test_compute_copy_room() -> None:

@@ -12,6 +12,7 @@ import teraio
 import torch
 from cpu_step import assert_cpu_step_predicted
 from teraio.planning import replay_schedule
+from teraio.runtime.modes import cpu_update
 from teraio.runtime.modes.whole_model import CPU_STEP_SWITCH_INTERVAL_S, ModelOffload
 from teraio.runtime.plans import capacity as cp
 from test_whole_model import TiedLM, _tokens
@@ -84,6 +85,9 @@ def test_cpu_step_is_torchs_fused_cpu_adamw(kwargs: dict[str, Any]) -> None:
     report = result[4].report()
     assert report.update == "cpu" and report.cpu_update_ms is not None
     assert "update on the CPU" in str(report)
+    assert report.cpu_step_kernel.startswith("teraio (Adam/AdamW") and "CPU step kernel: teraio" in str(
+        report
+    )
     # At optimizer.step(), after the last op: the replay's next forward waits for them.
     record = assert_cpu_step_predicted(result[4])
     assert all(job["op"] == len(record.trace["ops"]) for job in record.schedule["cpu_jobs"])
@@ -92,6 +96,41 @@ def test_cpu_step_is_torchs_fused_cpu_adamw(kwargs: dict[str, Any]) -> None:
     # After exit the state is the user's optimizer's own again, on the model's device.
     optimizer = result[1]
     assert all(state["exp_avg"].device.type == "cpu" for state in optimizer.state.values())
+
+
+@pytest.mark.parametrize("kwargs", [{"clip": 0.05}, {"accumulate": 2}], ids=["clipped", "accumulated"])
+def test_cpu_step_with_torchs_own_step(monkeypatch: pytest.MonkeyPatch, kwargs: dict[str, Any]) -> None:
+    # Where the engine's kernel does not run (`kernel_refusal`), torch's CPU optimizer steps the
+    # same bits, and the report says which ran and why.
+    monkeypatch.setattr(cpu_update, "kernel_refusal", lambda optimizer: "refused for this test")
+    reference = _train(False, **kwargs)
+    result = _train(True, **kwargs)
+    _assert_bitwise(reference, result)
+    assert result[4].cpu_update.kernel is None
+    assert result[4].report().cpu_step_kernel == "torch (refused for this test)"
+
+
+def test_cpu_step_of_adam_with_l2_decay_and_maximize() -> None:
+    # Adam (not AdamW): its weight decay is added to the gradient; maximize flips it.
+    def adam(model: torch.nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=0.1, maximize=True, fused=True)
+
+    results = []
+    for offloaded in (False, True):
+        torch.manual_seed(0)
+        model = TiedLM()
+        optimizer = adam(model)
+        data = _tokens(STEPS)
+        if offloaded:
+            with teraio.offload(model, optimizer, gpu_memory=4096, host_memory=1 << 30, update="cpu") as run:
+                losses = train_steps(model, optimizer, data, clip=0.05)
+            assert run.cpu_update is not None and run.cpu_update.kernel is not None
+        else:
+            losses = train_steps(model, optimizer, data, clip=0.05)
+        results.append((model, losses))
+    (ref_model, ref_losses), (model, losses) = results
+    assert losses == ref_losses
+    assert all(torch.equal(p, q) for p, q in zip(ref_model.parameters(), model.parameters()))
 
 
 def _host_hardware(host_link_bytes_per_s: float) -> dict[str, Any]:

@@ -24,6 +24,25 @@ class Handle:
     @property
     def object_len_bytes(self) -> Optional[int]: ...
 
+class CpuAdamW:
+    def __init__(self, threads: int) -> None: ...
+    @property
+    def threads(self) -> int: ...
+    def step(
+        self,
+        *,
+        lr: float,
+        beta1: float,
+        beta2: float,
+        eps: float,
+        weight_decay: float,
+        decoupled: bool,
+        maximize: bool,
+        tensors: Sequence[tuple[int, int, bool, int, int, Optional[int], int, float]],
+        grad_scale: Optional[float] = None,
+        vector_width: int = 8,
+    ) -> None: ...
+
 class Store:
     # The store options (STORE_OPTIONS, the engine's table) as keyword arguments;
     # tests/test_store_options.py checks these signatures against the table.

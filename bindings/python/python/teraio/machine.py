@@ -18,9 +18,10 @@
 - **Host memory** (`default_host_memory`): MemAvailable (/proc/meminfo) at the start less a
   margin (`HOST_MEMORY_MARGIN_BYTES`, or `HOST_MEMORY_MARGIN_SHARE` of MemTotal where that is
   more), shared by the ranks on the host.
-- **CPU step** (`measure_cpu_update`): torch's CPU AdamW (fused where the build has it) over
-  `CPU_UPDATE_PROBE_BYTES` of fp32 parameters, once per process: the rate whole-model mode's
-  choice of update site (`update="auto"`) assumes for a step on the CPU.
+- **CPU step** (`measure_cpu_update`): the AdamW step the CPU step would run (the engine's
+  kernel, or torch's CPU AdamW, fused where the build has it) over `CPU_UPDATE_PROBE_BYTES` of
+  fp32 parameters, once per process and kind: the rate whole-model mode's choice of update site
+  (`update="auto"`) assumes for a step on the CPU.
 - **Reserve**: from the allocator's own behaviour in the profiled iteration
   (`reserve_from_allocator`).
 
@@ -40,6 +41,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .cpu_adamw import AdamHyper, AdamTensor, CpuAdamW
 from .pinned import RegisteredBuffer
 from .planning import parse_bandwidth
 
@@ -195,33 +197,47 @@ def measure_link(device: torch.device, nbytes: int = LINK_PROBE_BYTES) -> tuple[
 #: model's state did not reach.
 CPU_UPDATE_PROBE_BYTES = 256 << 20
 
-_cpu_update_rate: Optional[float] = None
+_cpu_update_rates: dict[bool, float] = {}
 
 
-def measure_cpu_update(nbytes: int = CPU_UPDATE_PROBE_BYTES) -> float:
+def measure_cpu_update(nbytes: int = CPU_UPDATE_PROBE_BYTES, kernel: bool = False) -> float:
     """Parameter + gradient + state bytes per second a CPU AdamW step updates: the median of
     three steps after a first that allocates the state (the best flatters a machine whose other
-    work comes and goes), fused where the build supports it on the CPU (as the whole-model CPU
-    step runs it). Measured once per process (the default size)."""
-    global _cpu_update_rate
-    if nbytes == CPU_UPDATE_PROBE_BYTES and _cpu_update_rate is not None:
-        return _cpu_update_rate
+    work comes and goes). `kernel`: the engine's (`teraio.cpu_adamw`), else torch's, fused
+    where the build supports it on the CPU (as the whole-model CPU step runs them). Measured once
+    per process and kind (the default size)."""
+    if nbytes == CPU_UPDATE_PROBE_BYTES and kernel in _cpu_update_rates:
+        return _cpu_update_rates[kernel]
     param = torch.zeros(nbytes // 4, dtype=torch.float32, requires_grad=True)
     param.grad = torch.full_like(param, 1e-3)
-    try:
-        optimizer = torch.optim.AdamW([param], fused=True)
-        optimizer.step()
-    except (RuntimeError, TypeError, ValueError):  # no fused CPU kernel in this build
-        optimizer = torch.optim.AdamW([param], foreach=False)
-        optimizer.step()
+    step: Callable[[], None]
+    if kernel:
+        adam = CpuAdamW(torch.get_num_threads())
+        hyper = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True)
+        moments = (torch.zeros_like(param), torch.zeros_like(param))
+        count = [0]
+
+        def step() -> None:
+            count[0] += 1
+            adam.step(hyper, [AdamTensor(param.detach(), param.grad, *moments, step=float(count[0]))])
+
+        step()
+    else:
+        try:
+            optimizer = torch.optim.AdamW([param], fused=True)
+            optimizer.step()
+        except (RuntimeError, TypeError, ValueError):  # no fused CPU kernel in this build
+            optimizer = torch.optim.AdamW([param], foreach=False)
+            optimizer.step()
+        step = optimizer.step
     times = []
     for _ in range(3):
         started = time.perf_counter()
-        optimizer.step()
+        step()
         times.append(time.perf_counter() - started)
     rate = 4 * nbytes / max(statistics.median(times), 1e-9)  # parameter, gradient, exp_avg, exp_avg_sq
     if nbytes == CPU_UPDATE_PROBE_BYTES:
-        _cpu_update_rate = rate
+        _cpu_update_rates[kernel] = rate
     return rate
 
 

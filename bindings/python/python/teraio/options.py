@@ -71,11 +71,12 @@ class OffloadOptions:
         compute_copies: whole-model mode with the step on the CPU: "on" (where every forward
             pass of the first iteration runs under bf16 autocast, each parameter of an exact
             `torch.nn.Linear` not shared with another module gets a pinned bf16 copy in host
-            memory, rounded from its fp32 master after each CPU update; the GPU reads the copy,
-            half the bytes, and sends its bf16 gradient back, widened to fp32 on the host: the
-            same bits as autocast's own casts; needs room in `host_memory` beside the plan),
-            "auto" (default: "on" where `capacity.choose_compute_copies` finds that halving the
-            link's bytes outweighs the conversions it adds to the CPU step; on a CPU "device"
+            memory, rounded from its fp32 master by each CPU update; the GPU reads the copy,
+            half the bytes, and sends its bf16 gradient back, which the update reads as fp32:
+            the same bits as autocast's own casts; needs room in `host_memory` beside the plan),
+            "auto" (default: "on" where the engine's Adam/AdamW kernel runs the CPU step, which
+            converts in its own pass; with torch's step, where `capacity.choose_compute_copies`
+            finds that halving the link's bytes outweighs the conversions; on a CPU "device"
             off) or "off" (parameters and gradients cross the link in fp32).
         cpu_update_bandwidth: the CPU step's rate the choice of `update` assumes, in parameter +
             gradient + state bytes per second ("auto": measured once per process on a 256 MiB

@@ -9,9 +9,12 @@ scheduler, `weight_decay`, ...) are copied to the CPU optimizer at each `optimiz
 `state` holds, for each parameter, the very dict the CPU optimizer updates: `state_dict()` gives
 the current state, as CPU tensors, while the model is offloaded.
 
-With compute copies (`whole_model`'s `compute_copies`), the fp32 gradient buffers are filled on
-the host from bf16 gradients before `CpuUpdate.step` reads them, and the bf16 copies are rounded
-from the masters after it: this class sees fp32 masters and gradients either way.
+For torch's Adam and AdamW the step is the engine's kernel (`teraio.cpu_adamw`), whose
+bits are those of torch's fused CPU kernel (`kernel_refusal` says where it is not used): one pass
+per element on its own threads, with the GIL released, that reads a bf16 gradient as it came off
+the GPU and writes the bf16 compute copy beside the master (`whole_model`'s `compute_copies`).
+Other optimizers run torch's own CPU step, with the bf16 gradients widened into the fp32 gradient
+buffers before `CpuUpdate.step` and the copies rounded from the masters after it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+
+from ...cpu_adamw import AdamHyper, AdamTensor, CpuAdamW
 
 #: Group keys that choose the CPU optimizer's implementation, not its arithmetic: not copied
 #: from the user's groups.
@@ -42,6 +47,23 @@ def refusal(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> Opt
             return "a parameter's storage holds more than the parameter"
         if param.is_complex():
             return "a parameter is complex"
+    return None
+
+
+def kernel_refusal(optimizer: torch.optim.Optimizer) -> Optional[str]:
+    """Why the CPU step runs torch's optimizer rather than the engine's Adam/AdamW kernel (None:
+    the kernel runs it, bit for bit as torch's fused CPU kernel would)."""
+    cls = type(optimizer)
+    if cls not in (torch.optim.Adam, torch.optim.AdamW):
+        return f"the optimizer is a {cls.__name__}; the kernel is Adam's and AdamW's"
+    if any(group.get("amsgrad") for group in optimizer.param_groups):
+        return "amsgrad=True"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if not capability.startswith(("AVX2", "AVX512")):
+        return (
+            f"torch's CPU kernels here are {capability}, without the fused multiply-adds whose "
+            "rounding the kernel's reproduces"
+        )
     return None
 
 
@@ -99,6 +121,13 @@ class CpuUpdate:
                     )
                 optimizer.state[param] = moved
         self.sync_hyperparameters()
+        #: The group index of each parameter's shadow (by the user's parameter's id).
+        self._group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        self.decoupled = isinstance(optimizer, torch.optim.AdamW)
+        self.kernel_refusal = kernel_refusal(optimizer)
+        self.kernel: Optional[CpuAdamW] = (
+            CpuAdamW(torch.get_num_threads()) if self.kernel_refusal is None else None
+        )
 
     def sync_hyperparameters(self) -> None:
         """The user's groups' hyperparameters (as a scheduler left them) into the CPU optimizer:
@@ -108,10 +137,23 @@ class CpuUpdate:
                 if key not in IMPLEMENTATION_KEYS:
                     mine[key] = value
 
-    def step(self, params: list[torch.Tensor], clip: Optional[tuple[torch.Tensor, set[int]]] = None) -> None:
+    def step(
+        self,
+        params: list[torch.Tensor],
+        clip: Optional[tuple[torch.Tensor, set[int]]] = None,
+        low_grads: Optional[dict[int, torch.Tensor]] = None,
+        copies: Optional[dict[int, torch.Tensor]] = None,
+    ) -> None:
         """Updates `params` (the user's parameters; their gradients are in the host buffers),
         scaling first the gradients of those in `clip`'s set (ids) by its coefficient, as torch's
-        `clip_grad_norm_` would have scaled them in place."""
+        `clip_grad_norm_` would have scaled them in place. With the kernel (`self.kernel`),
+        `low_grads` (flat bytes by id) are bf16 gradients read in place of the fp32 buffers, and
+        `copies` (flat bytes by id) receive the updated parameters rounded to bf16; without it
+        both must be empty (the caller widens and rounds)."""
+        if self.kernel is not None:
+            self._kernel_step(params, clip, low_grads or {}, copies or {})
+            return
+        assert not low_grads and not copies
         shadows = []
         for param in params:
             shadow = self.shadow[id(param)]
@@ -125,6 +167,53 @@ class CpuUpdate:
         finally:
             for shadow in shadows:
                 shadow.grad = None
+
+    def _kernel_step(
+        self,
+        params: list[torch.Tensor],
+        clip: Optional[tuple[torch.Tensor, set[int]]],
+        low_grads: dict[int, torch.Tensor],
+        copies: dict[int, torch.Tensor],
+    ) -> None:
+        """The engine's kernel over `params`, one call per parameter group and clip scale, with
+        the state torch's fused Adam keeps (created as it creates it; `step` advanced first)."""
+        assert self.kernel is not None
+        scale = None if clip is None else float(clip[0])
+        calls: dict[tuple[int, bool], list[AdamTensor]] = {}
+        for param in params:
+            shadow = self.shadow[id(param)]
+            state = self.cpu.state[shadow]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(shadow, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(shadow, memory_format=torch.preserve_format)
+            state["step"].add_(1)
+            low = low_grads.get(id(param))
+            copy = copies.get(id(param))
+            clipped = clip is not None and id(param) in clip[1]
+            calls.setdefault((self._group_of[id(param)], clipped), []).append(
+                AdamTensor(
+                    param=shadow.detach(),
+                    grad=self.grad[id(param)] if low is None else low.view(torch.bfloat16),
+                    exp_avg=state["exp_avg"],
+                    exp_avg_sq=state["exp_avg_sq"],
+                    step=float(state["step"]),
+                    copy=None if copy is None else copy.view(torch.bfloat16),
+                )
+            )
+        for (index, clipped), tensors in calls.items():
+            group = self.cpu.param_groups[index]
+            beta1, beta2 = group["betas"]
+            hyper = AdamHyper(
+                lr=float(group["lr"]),
+                beta1=float(beta1),
+                beta2=float(beta2),
+                eps=float(group["eps"]),
+                weight_decay=float(group["weight_decay"]),
+                decoupled=bool(group.get("decoupled_weight_decay", self.decoupled)),
+                maximize=bool(group["maximize"]),
+            )
+            self.kernel.step(hyper, tensors, scale if clipped else None)
 
     def state_bytes(self) -> int:
         return sum(

@@ -259,6 +259,9 @@ class WholeModelReport(Report):
     #: The CPU step's time in its worker thread per iteration (ms, median; it overlaps the next
     #: forward pass), and the model's per-iteration cost of each site (`choose_update_site`).
     cpu_update_ms: Optional[float] = None
+    #: What ran the CPU step: "teraio" (the engine's Adam/AdamW kernel, bitwise torch's fused
+    #: CPU kernel) or "torch" (the optimizer's own CPU step), and why ("" for the GPU step).
+    cpu_step_kernel: str = ""
     update_model_ms: dict[str, Optional[float]] = field(default_factory=dict)
     #: The least this placement and update site must move per iteration, shaped as
     #: `bytes_per_iteration`: each parameter off the GPU read in once, each gradient out once,
@@ -317,6 +320,7 @@ class WholeModelReport(Report):
                 else step
             ),
             f"  update on the {self.update.upper()}: {self.update_reason}",
+            *([f"  CPU step kernel: {self.cpu_step_kernel}"] if self.cpu_step_kernel else []),
             *(
                 [
                     f"  throughput: {self.tokens_per_iteration} tokens per iteration, "
@@ -658,7 +662,7 @@ class ModelOffload(Session):
         if given != "auto":
             rate = parse_bandwidth(given)
         elif self.options.update == "auto" and refusal is None and not self.plan.ssd_total:
-            rate = measure_cpu_update()
+            rate = measure_cpu_update(kernel=cpu_update.kernel_refusal(self.optimizer) is None)
             self.machine["cpu_update_bytes_per_s"] = rate
         site = cp.choose_update_site(
             sizes,
@@ -748,8 +752,9 @@ class ModelOffload(Session):
             return False, 'the device is the CPU: no host link to save (compute_copies="on" forces them)'
         given = self.options.cpu_update_bandwidth
         rate = self.machine.get("cpu_update_bytes_per_s")
+        kernel = self.cpu_update is not None and self.cpu_update.kernel is not None
         if rate is None:
-            rate = parse_bandwidth(given) if given != "auto" else measure_cpu_update()
+            rate = parse_bandwidth(given) if given != "auto" else measure_cpu_update(kernel=kernel)
         sizes = self._state_bytes
         total = sum(slot.nbytes * (1 + slot.param.requires_grad) + sizes[slot.index] for slot in self.slots)
         copied = sum(slot.nbytes for slot in self._copy_slots)
@@ -759,6 +764,7 @@ class ModelOffload(Session):
             cpu_step_s=total / rate,
             cpu_update_bytes_per_s=rate,
             host_link_bytes_per_s=min(self.link.d2h, self.link.h2d),
+            converted_in_step=kernel,
         )
 
     def _copies_on(self, skip: Optional[set[int]] = None) -> None:
@@ -1895,14 +1901,36 @@ class ModelOffload(Session):
             event.synchronize()  # the gradients are in host memory (the wait is not the step's)
         started = time.perf_counter()
         assert self.cpu_update is not None
-        for slot, fold in folds:
-            self._widen(slot, fold)
-        self.cpu_update.step(params, clip)
-        for slot in copies:
-            self._round_copy(slot)
+        if self.cpu_update.kernel is not None:
+            # The kernel reads a lone bf16 gradient as it is and writes the copies as it updates.
+            low_grads = {}
+            for slot, fold in folds:
+                if fold == "copy":
+                    low_grads[id(slot.param)] = self.host.buffers[(GRADIENT_COPY, slot.index)]
+                else:
+                    self._widen(slot, fold)
+            out = {id(slot.param): self.host.buffers[(PARAMETER_COPY, slot.index)] for slot in copies}
+            self.cpu_update.step(params, clip, low_grads, out)
+        else:
+            for slot, fold in folds:
+                self._widen(slot, fold)
+            self.cpu_update.step(params, clip)
+            for slot in copies:
+                self._round_copy(slot)
         elapsed = time.perf_counter() - started
         self._cpu_update_s += elapsed
         return elapsed
+
+    def _cpu_step_kernel(self) -> str:
+        """`WholeModelReport.cpu_step_kernel`."""
+        if self.cpu_update is None:
+            return ""
+        if self.cpu_update.kernel is not None:
+            return (
+                f"teraio (Adam/AdamW on {self.cpu_update.kernel.threads} threads, bitwise torch's fused CPU "
+                "kernel; reads bf16 gradients and writes the compute copies in its pass)"
+            )
+        return f"torch ({self.cpu_update.kernel_refusal})"
 
     def _await_update(self, slot: _Slot) -> None:
         future, slot.update = slot.update, None
@@ -2354,6 +2382,7 @@ class ModelOffload(Session):
             loss_head=self.loss_head.describe(),
             update=self.update_site.site,
             update_reason=self.update_site.reason,
+            cpu_step_kernel=self._cpu_step_kernel(),
             cpu_update_ms=statistics.median(self._cpu_update_ms[1:] or self._cpu_update_ms)
             if self._cpu_update_ms
             else None,

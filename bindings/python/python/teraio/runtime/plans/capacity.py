@@ -261,14 +261,22 @@ def choose_compute_copies(
     cpu_step_s: float,
     cpu_update_bytes_per_s: float,
     host_link_bytes_per_s: float,
+    converted_in_step: bool = False,
 ) -> tuple[bool, str]:
     """Whether the compute copies pay ("auto"): they halve, for the copied parameters, the
     link's fp32 reads in forward and recomputation (2 x `copied_bytes`) and the gradients out
-    (`copied_gradient_bytes`), and add their conversions to the CPU step (`CONVERSION_TOUCH`
-    times those bytes at `cpu_update_bytes_per_s`). The iteration is taken as bound by the
-    slower of the CPU step and that link traffic (the two overlap), so the copies go on where
-    the link is the bound and halving it beats the longer CPU step."""
+    (`copied_gradient_bytes`). Where the CPU step's kernel reads the bf16 gradients and writes
+    the copies in its own pass (`converted_in_step`) they add nothing, so they go on. Otherwise
+    their conversions are passes of their own (`CONVERSION_TOUCH` times those bytes at
+    `cpu_update_bytes_per_s`); the iteration is taken as bound by the slower of the CPU step and
+    that link traffic (the two overlap), so the copies go on where the link is the bound and
+    halving it beats the longer CPU step."""
     link_s = (2 * copied_bytes + copied_gradient_bytes) / host_link_bytes_per_s
+    if converted_in_step:
+        return True, (
+            f"they halve {link_s * 1e3:.0f} ms of link traffic, and the CPU step's kernel converts "
+            "in its own pass (no pass of their own)"
+        )
     convert_s = CONVERSION_TOUCH * (copied_bytes + copied_gradient_bytes) / cpu_update_bytes_per_s
     with_copies = max(cpu_step_s + convert_s, link_s / 2)
     without = max(cpu_step_s, link_s)
