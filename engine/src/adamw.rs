@@ -419,44 +419,19 @@ mod tests {
     }
 
     #[test]
-    fn lengths_and_steps_are_checked_before_anything_is_written() {
+    fn lengths_steps_and_widths_are_checked_before_anything_is_written() {
         let adam = AdamW::new(1).unwrap();
-        let (mut p, mut m, mut v) = (vec![1f32; 4], vec![0f32; 4], vec![0f32; 3]);
-        let g = vec![1f32; 4];
-        let err = adam
-            .step(
-                &ADAMW,
-                vec![Tensor {
-                    param: &mut p,
-                    grad: Grad::F32(&g),
-                    exp_avg: &mut m,
-                    exp_avg_sq: &mut v,
-                    copy: None,
-                    step: 1.0,
-                }],
-                None,
-                8,
-            )
-            .unwrap_err();
-        assert_eq!(err, StepError::Length { index: 0, what: "exp_avg_sq", found: 3, expected: 4 });
-        let mut v = vec![0f32; 4];
-        let err = adam
-            .step(
-                &ADAMW,
-                vec![Tensor {
-                    param: &mut p,
-                    grad: Grad::F32(&g),
-                    exp_avg: &mut m,
-                    exp_avg_sq: &mut v,
-                    copy: None,
-                    step: 0.0,
-                }],
-                None,
-                8,
-            )
-            .unwrap_err();
-        assert_eq!(err, StepError::Step { index: 0, step: 0.0 });
-        assert_eq!(p, vec![1f32; 4]);
+        let (mut p, mut m, g) = (vec![1f32; 4], vec![0f32; 4], vec![1f32; 4]);
+        let mut attempt = |v_len: usize, step: f64, width: usize| {
+            let mut v = vec![0f32; v_len];
+            let t =
+                Tensor { param: &mut p, grad: Grad::F32(&g), exp_avg: &mut m, exp_avg_sq: &mut v, copy: None, step };
+            adam.step(&ADAMW, vec![t], None, width).unwrap_err()
+        };
+        assert_eq!(attempt(3, 1.0, 8), StepError::Length { index: 0, what: "exp_avg_sq", found: 3, expected: 4 });
+        assert_eq!(attempt(4, 0.0, 8), StepError::Step { index: 0, step: 0.0 });
+        assert_eq!(attempt(4, 1.0, 3), StepError::VectorWidth(3));
+        assert_eq!((p, m), (vec![1f32; 4], vec![0f32; 4]));
     }
 
     proptest! {

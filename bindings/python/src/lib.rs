@@ -999,6 +999,8 @@ impl CpuAdamW {
         vector_width: usize,
     ) -> PyResult<()> {
         use teraio_engine::adamw::{Grad, Hyper, Tensor};
+        // A tensor of no elements has nothing to step (and its address may be null).
+        let tensors: Vec<AdamTensorAddresses> = tensors.into_iter().filter(|t| t.6 > 0).collect();
         check_adam_addresses(&tensors)?;
         let hyper = Hyper { lr, beta1, beta2, eps, weight_decay, decoupled, maximize };
         py.allow_threads(|| {
@@ -1029,11 +1031,11 @@ impl CpuAdamW {
     }
 }
 
-/// Every buffer of a `CpuAdamW.step` call non-null and aligned, and no buffer written
-/// overlapping any other buffer of the call.
+/// Every buffer of a `CpuAdamW.step` call non-null, aligned and within the address space, and
+/// no buffer written overlapping any other buffer of the call. Tensors of no elements are left
+/// out by the caller (their address may be null).
 fn check_adam_addresses(tensors: &[AdamTensorAddresses]) -> PyResult<()> {
-    let mut written = Vec::new();
-    let mut read = Vec::new();
+    let mut ranges: Vec<(usize, usize, bool)> = Vec::new();
     for (index, &(param, grad, bf16, exp_avg, exp_avg_sq, copy, n, _)) in tensors.iter().enumerate() {
         let grad_size = if bf16 { 2 } else { 4 };
         let buffers = [(param, 4, true), (grad, grad_size, false), (exp_avg, 4, true), (exp_avg_sq, 4, true)];
@@ -1043,22 +1045,23 @@ fn check_adam_addresses(tensors: &[AdamTensorAddresses]) -> PyResult<()> {
                     "CpuAdamW.step: tensor {index}: address {address:#x} is null or not aligned to {size} bytes"
                 )));
             }
-            let range = (address, address + n * size);
-            if writes {
-                written.push(range);
-            } else {
-                read.push(range);
-            }
+            let end = n.checked_mul(size).and_then(|bytes| address.checked_add(bytes)).ok_or_else(|| {
+                PyValueError::new_err(format!("CpuAdamW.step: tensor {index}: {n} elements overflow the address space"))
+            })?;
+            ranges.push((address, end, writes));
         }
     }
-    let mut all: Vec<(usize, usize, bool)> =
-        written.iter().map(|&(a, b)| (a, b, true)).chain(read.iter().map(|&(a, b)| (a, b, false))).collect();
-    all.sort_unstable();
-    for pair in all.windows(2) {
-        let ((_, end, first_writes), (start, _, second_writes)) =
-            ((pair[0].0, pair[0].1, pair[0].2), (pair[1].0, pair[1].1, pair[1].2));
-        if start < end && (first_writes || second_writes) {
+    // By start: a range overlaps an earlier one where it starts before the furthest end so far
+    // (of any range, if it is written; of the written ones, if it is read).
+    ranges.sort_unstable();
+    let (mut furthest, mut furthest_written) = (0, 0);
+    for (start, end, writes) in ranges {
+        if start < if writes { furthest } else { furthest_written } {
             return Err(PyValueError::new_err("CpuAdamW.step: a buffer it writes overlaps another buffer of the call"));
+        }
+        furthest = furthest.max(end);
+        if writes {
+            furthest_written = furthest_written.max(end);
         }
     }
     Ok(())

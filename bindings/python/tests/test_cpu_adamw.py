@@ -158,7 +158,30 @@ def test_bad_buffers_are_refused_by_the_binding_and_nothing_is_written() -> None
         kernel.step(**HYPER, tensors=[(*_addresses(param, grad, m, v, 8)[:7], 0.0)])
     with pytest.raises(ValueError, match="vector width"):
         kernel.step(**HYPER, tensors=[_addresses(param, grad, m, v, 8)], vector_width=3)
-    assert torch.equal(param, before) and torch.equal(m, torch.ones(8))
+    with pytest.raises(ValueError, match="overflow"):
+        kernel.step(**HYPER, tensors=[_addresses(param, grad, m, v, 1 << 62)])
+    # A written buffer inside a read range that an earlier, longer read range hides from its
+    # neighbour: the gradients of two tensors read overlapping memory (allowed), the second
+    # tensor's first moment lies inside the first gradient.
+    big = torch.ones(64)
+    second = (torch.ones(8), big[8:16], big[24:32], torch.ones(8))
+    with pytest.raises(ValueError, match="overlaps"):
+        kernel.step(
+            **HYPER,
+            tensors=[
+                _addresses(torch.ones(64), big, torch.ones(64), torch.ones(64), 64),
+                _addresses(*second, 8),
+            ],
+        )
+    # A tensor of no elements is stepped as torch steps it: nothing to do (its address is null).
+    empty = torch.empty(0)
+    assert empty.data_ptr() == 0
+    kernel.step(**HYPER, tensors=[(0, 0, False, 0, 0, None, 0, 1.0), _addresses(param, grad, m, v, 8)])
+    assert not torch.equal(param, before)
+    before = param.clone()
+    with pytest.raises(ValueError, match="null"):
+        kernel.step(**HYPER, tensors=[(0, grad.data_ptr(), False, m.data_ptr(), v.data_ptr(), None, 8, 1.0)])
+    assert torch.equal(param, before)
 
 
 def test_the_refusals_name_what_runs_torchs_step() -> None:
@@ -167,6 +190,8 @@ def test_the_refusals_name_what_runs_torchs_step() -> None:
     assert cpu_update.kernel_refusal(torch.optim.Adam(params)) is None
     assert "SGD" in (cpu_update.kernel_refusal(torch.optim.SGD(params, lr=0.1)) or "")
     assert cpu_update.kernel_refusal(torch.optim.AdamW(params, amsgrad=True)) == "amsgrad=True"
+    bf16 = [torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))]
+    assert "torch.bfloat16" in (cpu_update.kernel_refusal(torch.optim.AdamW(bf16)) or "")
 
     class MyAdamW(torch.optim.AdamW):
         pass

@@ -58,6 +58,11 @@ def kernel_refusal(optimizer: torch.optim.Optimizer) -> Optional[str]:
         return f"the optimizer is a {cls.__name__}; the kernel is Adam's and AdamW's"
     if any(group.get("amsgrad") for group in optimizer.param_groups):
         return "amsgrad=True"
+    dtypes = {p.dtype for group in optimizer.param_groups for p in group["params"] if p.requires_grad}
+    if dtypes - {torch.float32}:
+        return (
+            f"a trained parameter is {sorted(map(str, dtypes - {torch.float32}))[0]}; the kernel steps fp32"
+        )
     capability = torch.backends.cpu.get_cpu_capability()
     if not capability.startswith(("AVX2", "AVX512")):
         return (
@@ -176,10 +181,12 @@ class CpuUpdate:
         copies: dict[int, torch.Tensor],
     ) -> None:
         """The engine's kernel over `params`, one call per parameter group and clip scale, with
-        the state torch's fused Adam keeps (created as it creates it; `step` advanced first)."""
+        the state torch's fused Adam keeps (created as it creates it). Each call takes `step`
+        advanced by one, as torch's kernel does; the tensors are advanced once every call ran."""
         assert self.kernel is not None
         scale = None if clip is None else float(clip[0])
         calls: dict[tuple[int, bool], list[AdamTensor]] = {}
+        steps = []
         for param in params:
             shadow = self.shadow[id(param)]
             state = self.cpu.state[shadow]
@@ -187,7 +194,6 @@ class CpuUpdate:
                 state["step"] = torch.zeros((), dtype=torch.float32)
                 state["exp_avg"] = torch.zeros_like(shadow, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(shadow, memory_format=torch.preserve_format)
-            state["step"].add_(1)
             low = low_grads.get(id(param))
             copy = copies.get(id(param))
             clipped = clip is not None and id(param) in clip[1]
@@ -197,10 +203,11 @@ class CpuUpdate:
                     grad=self.grad[id(param)] if low is None else low.view(torch.bfloat16),
                     exp_avg=state["exp_avg"],
                     exp_avg_sq=state["exp_avg_sq"],
-                    step=float(state["step"]),
+                    step=float(state["step"]) + 1,  # as torch advances it before its kernel
                     copy=None if copy is None else copy.view(torch.bfloat16),
                 )
             )
+            steps.append(state["step"])
         for (index, clipped), tensors in calls.items():
             group = self.cpu.param_groups[index]
             beta1, beta2 = group["betas"]
@@ -214,6 +221,8 @@ class CpuUpdate:
                 maximize=bool(group["maximize"]),
             )
             self.kernel.step(hyper, tensors, scale if clipped else None)
+        for step in steps:  # once the kernel took every tensor (it refuses bad ones before writing)
+            step.add_(1)
 
     def state_bytes(self) -> int:
         return sum(
