@@ -539,3 +539,29 @@ def test_the_cpu_step_shortens_pythons_switch_interval_while_the_session_runs() 
         assert sys.getswitchinterval() == CPU_STEP_SWITCH_INTERVAL_S
         train_steps(*first, _tokens(1))
     assert sys.getswitchinterval() == before
+
+
+def test_a_set_up_that_fails_midway_is_undone(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The session fails after it has moved the state out, started the CPU step's worker,
+    # shortened the switch interval, wrapped the forwards and taken over the optimizer's
+    # methods and clip_grad_norm_: the error comes out and each of those is as it was.
+    model, optimizer = _build()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    interval, clip = sys.getswitchinterval(), torch.nn.utils.clip_grad_norm_
+
+    def fail(self: ModelOffload) -> None:
+        raise RuntimeError("a failure in set-up")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ModelOffload, "_install_checkpoint_hooks", fail)
+        with pytest.raises(RuntimeError, match="a failure in set-up"):
+            with teraio.offload(model, optimizer, gpu_memory=4096, host_memory=1 << 30, update="cpu"):
+                pass
+    assert all(torch.equal(before[name], p) for name, p in model.named_parameters())
+    assert sys.getswitchinterval() == interval and torch.nn.utils.clip_grad_norm_ is clip
+    assert not {"step", "zero_grad", "state_dict"} & set(optimizer.__dict__)
+    assert all("forward" not in module.__dict__ for module in model.modules())
+    # And the model trains as if nothing had happened.
+    reference = _train(False)
+    losses = train_steps(model, optimizer, _tokens(STEPS))
+    assert losses == reference[2]

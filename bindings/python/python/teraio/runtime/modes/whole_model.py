@@ -521,6 +521,8 @@ class ModelOffload(Session):
         # Step in backward on the CPU: this backward has queued updates (`_queue_cpu_updates`).
         self._updating_in_backward = False
         self._original_state_dict: Optional[Callable[..., Any]] = None
+        # The instance forward (None: the class's) of each module whose forward is wrapped.
+        self._instance_forwards: dict[torch.nn.Module, Optional[Callable[..., Any]]] = {}
         streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) if self.cuda else None
         self.host = HostTier(self.device, self.host_memory_bytes, streams)
         self.ssd: dict[str, SsdTier] = {}
@@ -854,9 +856,8 @@ class ModelOffload(Session):
         """The CPU step over the host buffers the parameters and gradients now live in."""
         self._make_cpu_update()
         self._cpu_worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="teraio-cpu-step")
-        if self._switch_interval is None:
-            self._switch_interval = sys.getswitchinterval()
-            sys.setswitchinterval(min(self._switch_interval, CPU_STEP_SWITCH_INTERVAL_S))
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._switch_interval, CPU_STEP_SWITCH_INTERVAL_S))
         self._original_state_dict = self.optimizer.state_dict
 
         def state_dict() -> dict[str, Any]:
@@ -889,6 +890,18 @@ class ModelOffload(Session):
         return units
 
     def __enter__(self) -> ModelOffload:
+        try:
+            return self._enter()
+        except BaseException as error:
+            # Undone as at exit: hooks, wrapped forwards, the optimizer's methods, clipping, the
+            # worker, the switch interval; the state comes back from where it had gone.
+            try:
+                self.__exit__(type(error), error, error.__traceback__)
+            except Exception as undo:
+                error.add_note(f"teraio.offload could not undo its set-up after this error: {undo!r}")
+            raise
+
+    def _enter(self) -> ModelOffload:
         for slot in self.slots:
             for kind in (cp.PARAMETER, cp.GRADIENT):
                 gradient = kind == cp.GRADIENT
@@ -901,11 +914,13 @@ class ModelOffload(Session):
         if self.update_site.site == cp.CPU_UPDATE:
             self._start_cpu_update()
         for index, unit in enumerate(self.units):
+            self._instance_forwards.setdefault(unit.module, unit.module.__dict__.get("forward"))
             unit.module.forward = self._wrapped_forward(index, unit.module.forward)  # type: ignore[method-assign]
         self.checkpointer.apply({name for name, _ in self.blocks})
         if self.checkpoint_inputs == HOST:
             # Backward starts with the last block: its inputs stay.
             for position, (_, module) in enumerate(self.blocks[:-1]):
+                self._instance_forwards.setdefault(module, module.__dict__.get("forward"))
                 module.forward = self._inputs_to_host(position, module.forward)  # type: ignore[method-assign]
         for slot in self.slots:
             if slot.param.requires_grad:
@@ -1142,15 +1157,21 @@ class ModelOffload(Session):
             self._saved_hooks = None
         self._remove_hooks()
         self.checkpointer.apply(set())
-        for unit in self.units:
-            unit.module.__dict__.pop("forward", None)
+        # Each wrapped module's forward as it was: its class's, or an instance's own.
+        for module, forward in self._instance_forwards.items():
+            if forward is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.__dict__["forward"] = forward
+        self._instance_forwards.clear()
         self._give_back_clipping()
         self._await_updates()
         if self._original_step is not None:
             self.optimizer.__dict__.pop("step", None)
             self.optimizer.__dict__.pop("zero_grad", None)
-            self.optimizer.__dict__.pop("state_dict", None)
             self.optimizer.__dict__.update(getattr(self, "_instance_methods", {}))
+        if self._original_state_dict is not None:
+            self.optimizer.__dict__.pop("state_dict", None)
         if self._cpu_worker is not None:
             self._cpu_worker.shutdown()
             self._cpu_worker = None
