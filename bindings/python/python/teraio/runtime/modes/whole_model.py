@@ -752,18 +752,23 @@ class ModelOffload(Session):
         update site's choice took it, or measured now). On a CPU "device" no link is saved."""
         if not self.cuda:
             return False, 'the device is the CPU: no host link to save (compute_copies="on" forces them)'
-        given = self.options.cpu_update_bandwidth
-        rate = self.machine.get("cpu_update_bytes_per_s")
         kernel = self.cpu_update is not None and self.cpu_update.kernel is not None
-        if rate is None:
-            rate = parse_bandwidth(given) if given != "auto" else measure_cpu_update(kernel=kernel)
-        sizes = self._state_bytes
-        total = sum(slot.nbytes * (1 + slot.param.requires_grad) + sizes[slot.index] for slot in self.slots)
+        rate: Optional[float] = None
+        total: Optional[int] = None
+        if not kernel:  # the kernel converts in its pass: no rate to weigh the copies against
+            given = self.options.cpu_update_bandwidth
+            rate = self.machine.get("cpu_update_bytes_per_s")
+            if rate is None:
+                rate = parse_bandwidth(given) if given != "auto" else measure_cpu_update()
+            sizes = self._state_bytes
+            total = sum(
+                slot.nbytes * (1 + slot.param.requires_grad) + sizes[slot.index] for slot in self.slots
+            )
         copied = sum(slot.nbytes for slot in self._copy_slots)
         return cp.choose_compute_copies(
             copied_bytes=copied,
             copied_gradient_bytes=sum(slot.nbytes for slot in self._copy_slots if slot.param.requires_grad),
-            cpu_step_s=total / rate,
+            cpu_step_s=None if total is None or rate is None else total / rate,
             cpu_update_bytes_per_s=rate,
             host_link_bytes_per_s=min(self.link.d2h, self.link.h2d),
             converted_in_step=kernel,
@@ -1922,19 +1927,18 @@ class ModelOffload(Session):
             event.synchronize()  # the gradients are in host memory (the wait is not the step's)
         started = time.perf_counter()
         assert self.cpu_update is not None
-        if self.cpu_update.kernel is not None:
-            # The kernel reads a lone bf16 gradient as it is and writes the copies as it updates.
-            low_grads = {}
-            for slot, fold in folds:
-                if fold == "copy":
-                    low_grads[id(slot.param)] = self.host.buffers[(GRADIENT_COPY, slot.index)]
-                else:
-                    self._widen(slot, fold)
+        # The kernel reads a lone bf16 gradient as it is and writes the copies as it updates.
+        kernel = self.cpu_update.kernel is not None
+        low_grads = {}
+        for slot, fold in folds:
+            if kernel and fold == "copy":
+                low_grads[id(slot.param)] = self.host.buffers[(GRADIENT_COPY, slot.index)]
+            else:
+                self._widen(slot, fold)
+        if kernel:
             out = {id(slot.param): self.host.buffers[(PARAMETER_COPY, slot.index)] for slot in copies}
             self.cpu_update.step(params, clip, low_grads, out)
         else:
-            for slot, fold in folds:
-                self._widen(slot, fold)
             self.cpu_update.step(params, clip)
             for slot in copies:
                 self._round_copy(slot)

@@ -258,8 +258,8 @@ def choose_compute_copies(
     *,
     copied_bytes: int,
     copied_gradient_bytes: int,
-    cpu_step_s: float,
-    cpu_update_bytes_per_s: float,
+    cpu_step_s: Optional[float],
+    cpu_update_bytes_per_s: Optional[float],
     host_link_bytes_per_s: float,
     converted_in_step: bool = False,
 ) -> tuple[bool, str]:
@@ -270,13 +270,15 @@ def choose_compute_copies(
     their conversions are passes of their own (`CONVERSION_TOUCH` times those bytes at
     `cpu_update_bytes_per_s`); the iteration is taken as bound by the slower of the CPU step and
     that link traffic (the two overlap), so the copies go on where the link is the bound and
-    halving it beats the longer CPU step."""
+    halving it beats the longer CPU step (`cpu_step_s` and `cpu_update_bytes_per_s` are needed
+    only then)."""
     link_s = (2 * copied_bytes + copied_gradient_bytes) / host_link_bytes_per_s
     if converted_in_step:
         return True, (
             f"they halve {link_s * 1e3:.0f} ms of link traffic, and the CPU step's kernel converts "
             "in its own pass (no pass of their own)"
         )
+    assert cpu_step_s is not None and cpu_update_bytes_per_s is not None
     convert_s = CONVERSION_TOUCH * (copied_bytes + copied_gradient_bytes) / cpu_update_bytes_per_s
     with_copies = max(cpu_step_s + convert_s, link_s / 2)
     without = max(cpu_step_s, link_s)
