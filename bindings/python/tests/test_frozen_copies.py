@@ -170,9 +170,10 @@ def test_gradient_accumulation_with_bf16_frozen_weights_is_bitwise(
         params = dict(model.named_parameters())
         assert {params[n].dtype for n in names} == {torch.bfloat16}
         seen += _accumulating_loop(model, optimizer, data[1:], micro, clip=1.0, autocast=torch.bfloat16)
-        # Still the copies after every step, and the plan made with the forced action.
+        # Still the copies after every step, and the plan made with the forced action (the A/B
+        # trial may then keep checkpointing every block, by measured times: the bits are the same).
         assert {params[n].dtype for n in names} == {torch.bfloat16}
-        assert run.plan is not None and list(run.plan.actions) == [action] * len(model.layers)
+        assert run.choice["plan"][action] == len(model.layers)
     assert len(seen) == STEPS * (micro + 1)
     assert seen == reference
     for (name, p), q in zip(ref_model.named_parameters(), model.parameters()):
