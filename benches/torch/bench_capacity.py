@@ -18,8 +18,10 @@ each in its own process:
     teraio_ssd     the same with host_memory="8GiB" (`--ssd-host-memory`): host memory too small
                    for the state, so part of it must live on the SSD store
     teraio_step_in_bwd, teraio_ssd_step_in_bwd
-                   teraio and teraio_ssd with step_in_backward=True (opt-in: the loop neither
-                   clips nor accumulates gradients, so each parameter is updated in backward)
+                   teraio and teraio_ssd with step_in_backward=True (each parameter updated in
+                   backward from the first iteration, on the GPU unless update="cpu"; the loop
+                   neither clips nor accumulates gradients, so the default "auto" already runs
+                   the CPU step in backward from the third iteration)
     zero_infinity  DeepSpeed ZeRO-3, parameters and optimizer state offloaded to NVMe (swap files
                    under the same work dir, so the same disk), Hugging Face gradient checkpointing
                    (use_reentrant=False, as ZeRO-Infinity users fit activations),

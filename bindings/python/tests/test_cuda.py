@@ -570,10 +570,11 @@ def test_the_step_on_the_cpu_trains_on_cuda(store: teraio.Store) -> None:
 def test_the_cpu_step_in_backward_is_the_cpu_step_on_cuda(store: teraio.Store) -> None:
     """update="cpu" with step_in_backward: each unit's update waits on the worker for its
     gradients' copies (CUDA events) and runs beside backward; the arithmetic is the CPU step's
-    at optimizer.step(), bit for bit."""
+    at optimizer.step(), bit for bit. "auto" turns it on from the third iteration of this loop
+    (no clip, no accumulation)."""
     data = batches(STEPS, rows=ROWS, device=DEVICE)
     results = []
-    for step_in_backward in (False, True):
+    for step_in_backward in (False, True, "auto"):
         model, optimizer = make(device=DEVICE)
         options = {"gpu_memory": 64 << 20, "host_memory": 1 << 30, "whole_model": "on", "update": "cpu"}
         with teraio.offload(
@@ -581,12 +582,13 @@ def test_the_cpu_step_in_backward_is_the_cpu_step_on_cuda(store: teraio.Store) -
         ) as run:
             losses = train(model, optimizer, data)
         report = run.report()
-        assert report.update == "cpu" and report.step_in_backward == step_in_backward
+        assert report.update == "cpu" and report.step_in_backward == (step_in_backward is not False)
         results.append((losses, [p.detach().clone() for p in model.parameters()]))
-    (losses, params), (losses_in_backward, params_in_backward) = results
-    assert losses_in_backward == losses
-    for p, q in zip(params, params_in_backward, strict=True):
-        assert torch.equal(p, q)
+    (losses, params), *in_backward = results
+    for losses_in_backward, params_in_backward in in_backward:
+        assert losses_in_backward == losses
+        for p, q in zip(params, params_in_backward, strict=True):
+            assert torch.equal(p, q)
 
 
 @pytest.mark.parametrize("action", ["keep", "host", "recompute", None])

@@ -21,6 +21,8 @@ from tiny import train_steps
 
 STEPS = 4
 GB = 1e9
+#: The CPU step at optimizer.step(), whatever the loop ("auto" may run it in backward).
+AT_STEP = {"update": "cpu", "step_in_backward": False}
 
 
 def _build(fused: Optional[bool] = True, seed: int = 0) -> tuple[TiedLM, torch.optim.Optimizer]:
@@ -79,8 +81,9 @@ def _assert_bitwise(reference: Any, other: Any) -> None:
 def test_cpu_step_is_torchs_fused_cpu_adamw(kwargs: dict[str, Any]) -> None:
     # The CPU step runs torch's fused CPU AdamW: against the same optimizer without offload the
     # bits are the same, with a scheduler changing lr at each step, clipping and accumulation.
+    # (At optimizer.step(): "auto" would run the plain loop's in backward, tested below.)
     reference = _train(False, **kwargs)
-    result = _train(True, **kwargs)
+    result = _train(True, options=AT_STEP, **kwargs)
     _assert_bitwise(reference, result)
     report = result[4].report()
     assert report.update == "cpu" and report.cpu_update_ms is not None
@@ -365,6 +368,154 @@ def test_cpu_step_in_backward_queues_every_update_before_optimizer_step() -> Non
             assert all(int(s["step"]) == step + 1 for s in optimizer.state_dict()["state"].values())
 
 
+# -- step_in_backward="auto" (the default) ------------------------------------------------------
+
+
+def test_auto_runs_a_plain_loops_cpu_step_in_backward_from_the_third_iteration() -> None:
+    # The first two iterations show one backward per step, no clip and a scheduler stepping
+    # after optimizer.step(): from the third, each unit's update runs beside backward, with the
+    # same bits.
+    reference = _train(False)
+    result = _train(True)
+    _assert_bitwise(reference, result)
+    run = result[4]
+    report = run.report()
+    assert report.step_in_backward and report.step_in_backward_reason.startswith("auto: on from iteration 3")
+    assert "step in backward: auto: on" in str(report)
+    # The recorded (third) iteration queued its updates in backward, one job per batch of
+    # gradients sent out, after it: the prediction replays the schedule the run kept.
+    record = assert_cpu_step_predicted(run)
+    gradients = {t["id"] for t in record.trace["tensors"] if t["kind"] == "gradient"}
+    out_at = sorted({x["op"] for x in record.schedule["transfers"] if x["tensor_id"] in gradients})
+    assert [job["op"] for job in record.schedule["cpu_jobs"]] == out_at
+
+
+@pytest.mark.parametrize(
+    "kwargs, why",
+    [({"clip": 0.05}, "clips gradients"), ({"accumulate": 2}, "more than one backward")],
+    ids=["clipped", "accumulated"],
+)
+def test_auto_keeps_the_step_at_optimizer_step_for_a_loop_that_clips_or_accumulates(
+    kwargs: dict[str, Any], why: str
+) -> None:
+    reference = _train(False, **kwargs)
+    result = _train(True, **kwargs)
+    _assert_bitwise(reference, result)
+    report = result[4].report()
+    assert not report.step_in_backward
+    assert report.step_in_backward_reason.startswith("auto: off") and why in report.step_in_backward_reason
+
+
+def _loop(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: list[torch.Tensor],
+    between: Optional[Any] = None,
+) -> list[float]:
+    """Plain steps at a constant lr; `between(step)` runs between backward and optimizer.step()."""
+    losses = []
+    for step, x in enumerate(data):
+        loss = model(x)
+        loss.backward()
+        losses.append(loss.item())
+        if between is not None:
+            between(step)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return losses
+
+
+def _offloaded(**options: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+    model, optimizer = _build()
+    run = teraio.offload(model, optimizer, gpu_memory=4096, host_memory=1 << 30, update="cpu", **options)
+    return model, optimizer, run
+
+
+def test_auto_stays_off_where_the_loop_changes_hyperparameters_before_the_step() -> None:
+    # A scheduler stepped between backward and optimizer.step(): an update in backward would
+    # use the old lr.
+    def scheduled(optimizer: torch.optim.Optimizer) -> Any:
+        return lambda step: optimizer.param_groups[0].__setitem__("lr", 1e-2 / (2 + step))
+
+    ref_model, ref_opt = _build()
+    reference = _loop(ref_model, ref_opt, _tokens(STEPS), scheduled(ref_opt))
+    model, optimizer, run = _offloaded()
+    with run:
+        losses = _loop(model, optimizer, _tokens(STEPS), scheduled(optimizer))
+    assert losses == reference
+    assert all(torch.equal(p, q) for p, q in zip(ref_model.parameters(), model.parameters()))
+    report = run.report()
+    assert not report.step_in_backward and "hyperparameters" in report.step_in_backward_reason
+
+
+def test_auto_a_later_clip_that_scales_nothing_stands_and_turns_it_off() -> None:
+    # Two plain iterations turn it on; the third clips with a bound its norm is under (the
+    # update in backward is what torch would have made) and the fourth is at optimizer.step().
+    def clip(step: int, model: torch.nn.Module, norms: list[float]) -> None:
+        if step >= 2:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e6)))
+
+    ref_model, ref_opt = _build()
+    ref_norms: list[float] = []
+    reference = _loop(ref_model, ref_opt, _tokens(STEPS), lambda s: clip(s, ref_model, ref_norms))
+    model, optimizer, run = _offloaded()
+    norms: list[float] = []
+    with run:
+        losses = _loop(model, optimizer, _tokens(STEPS), lambda s: clip(s, model, norms))
+        assert not run.step_in_backward
+    assert losses == reference and norms == ref_norms
+    assert all(torch.equal(p, q) for p, q in zip(ref_model.parameters(), model.parameters()))
+    reason = run.report().step_in_backward_reason
+    assert reason.startswith("auto: on from iteration 3, off from iteration 4") and "clipped" in reason
+
+
+@pytest.mark.parametrize("change", ["clip", "second backward", "zero_grad", "lr"])
+def test_auto_a_later_loop_change_the_update_cannot_honour_raises(change: str) -> None:
+    # Once on, a change the update in backward cannot take back raises, naming the option; the
+    # model keeps the update that ran (three plain steps) and the session leaves cleanly.
+    data = _tokens(3)
+    ref_model, ref_opt = _build()
+    _loop(ref_model, ref_opt, data)
+    model, optimizer, run = _offloaded()
+    expected = {
+        "clip": "would scale",
+        "second backward": "second backward",
+        "zero_grad": "skip a step",
+        "lr": "hyperparameters",
+    }[change]
+    with pytest.raises(RuntimeError, match=expected), run:
+        _loop(model, optimizer, data[:2])
+        assert run.step_in_backward
+        model(data[2]).backward()
+        if change == "clip":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-6)
+        elif change == "second backward":
+            model(data[2]).backward()
+        elif change == "zero_grad":
+            optimizer.zero_grad()
+        else:
+            optimizer.param_groups[0]["lr"] = 0.5
+            optimizer.step()
+    if change != "second backward":  # there the second backward ran partly
+        assert all(torch.equal(p, q) for p, q in zip(ref_model.parameters(), model.parameters()))
+    assert all(p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_auto_is_off_where_the_step_runs_on_the_gpu() -> None:
+    model, optimizer = _build()
+    with teraio.offload(model, optimizer, gpu_memory=4096, host_memory=1 << 30) as run:
+        train_steps(model, optimizer, _tokens(STEPS))
+    report = run.report()
+    assert report.update == "gpu" and not report.step_in_backward
+    assert report.step_in_backward_reason.startswith("auto: off, the step runs on the GPU")
+
+
+def test_step_in_backward_refuses_other_values() -> None:
+    model, optimizer = _build()
+    with pytest.raises(ValueError, match="step_in_backward must be True, False or 'auto'"):
+        teraio.offload(model, optimizer, gpu_memory=4096, step_in_backward="on")
+
+
 def test_step_in_backward_site_on_fake_machines() -> None:
     # In backward the GPU step keeps the gradient and the parameter where backward left them:
     # P + 2 S over the link. The CPU step sends the gradient out (G) beside its P + G + S of
@@ -399,7 +550,7 @@ def test_the_report_hints_at_the_step_in_backward() -> None:
     base = dict(
         update="cpu", step_in_backward=False, steps=8, clipped=False, accumulated=False, iteration_ms=1000.0
     )
-    assert "step_in_backward=True" in step_in_backward_hint(**base, cpu_wait_ms=500.0)
+    assert "step_in_backward='auto'" in step_in_backward_hint(**base, cpu_wait_ms=500.0)
     # A short wait, a loop that clips or accumulates, the step already in backward or on the
     # GPU, or too few steps seen: no hint.
     assert step_in_backward_hint(**base, cpu_wait_ms=50.0) is None

@@ -52,14 +52,22 @@ class OffloadOptions:
         step_window: whole-model mode: parameter + gradient + state bytes the streamed optimizer
             step holds on the GPU per window ("auto": `WINDOW_SHARE` of `gpu_memory`).
         step_in_backward: whole-model mode: update each parameter in backward, as soon as its
-            gradient is complete (default False: at `optimizer.step()`, which the loop may
-            precede with `clip_grad_norm_` or more backward passes): on the GPU, where backward
-            left it (no gradient moves, no parameter is read in again; what `update="auto"`
-            gives), or with `update="cpu"` on the CPU, each unit's update queued behind its
-            gradients' copies out so the CPU step runs beside backward. The loop then must not
-            clip gradients nor accumulate them over backward passes (both raise), and every
-            backward updates the model (`optimizer.step()` only ends the iteration). The update
-            is the optimizer's own, so losses match the default's.
+            gradient is complete, instead of at `optimizer.step()`: "auto" (default: with the
+            step on the CPU, from the third iteration on where the first two showed a loop that
+            the step in backward leaves exact: one backward per `optimizer.step()`, no
+            `clip_grad_norm_`, the optimizer's hyperparameters unchanged between backward and
+            the step; the CPU step then runs beside backward. A later clip whose coefficient is
+            1 (it scales nothing) is answered from the gradients' norms and turns it off from
+            the next iteration; a clip that would scale, a second backward or a
+            `zero_grad()` before `optimizer.step()`, or hyperparameters changed in between
+            raise, saying so: the update has run. The report says whether it went on and
+            why), True (from the first iteration: on the GPU, where backward left the parameter
+            (no gradient moves, no parameter is read in again; what `update="auto"` gives), or
+            with `update="cpu"` on the CPU, each unit's update queued behind its gradients'
+            copies out; the loop then must not clip gradients nor accumulate them over backward
+            passes (both raise), and every backward updates the model: `optimizer.step()` only
+            ends the iteration) or False (at `optimizer.step()`). The update is the optimizer's
+            own, so losses match the default's.
         update: whole-model mode: where the optimizer step runs: "auto" (default: on the CPU where
             parameters, gradients and optimizer state all live in host memory, the optimizer
             can step on the CPU and `capacity.choose_update_site`'s model says it is faster than
@@ -146,7 +154,7 @@ class OffloadOptions:
     checkpoint_inputs: str = "auto"
     whole_model: str = "auto"
     step_window: Size = "auto"
-    step_in_backward: bool = False
+    step_in_backward: Union[bool, str] = "auto"
     update: str = "auto"
     compute_copies: str = "auto"
     cpu_update_bandwidth: Bandwidth = "auto"
@@ -189,6 +197,8 @@ class OffloadOptions:
             if value not in allowed:
                 listed = ", ".join(repr(a) for a in allowed)
                 raise ValueError(f"{name} must be one of {listed}, not {value!r}")
+        if self.step_in_backward not in (True, False, "auto"):
+            raise ValueError(f"step_in_backward must be True, False or 'auto', not {self.step_in_backward!r}")
         if self.copy_streams < 1:
             raise ValueError(f"copy_streams must be >= 1, got {self.copy_streams}")
 

@@ -96,7 +96,7 @@ def adapt_options(model: torch.nn.Module, options: OffloadOptions) -> OffloadOpt
     refused = []
     if options.whole_model == "on":
         refused.append("whole_model='on'")
-    if options.step_in_backward:
+    if options.step_in_backward is True:
         refused.append("step_in_backward=True")
     if options.recompute == "on":
         refused.append("recompute='on'")
@@ -112,7 +112,7 @@ def adapt_options(model: torch.nn.Module, options: OffloadOptions) -> OffloadOpt
             "state are offloaded"
         )
     checkpoint = "off" if options.granularity == "tensor" else options.checkpoint
-    return options.replace(whole_model="off", recompute="off", checkpoint=checkpoint)
+    return options.replace(whole_model="off", step_in_backward=False, recompute="off", checkpoint=checkpoint)
 
 
 def rank_notes() -> dict[str, Any]:

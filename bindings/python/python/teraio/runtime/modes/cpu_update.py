@@ -30,6 +30,23 @@ from ...cpu_adamw import AdamHyper, AdamTensor, CpuAdamW
 IMPLEMENTATION_KEYS = ("params", "fused", "foreach", "capturable", "differentiable")
 
 
+def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each group's hyperparameters as plain values (a tensor's as a list), for comparing two
+    points of the loop: what a scheduler changes, not which implementation steps."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value.tolist()
+        if isinstance(value, (tuple, list)):
+            return tuple(plain(v) for v in value)
+        return value
+
+    return [
+        {key: plain(value) for key, value in group.items() if key not in IMPLEMENTATION_KEYS}
+        for group in optimizer.param_groups
+    ]
+
+
 def refusal(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> Optional[str]:
     """Why the CPU step cannot run this optimizer over these parameters (None: it can)."""
     cls = type(optimizer)

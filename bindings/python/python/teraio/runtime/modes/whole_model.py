@@ -66,8 +66,9 @@ bf16 autocast after that raises (`compute_copies="off"` streams fp32). The copie
 memory beside the plan's (`capacity.compute_copy_room`); without room they stay off, and the
 report says why.
 
-The step in backward (`step_in_backward=True`, opt-in). A parameter's gradient is complete when its
-post-accumulate-grad hook runs; the parameter is then still on the GPU, where backward used it.
+The step in backward (`step_in_backward=True`, or "auto", the default, below). A parameter's
+gradient is complete when its post-accumulate-grad hook runs; the parameter is then still on the
+GPU, where backward used it.
 With the step on the GPU, its optimizer state is read in ahead of it (with the parameters of the
 next units backward recomputes), and the optimizer steps the parameters whose gradients are
 complete when backward enters the next unit, and at the end of backward (an autograd engine
@@ -75,7 +76,10 @@ callback): gradients never leave the GPU and parameters are not read in again fo
 With the step on the CPU, each unit's gradients go out as without the option and its update is
 queued on the worker behind their copies (`_queue_cpu_updates`: the worker waits for their CUDA
 event), so the CPU step runs beside the rest of backward. A clip or a second backward before
-`optimizer.step()` raises: the update has already run.
+`optimizer.step()` raises: the update has already run. "auto" turns the CPU step in backward on
+from iteration `IN_BACKWARD_AUTO_FROM` where the iterations before it took one backward per step,
+clipped nothing and kept the hyperparameters through backward (`_decide_in_backward`); once on,
+a clip that scales nothing stands and turns it off again, and the changes it cannot honour raise.
 
 Data moves through the movers (`runtime/movers/tiers.py`: pinned host buffers allocated at start-up
 under the host cap; the store through the engine's GPU path) and where each kind lives is the
@@ -165,6 +169,9 @@ IN_BACKWARD_AUTO = (
 #: The iteration recorded for the prediction (0-based): the first after the residency decisions
 #: that follow iterations 0 and 1 (`_keep_resident`).
 RECORDED_ITERATION = 2
+#: `step_in_backward="auto"` decides from the loop's iterations before this one (the recorded
+#: iteration, so that the prediction replays the schedule the run keeps).
+IN_BACKWARD_AUTO_FROM = RECORDED_ITERATION
 
 #: Python's thread switch interval while the CPU step runs (`sys.setswitchinterval`; Python's
 #: default is 5 ms), restored at exit. The worker's optimizer takes the GIL back after each torch
@@ -240,8 +247,10 @@ class WholeModelReport(Report):
     resident_parameter_bytes: int = 0
     #: Where the state went at exit: "gpu", or "cpu" where it did not fit `gpu_memory`.
     returned_to: str = "gpu"
-    #: The optimizer stepped each parameter in backward (`step_in_backward`).
+    #: The optimizer stepped each parameter in backward (`step_in_backward`) at the end.
     step_in_backward: bool = False
+    #: Why the step ran in backward or not: the option, or what "auto" found in the loop.
+    step_in_backward_reason: str = ""
     # `predicted_iteration_ms` (Report): the simulator's replay of the recorded iteration
     # (`RECORDED_ITERATION`) at the planned bandwidths (`machine`), with that iteration's loop
     # host time as an op of it (`ModelOffload._loop_host_ms`): None before that iteration ran.
@@ -320,6 +329,7 @@ class WholeModelReport(Report):
                 else step
             ),
             f"  update on the {self.update.upper()}: {self.update_reason}",
+            f"  step in backward: {self.step_in_backward_reason}",
             *([f"  CPU step kernel: {self.cpu_step_kernel}"] if self.cpu_step_kernel else []),
             *(
                 [
@@ -506,7 +516,9 @@ class ModelOffload(Session):
         self.machine["update"] = f"{self.update_site.site}: {self.update_site.reason}"
         # Gradients leave the GPU for their tier unless the step in backward runs on the GPU,
         # where they are used as backward leaves them: then no tier holds them.
-        self.moves_gradients = not (options.step_in_backward and self.update_site.site == cp.GPU_UPDATE)
+        self.moves_gradients = not (
+            options.step_in_backward is True and self.update_site.site == cp.GPU_UPDATE
+        )
         if not self.moves_gradients:
             sizes = [dataclasses.replace(size, gradient=0) for size in sizes]
             self.plan = self._place(sizes, window_bytes, ssd_free)
@@ -545,7 +557,23 @@ class ModelOffload(Session):
         # Parameters whose release waits for an SSD write (`_release`, `_poll`).
         self._releasing: list[_Slot] = []
         self.pull_forward_bytes = parse_size(options.pull_forward_bytes)
-        self.step_in_backward = options.step_in_backward
+        self.step_in_backward = options.step_in_backward is True
+        # step_in_backward="auto": the loop's shape until it is decided (`_decide_in_backward`),
+        # the indices of the parameters this backward updated, a pending reason to turn it off
+        # at the next `optimizer.step()`, and why it is on or off (the report's).
+        self._in_backward_auto = options.step_in_backward == "auto"
+        self._backwards_since_step = 0
+        self._hyperparameters_at_backward: Optional[list[dict[str, Any]]] = None
+        self._loop_changed_hyperparameters = False
+        self._updated_in_backward: set[int] = set()
+        self._in_backward_off = ""
+        self.step_in_backward_reason = (
+            f"step_in_backward={options.step_in_backward}"
+            if not self._in_backward_auto
+            else f"auto: off, the step runs on the GPU ({self.update_site.reason})"
+            if self.update_site.site != cp.CPU_UPDATE
+            else f"auto: decided at the end of iteration {IN_BACKWARD_AUTO_FROM} (off until then)"
+        )
         # Parameters whose gradient is complete, waiting (until backward enters the next unit or
         # ends) for their update (step in backward) or to move it out (a unit's as one batch).
         self._ready: list[_Slot] = []
@@ -652,7 +680,7 @@ class ModelOffload(Session):
         gradients. `sizes` count every trained parameter's gradient, as the CPU step moves them.
         With `step_in_backward` "auto" keeps the GPU step (`IN_BACKWARD_AUTO`)."""
         requested = self.options.update
-        if self.options.step_in_backward and requested == "auto":
+        if self.options.step_in_backward is True and requested == "auto":
             requested = cp.GPU_UPDATE
         refusal = None
         if not self.cuda and self.options.update == "auto":
@@ -673,7 +701,7 @@ class ModelOffload(Session):
             host_link_bytes_per_s=min(self.link.d2h, self.link.h2d),
             cpu_update_bytes_per_s=rate,
             cpu_refusal=refusal,
-            in_backward=self.options.step_in_backward,
+            in_backward=self.options.step_in_backward is True,
         )
         if requested != self.options.update:
             site = dataclasses.replace(site, reason=IN_BACKWARD_AUTO)
@@ -1075,8 +1103,11 @@ class ModelOffload(Session):
         """torch's `clip_grad_norm_` (torch/nn/utils/clip_grad.py) over held gradients: each one's
         norm is the one taken as it left (norm type 2, torch's default) or is read back for the
         call, the total and the coefficient are torch's arithmetic, and the step scales each
-        gradient as it brings it back."""
-        if self.step_in_backward:
+        gradient as it brings it back. After a step in backward that "auto" turned on, the
+        parameters it updated count with the norms their gradients left with: a clip that scales
+        nothing stands (and turns the step in backward off from the next iteration), one that
+        would scale raises."""
+        if self.step_in_backward and not self._in_backward_auto:
             raise RuntimeError(
                 "teraio.offload(step_in_backward=True): clip_grad_norm_ after backward, which has "
                 "already updated the model with the unclipped gradients (use step_in_backward=False "
@@ -1091,9 +1122,19 @@ class ModelOffload(Session):
         norms: list[torch.Tensor] = []
         foreign: list[torch.Tensor] = []
         held: set[int] = set()
+        updated = self._updated_in_backward if self.step_in_backward else set()
         for param in listed:
             slot = self._slot_of.get(id(param))
-            if slot is not None and slot.grad_held:
+            if slot is not None and slot.index in updated:
+                if norm_type != GRAD_NORM_TYPE or foreach is not None or slot.index not in self._grad_norms:
+                    raise RuntimeError(
+                        f"{self._in_backward_name()}: backward has already updated the model: "
+                        f"clip_grad_norm_(norm_type={norm_type}, foreach={foreach}) needs the gradients "
+                        "it used, which are gone (pass step_in_backward=False for a loop that clips)"
+                    )
+                grads.append(torch.empty(0, dtype=slot.full.dtype, device=param.device))
+                norms.append(self._grad_norms[slot.index])
+            elif slot is not None and slot.grad_held:
                 held.add(slot.index)
                 # torch groups by the gradient's dtype: the master's (a compute copy's is bf16).
                 grads.append(torch.empty(0, dtype=slot.full.dtype, device=param.device))
@@ -1121,6 +1162,16 @@ class ModelOffload(Session):
                 "non-finite norm anyway, set `error_if_nonfinite=False`"
             )
         clip_coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        if updated:
+            if bool(clip_coef < 1.0):
+                raise RuntimeError(
+                    f"{self._in_backward_name()}: backward has already updated the model with these "
+                    f"gradients unclipped; this clip_grad_norm_ would scale them by {float(clip_coef):.6g} "
+                    "(pass step_in_backward=False for a loop that clips)"
+                )
+            self._in_backward_off = (
+                "the loop clipped gradients (that clip scaled nothing, so the update in backward stood)"
+            )
         for grad in foreign:
             _scale(grad, clip_coef.to(grad.device), foreach)
         self._clip = (clip_coef, foreach, held)
@@ -1575,6 +1626,9 @@ class ModelOffload(Session):
         if task != self._watched_task:
             self._watched_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+            self._backwards_since_step += 1
+            if self._backwards_since_step == 1 and self._in_backward_auto:
+                self._hyperparameters_at_backward = cpu_update.hyperparameters(self.optimizer)
         self._record_use(slot, cp.PARAMETER)
         if self.step_in_backward:
             self._one_backward_per_step(task)
@@ -1666,10 +1720,20 @@ class ModelOffload(Session):
             self._stepping_task = task
         elif task != self._stepping_task:
             raise RuntimeError(
-                "teraio.offload(step_in_backward=True): a second backward before optimizer.step(): "
+                f"{self._in_backward_name()}: a second backward before optimizer.step(): "
                 "the first one has already updated the model, so gradients cannot accumulate over "
                 "backward passes (use step_in_backward=False to accumulate)"
             )
+
+    def _in_backward_name(self) -> str:
+        """Who turned the step in backward on, for its errors."""
+        if not self._in_backward_auto:
+            return "teraio.offload(step_in_backward=True)"
+        return (
+            f"teraio.offload(step_in_backward='auto', the default; on from iteration "
+            f"{IN_BACKWARD_AUTO_FROM + 1}, since the loop's first iterations neither clipped nor "
+            "accumulated gradients)"
+        )
 
     def _await_step(self, slot: _Slot) -> None:
         """Step in backward on the GPU: the parameter's gradient is complete; it is updated when
@@ -1729,6 +1793,12 @@ class ModelOffload(Session):
 
     def _zero_grad(self, set_to_none: bool = True) -> None:
         assert self._original_zero_grad is not None
+        if self.step_in_backward and self._in_backward_auto and self._stepping_task is not None:
+            raise RuntimeError(
+                f"{self._in_backward_name()}: the last backward has already updated the model: "
+                "optimizer.zero_grad() before optimizer.step() would skip a step that has run "
+                "(pass step_in_backward=False for a loop that skips steps)"
+            )
         self._original_zero_grad(set_to_none=set_to_none)
         self._clip = None
         for slot in self.slots:
@@ -1750,8 +1820,10 @@ class ModelOffload(Session):
     def _streamed_step_traced(self) -> Any:
         started = time.perf_counter()
         self._gradients_complete()  # what backward left (nothing unless it failed)
+        self._check_loop_at_step()
         self._stepping_task = None
         self._updating_in_backward = False
+        self._updated_in_backward = set()
         for slot in self.slots:  # gradients set outside backward (e.g. by hand) move out too
             if slot.param.grad is not None:
                 self._move_gradient_out(slot)
@@ -1761,12 +1833,70 @@ class ModelOffload(Session):
             self._release(slot)
         self._clip = None
         self._position = 0
+        self._decide_in_backward()
         self._prefetch_ahead()  # the next forward pass's first units
         elapsed = time.perf_counter() - started
         self._counts.wait_s["step"] += elapsed
         self._step_ms.append(elapsed * 1e3)
         self._end_iteration()
         return result
+
+    def _check_loop_at_step(self) -> None:
+        """At `optimizer.step()`: what the loop did since the last one, for
+        `step_in_backward="auto"` (more than one backward; the hyperparameters changed since
+        backward began, where an update in backward would have used the old ones)."""
+        if self._backwards_since_step > 1:
+            self._loop_accumulated = True
+        self._backwards_since_step = 0
+        before, self._hyperparameters_at_backward = self._hyperparameters_at_backward, None
+        if before is None or before == cpu_update.hyperparameters(self.optimizer):
+            return
+        self._loop_changed_hyperparameters = True
+        if self.step_in_backward:
+            raise RuntimeError(
+                f"{self._in_backward_name()}: backward has already updated the model with the "
+                "optimizer's hyperparameters as it began: the loop changed them before "
+                "optimizer.step() (step a scheduler after optimizer.step(), or pass "
+                "step_in_backward=False)"
+            )
+
+    def _decide_in_backward(self) -> None:
+        """`step_in_backward="auto"`, at the end of `optimizer.step()`: on for the iterations from
+        `IN_BACKWARD_AUTO_FROM` where the loop's iterations before it were of the shape the
+        step in backward leaves exact (`_loop_refusal`); off again after a clip that scaled
+        nothing (`_clip_grad_norm`)."""
+        if not self._in_backward_auto:
+            return
+        if self.step_in_backward:
+            if self._in_backward_off:
+                self.step_in_backward = False
+                self.step_in_backward_reason = (
+                    f"auto: on from iteration {IN_BACKWARD_AUTO_FROM + 1}, off from iteration "
+                    f"{self.steps + 2}: {self._in_backward_off}"
+                )
+            return
+        if self.steps + 1 != IN_BACKWARD_AUTO_FROM or self.cpu_update is None:
+            return
+        refusal = self._loop_refusal()
+        if refusal:
+            self.step_in_backward_reason = f"auto: off, {refusal}"
+            return
+        self.step_in_backward = True
+        self.step_in_backward_reason = (
+            f"auto: on from iteration {IN_BACKWARD_AUTO_FROM + 1}: the loop's first iterations took one "
+            "backward per optimizer.step(), clipped no gradients and kept the hyperparameters "
+            "through backward, so each unit's CPU update runs beside backward"
+        )
+
+    def _loop_refusal(self) -> str:
+        """Why the loop so far rules out the step in backward ("": it does not)."""
+        if self._loop_clipped:
+            return "the loop clips gradients (clip_grad_norm_ needs every gradient before any update)"
+        if self._loop_accumulated:
+            return "the loop runs more than one backward per optimizer.step()"
+        if self._loop_changed_hyperparameters:
+            return "the loop changes the optimizer's hyperparameters between backward and optimizer.step()"
+        return ""
 
     def _gpu_step(self) -> Any:
         """The streamed step: window by window, parameters, gradients and state in, the user's
@@ -1861,6 +1991,7 @@ class ModelOffload(Session):
             self._await_updates()
             self._close_cpu_iteration()
             self.cpu_update.sync_hyperparameters()
+        self._updated_in_backward.update(slot.index for slot in slots)
         copies_out = []
         if self.cuda:
             kinds = [GRADIENT_COPY if slot.fold is not None else cp.GRADIENT for slot in slots]
@@ -2399,6 +2530,7 @@ class ModelOffload(Session):
             resident_parameter_bytes=self.resident_parameter_bytes,
             returned_to=self.returned_to,
             step_in_backward=self.step_in_backward,
+            step_in_backward_reason=self.step_in_backward_reason,
             predicted_iteration_ms=predicted,
             prediction_error_percent=error,
             prediction=prediction or {},
@@ -2457,8 +2589,8 @@ def step_in_backward_hint(
     return (
         f"the forward pass waited {cpu_wait_ms:.0f} ms per iteration for the CPU step, which runs "
         "after backward; this loop has neither clipped nor accumulated gradients, so "
-        "step_in_backward=True with update='cpu' would run each unit's update beside backward "
-        "instead (valid only while the loop never clips nor accumulates: both raise then)"
+        "step_in_backward='auto' (the default) would run each unit's update beside backward "
+        "instead (it goes on where the loop's first iterations allow it)"
     )
 
 
