@@ -379,6 +379,43 @@ def test_backward_after_a_clip_adds_to_the_clipped_gradients(store: teraio.Store
     _assert_same_clipping(store, clip_then_accumulate)
 
 
+def test_gradient_functions_that_would_see_no_gradient_raise() -> None:
+    # After backward the gradients are in their tiers (param.grad is None): torch's functions
+    # that read param.grad would do nothing on the model's parameters, so they raise; a
+    # clip_grad_norm_ bound before the session (an early `from torch.nn.utils import ...`) is
+    # caught where it scales. Another model's gradients are torch's as before.
+    early_clip = torch.nn.utils.clip_grad_norm_
+    clip_value = torch.nn.utils.clip_grad_value_
+    model, optimizer = make()
+    other = torch.nn.Linear(4, 4)
+    with teraio.offload(model, optimizer, gpu_memory=4096, host_memory=1 << 30) as run:
+        assert isinstance(run, ModelOffload)
+        x = batches(1, rows=ROWS)[0]
+        train(model, optimizer, [x])
+        model(x).backward()
+        calls = {
+            "clip_grads_with_norm_": lambda params: early_clip(params, 1.0),
+            "clip_grad_value_": lambda params: torch.nn.utils.clip_grad_value_(params, 1.0),
+            "clip_grads_with_norm_ ": lambda params: torch.nn.utils.clip_grads_with_norm_(
+                params, 1.0, torch.tensor(1.0)
+            ),
+        }
+        for name, call in calls.items():
+            with pytest.raises(RuntimeError, match=f"{name.strip()} on the model's parameters"):
+                call(model.parameters())
+        other(torch.ones(2, 4)).square().sum().backward()
+        grad = other.weight.grad.clone()
+        torch.nn.utils.clip_grad_value_(other.parameters(), 1e-3)
+        assert torch.equal(other.weight.grad, grad.clamp(-1e-3, 1e-3))
+        assert float(early_clip(other.parameters(), 1.0)) > 0
+        optimizer.step()  # the iteration goes on
+        optimizer.zero_grad()
+    assert torch.nn.utils.clip_grad_value_ is clip_value and torch.nn.utils.clip_grad_norm_ is early_clip
+    import torch.nn.utils.clip_grad as clip_grad_module
+
+    assert clip_grad_module._clip_grads_with_norm_ is torch.nn.utils.clip_grads_with_norm_
+
+
 def test_optimizer_parameters_outside_the_model_are_refused() -> None:
     model, _ = make()
     extra = torch.nn.Parameter(torch.ones(3))

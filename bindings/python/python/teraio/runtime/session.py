@@ -170,14 +170,29 @@ class _Clipping:
         self.clip = clip
 
 
-#: The sessions that take over `clip_grad_norm_`, innermost last, and torch's function while any
+#: The sessions that take over `clip_grad_norm_`, innermost last, and torch's functions while any
 #: does. `torch.nn.utils.clip_grad_norm_` is rebound only while the list is not empty, and each
 #: session sees only the calls on its own parameters.
 _CLIPPING: list[_Clipping] = []
-_TORCH_CLIPPING: list[Callable[..., Any]] = []
+_TORCH_CLIPPING: list[dict[tuple[Any, str], Callable[..., Any]]] = []
+
+#: Gradient functions that read `param.grad`, which a session taking over clipping leaves None
+#: after backward (the gradients are in its tiers): on its parameters they would do nothing, so
+#: they raise instead. `_clip_grads_with_norm_` is also what a `clip_grad_norm_` bound before the
+#: session (`from torch.nn.utils import clip_grad_norm_`) calls, with a total norm of no gradients.
+_REFUSED_GRADIENT_FUNCTIONS = (
+    ("clip_grad", "_clip_grads_with_norm_"),
+    ("utils", "clip_grads_with_norm_"),
+    ("clip_grad", "clip_grad_value_"),
+    ("utils", "clip_grad_value_"),
+)
 
 
 def _install_clipping() -> None:
+    import torch.nn.utils.clip_grad as clip_grad_module
+
+    modules = {"utils": torch.nn.utils, "clip_grad": clip_grad_module}
+    originals: dict[tuple[Any, str], Callable[..., Any]] = {}
     original = torch.nn.utils.clip_grad_norm_
 
     def clip_grad_norm_(
@@ -193,9 +208,32 @@ def _install_clipping() -> None:
                 return session.clip(listed, max_norm, norm_type, error_if_nonfinite, foreach)
         return original(listed, max_norm, norm_type, error_if_nonfinite, foreach)
 
-    _TORCH_CLIPPING.append(original)
+    def refusing(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        def refused(parameters: Any, *args: Any, **kwargs: Any) -> Any:
+            listed = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            if any(session.owns(listed) for session in _CLIPPING):
+                raise RuntimeError(
+                    f"teraio.offload (whole-model): torch.nn.utils {name} on the model's parameters, "
+                    "whose gradients have left the GPU after backward (param.grad is None), so it "
+                    "would change nothing. Clip with torch.nn.utils.clip_grad_norm_, called as that "
+                    "attribute (a name imported from torch before teraio.offload began is torch's own "
+                    "function and lands here): teraio answers it from the gradients it holds"
+                )
+            return function(listed, *args, **kwargs)
+
+        return refused
+
+    originals[(torch.nn.utils, "clip_grad_norm_")] = original
     torch.nn.utils.clip_grad_norm_ = clip_grad_norm_  # type: ignore[assignment]
+    for module_name, name in _REFUSED_GRADIENT_FUNCTIONS:
+        module = modules[module_name]
+        function = getattr(module, name, None)
+        if function is not None:
+            originals[(module, name)] = function
+            setattr(module, name, refusing(name.lstrip("_"), function))
+    _TORCH_CLIPPING.append(originals)
 
 
 def _remove_clipping() -> None:
-    torch.nn.utils.clip_grad_norm_ = _TORCH_CLIPPING.pop()  # type: ignore[assignment]
+    for (module, name), function in _TORCH_CLIPPING.pop().items():
+        setattr(module, name, function)
