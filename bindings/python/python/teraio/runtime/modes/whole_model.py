@@ -1627,7 +1627,8 @@ class ModelOffload(Session):
             self._watched_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
             self._backwards_since_step += 1
-            if self._backwards_since_step == 1 and self._in_backward_auto:
+            watching = self.step_in_backward or self.steps < IN_BACKWARD_AUTO_FROM
+            if self._backwards_since_step == 1 and self._in_backward_auto and watching:
                 self._hyperparameters_at_backward = cpu_update.hyperparameters(self.optimizer)
         self._record_use(slot, cp.PARAMETER)
         if self.step_in_backward:
