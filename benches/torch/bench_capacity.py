@@ -38,6 +38,11 @@ bitwise. teraio runs the reference's exact arithmetic: its losses are compared b
 The cap is `torch.cuda.set_per_process_memory_fraction(cap / total, 0)` for every mode but the
 reference, and also teraio's `gpu_memory`.
 
+The loop takes `--accumulate` micro-batches of `--batch` rows per optimizer step (each loss
+divided by their count, as DeepSpeed's `gradient_accumulation_steps` divides it) and, with
+`--clip`, calls `torch.nn.utils.clip_grad_norm_` before the step (DeepSpeed: `gradient_clipping`);
+a step's loss is the mean of its micro-batches'.
+
 Per mode: ms/iter (median of the steps after `--warmup`; a step ends at `loss.item()` and a
 synchronize), peak GPU memory (torch.cuda.max_memory_allocated, read after each step and the
 largest taken, since teraio resets the allocator's peak each iteration), peak host RSS and locked
@@ -329,6 +334,9 @@ def make_deepspeed(args: argparse.Namespace, model: torch.nn.Module) -> tuple[An
         )
         # The ZeRO-Offload tutorial's buckets: the defaults (5e8 elements) take 1 GB each.
         config["zero_optimization"].update(reduce_bucket_size=int(2e8), allgather_bucket_size=int(2e8))
+    config["gradient_accumulation_steps"] = args.accumulate
+    if args.clip is not None:
+        config["gradient_clipping"] = args.clip
     baselines.enable_hf_checkpointing(model)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine, {"deepspeed": deepspeed.__version__, "config": config}
@@ -340,6 +348,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {}
     if args.mode in DEEPSPEED_MODES and not cuda:
         raise RuntimeError("DeepSpeed modes need CUDA")
+    if args.accumulate < 1:
+        raise ValueError(f"--accumulate must be at least 1, not {args.accumulate}")
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = False
     began = time.monotonic()
@@ -356,9 +366,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     setup_s["build"] = round(time.monotonic() - began, 1)
     params = sum(p.numel() for p in model.parameters())
     state = bench_regime.model_state_bytes(model)
-    batches = bench_regime.make_batches(args.steps, args.batch, args.seq, model.config.vocab_size)
+    # Each step takes `--accumulate` micro-batches of `--batch` rows.
+    micro = bench_regime.make_batches(
+        args.steps * args.accumulate, args.batch, args.seq, model.config.vocab_size
+    )
+    batches = [micro[i : i + args.accumulate] for i in range(0, len(micro), args.accumulate)]
     if args.mode != "reference" and cap is None:
-        cap = tiny_cap(model, batches[0])
+        cap = tiny_cap(model, batches[0][0])
     result.update(
         params=params,
         vocab=model.config.vocab_size,
@@ -392,7 +406,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sampler = HostMemorySampler()
     try:
         with sampler, outer:
-            for step, tokens in enumerate(batches):
+            for step, step_batches in enumerate(batches):
                 # Stop before a step that would not end inside the time budget: the row then
                 # reports its steps so far, with every figure, instead of being killed.
                 spent = time.monotonic() - STARTED
@@ -405,21 +419,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         torch.cuda.synchronize()
                         torch.cuda.reset_peak_memory_stats()
                     io_at_warmup = proc_io()
-                tokens = tokens.to(device)
+                step_batches = [tokens.to(device) for tokens in step_batches]
                 started = time.perf_counter()
                 trace = os.path.join(args.trace_dir or args.work_dir, f"trace-{args.mode}-s{step}.json")
                 with profiled(step == args.profile_step, trace):
+                    step_losses = []
                     if engine is not None:
-                        loss = engine(input_ids=tokens, labels=tokens).loss
-                        engine.backward(loss)
-                        engine.step()
+                        # DeepSpeed accumulates and clips by its config; its step() acts at the
+                        # accumulation boundary.
+                        for tokens in step_batches:
+                            loss = engine(input_ids=tokens, labels=tokens).loss
+                            engine.backward(loss)
+                            engine.step()
+                            step_losses.append(loss.item())
                     else:
-                        with torch.autocast(device.type, dtype=torch.bfloat16):
-                            loss = model(input_ids=tokens, labels=tokens).loss
-                        loss.backward()
+                        for tokens in step_batches:
+                            with torch.autocast(device.type, dtype=torch.bfloat16):
+                                loss = model(input_ids=tokens, labels=tokens).loss
+                            (loss / args.accumulate if args.accumulate > 1 else loss).backward()
+                            step_losses.append(loss.item())
+                        if args.clip is not None:
+                            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
                         optimizer.step()
                         optimizer.zero_grad()
-                    losses.append(loss.item())
+                    losses.append(statistics.fmean(step_losses))
                 if cuda:
                     torch.cuda.synchronize()
                     peaks.append(torch.cuda.max_memory_allocated())
@@ -514,6 +537,8 @@ def row_base(args: argparse.Namespace, mode: str) -> dict[str, Any]:
         "mode": mode,
         "precision": "bf16 (DeepSpeed)" if mode in DEEPSPEED_MODES else "bf16 autocast, fp32 weights",
         "batch": args.batch,
+        "accumulate": args.accumulate,
+        "clip": args.clip,
         "seq": args.seq,
         "steps": args.steps,
         "warmup": args.warmup,
@@ -548,6 +573,8 @@ def run_command(args: argparse.Namespace, mode: str) -> list[str]:
     flags = (
         "family",
         "batch",
+        "accumulate",
+        "clip",
         "seq",
         "seed",
         "store_gib",
@@ -680,7 +707,7 @@ def traffic(r: dict[str, Any]) -> tuple[str, str]:
 def loss_agreement(r: dict[str, Any], reference: Optional[dict[str, Any]]) -> str:
     if reference is None or r is reference or not r.get("losses") or not reference.get("losses"):
         return "-"
-    shape = ("family", "batch", "seq", "seed")
+    shape = ("family", "batch", "accumulate", "clip", "seq", "seed")
     if any(r.get(k) != reference.get(k) for k in shape):
         # Other batches are other losses: no agreement to state.
         ran = ", ".join(f"{k} {reference.get(k)}" for k in shape)
@@ -760,7 +787,10 @@ def table_main(args: argparse.Namespace) -> int:
     shape = rows[0] if rows else {}
     header = [
         f"Capacity: {shape.get('family')} ({shape.get('params', '?')} parameters), batch {args.batch} x "
-        f"{args.seq}, {args.steps} steps ({args.warmup} warm-up), "
+        f"{args.seq}"
+        + (f", {args.accumulate} micro-batches per step" if args.accumulate > 1 else "")
+        + (f", clip_grad_norm_ at {args.clip:g}" if args.clip is not None else "")
+        + f", {args.steps} steps ({args.warmup} warm-up), "
         + (
             "reference: " + ("this table" if reference in rows else str(args.reference_from))
             if reference
@@ -784,7 +814,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     common.add_argument("--family", choices=sorted(bench_regime.FAMILIES), default="qwen2")
     common.add_argument("--steps", type=int, default=10)
     common.add_argument("--warmup", type=int, default=3, help="steps left out of ms/iter")
-    common.add_argument("--batch", type=int, default=1)
+    common.add_argument("--batch", type=int, default=1, help="rows per micro-batch")
+    common.add_argument(
+        "--accumulate", type=int, default=1, help="micro-batches per optimizer step (gradient accumulation)"
+    )
+    common.add_argument(
+        "--clip", type=float, default=None, help="clip_grad_norm_ to this max norm before each step"
+    )
     common.add_argument("--seq", type=int, default=None, help="default 2048; --tiny: 256")
     common.add_argument("--seed", type=int, default=0, help="the model's initial weights")
     common.add_argument(

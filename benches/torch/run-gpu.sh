@@ -60,7 +60,8 @@
 #                             #   MODES picks the rows (default zero_offload,zero_infinity, ~9 min: the
 #                             #   teraio rows run in calls of their own; any of reference, teraio,
 #                             #   teraio_ssd, zero_infinity, zero_offload); FAMILY (qwen2; llama3b: the
-#                             #   Llama-3.2-3B shape), STEPS, WARMUP, BATCH, CAP_GIB,
+#                             #   Llama-3.2-3B shape), STEPS, WARMUP, BATCH, ACCUMULATE (micro-batches
+#                             #   per step, 1), CLIP (clip_grad_norm_'s max norm; none), CAP_GIB,
 #                             #   DEADLINE (s, default 540: no row starts after it, and a row takes no
 #                             #   step that would end past it); REFERENCE=a results.jsonl of an earlier
 #                             #   call with a reference row, for the losses. On the H100 a ZeRO-Offload
@@ -328,7 +329,8 @@ capacity)
   df -h /root | tail -1
   PYTHONPATH=/tmp/ds-site:/tmp/site timeout $((deadline - SECONDS + 40)) python3 $B/bench_capacity.py table \
     --family "${FAMILY:-qwen2}" --modes "$modes" --steps "${STEPS:-10}" --warmup "${WARMUP:-3}" \
-    --batch "${BATCH:-1}" --cap-gib "${CAP_GIB:-12}" --work-dir /root/teraio-capacity \
+    --batch "${BATCH:-1}" --accumulate "${ACCUMULATE:-1}" ${CLIP:+--clip "$CLIP"} \
+    --cap-gib "${CAP_GIB:-12}" --work-dir /root/teraio-capacity \
     --out-dir "$OUT/capacity" --deadline-s $((deadline - SECONDS)) --timeout-s $((deadline - SECONDS)) \
     --teraio-timeout-s $((deadline - SECONDS)) ${REFERENCE:+--reference-from "$REFERENCE"} \
     ${PROFILE_STEP:+--profile-step "$PROFILE_STEP"} ${ZI_STEPS:+--zero-infinity-steps "$ZI_STEPS"} \
