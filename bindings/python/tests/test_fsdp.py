@@ -240,6 +240,29 @@ def _spawn(*args: Any) -> None:
     spawn_ranks(_rank_main, args, WORLD, DEADLINE_S)
 
 
+def test_a_model_fsdp_keeps_on_the_host_is_refused(monkeypatch: Any) -> None:
+    # fully_shard(offload_policy=CPUOffloadPolicy()) on a CUDA mesh leaves the local shards on
+    # the CPU: teraio would take the CPU for the device. (Stand-ins: a CUDA mesh needs a GPU.)
+    from types import SimpleNamespace
+
+    from teraio.options import OffloadOptions
+
+    class Sharded(torch.nn.Module):
+        def __init__(self, mesh_device: str) -> None:
+            super().__init__()
+            self.mesh_device = mesh_device
+
+        def parameters(self, recurse: bool = True) -> Iterator[Any]:
+            mesh = SimpleNamespace(device_type=self.mesh_device)
+            yield SimpleNamespace(device_mesh=mesh, _local_tensor=torch.zeros(1))
+
+    monkeypatch.setattr(sharded, "is_sharded", lambda model: True)
+    with pytest.raises(ValueError, match="CPUOffloadPolicy"):
+        sharded.adapt_options(Sharded("cuda"), OffloadOptions())
+    assert not sharded.offloaded_by_fsdp(Sharded("cpu"))  # a CPU mesh: its shards are where it computes
+    assert sharded.adapt_options(Sharded("cpu"), OffloadOptions()).whole_model == "off"
+
+
 def test_fsdp2_offload_bitwise_and_checkpoint_resume(store_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
     _spawn(str(tmp_path), str(store_dir))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]

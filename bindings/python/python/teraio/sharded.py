@@ -24,7 +24,8 @@ What changes for a sharded model, and where teraio meets it:
   has gathered the block's parameters (FSDP's forward hooks do not run again). So one rank may
   recompute a block that another keeps or copies to host memory, with the same collectives.
   Its host copies leave FSDP's gathered parameters alone (`is_parameter_memory`).
-- Refused (`adapt_options`): whole-model mode (and its `step_in_backward`) and
+- Refused (`adapt_options`): a model sharded with FSDP's `CPUOffloadPolicy` (its shards live on
+  the host: teraio would take the CPU for the device); whole-model mode (and its `step_in_backward`) and
   `offload_parameters` (FSDP owns the parameters: it gathers and frees them), `recompute="on"`
   (the tensor plan's per-op recomputation reads FSDP-owned memory at a point of teraio's
   choosing); `recompute="auto"` means "off". The tensor plan (`granularity="tensor"`) runs
@@ -89,10 +90,28 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return bool(fsdp_modules(model))
 
 
+def offloaded_by_fsdp(model: torch.nn.Module) -> bool:
+    """Whether FSDP2 keeps the shards off the device its mesh computes on (`fully_shard(...,
+    offload_policy=CPUOffloadPolicy())`): a DTensor parameter whose local tensor is not on its
+    mesh's device type."""
+    for param in model.parameters():
+        mesh = getattr(param, "device_mesh", None)
+        if mesh is not None and mesh.device_type != local_tensor(param).device.type:
+            return True
+    return False
+
+
 def adapt_options(model: torch.nn.Module, options: OffloadOptions) -> OffloadOptions:
     """The options an FSDP2 model runs with (see the module docstring); others unchanged."""
     if not is_sharded(model):
         return options
+    if offloaded_by_fsdp(model):
+        raise ValueError(
+            "teraio.offload on an FSDP2 model sharded with offload_policy=CPUOffloadPolicy() is not "
+            "supported: FSDP then keeps the parameters, gradients and optimizer state in host memory "
+            "and teraio would plan for the CPU as the device. Shard without an offload policy: teraio "
+            "offloads the activations and the optimizer state"
+        )
     refused = []
     if options.whole_model == "on":
         refused.append("whole_model='on'")
