@@ -37,8 +37,11 @@ def _data(steps: int, rows: int = ROWS, last_rows: Optional[int] = None) -> list
     return data
 
 
-def _build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    return make(layers=LAYERS, hidden=HIDDEN, dim=DIM)
+def _build(fused: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model, optimizer = make(layers=LAYERS, hidden=HIDDEN, dim=DIM)
+    if fused:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    return model, optimizer
 
 
 def _loop(
@@ -98,7 +101,17 @@ MODES: dict[str, tuple[dict[str, Any], type]] = {
         TensorOffload,
     ),
     "whole-model": ({"whole_model": "on", "gpu_memory": 1 << 20, "host_memory": 300_000}, ModelOffload),
+    # The step on the CPU, with step_in_backward="auto": on from the third iteration of the loops
+    # that take one backward per step and do not clip.
+    "whole-model-cpu-step": (
+        {"whole_model": "on", "gpu_memory": 1 << 20, "host_memory": 1 << 30, "update": "cpu"},
+        ModelOffload,
+    ),
 }
+
+
+#: Modes whose step is bitwise torch's fused CPU AdamW (the CPU step), against which they compare.
+FUSED_MODES = {"whole-model-cpu-step"}
 
 
 def _offload(
@@ -135,9 +148,10 @@ def _compare(
     store: Any,
     loop: Callable[[torch.nn.Module, torch.optim.Optimizer], list[float]],
 ) -> Any:
-    ref_model, ref_opt = _build()
+    fused = mode in FUSED_MODES
+    ref_model, ref_opt = _build(fused)
     reference = (ref_model, ref_opt, loop(ref_model, ref_opt))
-    model, optimizer = _build()
+    model, optimizer = _build(fused)
     with _offload(monkeypatch, mode, model, optimizer, store) as run:
         seen = loop(model, optimizer)
     _assert_same(reference, (model, optimizer, seen))
@@ -151,6 +165,20 @@ def test_gradient_accumulation_is_bitwise(monkeypatch: Any, store: Any, mode: st
     run = _compare(monkeypatch, mode, store, lambda m, o: _loop(m, o, data, micro))
     if isinstance(run, BlockOffload):
         assert run.plan is not None
+    if mode == "whole-model-cpu-step":  # "auto": in backward where one backward makes a step
+        assert run.report().step_in_backward == (micro == 1)
+
+
+@pytest.mark.parametrize("mode", ["whole-model-cpu-step"])
+def test_a_step_in_backward_with_a_smaller_last_batch_and_evaluation_is_bitwise(
+    monkeypatch: Any, store: Any, mode: str
+) -> None:
+    # One backward per step, so "auto" runs the CPU step in backward from the third iteration,
+    # through evaluation forwards under no_grad between steps and a smaller last batch.
+    data = _data(STEPS, last_rows=ROWS // 4)
+    held_out = _data(1, rows=ROWS // 2)[0] * 0.5
+    run = _compare(monkeypatch, mode, store, lambda m, o: _loop(m, o, data, 1, evaluate=held_out))
+    assert run.report().step_in_backward
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -352,13 +380,13 @@ class LoraLM(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
 
 
-def _lora(all_parameters: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def _lora(all_parameters: bool, fused: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = LoraLM()
     # peft's users pass the trainable parameters; others pass all (AdamW skips those without a
     # gradient).
     params = model.parameters() if all_parameters else [p for p in model.parameters() if p.requires_grad]
-    return model, torch.optim.AdamW(params, lr=1e-2)
+    return model, torch.optim.AdamW(params, lr=1e-2, fused=fused or None)
 
 
 def _tokens(steps: int) -> list[torch.Tensor]:
@@ -372,9 +400,9 @@ def test_frozen_parameters_train_bitwise(
     monkeypatch: Any, store: Any, mode: str, all_parameters: bool
 ) -> None:
     data = _tokens(STEPS)
-    ref_model, ref_opt = _lora(all_parameters)
+    ref_model, ref_opt = _lora(all_parameters, fused=mode in FUSED_MODES)
     reference = (ref_model, ref_opt, _loop(ref_model, ref_opt, data, 2, clip=1.0))
-    model, optimizer = _lora(all_parameters)
+    model, optimizer = _lora(all_parameters, fused=mode in FUSED_MODES)
     frozen = {name: p.clone() for name, p in model.named_parameters() if not p.requires_grad}
     writes: list[tuple[int, Any]] = []
     real_write = ModelOffload._write
@@ -400,10 +428,12 @@ def test_frozen_parameters_train_bitwise(
         assert run.measured.state_bytes >= 2 * sum(p.numel() * 4 for p in trained)
     if isinstance(run, ModelOffload):
         # Frozen weights are written once, as the session starts, and only read after that: no
-        # write-back, no gradient; trained ones are written back after each step.
+        # write-back, no gradient; trained ones are written back after each GPU step (the CPU
+        # step updates them where they are, in host memory).
+        written_back = 0 if run.update_site.site == cp.CPU_UPDATE else STEPS
         for p in model.parameters():
             mine = [kind for key, kind in writes if key == id(p)]
-            assert mine.count(cp.PARAMETER) == (1 if not p.requires_grad else 1 + STEPS), mine
+            assert mine.count(cp.PARAMETER) == (1 if not p.requires_grad else 1 + written_back), mine
             if not p.requires_grad:
                 assert mine == [cp.PARAMETER]
 

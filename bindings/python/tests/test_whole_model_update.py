@@ -3,6 +3,7 @@ CPU step's arithmetic against torch's CPU AdamW, and the bytes each site moves."
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from concurrent.futures import Future
 from typing import Any, Optional
@@ -499,6 +500,43 @@ def test_auto_a_later_loop_change_the_update_cannot_honour_raises(change: str) -
     if change != "second backward":  # there the second backward ran partly
         assert all(torch.equal(p, q) for p, q in zip(ref_model.parameters(), model.parameters()))
     assert all(p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in model.parameters())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_auto_in_backward_trains_transformers_families_bitwise(family: str) -> None:
+    # A Hugging Face causal LM (SDPA, bf16 autocast; Qwen2 with tied embeddings) in the loop
+    # its users write, the CPU step with "auto": in backward from the third iteration, the
+    # same bits as fused AdamW without offload.
+    from test_training import _hf_model
+
+    build = _hf_model(family)
+    generator = torch.Generator().manual_seed(5)
+    data = [torch.randint(0, 512, (2, 64), generator=generator) for _ in range(STEPS)]
+
+    def train(offloaded: bool) -> tuple[torch.nn.Module, list[float], Any]:
+        torch.manual_seed(0)
+        model = build()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
+        run = teraio.offload(
+            model, optimizer, whole_model="on", gpu_memory=4096, host_memory=1 << 30, update="cpu"
+        )
+        losses = []
+        with run if offloaded else contextlib.nullcontext():
+            for tokens in data:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = model(input_ids=tokens, labels=tokens).loss
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(loss.item())
+        return model, losses, run
+
+    ref_model, ref_losses, _ = train(False)
+    model, losses, run = train(True)
+    assert losses == ref_losses
+    for (name, p), q in zip(ref_model.named_parameters(), model.parameters()):
+        assert torch.equal(p, q), name
+    assert run.report().step_in_backward
 
 
 def test_auto_is_off_where_the_step_runs_on_the_gpu() -> None:
