@@ -517,11 +517,10 @@ def test_auto_in_backward_trains_transformers_families_bitwise(family: str) -> N
         torch.manual_seed(0)
         model = build()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
-        run = teraio.offload(
-            model, optimizer, whole_model="on", gpu_memory=4096, host_memory=1 << 30, update="cpu"
-        )
+        options = {"whole_model": "on", "gpu_memory": 4096, "host_memory": 1 << 30, "update": "cpu"}
+        run = teraio.offload(model, optimizer, **options) if offloaded else None
         losses = []
-        with run if offloaded else contextlib.nullcontext():
+        with run if run is not None else contextlib.nullcontext():
             for tokens in data:
                 with torch.autocast("cpu", dtype=torch.bfloat16):
                     loss = model(input_ids=tokens, labels=tokens).loss
