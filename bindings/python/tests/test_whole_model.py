@@ -89,6 +89,14 @@ def _reference(build: Any, data: list[torch.Tensor]) -> Any:
     return model, optimizer, train(model, optimizer, data)  # type: ignore[arg-type]
 
 
+def _assert_host_time_within_each_iteration(run: ModelOffload) -> None:
+    """Host time in the runtime (hooks and the step) is counted and is part of each iteration
+    (per iteration: the report's medians of each part may sum above the median iteration)."""
+    assert 0 < sum(run.report().host_ms_per_iteration.values())
+    for counts, wall_ms in zip(run._iterations, run._step_times_ms, strict=True):
+        assert (counts.host_s + counts.wait_s["step"]) * 1e3 <= wall_ms
+
+
 @pytest.mark.parametrize("host_memory", [1 << 30, 300_000, 0], ids=["host", "mixed", "ssd"])
 def test_exact_on_every_tier(store: teraio.Store, host_memory: int) -> None:
     data = batches(STEPS, rows=ROWS)
@@ -112,7 +120,7 @@ def test_exact_on_every_tier(store: teraio.Store, host_memory: int) -> None:
     # and its two AdamW state tensors.
     assert total_in >= params * (2 + 1 + 2)
     assert pytest.approx(report.pinned_host_bytes) == sum(placed["host"].values())
-    assert 0 < sum(report.host_ms_per_iteration.values()) <= report.measured_iteration_ms
+    _assert_host_time_within_each_iteration(run)
     assert store.list() == []  # the run's objects are deleted at exit
     # What teraio bought: the state the GPU would hold without offload (AdamW: parameter, its
     # gradient and two state tensors of its size), against the budget, in the report.
@@ -437,7 +445,7 @@ def test_step_in_backward_is_exact_on_every_tier(store: teraio.Store, host_memor
     assert report.step_in_backward
     # Host time in the runtime is counted (hooks and the step), and is part of the iteration.
     assert set(report.host_ms_per_iteration) == {"hooks", "step"}
-    assert 0 < sum(report.host_ms_per_iteration.values()) <= report.measured_iteration_ms
+    _assert_host_time_within_each_iteration(run)
     # Gradients never leave the GPU, and the step reads no parameter in: every parameter comes
     # in for forward and recomputation only.
     moved = report.bytes_per_iteration
