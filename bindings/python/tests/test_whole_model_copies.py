@@ -302,11 +302,12 @@ def test_state_dict_gives_the_fp32_masters() -> None:
             assert torch.equal(step[name], value), name
 
 
+@pytest.mark.parametrize("at", [1, 2], ids=["before-in-backward", "in-backward"])
 @pytest.mark.parametrize("copies", ["on", "off"])
-def test_a_checkpoint_loaded_inside_the_session_continues_bitwise(copies: str) -> None:
+def test_a_checkpoint_loaded_inside_the_session_continues_bitwise(copies: str, at: int) -> None:
     # load_state_dict brings the fp32 parameters back, torch copies into them, and the copies
     # are made again from the loaded masters; the CPU optimizer takes the loaded state (with
-    # or without the copies).
+    # or without the copies), before step_in_backward="auto" turns on and after.
     data = _tokens(STEPS)
     model, optimizer = _build(UntiedLM)
     reference = _loop(model, optimizer, data)
@@ -315,7 +316,7 @@ def test_a_checkpoint_loaded_inside_the_session_continues_bitwise(copies: str) -
     saved: dict[str, Any] = {}
 
     def checkpoint(step: int) -> None:
-        if step == 1:
+        if step == at:
             saved["model"] = {k: v.clone() for k, v in model.state_dict().items()}
             saved["optimizer"] = optimizer.state_dict()
             model.load_state_dict(saved["model"])
@@ -325,6 +326,7 @@ def test_a_checkpoint_loaded_inside_the_session_continues_bitwise(copies: str) -
     with teraio.offload(model, optimizer, **options) as run:
         losses = _loop(model, optimizer, data, on_step=checkpoint)
     assert run.report().compute_copies == ("bfloat16" if copies == "on" else "off")
+    assert run.report().step_in_backward
     assert losses == reference
     for p, q in zip(ref_params, model.parameters(), strict=True):
         assert torch.equal(p, q)
