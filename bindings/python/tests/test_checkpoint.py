@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 import teraio  # noqa: E402
 from teraio.runtime.modes.block import BlockOffload  # noqa: E402
 from teraio.runtime.plans import block as bw  # noqa: E402
-from test_loops import MODES, _build, _data, _loop, _offload  # noqa: E402
+from test_loops import FUSED_MODES, MODES, _build, _data, _loop, _offload  # noqa: E402
 
 STEPS = 8
 #: The checkpoint is taken after this many steps: past the measuring iterations and into the
@@ -78,8 +78,8 @@ CASES = [("cpu", mode) for mode in MODES] + [
 ]
 
 
-def _build_on(device: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    model, optimizer = _build()
+def _build_on(device: str, mode: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model, optimizer = _build(fused=mode in FUSED_MODES)
     return model.to(device), optimizer  # the same Parameter objects: the optimizer holds them
 
 
@@ -90,13 +90,13 @@ def test_a_checkpoint_mid_training_holds_the_true_values_and_resumes_bitwise(
     data = [batch.to(device) for batch in _data(STEPS)]
     more = CUDA_MODES[mode] if device == "cuda" else {}
     # Uninterrupted, without offload: the values at the save and the losses after it.
-    ref_model, ref_opt = _build_on(device)
+    ref_model, ref_opt = _build_on(device, mode)
     _loop(ref_model, ref_opt, data[:SAVE_AT], 2)
     expected = torch.load(io.BytesIO(_saved(ref_model, ref_opt)), weights_only=True)
     ref_after = _loop(ref_model, ref_opt, data[SAVE_AT:], 2)
 
     # With offload: the checkpoint taken in the middle of training, and training goes on.
-    model, optimizer = _build_on(device)
+    model, optimizer = _build_on(device, mode)
     run = _offload(monkeypatch, mode, model, optimizer, store, **more)
     if isinstance(run, BlockOffload):
         _state_leaves_too(monkeypatch)
@@ -115,7 +115,7 @@ def test_a_checkpoint_mid_training_holds_the_true_values_and_resumes_bitwise(
 
     # Resumed in a new process's way: a fresh model and optimizer, the checkpoint loaded inside
     # a new session (their tensors live in its tiers by then), and the same batches.
-    model, optimizer = _build_on(device)
+    model, optimizer = _build_on(device, mode)
     if device == "cuda" and mode == "whole-model":
         # On the GPU the model does not fit whole-model mode's 1 MiB budget, and a load inside
         # the session brings it back there (refused): it is loaded before, as docs/python.md says.
