@@ -12,6 +12,7 @@ import teraio
 import torch
 from cpu_step import assert_cpu_step_predicted
 from teraio.runtime.modes.whole_model import ModelOffload
+from teraio.runtime.movers import tiers
 from teraio.runtime.movers.tiers import HostTier
 from teraio.runtime.plans import capacity as cp
 from test_whole_model import TiedLM, _tokens
@@ -128,7 +129,12 @@ def _copied(run: ModelOffload) -> set[str]:
     [{}, {"accumulate": 2}, {"clip": 0.05}, {"accumulate": 2, "clip": 0.05}],
     ids=["plain", "accumulated", "clipped", "accumulated-clipped"],
 )
-def test_copies_are_bitwise_against_training_without_offload(kwargs: dict[str, Any]) -> None:
+def test_copies_are_bitwise_against_training_without_offload(
+    monkeypatch: pytest.MonkeyPatch, kwargs: dict[str, Any]
+) -> None:
+    # Chunks smaller than the head's 3072 elements, and not dividing them: the host's fold of
+    # accumulated bf16 gradients crosses chunk boundaries (`add_widened`).
+    monkeypatch.setattr(tiers, "ADD_CHUNK_ELEMENTS", 1000)
     reference = _train(UntiedLM, False, **kwargs)
     result = _train(UntiedLM, True, **kwargs)
     _assert_bitwise(reference, result)
@@ -144,6 +150,23 @@ def test_copies_are_bitwise_against_training_without_offload(kwargs: dict[str, A
     assert "compute copies: bfloat16" in str(report)
     # The copies' bf16 transfers are their parameters' and gradients' in the record.
     assert_cpu_step_predicted(result[3])
+
+
+@pytest.mark.parametrize("elements", [1, 999, 1000, 1001, 4321])
+def test_the_hosts_fold_adds_as_torch_adds(monkeypatch: pytest.MonkeyPatch, elements: int) -> None:
+    # The accumulated gradient's fold: bf16 widened and added in chunks, bitwise torch's
+    # mixed-dtype add_, infinities, NaNs and subnormals included.
+    monkeypatch.setattr(tiers, "ADD_CHUNK_ELEMENTS", 1000)
+    generator = torch.Generator().manual_seed(elements)
+    held = torch.randn(elements, generator=generator) * 1e3
+    held[::7] = float("inf")
+    held[::11] = 1e-40
+    values = (torch.randn(elements, generator=generator) * 1e-3).bfloat16()
+    values[::13] = float("nan")
+    values[::17] = -float("inf")
+    expected = held.clone().add_(values)
+    tiers.add_widened(held, values)
+    assert torch.equal(held.view(torch.int32), expected.view(torch.int32))
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"autocast": False}], ids=["autocast", "fp32"])
@@ -279,8 +302,8 @@ def test_bytes_are_the_copies_made(monkeypatch: pytest.MonkeyPatch, copies: str)
         }
         assert report.compute_copy_bytes == 0
     moved = report.bytes_per_iteration
-    for direction, tiers in moved.items():
-        for kind, nbytes in tiers["host"].items():
+    for direction, by_tier in moved.items():
+        for kind, nbytes in by_tier["host"].items():
             assert nbytes >= least[direction]["host"][kind], (direction, kind)
 
 

@@ -1139,11 +1139,8 @@ class ModelOffload(Session):
                 # torch groups by the gradient's dtype: the master's (a compute copy's is bf16).
                 grads.append(torch.empty(0, dtype=slot.full.dtype, device=param.device))
                 reuse = norm_type == GRAD_NORM_TYPE and foreach is None and slot.index in self._grad_norms
-                norms.append(
-                    self._grad_norms[slot.index]
-                    if reuse
-                    else _norm(self._read_gradient(slot), norm_type, foreach)
-                )
+                norm = self._grad_norms[slot.index] if reuse else self._held_norm(slot, norm_type, foreach)
+                norms.append(norm)
             elif param.grad is not None:
                 grads.append(param.grad)
                 norms.append(_norm(param.grad, norm_type, foreach))
@@ -1176,6 +1173,16 @@ class ModelOffload(Session):
             _scale(grad, clip_coef.to(grad.device), foreach)
         self._clip = (clip_coef, foreach, held)
         return total
+
+    def _held_norm(self, slot: _Slot, norm_type: float, foreach: Optional[bool]) -> torch.Tensor:
+        """A held gradient's norm for a clip. A compute copy's fp32 gradient, summed over
+        micro-batches in host memory where the CPU step reads it, is normed there: reading it
+        back to the device would move every accumulated gradient across the link again."""
+        if slot.copied:
+            self._fold(slot)
+            held = self.host.buffers[(cp.GRADIENT, slot.index)].view(slot.full.dtype)
+            return _norm(held, norm_type, foreach)
+        return _norm(self._read_gradient(slot), norm_type, foreach)
 
     def _apply_pending_clip(self) -> None:
         """Scales every held gradient in its tier by the pending clip coefficient (before another
