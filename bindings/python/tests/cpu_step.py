@@ -10,10 +10,11 @@ from teraio.runtime.modes.whole_model import RECORDED_ITERATION, ModelOffload
 
 
 def assert_cpu_step_predicted(run: ModelOffload) -> Any:
-    """The CPU step's prediction: the recorded iteration holds the worker's jobs, each waiting
-    for its parameters' gradients, which leave for good (a lone departure: their last transfer
-    is a write to host memory that no read follows), and writing those parameters; the replay
-    runs them. Returns the record."""
+    """The CPU step's prediction: the recorded iteration holds the worker's jobs. Each update
+    waits for its parameters' gradients, which leave for good (a lone departure: their last
+    transfer is a write to host memory that no read follows), and writes those parameters; in
+    a loop that accumulates, folds of bf16 gradients into fp32 ones wait for a gradient's
+    write and write nothing the GPU reads. The replay runs them. Returns the record."""
     report = run.report()
     record = run.recorder.result()
     assert record is not None
@@ -25,12 +26,17 @@ def assert_cpu_step_predicted(run: ModelOffload) -> Any:
     assert report.prediction["cpu_update_ms"] > 0
     assert record.unmodelled_job_tensors == 0 and record.unmodelled_transfers == 0
     names = {t["id"]: t["name"] for t in record.trace["tensors"]}
-    produced = sorted(names[i] for job in jobs for i in job["produces"])
+    updates = [job for job in jobs if job["produces"]]
+    folds = [job for job in jobs if not job["produces"]]
+    assert not folds or run._loop_accumulated
+    produced = sorted(names[i] for job in updates for i in job["produces"])
     assert produced == sorted(slot.name for slot in run.slots if slot.param.requires_grad)
-    for job in jobs:
+    for job in updates:
         assert sorted(names[i] for i in job["waits_for"]) == sorted(
             names[i] + ".grad" for i in job["produces"]
         )
+    for job in folds:
+        assert job["waits_for"] and all(names[i].endswith(".grad") for i in job["waits_for"])
     for gradient in (t for t in record.trace["tensors"] if t["kind"] == "gradient"):
         kinds = [
             (x["kind"], x["tier"], x["op"])
@@ -44,7 +50,8 @@ def assert_cpu_step_predicted(run: ModelOffload) -> Any:
         assert all(kinds[i - 1][0] == "offload" for i, (kind, _, _) in enumerate(kinds) if kind == "prefetch")
         follows = [*(kind for kind, _, _ in kinds[1:]), None]
         assert any(kind == "offload" and after != "prefetch" for (kind, _, _), after in zip(kinds, follows))
-        assert next(j["op"] for j in jobs if gradient["id"] in j["waits_for"]) >= writes[-1]
+        assert next(j["op"] for j in updates if gradient["id"] in j["waits_for"]) >= writes[-1]
+        assert all(min(writes) <= j["op"] for j in folds if gradient["id"] in j["waits_for"])
     # The replay runs the jobs one at a time: at a second each (far longer than the rest), the
     # next forward pass waits for all of them, less the backward ops they overlap.
     compute_us = sum(op["duration_us"] for op in record.trace["ops"])

@@ -5,6 +5,7 @@ come back, bitwise against the same loop without offload; the bytes reported are
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any, Optional
 
 import pytest
@@ -150,6 +151,31 @@ def test_copies_are_bitwise_against_training_without_offload(
     assert "compute copies: bfloat16" in str(report)
     # The copies' bf16 transfers are their parameters' and gradients' in the record.
     assert_cpu_step_predicted(result[3])
+
+
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["accumulated", "accumulated-clipped"])
+def test_accumulated_gradients_fold_on_the_worker(monkeypatch: pytest.MonkeyPatch, clip: Any) -> None:
+    # Once the loop has accumulated (the first iteration, before the first step turns the
+    # copies on), each micro-batch's bf16 gradients are widened into their fp32 buffers by jobs
+    # on the CPU step's worker as they arrive, not by the training thread at the next
+    # micro-batch or by the update. The record holds the jobs.
+    where: list[str] = []
+    widen = ModelOffload._widen
+
+    def recorded(self: ModelOffload, slot: Any, fold: str) -> None:
+        where.append(threading.current_thread().name)
+        widen(self, slot, fold)
+
+    monkeypatch.setattr(ModelOffload, "_widen", recorded)
+    reference = _train(UntiedLM, False, accumulate=2, clip=clip)
+    result = _train(UntiedLM, True, accumulate=2, clip=clip)
+    _assert_bitwise(reference, result)
+    run = result[3]
+    copied = len(_copied(run))
+    assert len(where) == 2 * (STEPS - 1) * copied
+    assert all(name.startswith("teraio-cpu-step") for name in where), where
+    record = assert_cpu_step_predicted(run)
+    assert any(not job["produces"] for job in record.schedule["cpu_jobs"])
 
 
 @pytest.mark.parametrize("elements", [1, 999, 1000, 1001, 4321])

@@ -58,10 +58,13 @@ qualify) gets a pinned bf16 copy in host memory beside its master, rounded from 
 worker right after the parameter's CPU update. From the second iteration the GPU reads the copy
 (half the bytes) and sends the bf16 gradient out; the host widens it into the fp32 gradient
 buffer (adding, over micro-batches, as autograd adds fp32 gradients), so the update sees the
-fp32 gradient torch would have made: the same bits. The `Parameter` objects stay the ones the
-model and the optimizer hold; while the copies are on, a copied parameter's `.data` is a bf16
-tensor (its storage released and grown like any other), its fp32 `.data` comes back at exit and
-at `load_state_dict`, and `model.state_dict()` gives the fp32 masters. A forward pass without
+fp32 gradient torch would have made: the same bits. A lone micro-batch's bf16 gradient is read
+by the CPU step's kernel as it is; in a loop that accumulates, the worker widens each one as it
+arrives, beside backward (`_queue_folds`), and a clip norms the sums in host memory. The
+`Parameter` objects stay the ones the model and the optimizer hold; while the copies are on, a
+copied parameter's `.data` is a bf16 tensor (its storage released and grown like any other), its
+fp32 `.data` comes back at exit and at `load_state_dict`, and `model.state_dict()` gives the
+fp32 masters. A forward pass without
 bf16 autocast after that raises (`compute_copies="off"` streams fp32). The copies take host
 memory beside the plan's (`capacity.compute_copy_room`); without room they stay off, and the
 report says why.
@@ -442,6 +445,7 @@ class _Slot:
         "low",
         "copied",
         "fold",
+        "folding",
     )
 
     def __init__(self, index: int, name: str, param: torch.nn.Parameter, tiers: dict[str, str]) -> None:
@@ -470,6 +474,8 @@ class _Slot:
         self.low: Optional[torch.Tensor] = None  # set where the copies went on
         self.copied = False
         self.fold: Optional[str] = None
+        # A loop that accumulates: that fold queued on the CPU step's worker (`_queue_folds`).
+        self.folding: Optional[concurrent.futures.Future[float]] = None
 
 
 @dataclass
@@ -847,11 +853,54 @@ class ModelOffload(Session):
         )
 
     def _fold(self, slot: _Slot) -> None:
-        """Widens the parameter's bf16 gradient now, once its copy to host memory is done."""
+        """Widens the parameter's bf16 gradient now, once its copy to host memory is done (or
+        waits for the worker's fold of it)."""
+        self._await_fold(slot)
         fold, slot.fold = slot.fold, None
         if fold is not None:
             self.host.wait_written((GRADIENT_COPY, slot.index))
             self._widen(slot, fold)
+
+    def _await_fold(self, slot: _Slot) -> None:
+        """Waits for the worker's fold of the parameter's bf16 gradient, if one is queued: it
+        reads the bf16 buffer the next gradient overwrites and writes the fp32 one."""
+        folding, slot.folding = slot.folding, None
+        if folding is None:
+            return
+        started = time.perf_counter()
+        folding.result()
+        waits = self._counts.wait_s
+        waits["cpu step"] = waits.get("cpu step", 0.0) + time.perf_counter() - started
+
+    def _queue_folds(self, slots: list[_Slot]) -> None:
+        """A loop that accumulates gradients (seen so far): the bf16 gradients of `slots`, whose
+        copies out are issued, are widened into their fp32 buffers on the CPU step's worker once
+        those copies are done, beside backward; otherwise the next micro-batch's backward would
+        widen them on the training thread, and the step the last ones ahead of the update."""
+        folds = [(slot, slot.fold) for slot in slots if slot.fold is not None]
+        if not folds or self._cpu_worker is None:
+            return
+        events = []
+        if self.cuda:
+            written = (self.host.written_event((GRADIENT_COPY, slot.index)) for slot, _ in folds)
+            events = list({id(e): e for e in written if e is not None}.values())
+        future = self._cpu_worker.submit(self._run_folds, folds, events)
+        self.recorder.cpu_job(future, waits_for=[(cp.GRADIENT, slot.index) for slot, _ in folds], produces=[])
+        for slot, _ in folds:
+            slot.fold = None
+            slot.folding = future
+
+    def _run_folds(self, folds: list[tuple[_Slot, str]], copies_out: list[Any]) -> float:
+        """Runs `_queue_folds`' job on the worker; returns its seconds there, the wait for the
+        gradients' copies left out (as `_run_cpu_update`)."""
+        for event in copies_out:
+            event.synchronize()
+        started = time.perf_counter()
+        for slot, fold in folds:
+            self._widen(slot, fold)
+        elapsed = time.perf_counter() - started
+        self._cpu_update_s += elapsed
+        return elapsed
 
     def _copies_off(self) -> None:
         """Each copied parameter's fp32 `.data` again (exit, a load): pending gradients widened,
@@ -1676,6 +1725,8 @@ class ModelOffload(Session):
                 self._release(slot)
             if self.step_in_backward:
                 self._queue_cpu_updates(ready)
+            elif self._loop_accumulated:
+                self._queue_folds(ready)
 
     def _move_gradient_out(self, slot: _Slot) -> None:
         self._loop_accumulated |= slot.grad_held  # this backward adds to a held gradient
@@ -1706,6 +1757,7 @@ class ModelOffload(Session):
         it into the fp32 gradient buffer (`_fold`) before anything reads that."""
         grad = slot.param.grad
         assert grad is not None
+        self._await_fold(slot)  # a fold still reading the buffer this gradient goes to
         if slot.grad_held:
             self._apply_pending_clip()
             self._fold(slot)  # the previous micro-batch's, before this one takes its buffer
@@ -1813,6 +1865,7 @@ class ModelOffload(Session):
             if slot.grad_held:
                 slot.grad_held = False
                 self._tier(slot, cp.GRADIENT).discard((cp.GRADIENT, slot.index))
+            self._await_fold(slot)  # it writes the buffer the next gradient starts from
             if slot.fold is not None:
                 slot.fold = None
                 self.host.discard((GRADIENT_COPY, slot.index))
@@ -2013,8 +2066,11 @@ class ModelOffload(Session):
         assert self._cpu_worker is not None
         # The worker widens the bf16 gradients (their copies are done) and rounds the copies.
         folds = [(slot, slot.fold) for slot in group if slot.fold is not None]
+        # Folds queued earlier ran before it (one worker, in order); it raises their failures.
+        folded = list({id(s.folding): s.folding for s in group if s.folding is not None}.values())
         for slot in group:
             slot.fold = None
+            slot.folding = None
         future = self._cpu_worker.submit(
             self._run_cpu_update,
             [slot.param for slot in group],
@@ -2022,6 +2078,7 @@ class ModelOffload(Session):
             folds,
             [slot for slot in group if slot.copied],
             copies_out,
+            folded,
         )
         # For the record: the job reads the gradients that left for good and writes the
         # parameters, which their next read waits for (`_acquire`).
@@ -2059,9 +2116,12 @@ class ModelOffload(Session):
         folds: list[tuple[_Slot, str]],
         copies: list[_Slot],
         copies_out: list[Any],
+        folded: list[concurrent.futures.Future[float]],
     ) -> float:
         """Runs one group's update on the worker; returns its seconds there, the wait for the
         gradients' copies left out (the replay waits for those copies itself)."""
+        for done in folded:
+            done.result()
         for event in copies_out:
             event.synchronize()  # the gradients are in host memory (the wait is not the step's)
         started = time.perf_counter()
