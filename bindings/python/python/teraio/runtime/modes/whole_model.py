@@ -60,14 +60,14 @@ worker right after the parameter's CPU update. From the second iteration the GPU
 buffer (adding, over micro-batches, as autograd adds fp32 gradients), so the update sees the
 fp32 gradient torch would have made: the same bits. A lone micro-batch's bf16 gradient is read
 by the CPU step's kernel as it is; in a loop that accumulates, the worker widens each one as it
-arrives, beside backward (`_queue_folds`), and a clip norms the sums in host memory. The
-`Parameter` objects stay the ones the model and the optimizer hold; while the copies are on, a
-copied parameter's `.data` is a bf16 tensor (its storage released and grown like any other), its
-fp32 `.data` comes back at exit and at `load_state_dict`, and `model.state_dict()` gives the
-fp32 masters. A forward pass without
-bf16 autocast after that raises (`compute_copies="off"` streams fp32). The copies take host
-memory beside the plan's (`capacity.compute_copy_room`); without room they stay off, and the
-report says why.
+arrives, beside backward (`_queue_folds`); a clip reads the sums back to norm them on the
+device, where torch takes the norms (a host norm's bits differ). The `Parameter` objects stay
+the ones the model and the optimizer hold; while the copies are on, a copied parameter's
+`.data` is a bf16 tensor (its storage released and grown like any other), its fp32 `.data`
+comes back at exit and at `load_state_dict`, and `model.state_dict()` gives the fp32 masters.
+A forward pass without bf16 autocast after that raises (`compute_copies="off"` streams fp32).
+The copies take host memory beside the plan's (`capacity.compute_copy_room`); without room they
+stay off, and the report says why.
 
 The step in backward (`step_in_backward=True`, or "auto", the default, below). A parameter's
 gradient is complete when its post-accumulate-grad hook runs; the parameter is then still on the
@@ -1188,8 +1188,11 @@ class ModelOffload(Session):
                 # torch groups by the gradient's dtype: the master's (a compute copy's is bf16).
                 grads.append(torch.empty(0, dtype=slot.full.dtype, device=param.device))
                 reuse = norm_type == GRAD_NORM_TYPE and foreach is None and slot.index in self._grad_norms
-                norm = self._grad_norms[slot.index] if reuse else self._held_norm(slot, norm_type, foreach)
-                norms.append(norm)
+                norms.append(
+                    self._grad_norms[slot.index]
+                    if reuse
+                    else _norm(self._read_gradient(slot), norm_type, foreach)
+                )
             elif param.grad is not None:
                 grads.append(param.grad)
                 norms.append(_norm(param.grad, norm_type, foreach))
@@ -1222,16 +1225,6 @@ class ModelOffload(Session):
             _scale(grad, clip_coef.to(grad.device), foreach)
         self._clip = (clip_coef, foreach, held)
         return total
-
-    def _held_norm(self, slot: _Slot, norm_type: float, foreach: Optional[bool]) -> torch.Tensor:
-        """A held gradient's norm for a clip. A compute copy's fp32 gradient, summed over
-        micro-batches in host memory where the CPU step reads it, is normed there: reading it
-        back to the device would move every accumulated gradient across the link again."""
-        if slot.copied:
-            self._fold(slot)
-            held = self.host.buffers[(cp.GRADIENT, slot.index)].view(slot.full.dtype)
-            return _norm(held, norm_type, foreach)
-        return _norm(self._read_gradient(slot), norm_type, foreach)
 
     def _apply_pending_clip(self) -> None:
         """Scales every held gradient in its tier by the pending clip coefficient (before another
