@@ -584,16 +584,15 @@ def test_step_in_backward_on_the_gpu_holds_no_gradient_tier(update: str) -> None
 def test_the_report_hints_at_the_step_in_backward() -> None:
     from teraio.runtime.modes.whole_model import step_in_backward_hint
 
-    base = dict(
-        update="cpu", step_in_backward=False, steps=8, clipped=False, accumulated=False, iteration_ms=1000.0
-    )
+    base = dict(update="cpu", step_in_backward=False, steps=8, refusal="", iteration_ms=1000.0)
     assert "step_in_backward='auto'" in step_in_backward_hint(**base, cpu_wait_ms=500.0)
-    # A short wait, a loop that clips or accumulates, the step already in backward or on the
+    # A short wait, a loop that rules the step in backward out (it clips, accumulates or
+    # changes the hyperparameters before the step), the step already in backward or on the
     # GPU, or too few steps seen: no hint.
     assert step_in_backward_hint(**base, cpu_wait_ms=50.0) is None
     for change in (
-        {"clipped": True},
-        {"accumulated": True},
+        {"refusal": "the loop clips gradients"},
+        {"refusal": "the loop changes the optimizer's hyperparameters between backward and optimizer.step()"},
         {"step_in_backward": True},
         {"update": "gpu"},
         {"steps": 2},

@@ -30,6 +30,11 @@ from ...cpu_adamw import AdamHyper, AdamTensor, CpuAdamW
 IMPLEMENTATION_KEYS = ("params", "fused", "foreach", "capturable", "differentiable")
 
 
+def _arithmetic(group: dict[str, Any]) -> dict[str, Any]:
+    """A parameter group's keys that set the step's arithmetic (not `IMPLEMENTATION_KEYS`)."""
+    return {key: value for key, value in group.items() if key not in IMPLEMENTATION_KEYS}
+
+
 def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """Each group's hyperparameters as plain values (a tensor's as a list), for comparing two
     points of the loop: what a scheduler changes, not which implementation steps."""
@@ -41,10 +46,7 @@ def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
             return tuple(plain(v) for v in value)
         return value
 
-    return [
-        {key: plain(value) for key, value in group.items() if key not in IMPLEMENTATION_KEYS}
-        for group in optimizer.param_groups
-    ]
+    return [{key: plain(v) for key, v in _arithmetic(group).items()} for group in optimizer.param_groups]
 
 
 def refusal(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> Optional[str]:
@@ -117,9 +119,7 @@ class CpuUpdate:
                 self.shadow[id(param)] = shadow
                 self.grad[id(param)] = _view(grads[id(param)], param)
                 shadows.append(shadow)
-            groups.append(
-                {k: v for k, v in group.items() if k not in IMPLEMENTATION_KEYS} | {"params": shadows}
-            )
+            groups.append(_arithmetic(group) | {"params": shadows})
         self.fused = "fused" in optimizer.defaults
         cls = type(optimizer)
         try:
@@ -155,9 +155,7 @@ class CpuUpdate:
         """The user's groups' hyperparameters (as a scheduler left them) into the CPU optimizer:
         at `optimizer.step()`, before the step runs."""
         for mine, theirs in zip(self.cpu.param_groups, self.optimizer.param_groups):
-            for key, value in theirs.items():
-                if key not in IMPLEMENTATION_KEYS:
-                    mine[key] = value
+            mine.update(_arithmetic(theirs))
 
     def step(
         self,

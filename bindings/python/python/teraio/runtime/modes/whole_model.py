@@ -2552,8 +2552,7 @@ class ModelOffload(Session):
             update=self.update_site.site,
             step_in_backward=self.step_in_backward,
             steps=self.steps,
-            clipped=self._loop_clipped,
-            accumulated=self._loop_accumulated,
+            refusal=self._loop_refusal(),
             cpu_wait_ms=middle.wait_s.get("cpu step", 0.0) * 1e3,
             iteration_ms=measured,
         )
@@ -2634,18 +2633,17 @@ def step_in_backward_hint(
     update: str,
     step_in_backward: bool,
     steps: int,
-    clipped: bool,
-    accumulated: bool,
+    refusal: str,
     cpu_wait_ms: float,
     iteration_ms: Optional[float],
 ) -> Optional[str]:
-    """The report's hint to pass `step_in_backward=True` (None: none): where the CPU step runs
+    """The report's hint to let the step run in backward (None: none): where the CPU step runs
     after backward and the next forward pass waits for it (`HINT_WAIT_SHARE` of the iteration or
-    more), and the loop, as far as it ran (more than `RECORDED_ITERATION` steps), neither clipped
-    gradients nor accumulated them over backward passes: what the step in backward requires."""
+    more), and the loop, as far as it ran (more than `RECORDED_ITERATION` steps), did nothing
+    that rules the step in backward out (`refusal`, `ModelOffload._loop_refusal`: "" for none)."""
     if update != cp.CPU_UPDATE or step_in_backward or steps <= RECORDED_ITERATION:
         return None
-    if clipped or accumulated or not iteration_ms or cpu_wait_ms < HINT_WAIT_SHARE * iteration_ms:
+    if refusal or not iteration_ms or cpu_wait_ms < HINT_WAIT_SHARE * iteration_ms:
         return None
     return (
         f"the forward pass waited {cpu_wait_ms:.0f} ms per iteration for the CPU step, which runs "
