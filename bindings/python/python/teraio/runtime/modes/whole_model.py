@@ -865,12 +865,7 @@ class ModelOffload(Session):
         """Waits for the worker's fold of the parameter's bf16 gradient, if one is queued: it
         reads the bf16 buffer the next gradient overwrites and writes the fp32 one."""
         folding, slot.folding = slot.folding, None
-        if folding is None:
-            return
-        started = time.perf_counter()
-        folding.result()
-        waits = self._counts.wait_s
-        waits["cpu step"] = waits.get("cpu step", 0.0) + time.perf_counter() - started
+        self._await_job(folding)
 
     def _queue_folds(self, slots: list[_Slot]) -> None:
         """A loop that accumulates gradients (seen so far): the bf16 gradients of `slots`, whose
@@ -2151,6 +2146,11 @@ class ModelOffload(Session):
 
     def _await_update(self, slot: _Slot) -> None:
         future, slot.update = slot.update, None
+        self._await_job(future)
+
+    def _await_job(self, future: Optional[concurrent.futures.Future[Any]]) -> None:
+        """Waits for a job of the CPU step's worker (raising its failure); the wait counts as the
+        CPU step's."""
         if future is None:
             return
         started = time.perf_counter()
