@@ -502,32 +502,41 @@ def test_auto_a_later_loop_change_the_update_cannot_honour_raises(change: str) -
     assert all(p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in model.parameters())
 
 
+@pytest.mark.parametrize("loop", ["plain", "accumulated-clipped"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_auto_in_backward_trains_transformers_families_bitwise(family: str) -> None:
-    # A Hugging Face causal LM (SDPA, bf16 autocast; Qwen2 with tied embeddings) in the loop
-    # its users write, the CPU step with "auto": in backward from the third iteration, the
-    # same bits as fused AdamW without offload.
+def test_auto_in_backward_trains_transformers_families_bitwise(family: str, loop: str) -> None:
+    # A Hugging Face causal LM (SDPA, bf16 autocast; Qwen2 with tied embeddings) in the loops
+    # its users write, the CPU step with "auto", the same bits as fused AdamW without offload:
+    # a plain loop has the step in backward from the third iteration; one that accumulates two
+    # micro-batches and clips keeps it at optimizer.step(), with the bf16 compute copies on (the
+    # worker folds each micro-batch's bf16 gradients into the fp32 sums).
     from test_training import _hf_model
 
     build = _hf_model(family)
     generator = torch.Generator().manual_seed(5)
     data = [torch.randint(0, 512, (2, 64), generator=generator) for _ in range(STEPS)]
+    micro = 2 if loop == "accumulated-clipped" else 1
 
     def train(offloaded: bool) -> tuple[torch.nn.Module, list[float], Any]:
         torch.manual_seed(0)
         model = build()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
         options = {"whole_model": "on", "gpu_memory": 4096, "host_memory": 1 << 30, "update": "cpu"}
+        if micro > 1:
+            options["compute_copies"] = "on"
         run = teraio.offload(model, optimizer, **options) if offloaded else None
         losses = []
         with run if run is not None else contextlib.nullcontext():
             for tokens in data:
-                with torch.autocast("cpu", dtype=torch.bfloat16):
-                    loss = model(input_ids=tokens, labels=tokens).loss
-                loss.backward()
+                for part in tokens.chunk(micro):
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        loss = model(input_ids=part, labels=part).loss
+                    (loss / micro).backward()
+                    losses.append(loss.item())
+                if micro > 1:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)  # it scales
                 optimizer.step()
                 optimizer.zero_grad()
-                losses.append(loss.item())
         return model, losses, run
 
     ref_model, ref_losses, _ = train(False)
@@ -535,7 +544,11 @@ def test_auto_in_backward_trains_transformers_families_bitwise(family: str) -> N
     assert losses == ref_losses
     for (name, p), q in zip(ref_model.named_parameters(), model.parameters()):
         assert torch.equal(p, q), name
-    assert run.report().step_in_backward
+    report = run.report()
+    assert report.step_in_backward == (micro == 1), report.step_in_backward_reason
+    if micro > 1:
+        assert report.compute_copies == "bfloat16", report.compute_copies_reason
+        assert run._loop_accumulated and run._loop_clipped
 
 
 def test_auto_is_off_where_the_step_runs_on_the_gpu() -> None:
