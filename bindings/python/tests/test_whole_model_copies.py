@@ -4,8 +4,10 @@ come back, bitwise against the same loop without offload; the bytes reported are
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
+import time
 from typing import Any, Optional
 
 import pytest
@@ -176,6 +178,49 @@ def test_accumulated_gradients_fold_on_the_worker(monkeypatch: pytest.MonkeyPatc
     assert all(name.startswith("teraio-cpu-step") for name in where), where
     record = assert_cpu_step_predicted(run)
     assert any(not job["produces"] for job in record.schedule["cpu_jobs"])
+
+
+@pytest.mark.parametrize("end", ["step", "zero_grad", "exit"])
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["accumulated", "accumulated-clipped"])
+def test_a_slow_worker_folds_each_micro_batch(monkeypatch: pytest.MonkeyPatch, clip: Any, end: str) -> None:
+    # Distinct micro-batches (their bf16 gradients differ) and a worker that starts each fold
+    # late: the next micro-batch's gradient, a clip, the step, a zero_grad() that drops the
+    # sums and the session's exit each wait for the folds they follow, so the bits are those
+    # of training without offload. The last iteration ends as `end` says.
+    run_folds = ModelOffload._run_folds
+
+    def late(self: ModelOffload, *args: Any) -> float:
+        time.sleep(0.02)
+        return run_folds(self, *args)
+
+    monkeypatch.setattr(ModelOffload, "_run_folds", late)
+    data = _tokens(2 * STEPS + 2)
+
+    def train(offloaded: bool) -> tuple[torch.nn.Module, list[float]]:
+        model, optimizer = _build(UntiedLM)
+        settings = {"gpu_memory": 4096, "host_memory": 1 << 30, "update": "cpu", "compute_copies": "on"}
+        losses = []
+        with teraio.offload(model, optimizer, **settings) if offloaded else contextlib.nullcontext():
+            for step in range(STEPS + 1):
+                for x in data[2 * step : 2 * step + 2]:
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        loss = model(x)
+                    (loss / 2).backward()
+                    losses.append(loss.item())
+                if step == STEPS and end == "exit":
+                    break
+                if clip is not None:
+                    losses.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+                if step < STEPS or end == "step":
+                    optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        return model, losses
+
+    ref_model, ref_losses = train(False)
+    model, losses = train(True)
+    assert losses == ref_losses
+    for (name, p), q in zip(ref_model.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(p, q), name
 
 
 @pytest.mark.parametrize("elements", [1, 999, 1000, 1001, 4321])

@@ -96,6 +96,7 @@ import dataclasses
 import resource
 import statistics
 import sys
+import threading
 import time
 import types
 import warnings
@@ -533,7 +534,11 @@ class ModelOffload(Session):
         self._cpu_worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
         # Python's switch interval before the CPU step shortened it (`CPU_STEP_SWITCH_INTERVAL_S`).
         self._switch_interval: Optional[float] = None
-        self._cpu_update_s = 0.0  # the worker's time in the CPU step, this iteration's so far
+        # The worker's time in the CPU step, this iteration's so far: the last step's updates
+        # and, in a loop that accumulates, this iteration's folds (which run while the training
+        # thread closes the last iteration, hence the lock).
+        self._cpu_update_s = 0.0
+        self._cpu_update_lock = threading.Lock()
         self._cpu_update_ms: list[float] = []
         self._updates_pending = False
         # Step in backward on the CPU: this backward has queued updates (`_queue_cpu_updates`).
@@ -877,6 +882,7 @@ class ModelOffload(Session):
             return
         events = []
         if self.cuda:
+            self.host.flush()  # the copies are issued (inside an outer batch too): their events
             written = (self.host.written_event((GRADIENT_COPY, slot.index)) for slot, _ in folds)
             events = list({id(e): e for e in written if e is not None}.values())
         future = self._cpu_worker.submit(self._run_folds, folds, events)
@@ -894,7 +900,7 @@ class ModelOffload(Session):
         for slot, fold in folds:
             self._widen(slot, fold)
         elapsed = time.perf_counter() - started
-        self._cpu_update_s += elapsed
+        self._add_worker_time(elapsed)
         return elapsed
 
     def _copies_off(self) -> None:
@@ -2023,9 +2029,15 @@ class ModelOffload(Session):
 
     def _close_cpu_iteration(self) -> None:
         """The worker's time in the CPU step of the iteration whose updates are all done."""
-        if self._cpu_update_s:
-            self._cpu_update_ms.append(self._cpu_update_s * 1e3)
-            self._cpu_update_s = 0.0
+        with self._cpu_update_lock:
+            spent, self._cpu_update_s = self._cpu_update_s, 0.0
+        if spent:
+            self._cpu_update_ms.append(spent * 1e3)
+
+    def _add_worker_time(self, seconds: float) -> None:
+        """A job's time on the worker, into the iteration's (`_close_cpu_iteration`)."""
+        with self._cpu_update_lock:
+            self._cpu_update_s += seconds
 
     def _queue_cpu_updates(self, slots: list[_Slot]) -> None:
         """Step in backward on the CPU: the update of `slots` (a unit's complete gradients, whose
@@ -2043,6 +2055,7 @@ class ModelOffload(Session):
         self._updated_in_backward.update(slot.index for slot in slots)
         copies_out = []
         if self.cuda:
+            self.host.flush()  # the copies are issued (inside an outer batch too): their events
             kinds = [GRADIENT_COPY if slot.fold is not None else cp.GRADIENT for slot in slots]
             written = (self.host.written_event((kind, slot.index)) for kind, slot in zip(kinds, slots))
             copies_out = list({id(e): e for e in written if e is not None}.values())
@@ -2130,7 +2143,7 @@ class ModelOffload(Session):
             for slot in copies:
                 self._round_copy(slot)
         elapsed = time.perf_counter() - started
-        self._cpu_update_s += elapsed
+        self._add_worker_time(elapsed)
         return elapsed
 
     def _cpu_step_kernel(self) -> str:

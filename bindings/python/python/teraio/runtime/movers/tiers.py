@@ -158,7 +158,8 @@ def add_widened(held: torch.Tensor, values: torch.Tensor) -> None:
     computes a mixed-dtype add as `held + float(value)` per element, but in a scalar loop on
     the CPU, about 10x slower than widening into a scratch buffer and adding like dtypes (both
     vectorised). Chunked, so the scratch is bounded; one per thread, since the update worker
-    and the training thread both fold gradients."""
+    and the training threads (the loop's, autograd's) fold gradients: at most 32 MiB each,
+    outside `host_memory`, kept for the thread's life."""
     if held.device.type != "cpu" or values.dtype == held.dtype:
         held.add_(values)
         return
