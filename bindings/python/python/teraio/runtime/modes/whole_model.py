@@ -880,11 +880,7 @@ class ModelOffload(Session):
         folds = [(slot, slot.fold) for slot in slots if slot.fold is not None]
         if not folds or self._cpu_worker is None:
             return
-        events = []
-        if self.cuda:
-            self.host.flush()  # the copies are issued (inside an outer batch too): their events
-            written = (self.host.written_event((GRADIENT_COPY, slot.index)) for slot, _ in folds)
-            events = list({id(e): e for e in written if e is not None}.values())
+        events = self._copies_out_events([(GRADIENT_COPY, slot.index) for slot, _ in folds])
         future = self._cpu_worker.submit(self._run_folds, folds, events)
         self.recorder.cpu_job(future, waits_for=[(cp.GRADIENT, slot.index) for slot, _ in folds], produces=[])
         for slot, _ in folds:
@@ -2053,13 +2049,18 @@ class ModelOffload(Session):
             self._close_cpu_iteration()
             self.cpu_update.sync_hyperparameters()
         self._updated_in_backward.update(slot.index for slot in slots)
-        copies_out = []
-        if self.cuda:
-            self.host.flush()  # the copies are issued (inside an outer batch too): their events
-            kinds = [GRADIENT_COPY if slot.fold is not None else cp.GRADIENT for slot in slots]
-            written = (self.host.written_event((kind, slot.index)) for kind, slot in zip(kinds, slots))
-            copies_out = list({id(e): e for e in written if e is not None}.values())
+        kinds = [GRADIENT_COPY if slot.fold is not None else cp.GRADIENT for slot in slots]
+        copies_out = self._copies_out_events([(kind, slot.index) for kind, slot in zip(kinds, slots)])
         self._submit_cpu_update(slots, None, copies_out)
+
+    def _copies_out_events(self, keys: list[Any]) -> list[Any]:
+        """The CUDA events of the host tier's last copies into `keys` (each once), for a worker's
+        job to wait for; none on a CPU device, whose copies are done when asked for."""
+        if not self.cuda:
+            return []
+        self.host.flush()  # the copies are issued (inside an outer batch too): their events
+        written = (self.host.written_event(key) for key in keys)
+        return list({id(e): e for e in written if e is not None}.values())
 
     def _submit_cpu_update(self, group: list[_Slot], clip: Any, copies_out: list[Any]) -> None:
         """Queues the CPU update of `group` on the worker (after `copies_out`, CUDA events of the
