@@ -58,9 +58,9 @@ pub const MAX_CPU_JOBS: usize = 1 << 16;
 
 /// One job the runtime queued on its CPU worker (the CPU step's update of one unit), before op
 /// `op` (the op count: after the last op; a job queued at `optimizer.step()` after backward is
-/// there). The worker runs jobs one at a time in issue order; this one starts once the lone
-/// departures of `waits_for` issued before it are done, and the reads of `produces` issued
-/// before its end wait for it.
+/// there). The worker runs jobs one at a time in issue order; this one starts once the
+/// departures of `waits_for` issued before it (lone, or followed by a read) are done, and the
+/// reads of `produces` issued before its end wait for it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CpuJob {
@@ -68,7 +68,7 @@ pub struct CpuJob {
     pub op: u32,
     /// Its time on the worker, measured (not counting its waits for `waits_for`).
     pub duration_us: f64,
-    /// The trace's ids of the tensors whose lone departures it reads (a unit's gradients).
+    /// The trace's ids of the tensors whose departures it reads (a unit's gradients).
     pub waits_for: Vec<u64>,
     /// The trace's ids of the tensors it writes on their tier (a unit's parameters).
     pub produces: Vec<u64>,
@@ -194,19 +194,23 @@ pub fn plan_from_schedule(trace: &Trace, schedule: &Schedule, gpu_capacity_bytes
     }
     // The simulator issues them op by op, in this order within an op.
     lone_departures.sort_by_key(|d: &LoneDeparture| d.op);
-    let jobs = worker_jobs(trace, &schedule.cpu_jobs, &index_of, &lone_departures)?;
+    let written: Vec<(u32, u32)> =
+        migrations.iter().filter(|m| m.writes).map(|m| (m.tensor_index, m.offload_op)).collect();
+    let jobs = worker_jobs(trace, &schedule.cpu_jobs, &index_of, &lone_departures, &written)?;
     let plan = Plan::new(REPLAY_POLICY, trace, gpu_capacity_bytes, 0, migrations);
     Ok((plan, SideWork { lone_departures, jobs }))
 }
 
 /// The schedule's CPU jobs with the trace's tensor indices, checked: in issue order, at most
-/// [`MAX_CPU_JOBS`], a finite time, known tensors, each tensor waited for with a lone departure
-/// issued before the job, each tensor produced outliving the iteration.
+/// [`MAX_CPU_JOBS`], a finite time, known tensors, each tensor waited for with a departure
+/// issued before the job (a lone one, or a write of the plan's, `written`: (tensor, op)), each
+/// tensor produced outliving the iteration.
 fn worker_jobs(
     trace: &Trace,
     cpu_jobs: &[CpuJob],
     index_of: &HashMap<u64, u32>,
     lone_departures: &[LoneDeparture],
+    written: &[(u32, u32)],
 ) -> Result<Vec<WorkerJob>> {
     let op_count = trace.ops.len() as u32;
     if cpu_jobs.len() > MAX_CPU_JOBS {
@@ -235,8 +239,9 @@ fn worker_jobs(
         let waits_for = job.waits_for.iter().map(index).collect::<Result<Vec<u32>>>()?;
         let produces = job.produces.iter().map(index).collect::<Result<Vec<u32>>>()?;
         for (&id, &tensor) in job.waits_for.iter().zip(&waits_for) {
-            if !lone_departures.iter().any(|d| d.tensor_index == tensor && d.op <= job.op) {
-                return Err(invalid(format!("it waits for tensor {id}, which has no lone departure before it")));
+            let lone = lone_departures.iter().any(|d| d.tensor_index == tensor && d.op <= job.op);
+            if !lone && !written.iter().any(|&(t, op)| t == tensor && op <= job.op) {
+                return Err(invalid(format!("it waits for tensor {id}, which has no departure before it")));
             }
         }
         for (&id, &tensor) in job.produces.iter().zip(&produces) {
@@ -507,6 +512,37 @@ mod tests {
     }
 
     #[test]
+    fn a_job_may_wait_for_a_departure_a_read_follows() {
+        // An earlier micro-batch's gradient: written before op 1, read back before op 2 (its
+        // sum added on the GPU), and gone for good after op 2. A job queued at op 1 (the host's
+        // fold of it) waits for the first write, which a read follows (not lone).
+        let (mut trace, _) = cpu_step(3, 5000.0);
+        trace.tensors[1].alloc_op = Some(0);
+        trace.tensors[1].uses =
+            vec![TensorUse { op: 0, access: Access::Write }, TensorUse { op: 1, access: Access::Write }];
+        let transfer = |op: u32, kind: ActionKind| Issued { op, tensor_id: 2, kind, tier: Tier::Host };
+        let fold = CpuJob { op: 1, duration_us: 1000.0, waits_for: vec![2], produces: Vec::new() };
+        let schedule = Schedule {
+            transfers: vec![
+                transfer(1, ActionKind::Offload),
+                transfer(1, ActionKind::Prefetch),
+                transfer(2, ActionKind::Offload),
+            ],
+            cpu_jobs: vec![fold.clone()],
+        };
+        let (plan, side) = plan_from_schedule(&trace, &schedule, 1 << 40).unwrap();
+        assert_eq!(plan.migrations.len(), 1);
+        assert_eq!(side.lone_departures, vec![LoneDeparture { op: 2, tensor_index: 1, tier: Tier::Host }]);
+        assert_eq!(side.jobs[0].waits_for, vec![1]);
+        let report = replay(&trace, &schedule, &hardware(1e9)).unwrap();
+        assert_eq!(report.host_written_bytes, 2_000_000);
+        // Queued before any departure of it: refused.
+        let mut early = schedule.clone();
+        early.cpu_jobs[0].op = 0;
+        assert!(matches!(plan_from_schedule(&trace, &early, 1 << 40), Err(Error::InvalidPlan(_))));
+    }
+
+    #[test]
     fn a_cpu_job_hidden_under_compute_costs_nothing() {
         // Step in backward: g leaves and the job is queued as backward leaves the unit (before
         // op 2). g's write (1000 us) and the job (5000 us) end within op 2 (20000 us): the
@@ -605,7 +641,7 @@ mod tests {
         };
         assert!(refused(&|job| job.waits_for = vec![9]).contains("tensor 9, which the trace lacks"));
         assert!(refused(&|job| job.produces = vec![9]).contains("tensor 9, which the trace lacks"));
-        assert!(refused(&|job| job.op = 1).contains("waits for tensor 2, which has no lone departure before it"));
+        assert!(refused(&|job| job.op = 1).contains("waits for tensor 2, which has no departure before it"));
         assert!(refused(&|job| job.produces = vec![2]).contains("does not outlive the iteration"));
         assert!(refused(&|job| job.duration_us = -1.0).contains("not a time"));
         assert!(refused(&|job| job.duration_us = f64::NAN).contains("not a time"));

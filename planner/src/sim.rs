@@ -50,8 +50,8 @@ pub struct LoneDeparture {
 
 /// A job of the CPU worker (the CPU step's update of one unit), issued before op `op` (the op
 /// count: after the iteration's last op). It starts once the worker is free, every job issued
-/// before it has run (one thread, first in first out) and the lone departures of `waits_for`
-/// issued before it are done; a read of a tensor of `produces` issued before its end waits for
+/// before it has run (one thread, first in first out) and the departures of `waits_for` issued
+/// before it (lone ones and the plan's writes) are done; a read of a tensor of `produces` issued before its end waits for
 /// it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct WorkerJob {
@@ -59,7 +59,7 @@ pub struct WorkerJob {
     pub op: u32,
     /// Time on the worker (measured, not counting its waits for `waits_for`).
     pub duration_us: f64,
-    /// Indices of tensors whose lone departures it reads.
+    /// Indices of tensors whose departures (the last issued before the job) it reads.
     pub waits_for: Vec<u32>,
     /// Indices of tensors it writes on their tier (read back afterwards).
     pub produces: Vec<u32>,
@@ -183,9 +183,10 @@ struct TensorState {
     jobs_pending: u32,
     /// A read waits for the jobs that produce it (issued when the last ends).
     read_after_job: bool,
-    /// Lone departures of it issued and done so far (jobs wait for a count of done ones).
-    lone_issued: u32,
-    lone_done: u32,
+    /// Its departures (lone ones and the plan's writes) issued and done so far: jobs wait for
+    /// a count of done ones.
+    departures_issued: u32,
+    departures_done: u32,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -477,11 +478,12 @@ impl Simulator<'_> {
         let tensor = transfer.tensor as usize;
         let size = transfer.size_bytes;
         if transfer.lone {
-            self.tensors[tensor].lone_done += 1;
+            self.tensors[tensor].departures_done += 1;
             self.start_job();
         } else if channel_index % 2 == WRITE {
             let state = self.tensors[tensor];
-            if state.place == Place::Writing(tier) && state.rewrite && !state.cancel_offload {
+            let stale = state.place == Place::Writing(tier) && state.rewrite && !state.cancel_offload;
+            if stale {
                 // The data written is stale: write again, the tensor stays on the GPU meanwhile.
                 self.tensors[tensor].rewrite = false;
                 self.tensors[tensor].written_during_offload = false;
@@ -514,6 +516,10 @@ impl Simulator<'_> {
             } else if tier == Tier::Host {
                 // The tensor was freed while being written: its host copy is not kept.
                 self.host_used_bytes -= size;
+            }
+            if !stale {
+                self.tensors[tensor].departures_done += 1;
+                self.start_job();
             }
         } else {
             if self.tensors[tensor].place == Place::Reading(tier) {
@@ -606,6 +612,7 @@ impl Simulator<'_> {
         if tier == Tier::Host {
             self.add_host(self.size(tensor));
         }
+        self.tensors[tensor as usize].departures_issued += 1;
         self.enqueue(channel_of(tier, WRITE), tensor, urgent);
     }
 
@@ -690,14 +697,15 @@ impl Simulator<'_> {
         for &index in &lone {
             let departure = side.lone_departures[index];
             let tensor = departure.tensor_index;
-            self.tensors[tensor as usize].lone_issued += 1;
+            self.tensors[tensor as usize].departures_issued += 1;
             let deadline = self.global_op;
             self.push(channel_of(departure.tier, WRITE), tensor, false, deadline, true);
         }
         self.lone_at_op[op as usize] = lone;
         let jobs = std::mem::take(&mut self.jobs_at_op[op as usize]);
         for &job in &jobs {
-            let needs = side.jobs[job].waits_for.iter().map(|&t| (t, self.tensors[t as usize].lone_issued)).collect();
+            let needs =
+                side.jobs[job].waits_for.iter().map(|&t| (t, self.tensors[t as usize].departures_issued)).collect();
             for &tensor in &side.jobs[job].produces {
                 self.tensors[tensor as usize].jobs_pending += 1;
             }
@@ -715,7 +723,7 @@ impl Simulator<'_> {
         let Some(head) = self.worker.queue.front() else {
             return;
         };
-        if head.needs.iter().any(|&(tensor, done)| self.tensors[tensor as usize].lone_done < done) {
+        if head.needs.iter().any(|&(tensor, done)| self.tensors[tensor as usize].departures_done < done) {
             return;
         }
         let job = head.job;
@@ -1043,8 +1051,8 @@ pub fn simulate_with(
                 read_after_write: false,
                 jobs_pending: 0,
                 read_after_job: false,
-                lone_issued: 0,
-                lone_done: 0,
+                departures_issued: 0,
+                departures_done: 0,
             };
             trace.tensors.len()
         ],

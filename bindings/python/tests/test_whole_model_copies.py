@@ -160,22 +160,33 @@ def test_accumulated_gradients_fold_on_the_worker(monkeypatch: pytest.MonkeyPatc
     # Once the loop has accumulated (the first iteration, before the first step turns the
     # copies on), each micro-batch's bf16 gradients are widened into their fp32 buffers by jobs
     # on the CPU step's worker as they arrive, not by the training thread at the next
-    # micro-batch or by the update. The record holds the jobs.
+    # micro-batch or by the update; the last micro-batch's are added to the sums on the device
+    # (read back as backward goes), where a clip's norms are taken: the clip reads nothing
+    # back. The record holds the jobs.
     where: list[str] = []
     widen = ModelOffload._widen
+    read_back = 0
+    read_gradient = ModelOffload._read_gradient
 
     def recorded(self: ModelOffload, slot: Any, fold: str) -> None:
         where.append(threading.current_thread().name)
         widen(self, slot, fold)
 
+    def counted(self: ModelOffload, slot: Any) -> torch.Tensor:
+        nonlocal read_back
+        read_back += 1
+        return read_gradient(self, slot)
+
     monkeypatch.setattr(ModelOffload, "_widen", recorded)
+    monkeypatch.setattr(ModelOffload, "_read_gradient", counted)
     reference = _train(UntiedLM, False, accumulate=2, clip=clip)
     result = _train(UntiedLM, True, accumulate=2, clip=clip)
     _assert_bitwise(reference, result)
     run = result[3]
     copied = len(_copied(run))
-    assert len(where) == 2 * (STEPS - 1) * copied
+    assert len(where) == (STEPS - 1) * copied
     assert all(name.startswith("teraio-cpu-step") for name in where), where
+    assert read_back == 0
     record = assert_cpu_step_predicted(run)
     assert any(not job["produces"] for job in record.schedule["cpu_jobs"])
 
@@ -213,6 +224,39 @@ def test_a_slow_worker_folds_each_micro_batch(monkeypatch: pytest.MonkeyPatch, c
                     losses.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
                 if step < STEPS or end == "step":
                     optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        return model, losses
+
+    ref_model, ref_losses = train(False)
+    model, losses = train(True)
+    assert losses == ref_losses
+    for (name, p), q in zip(ref_model.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["accumulated", "accumulated-clipped"])
+def test_steps_of_changing_micro_batch_counts_are_bitwise(clip: Any) -> None:
+    # The last micro-batch of a step is expected as the last step's count says:
+    # steps of 2, 3, 1, 2 and 3 micro-batches are each one more or fewer than that, so the sum
+    # is added on the device before the step's end or not at its end (the clip reads it back).
+    counts = [2, 3, 1, 2, 3, 2]
+    data = _tokens(sum(counts))
+
+    def train(offloaded: bool) -> tuple[torch.nn.Module, list[float]]:
+        model, optimizer = _build(UntiedLM)
+        settings = {"gpu_memory": 4096, "host_memory": 1 << 30, "update": "cpu", "compute_copies": "on"}
+        losses, start = [], 0
+        with teraio.offload(model, optimizer, **settings) if offloaded else contextlib.nullcontext():
+            for count in counts:
+                for x in data[start : start + count]:
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        loss = model(x)
+                    (loss / count).backward()
+                    losses.append(loss.item())
+                start += count
+                if clip is not None:
+                    losses.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+                optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
         return model, losses
 

@@ -60,11 +60,15 @@ worker right after the parameter's CPU update. From the second iteration the GPU
 buffer (adding, over micro-batches, as autograd adds fp32 gradients), so the update sees the
 fp32 gradient torch would have made: the same bits. A lone micro-batch's bf16 gradient is read
 by the CPU step's kernel as it is; in a loop that accumulates, the worker widens each one as it
-arrives, beside backward (`_queue_folds`); a clip reads the sums back to norm them on the
-device, where torch takes the norms (a host norm's bits differ). The `Parameter` objects stay
-the ones the model and the optimizer hold; while the copies are on, a copied parameter's
-`.data` is a bf16 tensor (its storage released and grown like any other), its fp32 `.data`
-comes back at exit and at `load_state_dict`, and `model.state_dict()` gives the fp32 masters.
+arrives, beside backward (`_queue_folds`), except the micro-batch that ends a step (as the last
+step's count of backward passes says): it adds its gradients to the sums on the device
+(`_sum_on_device`), so that the step's updates do not wait behind its folds on the worker. Each
+unit's sums are read back ahead of its backward, as its parameters are, and leave in fp32 with
+their norms taken, which a clip uses: torch takes the norms on the device (a host norm's bits
+differ). Where a step ends sooner than expected, a clip reads the sums back. The `Parameter` objects stay the ones the model and the optimizer
+hold; while the copies are on, a copied parameter's `.data` is a bf16 tensor (its storage
+released and grown like any other), its fp32 `.data` comes back at exit and at
+`load_state_dict`, and `model.state_dict()` gives the fp32 masters.
 A forward pass without bf16 autocast after that raises (`compute_copies="off"` streams fp32).
 The copies take host memory beside the plan's (`capacity.compute_copy_room`); without room they
 stay off, and the report says why.
@@ -438,6 +442,7 @@ class _Slot:
         "saved",
         "grad_held",
         "incoming_grad",
+        "incoming_sum",
         "incoming_state",
         "units",
         "update",
@@ -462,6 +467,8 @@ class _Slot:
         self.saved = False  # autograd saved it in this forward pass: keep until its gradient
         self.grad_held = False  # a gradient of this iteration is in its tier
         self.incoming_grad: Optional[tuple[torch.Tensor, Transfer]] = None  # read for the step
+        # The held gradient read back in backward to add this micro-batch's to (`_sum_on_device`).
+        self.incoming_sum: Optional[tuple[torch.Tensor, Transfer]] = None
         self.incoming_state: Optional[list[Transfer]] = None  # state reads for a step in backward
         self.units: list[int] = []
         # The CPU step (update="cpu"): its update of this parameter's master, if not done yet,
@@ -574,6 +581,8 @@ class ModelOffload(Session):
         # at the next `optimizer.step()`, and why it is on or off (the report's).
         self._in_backward_auto = options.step_in_backward == "auto"
         self._backwards_since_step = 0
+        # Backward passes the last `optimizer.step()` closed (its micro-batches; 0 before one).
+        self._backwards_per_step = 0
         self._hyperparameters_at_backward: Optional[list[dict[str, Any]]] = None
         self._loop_changed_hyperparameters = False
         self._updated_in_backward: set[int] = set()
@@ -631,6 +640,7 @@ class ModelOffload(Session):
         # The units entered in the first iteration, in order (forward, then recomputation in
         # backward): later iterations prefetch along it.
         self._order: list[int] = []
+        self._order_in_backward: list[bool] = []  # whether each entry was backward's
         self._recorded: Optional[list[int]] = None
         self._position = 0
         self._saved_hooks: Any = None
@@ -1426,8 +1436,10 @@ class ModelOffload(Session):
         if isinstance(kind, tuple):
             nbytes, name, base = self._state_nbytes[(kind, slot.index)], f"{slot.name}.{kind[1]}", kind[0]
         else:
-            # A compute copy's parameter and gradient cross the link in its dtype.
-            nbytes = _numel_bytes(slot.param, COPY_DTYPE) if slot.copied else slot.nbytes
+            # A compute copy's parameter and gradient cross the link in its dtype; a gradient
+            # summed on the device crosses it in fp32, in and out (the larger counts).
+            summed = kind == cp.GRADIENT and self._copies_summed_on_device()
+            nbytes = _numel_bytes(slot.param, COPY_DTYPE) if slot.copied and not summed else slot.nbytes
             name, base = slot.name + (".grad" if kind == cp.GRADIENT else ""), kind
         self.recorder.use((kind, slot.index), name, base, nbytes, write)
 
@@ -1515,6 +1527,7 @@ class ModelOffload(Session):
             self._check_autocast()
         if self._recorded is None:
             self._order.append(index)
+            self._order_in_backward.append(torch._C._current_graph_task_id() != -1)
         self._position += 1
         slots = [self.slots[i] for i in self.units[index].slots]
         if self._recorded is not None and any(not slot.resident for slot in slots):
@@ -1573,7 +1586,10 @@ class ModelOffload(Session):
             with self.host.batched():
                 for slot in unit:
                     self._acquire(slot, wait=False)
-        if self.moves_gradients or torch._C._current_graph_task_id() == -1:
+        backward = torch._C._current_graph_task_id() != -1
+        if backward and self.moves_gradients:
+            self._fetch_sums_ahead(current, horizon)
+        if self.moves_gradients or not backward:
             return  # state is read ahead only for the step in backward on the GPU
         if current is not None:
             with self.host.batched():
@@ -1587,6 +1603,29 @@ class ModelOffload(Session):
                         return
                     ahead += self._state_bytes[slot.index]
                     self._fetch_state(slot)
+
+    def _fetch_sums_ahead(self, current: Optional[int], horizon: list[list[_Slot]]) -> None:
+        """Backward in a loop that accumulates: issues the reads of the held gradients this
+        micro-batch adds to on the device (`_sum_on_device`): unit `current`'s, and those of the
+        horizon's units this backward enters (not the next forward pass's) up to
+        `pull_forward_bytes` of them (counting those read already), as parameters are read
+        ahead."""
+        if current is not None:
+            with self.host.batched():
+                for i in self.units[current].slots:
+                    self._fetch_held_sum(self.slots[i])
+        ahead = 0
+        for unit, in_backward in zip(horizon, self._order_in_backward[self._position :]):
+            if not in_backward:
+                return
+            with self.host.batched():
+                for slot in unit:
+                    if not self._sum_on_device(slot):
+                        continue
+                    if ahead > 0 and ahead + slot.full.nbytes > self.pull_forward_bytes:
+                        return
+                    ahead += slot.full.nbytes
+                    self._fetch_held_sum(slot)
 
     def _leave_unit(self, index: int) -> None:
         if torch._C._current_graph_task_id() != -1:
@@ -1688,8 +1727,11 @@ class ModelOffload(Session):
 
     def _backward_ended(self) -> None:
         started = time.perf_counter()
-        self._watched_task = None
-        self._gradients_complete()
+        try:
+            self._gradients_complete()  # still this backward's (`_backward_count`)
+        finally:
+            self._watched_task = None
+        self._drop_held_sums()
         self.inputs.end_iteration()  # every saved input is used: the next forward saves anew
         self._counts.host_s += time.perf_counter() - started
 
@@ -1729,7 +1771,7 @@ class ModelOffload(Session):
             # This backward adds to gradients a clip may have scaled: scale the held ones first.
             self._apply_pending_clip()
             # Accumulation over micro-batches: held + new, the sum autograd would have made.
-            grad = grad + self._read_gradient(slot)
+            grad = grad + self._take_held_sum(slot)
         grad = grad.contiguous()
         self._grad_norms[slot.index] = _norm(grad, GRAD_NORM_TYPE, None)
         transfer = self._write(slot, cp.GRADIENT, flat_bytes(grad))
@@ -1750,10 +1792,18 @@ class ModelOffload(Session):
         self._await_fold(slot)  # a fold still reading the buffer this gradient goes to
         if slot.grad_held:
             self._apply_pending_clip()
+            self._grad_norms.pop(slot.index, None)
+            if self._sum_on_device(slot):
+                held = self._take_held_sum(slot)
+                held.add_(grad)  # held + float(grad): autograd's fp32 sum, bitwise
+                # The clip's norm of the sum, as torch takes it on the device.
+                self._grad_norms[slot.index] = _norm(held, GRAD_NORM_TYPE, None)
+                self._write(slot, cp.GRADIENT, flat_bytes(held))
+                slot.param.grad = None
+                return
             self._fold(slot)  # the previous micro-batch's, before this one takes its buffer
             fold = "add"
             # The norm of the sum is taken where the clip reads it back, on the device.
-            self._grad_norms.pop(slot.index, None)
         else:
             fold = "copy"
             # torch's norm of the fp32 gradient autograd would have made: float(bf16) exactly.
@@ -1835,11 +1885,68 @@ class ModelOffload(Session):
 
     def _read_gradient(self, slot: _Slot) -> torch.Tensor:
         """The held fp32 gradient, read back to the device."""
+        grad, transfer = self._issue_gradient_read(slot)
+        transfer.join()
+        return grad
+
+    def _issue_gradient_read(self, slot: _Slot) -> tuple[torch.Tensor, Transfer]:
+        """Issues the read of the held fp32 gradient into new device memory, once the host has
+        widened the last bf16 one into it."""
         self._fold(slot)
         like = slot.full if slot.copied else slot.param
         grad = torch.empty(like.shape, dtype=like.dtype, device=self.device)
-        self._read_into(slot, cp.GRADIENT, flat_bytes(grad)).join()
-        return grad
+        return grad, self._read_into(slot, cp.GRADIENT, flat_bytes(grad))
+
+    def _sum_on_device(self, slot: _Slot) -> bool:
+        """Whether the running backward adds the parameter's gradient to its held one on the
+        device, which reads the held one back: an fp32 gradient always (autograd's sum); a
+        compute copy's bf16 gradient in the micro-batch that ends a step, as the last step's
+        did (`_copies_summed_on_device`). Otherwise the host widens it into the held sum
+        (`_fold`)."""
+        if not slot.grad_held:
+            return False
+        if not slot.copied:
+            return True
+        return self._copies_summed_on_device() and self._backward_count() >= self._backwards_per_step
+
+    def _copies_summed_on_device(self) -> bool:
+        """Whether the last micro-batch of a step adds the compute copies' gradients to their
+        held sums on the device: where the loop accumulates. Widened on the host, that
+        micro-batch's gradients hold the step's updates back (one worker: folds, then updates),
+        and a clip would read every sum back after backward for its norm (a host norm's bits
+        differ from torch's). Added on the device, each unit's sums are read back beside
+        backward, and leave with their norms taken."""
+        return self._backwards_per_step > 1
+
+    def _backward_count(self) -> int:
+        """The running backward's number since the last `optimizer.step()` (1: the first), also
+        before its first gradient has arrived; outside backward the number of the last one."""
+        task = torch._C._current_graph_task_id()
+        return self._backwards_since_step + (task != -1 and task != self._watched_task)
+
+    def _fetch_held_sum(self, slot: _Slot) -> None:
+        """Issues the read of the held gradient the running backward adds to on the device
+        (`_sum_on_device`), ahead of its use (once)."""
+        if slot.incoming_sum is not None or not self._sum_on_device(slot):
+            return
+        self._apply_pending_clip()  # the held sums as a clip before this backward scaled them
+        slot.incoming_sum = self._issue_gradient_read(slot)
+
+    def _take_held_sum(self, slot: _Slot) -> torch.Tensor:
+        """The held gradient on the device: read ahead (`_fetch_held_sum`), or now."""
+        if slot.incoming_sum is None:
+            slot.incoming_sum = self._issue_gradient_read(slot)
+        (held, transfer), slot.incoming_sum = slot.incoming_sum, None
+        transfer.join()
+        return held
+
+    def _drop_held_sums(self) -> None:
+        """Drops the held gradients read ahead that no gradient was added to (a parameter the
+        backward that read them left without one): the held ones may change before the next."""
+        for slot in self.slots:
+            if slot.incoming_sum is not None:
+                slot.incoming_sum[1].join()
+                slot.incoming_sum = None
 
     def _zero_grad(self, set_to_none: bool = True) -> None:
         assert self._original_zero_grad is not None
@@ -1851,6 +1958,7 @@ class ModelOffload(Session):
             )
         self._original_zero_grad(set_to_none=set_to_none)
         self._clip = None
+        self._drop_held_sums()
         for slot in self.slots:
             if slot.grad_held:
                 slot.grad_held = False
@@ -1871,6 +1979,7 @@ class ModelOffload(Session):
     def _streamed_step_traced(self) -> Any:
         started = time.perf_counter()
         self._gradients_complete()  # what backward left (nothing unless it failed)
+        self._drop_held_sums()
         self._check_loop_at_step()
         self._stepping_task = None
         self._updating_in_backward = False
@@ -1898,7 +2007,7 @@ class ModelOffload(Session):
         backward began, where an update in backward would have used the old ones)."""
         if self._backwards_since_step > 1:
             self._loop_accumulated = True
-        self._backwards_since_step = 0
+        self._backwards_per_step, self._backwards_since_step = self._backwards_since_step, 0
         before, self._hyperparameters_at_backward = self._hyperparameters_at_backward, None
         if before is None or before == cpu_update.hyperparameters(self.optimizer):
             return
