@@ -548,6 +548,40 @@ def test_whole_model_gradient_clipping_is_exact_on_cuda(store: teraio.Store) -> 
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("host_memory", [1 << 30, 0], ids=["host", "ssd"])
+def test_whole_model_accumulation_with_a_clip_is_exact_on_cuda(store: teraio.Store, host_memory: int) -> None:
+    # Two distinct micro-batches a step, then a clip, with the GPU step: the second micro-batch
+    # adds each gradient to its held sum on the GPU, read back ahead of its unit's backward from
+    # host memory or the store; losses, norms, parameters and state are the loop's without
+    # offload.
+    data = batches(6, rows=ROWS, device=DEVICE)
+
+    def loop(model: Any, optimizer: Any) -> tuple[list[float], list[Any]]:
+        losses, norms = [], []
+        for first, second in zip(data[::2], data[1::2]):
+            for x in (first, second):
+                loss = model(x)
+                (loss / 2).backward()
+                losses.append(loss.item())
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return losses, norms
+
+    reference_model, reference_optimizer = make(device=DEVICE)
+    reference, reference_norms = loop(reference_model, reference_optimizer)
+    model, optimizer = make(device=DEVICE)
+    options = {"gpu_memory": 64 << 20, "host_memory": host_memory, "whole_model": "on", "update": "gpu"}
+    with teraio.offload(model, optimizer, store=store, **options, granularity="tensor"):
+        losses, norms = loop(model, optimizer)
+    assert losses == reference
+    assert all(torch.equal(a, b) for a, b in zip(reference_norms, norms))
+    for p, q in zip(reference_model.parameters(), model.parameters()):
+        assert torch.equal(p, q)
+        for key, value in reference_optimizer.state[p].items():
+            assert torch.equal(value, optimizer.state[q][key]), key
+
+
 def test_the_step_on_the_cpu_trains_on_cuda(store: teraio.Store) -> None:
     """update="cpu": gradients go to pinned host memory and torch's CPU AdamW updates the fp32
     masters there; its arithmetic is not CUDA's, so losses and parameters agree with the
