@@ -151,6 +151,11 @@ def test_copies_are_bitwise_against_training_without_offload(
     assert _copied(result[3]) == linears
     assert report.compute_copy_parameters == len(linears)
     assert "compute copies: bfloat16" in str(report)
+    # Each iteration's waits and hooks' time, and the worker's time of each iteration whose
+    # updates are done (the last one's run past the loop).
+    assert len(report.wait_ms_by_iteration) == report.steps
+    assert all(waits["hooks"] > 0 for waits in report.wait_ms_by_iteration)
+    assert len(report.cpu_update_ms_by_iteration) == report.steps - 1
     # The copies' bf16 transfers are their parameters' and gradients' in the record.
     assert_cpu_step_predicted(result[3])
 

@@ -65,10 +65,11 @@ step's count of backward passes says): it adds its gradients to the sums on the 
 (`_sum_on_device`), so that the step's updates do not wait behind its folds on the worker. Each
 unit's sums are read back ahead of its backward, as its parameters are, and leave in fp32 with
 their norms taken, which a clip uses: torch takes the norms on the device (a host norm's bits
-differ). Where a step ends sooner than expected, a clip reads the sums back. The `Parameter` objects stay the ones the model and the optimizer
-hold; while the copies are on, a copied parameter's `.data` is a bf16 tensor (its storage
-released and grown like any other), its fp32 `.data` comes back at exit and at
-`load_state_dict`, and `model.state_dict()` gives the fp32 masters.
+differ). Where a step ends sooner than expected, a clip reads the sums back. The `Parameter`
+objects stay the ones the model and the optimizer hold; while the copies are on, a copied
+parameter's `.data` is a bf16 tensor (its storage released and grown like any other), its fp32
+`.data` comes back at exit and at `load_state_dict`, and `model.state_dict()` gives the fp32
+masters.
 A forward pass without bf16 autocast after that raises (`compute_copies="off"` streams fp32).
 The copies take host memory beside the plan's (`capacity.compute_copy_room`); without room they
 stay off, and the report says why.
@@ -247,6 +248,9 @@ class WholeModelReport(Report):
     #: Host time blocked waiting for transfers, per iteration (ms): before a unit's forward or
     #: recomputation, and inside the step.
     wait_ms_per_iteration: dict[str, float] = field(default_factory=dict)
+    #: The same waits, and the hooks' host time (waits included, "hooks"), of each iteration in
+    #: turn: where an iteration's time went up, which wait took it.
+    wait_ms_by_iteration: list[dict[str, float]] = field(default_factory=list)
     # `host_ms_per_iteration` (Report): medians over the iterations after the first, "hooks"
     # (forward and backward, the step in backward included) and "step" (the streamed step).
     #: Units whose parameters were not prefetched in time and were fetched on demand.
@@ -276,6 +280,9 @@ class WholeModelReport(Report):
     #: The CPU step's time in its worker thread per iteration (ms, median; it overlaps the next
     #: forward pass), and the model's per-iteration cost of each site (`choose_update_site`).
     cpu_update_ms: Optional[float] = None
+    #: The worker's time of each iteration's CPU step in turn (ms; the folds of a loop that
+    #: accumulates included).
+    cpu_update_ms_by_iteration: list[float] = field(default_factory=list)
     #: What ran the CPU step: "teraio" (the engine's Adam/AdamW kernel, bitwise torch's fused
     #: CPU kernel) or "torch" (the optimizer's own CPU step), and why ("" for the GPU step).
     cpu_step_kernel: str = ""
@@ -2701,6 +2708,10 @@ class ModelOffload(Session):
             units=len(self.units),
             checkpointed_blocks=len(self.blocks),
             wait_ms_per_iteration={k: v * 1e3 for k, v in middle.wait_s.items()},
+            wait_ms_by_iteration=[
+                {**{k: v * 1e3 for k, v in c.wait_s.items()}, "hooks": c.host_s * 1e3}
+                for c in self._iterations
+            ],
             host_ms_per_iteration=(
                 {
                     "hooks": statistics.median(c.host_s for c in later) * 1e3,
@@ -2726,6 +2737,7 @@ class ModelOffload(Session):
             cpu_update_ms=statistics.median(self._cpu_update_ms[1:] or self._cpu_update_ms)
             if self._cpu_update_ms
             else None,
+            cpu_update_ms_by_iteration=list(self._cpu_update_ms),
             minimum_bytes_moved=self.minimum_bytes(),
             compute_copies="off" if self.compute_copies is None else str(self.compute_copies).split(".")[-1],
             compute_copies_reason=self._copies_reason or "decided at the first step",
