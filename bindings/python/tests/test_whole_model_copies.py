@@ -160,6 +160,25 @@ def test_copies_are_bitwise_against_training_without_offload(
     assert_cpu_step_predicted(result[3])
 
 
+def test_the_report_counts_the_allocators_retries_per_iteration(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Three retries in each iteration after the first (a CPU device has none of its own): the
+    # report gives them per iteration and warns, since no other figure shows their waits.
+    calls: list[int] = []
+
+    def retries(self: ModelOffload) -> int:
+        calls.append(1)
+        return 3 * (len(calls) - 1)
+
+    monkeypatch.setattr(ModelOffload, "_allocator_retries", retries)
+    report = _train(UntiedLM, True)[3].report()
+    monkeypatch.undo()
+    assert report.allocator_retries_by_iteration == [0, 3, 3, 3]
+    assert any("allocator retried 9 times in iterations 2 to 4" in w for w in report.warnings)
+    quiet = _train(UntiedLM, True)[3].report()
+    assert quiet.allocator_retries_by_iteration == [0] * STEPS
+    assert not any("allocator" in w for w in quiet.warnings)
+
+
 @pytest.mark.parametrize("clip", [None, 0.05], ids=["accumulated", "accumulated-clipped"])
 def test_accumulated_gradients_fold_on_the_worker(monkeypatch: pytest.MonkeyPatch, clip: Any) -> None:
     # Once the loop has accumulated (the first iteration, before the first step turns the

@@ -251,6 +251,9 @@ class WholeModelReport(Report):
     #: The same waits, and the hooks' host time (waits included, "hooks"), of each iteration in
     #: turn: where an iteration's time went up, which wait took it.
     wait_ms_by_iteration: list[dict[str, float]] = field(default_factory=list)
+    #: The CUDA caching allocator's retries in each iteration: each found no free range for a
+    #: request, synchronized the device and released its cache (a wait the others do not show).
+    allocator_retries_by_iteration: list[int] = field(default_factory=list)
     # `host_ms_per_iteration` (Report): medians over the iterations after the first, "hooks"
     # (forward and backward, the step in backward included) and "step" (the streamed step).
     #: Units whose parameters were not prefetched in time and were fetched on demand.
@@ -669,6 +672,7 @@ class ModelOffload(Session):
         # entry, and the end of the CPU step's wait for the gradients' copies (`_loop_host_ms`).
         self._recorded_marks: dict[str, float] = {}
         self._step_ms: list[float] = []
+        self._retries_seen = 0  # the allocator's retries at the last iteration's end
         self._window_bytes = 0  # GPU bytes of streamed tensors the step holds now
         self.peak_step_window_bytes = 0
         self.on_demand_fetches = 0
@@ -2439,6 +2443,8 @@ class ModelOffload(Session):
             if now > before:
                 self._counts.add(direction, tier, cp.ACTIVATION, now - before)
         self._saved_moved = moved
+        retries = self._allocator_retries()
+        self._counts.allocator_retries, self._retries_seen = retries - self._retries_seen, retries
         if self.cuda and self.steps == 1:
             # The iteration `batch_fit` reads, before `_keep_resident` makes more parameters
             # resident.
@@ -2482,6 +2488,18 @@ class ModelOffload(Session):
             self._join(slot)
             slot.tiers[cp.PARAMETER] = GPU
             self.resident_parameter_bytes += slot.nbytes
+
+    def _retries_warning(self) -> str:
+        """A warning where the CUDA allocator retried after the first iteration ("": it did
+        not): its waits are in no other figure of the report."""
+        later = [c.allocator_retries for c in self._iterations[1:]]
+        if not any(later):
+            return ""
+        return (
+            f"the CUDA caching allocator retried {sum(later)} times in iterations 2 to {len(later) + 1} "
+            "(each synchronizes the device and releases its cache): its free memory is fragmented; "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True avoids that"
+        )
 
     def _loop_host_ms(self, span_ms: float) -> float:
         """The recorded iteration's host time outside what the replay models (ms): the loop's
@@ -2712,6 +2730,7 @@ class ModelOffload(Session):
                 {**{k: v * 1e3 for k, v in c.wait_s.items()}, "hooks": c.host_s * 1e3}
                 for c in self._iterations
             ],
+            allocator_retries_by_iteration=[c.allocator_retries for c in self._iterations],
             host_ms_per_iteration=(
                 {
                     "hooks": statistics.median(c.host_s for c in later) * 1e3,
@@ -2728,7 +2747,7 @@ class ModelOffload(Session):
             predicted_iteration_ms=predicted,
             prediction_error_percent=error,
             prediction=prediction or {},
-            warnings=[warning] if warning else [],
+            warnings=[w for w in (warning, self._retries_warning()) if w],
             machine=dict(self.machine),
             loss_head=self.loss_head.describe(),
             update=self.update_site.site,
@@ -2806,6 +2825,8 @@ class _Counts:
         self.start_bytes: Optional[int] = None
         self.peak_bytes: Optional[int] = None
         self.split_peak_bytes = 0
+        # The CUDA allocator's retries in the iteration (`Session._allocator_retries`).
+        self.allocator_retries = 0
 
     def add(self, direction: str, tier: str, kind: Any, nbytes: int) -> None:
         base = kind[0] if isinstance(kind, tuple) else kind
