@@ -123,6 +123,40 @@ def _assert_bitwise(reference: Any, other: Any) -> None:
             assert torch.equal(value, optimizer.state[q][key]), key
 
 
+def _train_steps_of(
+    offloaded: bool, steps: list[list[torch.Tensor]], clip: Optional[float], end: str = "step"
+) -> tuple[torch.nn.Module, list[float]]:
+    """Trains `UntiedLM` under CPU bf16 autocast, a step per list of micro-batches (each loss
+    divided by their count), clipping if `clip` is given; the last step ends as `end` says:
+    "step", "zero_grad" (no step) or "exit" (the session ends after its backward passes).
+    Returns the model and the losses, with each clip's total norm."""
+    model, optimizer = _build(UntiedLM)
+    settings = {"gpu_memory": 4096, "host_memory": 1 << 30, "update": "cpu", "compute_copies": "on"}
+    losses = []
+    with teraio.offload(model, optimizer, **settings) if offloaded else contextlib.nullcontext():
+        for index, micro_batches in enumerate(steps):
+            for x in micro_batches:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = model(x)
+                (loss / len(micro_batches)).backward()
+                losses.append(loss.item())
+            last = index == len(steps) - 1
+            if last and end == "exit":
+                break
+            if clip is not None:
+                losses.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+            if not last or end == "step":
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return model, losses
+
+
+def _assert_same_training(reference: tuple[torch.nn.Module, list[float]], other: Any) -> None:
+    assert other[1] == reference[1]
+    for (name, p), q in zip(reference[0].named_parameters(), other[0].parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
 def _copied(run: ModelOffload) -> set[str]:
     return {slot.name for slot in run.slots if slot.low is not None}
 
@@ -230,32 +264,8 @@ def test_a_slow_worker_folds_each_micro_batch(monkeypatch: pytest.MonkeyPatch, c
 
     monkeypatch.setattr(ModelOffload, "_run_folds", late)
     data = _tokens(2 * STEPS + 2)
-
-    def train(offloaded: bool) -> tuple[torch.nn.Module, list[float]]:
-        model, optimizer = _build(UntiedLM)
-        settings = {"gpu_memory": 4096, "host_memory": 1 << 30, "update": "cpu", "compute_copies": "on"}
-        losses = []
-        with teraio.offload(model, optimizer, **settings) if offloaded else contextlib.nullcontext():
-            for step in range(STEPS + 1):
-                for x in data[2 * step : 2 * step + 2]:
-                    with torch.autocast("cpu", dtype=torch.bfloat16):
-                        loss = model(x)
-                    (loss / 2).backward()
-                    losses.append(loss.item())
-                if step == STEPS and end == "exit":
-                    break
-                if clip is not None:
-                    losses.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
-                if step < STEPS or end == "step":
-                    optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-        return model, losses
-
-    ref_model, ref_losses = train(False)
-    model, losses = train(True)
-    assert losses == ref_losses
-    for (name, p), q in zip(ref_model.named_parameters(), model.parameters(), strict=True):
-        assert torch.equal(p, q), name
+    steps = [data[2 * step : 2 * step + 2] for step in range(STEPS + 1)]
+    _assert_same_training(_train_steps_of(False, steps, clip, end), _train_steps_of(True, steps, clip, end))
 
 
 @pytest.mark.parametrize("clip", [None, 0.05], ids=["accumulated", "accumulated-clipped"])
@@ -265,30 +275,8 @@ def test_steps_of_changing_micro_batch_counts_are_bitwise(clip: Any) -> None:
     # is added on the device before the step's end or not at its end (the clip reads it back).
     counts = [2, 3, 1, 2, 3, 2]
     data = _tokens(sum(counts))
-
-    def train(offloaded: bool) -> tuple[torch.nn.Module, list[float]]:
-        model, optimizer = _build(UntiedLM)
-        settings = {"gpu_memory": 4096, "host_memory": 1 << 30, "update": "cpu", "compute_copies": "on"}
-        losses, start = [], 0
-        with teraio.offload(model, optimizer, **settings) if offloaded else contextlib.nullcontext():
-            for count in counts:
-                for x in data[start : start + count]:
-                    with torch.autocast("cpu", dtype=torch.bfloat16):
-                        loss = model(x)
-                    (loss / count).backward()
-                    losses.append(loss.item())
-                start += count
-                if clip is not None:
-                    losses.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-        return model, losses
-
-    ref_model, ref_losses = train(False)
-    model, losses = train(True)
-    assert losses == ref_losses
-    for (name, p), q in zip(ref_model.named_parameters(), model.parameters(), strict=True):
-        assert torch.equal(p, q), name
+    steps = [data[sum(counts[:i]) : sum(counts[: i + 1])] for i in range(len(counts))]
+    _assert_same_training(_train_steps_of(False, steps, clip), _train_steps_of(True, steps, clip))
 
 
 @pytest.mark.parametrize("elements", [1, 999, 1000, 1001, 4321])

@@ -1812,9 +1812,9 @@ class ModelOffload(Session):
                 self._write(slot, cp.GRADIENT, flat_bytes(held))
                 slot.param.grad = None
                 return
+            # Widened on the host: a clip reads the sum back to take its norm on the device.
             self._fold(slot)  # the previous micro-batch's, before this one takes its buffer
             fold = "add"
-            # The norm of the sum is taken where the clip reads it back, on the device.
         else:
             fold = "copy"
             # torch's norm of the fp32 gradient autograd would have made: float(bf16) exactly.
