@@ -178,6 +178,9 @@ IN_BACKWARD_AUTO = (
 #: The iteration recorded for the prediction (0-based): the first after the residency decisions
 #: that follow iterations 0 and 1 (`_keep_resident`).
 RECORDED_ITERATION = 2
+#: Iterations the report gives one by one (`WholeModelReport.wait_ms_by_iteration` and its
+#: kin), from the first: where a run's iterations change pace, it is early.
+ITERATIONS_REPORTED = 64
 #: `step_in_backward="auto"` decides from the loop's iterations before this one (the recorded
 #: iteration, so that the prediction replays the schedule the run keeps).
 IN_BACKWARD_AUTO_FROM = RECORDED_ITERATION
@@ -249,10 +252,12 @@ class WholeModelReport(Report):
     #: recomputation, and inside the step.
     wait_ms_per_iteration: dict[str, float] = field(default_factory=dict)
     #: The same waits, and the hooks' host time (waits included, "hooks"), of each iteration in
-    #: turn: where an iteration's time went up, which wait took it.
+    #: turn (the first `ITERATIONS_REPORTED`): where an iteration's time went up, which wait
+    #: took it.
     wait_ms_by_iteration: list[dict[str, float]] = field(default_factory=list)
-    #: The CUDA caching allocator's retries in each iteration: each found no free range for a
-    #: request, synchronized the device and released its cache (a wait the others do not show).
+    #: The CUDA caching allocator's retries in each iteration (the first `ITERATIONS_REPORTED`):
+    #: each found no free range for a request, synchronized the device and released its cache
+    #: (a wait the others do not show).
     allocator_retries_by_iteration: list[int] = field(default_factory=list)
     # `host_ms_per_iteration` (Report): medians over the iterations after the first, "hooks"
     # (forward and backward, the step in backward included) and "step" (the streamed step).
@@ -283,8 +288,8 @@ class WholeModelReport(Report):
     #: The CPU step's time in its worker thread per iteration (ms, median; it overlaps the next
     #: forward pass), and the model's per-iteration cost of each site (`choose_update_site`).
     cpu_update_ms: Optional[float] = None
-    #: The worker's time of each iteration's CPU step in turn (ms; the folds of a loop that
-    #: accumulates included).
+    #: The worker's time of each iteration's CPU step in turn (ms, the first
+    #: `ITERATIONS_REPORTED`; the folds of a loop that accumulates included).
     cpu_update_ms_by_iteration: list[float] = field(default_factory=list)
     #: What ran the CPU step: "teraio" (the engine's Adam/AdamW kernel, bitwise torch's fused
     #: CPU kernel) or "torch" (the optimizer's own CPU step), and why ("" for the GPU step).
@@ -2705,6 +2710,7 @@ class ModelOffload(Session):
             iteration_ms=measured,
         )
         fit = self.batch_fit()
+        reported = self._iterations[:ITERATIONS_REPORTED]
         return WholeModelReport(
             batch=max((counts.batch for counts in self._iterations), default=0) or None,
             largest_batch=fit.largest if fit else None,
@@ -2727,10 +2733,9 @@ class ModelOffload(Session):
             checkpointed_blocks=len(self.blocks),
             wait_ms_per_iteration={k: v * 1e3 for k, v in middle.wait_s.items()},
             wait_ms_by_iteration=[
-                {**{k: v * 1e3 for k, v in c.wait_s.items()}, "hooks": c.host_s * 1e3}
-                for c in self._iterations
+                {**{k: v * 1e3 for k, v in c.wait_s.items()}, "hooks": c.host_s * 1e3} for c in reported
             ],
-            allocator_retries_by_iteration=[c.allocator_retries for c in self._iterations],
+            allocator_retries_by_iteration=[c.allocator_retries for c in reported],
             host_ms_per_iteration=(
                 {
                     "hooks": statistics.median(c.host_s for c in later) * 1e3,
@@ -2756,7 +2761,7 @@ class ModelOffload(Session):
             cpu_update_ms=statistics.median(self._cpu_update_ms[1:] or self._cpu_update_ms)
             if self._cpu_update_ms
             else None,
-            cpu_update_ms_by_iteration=list(self._cpu_update_ms),
+            cpu_update_ms_by_iteration=self._cpu_update_ms[:ITERATIONS_REPORTED],
             minimum_bytes_moved=self.minimum_bytes(),
             compute_copies="off" if self.compute_copies is None else str(self.compute_copies).split(".")[-1],
             compute_copies_reason=self._copies_reason or "decided at the first step",
