@@ -521,47 +521,24 @@ def test_the_suggested_batch_fits_the_budget() -> None:
     assert abs(again - largest) <= max(1, largest // 10), (again, largest)
 
 
-def test_whole_model_gradient_clipping_is_exact_on_cuda(store: teraio.Store) -> None:
-    data = batches(3, rows=ROWS, device=DEVICE)
+@pytest.mark.parametrize("host_memory", [1 << 30, 0], ids=["host", "ssd"])
+@pytest.mark.parametrize("micro_batches", [1, 2], ids=["one-micro-batch", "accumulated"])
+def test_whole_model_gradient_clipping_is_exact_on_cuda(
+    store: teraio.Store, micro_batches: int, host_memory: int
+) -> None:
+    # The GPU step: the norm and the update are the reference's CUDA arithmetic. With two
+    # distinct micro-batches a step, the second adds each gradient to its held sum on the GPU,
+    # read back ahead of its unit's backward from host memory or the store. Losses, norms,
+    # parameters and state are the loop's without offload.
+    data = batches(3 * micro_batches, rows=ROWS, device=DEVICE)
+    steps = [data[i : i + micro_batches] for i in range(0, len(data), micro_batches)]
 
     def clipped(model: Any, optimizer: Any) -> tuple[list[float], list[Any]]:
         losses, norms = [], []
-        for x in data:
-            loss = model(x)
-            loss.backward()
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
-        return losses, norms
-
-    reference_model, reference_optimizer = make(device=DEVICE)
-    reference, reference_norms = clipped(reference_model, reference_optimizer)
-    model, optimizer = make(device=DEVICE)
-    # The GPU step: the norm and the update are the reference's CUDA arithmetic.
-    options = {"gpu_memory": 64 << 20, "host_memory": 1 << 30, "whole_model": "on", "update": "gpu"}
-    with teraio.offload(model, optimizer, store=store, **options, granularity="tensor"):
-        losses, norms = clipped(model, optimizer)
-    assert losses == reference
-    assert all(torch.equal(a, b) for a, b in zip(reference_norms, norms))
-    for p, q in zip(reference_model.parameters(), model.parameters()):
-        assert torch.equal(p, q)
-
-
-@pytest.mark.parametrize("host_memory", [1 << 30, 0], ids=["host", "ssd"])
-def test_whole_model_accumulation_with_a_clip_is_exact_on_cuda(store: teraio.Store, host_memory: int) -> None:
-    # Two distinct micro-batches a step, then a clip, with the GPU step: the second micro-batch
-    # adds each gradient to its held sum on the GPU, read back ahead of its unit's backward from
-    # host memory or the store; losses, norms, parameters and state are the loop's without
-    # offload.
-    data = batches(6, rows=ROWS, device=DEVICE)
-
-    def loop(model: Any, optimizer: Any) -> tuple[list[float], list[Any]]:
-        losses, norms = [], []
-        for first, second in zip(data[::2], data[1::2]):
-            for x in (first, second):
+        for micro in steps:
+            for x in micro:
                 loss = model(x)
-                (loss / 2).backward()
+                (loss / micro_batches).backward()
                 losses.append(loss.item())
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
             optimizer.step()
@@ -569,11 +546,11 @@ def test_whole_model_accumulation_with_a_clip_is_exact_on_cuda(store: teraio.Sto
         return losses, norms
 
     reference_model, reference_optimizer = make(device=DEVICE)
-    reference, reference_norms = loop(reference_model, reference_optimizer)
+    reference, reference_norms = clipped(reference_model, reference_optimizer)
     model, optimizer = make(device=DEVICE)
     options = {"gpu_memory": 64 << 20, "host_memory": host_memory, "whole_model": "on", "update": "gpu"}
     with teraio.offload(model, optimizer, store=store, **options, granularity="tensor"):
-        losses, norms = loop(model, optimizer)
+        losses, norms = clipped(model, optimizer)
     assert losses == reference
     assert all(torch.equal(a, b) for a, b in zip(reference_norms, norms))
     for p, q in zip(reference_model.parameters(), model.parameters()):
