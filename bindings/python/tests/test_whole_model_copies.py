@@ -268,6 +268,40 @@ def test_a_slow_worker_folds_each_micro_batch(monkeypatch: pytest.MonkeyPatch, c
     _assert_same_training(_train_steps_of(False, steps, clip, end), _train_steps_of(True, steps, clip, end))
 
 
+@pytest.mark.parametrize("pull_forward_bytes", [0, 1 << 20], ids=["unit-by-unit", "ahead"])
+def test_the_last_micro_batchs_sums_are_read_ahead(
+    monkeypatch: pytest.MonkeyPatch, pull_forward_bytes: int
+) -> None:
+    # Every held sum of a block the last micro-batch adds to on the device was read before its
+    # gradient left (at its unit's entry, or with the units ahead), not when it left; the
+    # head, norm and embedding, which backward enters no more, read theirs as they leave. No
+    # more than `pull_forward_bytes` of sums beyond the running unit's are in flight.
+    ahead: list[bool] = []
+    in_flight: list[int] = []
+    take = ModelOffload._take_held_sum
+    fetch = ModelOffload._fetch_sums_ahead
+
+    def taken(self: ModelOffload, slot: Any) -> torch.Tensor:
+        if self.steps > 0 and ".layers." in f".{slot.name}":
+            ahead.append(slot.incoming_sum is not None)
+        return take(self, slot)
+
+    def fetched(self: ModelOffload, current: Any, horizon: Any) -> None:
+        fetch(self, current, horizon)
+        mine = set(self.units[current].slots) if current is not None else set()
+        in_flight.append(
+            sum(s.full.nbytes for s in self.slots if s.incoming_sum is not None and s.index not in mine)
+        )
+
+    monkeypatch.setattr(ModelOffload, "_take_held_sum", taken)
+    monkeypatch.setattr(ModelOffload, "_fetch_sums_ahead", fetched)
+    _train(UntiedLM, True, {"pull_forward_bytes": pull_forward_bytes}, accumulate=2)
+    assert ahead and all(ahead)
+    largest = max(s.numel() * 4 for s in UntiedLM().parameters())
+    assert max(in_flight) <= max(pull_forward_bytes, largest)
+    assert (max(in_flight) > 0) == (pull_forward_bytes > 0)
+
+
 @pytest.mark.parametrize("clip", [None, 0.05], ids=["accumulated", "accumulated-clipped"])
 def test_steps_of_changing_micro_batch_counts_are_bitwise(clip: Any) -> None:
     # The last micro-batch of a step is expected as the last step's count says:
