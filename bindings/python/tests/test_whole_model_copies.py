@@ -279,22 +279,22 @@ def test_the_last_micro_batchs_sums_are_read_ahead(
     ahead: list[bool] = []
     in_flight: list[int] = []
     take = ModelOffload._take_held_sum
-    fetch = ModelOffload._fetch_sums_ahead
+    prefetch = ModelOffload._prefetch_ahead
 
     def taken(self: ModelOffload, slot: Any) -> torch.Tensor:
         if self.steps > 0 and ".layers." in f".{slot.name}":
             ahead.append(slot.incoming_sum is not None)
         return take(self, slot)
 
-    def fetched(self: ModelOffload, current: Any, horizon: Any) -> None:
-        fetch(self, current, horizon)
+    def fetched(self: ModelOffload, current: Any = None) -> None:
+        prefetch(self, current)
         mine = set(self.units[current].slots) if current is not None else set()
         in_flight.append(
             sum(s.full.nbytes for s in self.slots if s.incoming_sum is not None and s.index not in mine)
         )
 
     monkeypatch.setattr(ModelOffload, "_take_held_sum", taken)
-    monkeypatch.setattr(ModelOffload, "_fetch_sums_ahead", fetched)
+    monkeypatch.setattr(ModelOffload, "_prefetch_ahead", fetched)
     _train(UntiedLM, True, {"pull_forward_bytes": pull_forward_bytes}, accumulate=2)
     assert ahead and all(ahead)
     largest = max(s.numel() * 4 for s in UntiedLM().parameters())

@@ -1592,56 +1592,58 @@ class ModelOffload(Session):
 
     def _prefetch_ahead(self, current: Optional[int] = None) -> None:
         """Issues the reads of the parameters in the horizon, a unit's as one batch (one event
-        for compute to wait for). In backward with the step there, also those of the optimizer
-        state of unit `current`'s parameters and of the horizon's, up to `pull_forward_bytes` of
-        state (twice the parameters' bytes under Adam: read ahead for the whole parameter
-        horizon, it runs out of memory at a few GiB of `pull_forward_bytes`; counted with the
-        parameters' bytes, it leaves the parameter reads behind)."""
+        for compute to wait for). In backward, also those of what it uses beside them
+        (`_read_ahead`): with the step there on the GPU, the optimizer state of the parameters
+        it steps, up to `pull_forward_bytes` of state (twice the parameters' bytes under Adam:
+        read ahead for the whole parameter horizon, it runs out of memory at a few GiB of
+        `pull_forward_bytes`; counted with the parameters' bytes, it leaves the parameter reads
+        behind); in a loop that accumulates, the held gradients this micro-batch adds to on the
+        device (`_sum_on_device`)."""
         horizon = self._horizon()
         for unit in horizon:
             with self.host.batched():
                 for slot in unit:
                     self._acquire(slot, wait=False)
-        backward = torch._C._current_graph_task_id() != -1
-        if backward and self.moves_gradients:
-            self._fetch_sums_ahead(current, horizon)
-        if self.moves_gradients or not backward:
-            return  # state is read ahead only for the step in backward on the GPU
-        if current is not None:
-            with self.host.batched():
-                for i in self.units[current].slots:
-                    self._fetch_state(self.slots[i])
-        ahead = 0
-        for unit in horizon:
-            with self.host.batched():
-                for slot in unit:
-                    if ahead > 0 and ahead + self._state_bytes[slot.index] > self.pull_forward_bytes:
-                        return
-                    ahead += self._state_bytes[slot.index]
-                    self._fetch_state(slot)
+        if torch._C._current_graph_task_id() == -1:
+            return
+        if self.moves_gradients:
+            self._read_ahead(
+                current,
+                horizon,
+                self._fetch_held_sum,
+                lambda slot: slot.full.nbytes if self._sum_on_device(slot) else 0,
+            )
+        else:
+            self._read_ahead(current, horizon, self._fetch_state, lambda slot: self._state_bytes[slot.index])
 
-    def _fetch_sums_ahead(self, current: Optional[int], horizon: list[list[_Slot]]) -> None:
-        """Backward in a loop that accumulates: issues the reads of the held gradients this
-        micro-batch adds to on the device (`_sum_on_device`): unit `current`'s, and those of the
-        horizon's units this backward enters (not the next forward pass's) up to
-        `pull_forward_bytes` of them (counting those read already), as parameters are read
-        ahead."""
+    def _read_ahead(
+        self,
+        current: Optional[int],
+        horizon: list[list[_Slot]],
+        fetch: Callable[[_Slot], None],
+        nbytes: Callable[[_Slot], int],
+    ) -> None:
+        """In backward: `fetch` for unit `current`'s parameters, then for those of the horizon's
+        units this backward enters (not the next forward pass's), a unit's as one batch, up to
+        `pull_forward_bytes` of their `nbytes` (at least one parameter's; one of none needs no
+        read)."""
         if current is not None:
             with self.host.batched():
                 for i in self.units[current].slots:
-                    self._fetch_held_sum(self.slots[i])
+                    fetch(self.slots[i])
         ahead = 0
         for unit, in_backward in zip(horizon, self._order_in_backward[self._position :]):
             if not in_backward:
                 return
             with self.host.batched():
                 for slot in unit:
-                    if not self._sum_on_device(slot):
+                    size = nbytes(slot)
+                    if not size:
                         continue
-                    if ahead > 0 and ahead + slot.full.nbytes > self.pull_forward_bytes:
+                    if ahead > 0 and ahead + size > self.pull_forward_bytes:
                         return
-                    ahead += slot.full.nbytes
-                    self._fetch_held_sum(slot)
+                    ahead += size
+                    fetch(slot)
 
     def _leave_unit(self, index: int) -> None:
         if torch._C._current_graph_task_id() != -1:
