@@ -213,14 +213,18 @@ def test_the_report_counts_the_allocators_retries_per_iteration(monkeypatch: pyt
     assert not any("allocator" in w for w in quiet.warnings)
 
 
+@pytest.mark.parametrize("micro_batches", [2, 3])
 @pytest.mark.parametrize("clip", [None, 0.05], ids=["accumulated", "accumulated-clipped"])
-def test_accumulated_gradients_fold_on_the_worker(monkeypatch: pytest.MonkeyPatch, clip: Any) -> None:
+def test_accumulated_gradients_fold_on_the_worker(
+    monkeypatch: pytest.MonkeyPatch, clip: Any, micro_batches: int
+) -> None:
     # Once the loop has accumulated (the first iteration, before the first step turns the
-    # copies on), each micro-batch's bf16 gradients are widened into their fp32 buffers by jobs
-    # on the CPU step's worker as they arrive, not by the training thread at the next
-    # micro-batch or by the update; the last micro-batch's are added to the sums on the device
-    # (read back as backward goes), where a clip's norms are taken: the clip reads nothing
-    # back. The record holds the jobs.
+    # copies on), the last micro-batch's gradients are added to the sums on the device (read
+    # back as backward goes), where a clip's norms are taken: the clip reads nothing back. The
+    # micro-batches before it are widened into their fp32 buffers by jobs on the CPU step's
+    # worker as they arrive, not by the training thread at the next micro-batch or by the
+    # update; but a first micro-batch's bf16 gradients that the last one adds to are widened
+    # on the device, not on the host at all. The record holds the jobs.
     where: list[str] = []
     widen = ModelOffload._widen
     read_back = 0
@@ -237,16 +241,17 @@ def test_accumulated_gradients_fold_on_the_worker(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(ModelOffload, "_widen", recorded)
     monkeypatch.setattr(ModelOffload, "_read_gradient", counted)
-    reference = _train(UntiedLM, False, accumulate=2, clip=clip)
-    result = _train(UntiedLM, True, accumulate=2, clip=clip)
+    reference = _train(UntiedLM, False, accumulate=micro_batches, clip=clip)
+    result = _train(UntiedLM, True, accumulate=micro_batches, clip=clip)
     _assert_bitwise(reference, result)
     run = result[3]
     copied = len(_copied(run))
-    assert len(where) == (STEPS - 1) * copied
+    widened_per_step = 0 if micro_batches == 2 else micro_batches - 1
+    assert len(where) == (STEPS - 1) * copied * widened_per_step
     assert all(name.startswith("teraio-cpu-step") for name in where), where
     assert read_back == 0
     record = assert_cpu_step_predicted(run)
-    assert any(not job["produces"] for job in record.schedule["cpu_jobs"])
+    assert any(not job["produces"] for job in record.schedule["cpu_jobs"]) == (widened_per_step > 0)
 
 
 @pytest.mark.parametrize("end", ["step", "zero_grad", "exit"])
@@ -290,7 +295,11 @@ def test_the_last_micro_batchs_sums_are_read_ahead(
         prefetch(self, current)
         mine = set(self.units[current].slots) if current is not None else set()
         in_flight.append(
-            sum(s.full.nbytes for s in self.slots if s.incoming_sum is not None and s.index not in mine)
+            sum(
+                s.incoming_sum[0].nbytes
+                for s in self.slots
+                if s.incoming_sum is not None and s.index not in mine
+            )
         )
 
     monkeypatch.setattr(ModelOffload, "_take_held_sum", taken)

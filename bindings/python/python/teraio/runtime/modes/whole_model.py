@@ -903,7 +903,9 @@ class ModelOffload(Session):
         copies out are issued, are widened into their fp32 buffers on the CPU step's worker once
         those copies are done, beside backward; otherwise the next micro-batch's backward would
         widen them on the training thread, and the step the last ones ahead of the update."""
-        folds = [(slot, slot.fold) for slot in slots if slot.fold is not None]
+        # A first micro-batch's gradients that the next backward adds to on the device stay bf16.
+        kept = "copy" if self._next_backward_sums_on_device() else None
+        folds = [(slot, slot.fold) for slot in slots if slot.fold is not None and slot.fold != kept]
         if not folds or self._cpu_worker is None:
             return
         events = self._copies_out_events([(GRADIENT_COPY, slot.index) for slot, _ in folds])
@@ -1584,10 +1586,10 @@ class ModelOffload(Session):
             units.append(unit)
             for i in self.units[index].slots:
                 slot = self.slots[i]
-                if ahead > 0 and ahead + slot.nbytes > budget:
+                if ahead > 0 and ahead + _gpu_bytes(slot) > budget:
                     return units
                 unit.append(slot)
-                ahead += slot.nbytes
+                ahead += _gpu_bytes(slot)
         return units
 
     def _prefetch_ahead(self, current: Optional[int] = None) -> None:
@@ -1611,7 +1613,7 @@ class ModelOffload(Session):
                 current,
                 horizon,
                 self._fetch_held_sum,
-                lambda slot: slot.full.nbytes if self._sum_on_device(slot) else 0,
+                self._held_sum_bytes,
             )
         else:
             self._read_ahead(current, horizon, self._fetch_state, lambda slot: self._state_bytes[slot.index])
@@ -1813,6 +1815,11 @@ class ModelOffload(Session):
             self._grad_norms.pop(slot.index, None)
             if self._sum_on_device(slot):
                 held = self._take_held_sum(slot)
+                if held.dtype != slot.full.dtype:
+                    # The first micro-batch's bf16 gradient, which no fold widened: float(bf16),
+                    # exactly as the host widens it.
+                    held = held.to(slot.full.dtype)
+                slot.fold = None  # the sum below supersedes the bf16 gradient in host memory
                 held.add_(grad)  # held + float(grad): autograd's fp32 sum, bitwise
                 # The clip's norm of the sum, as torch takes it on the device.
                 self._grad_norms[slot.index] = _norm(held, GRAD_NORM_TYPE, None)
@@ -1942,18 +1949,41 @@ class ModelOffload(Session):
         task = torch._C._current_graph_task_id()
         return self._backwards_since_step + (task != -1 and task != self._watched_task)
 
+    def _next_backward_sums_on_device(self) -> bool:
+        """Whether the next backward is expected to end the step (`_sum_on_device`): then a
+        step's first micro-batch's bf16 gradients are not widened on the host at all; that
+        backward reads them back as they are (half the bytes of an fp32 sum) and widens them on
+        the device, and the step's updates do not queue behind their folds on the worker."""
+        return self._copies_summed_on_device() and self._backward_count() + 1 >= self._backwards_per_step
+
+    def _issue_held_sum_read(self, slot: _Slot) -> tuple[torch.Tensor, Transfer]:
+        """Issues the read of the held gradient the running backward adds to on the device: a
+        compute copy's bf16 gradient that no fold has widened (`_next_backward_sums_on_device`)
+        as it is, else the held fp32 sum."""
+        if slot.fold != "copy":
+            return self._issue_gradient_read(slot)
+        held = torch.empty(slot.param.shape, dtype=COPY_DTYPE, device=self.device)
+        return held, self._read_into(slot, GRADIENT_COPY, flat_bytes(held))
+
+    def _held_sum_bytes(self, slot: _Slot) -> int:
+        """The bytes `_fetch_held_sum` reads for the parameter (0: none)."""
+        if not self._sum_on_device(slot):
+            return 0
+        return _numel_bytes(slot.param, COPY_DTYPE) if slot.fold == "copy" else slot.full.nbytes
+
     def _fetch_held_sum(self, slot: _Slot) -> None:
         """Issues the read of the held gradient the running backward adds to on the device
         (`_sum_on_device`), ahead of its use (once)."""
         if slot.incoming_sum is not None or not self._sum_on_device(slot):
             return
         self._apply_pending_clip()  # the held sums as a clip before this backward scaled them
-        slot.incoming_sum = self._issue_gradient_read(slot)
+        slot.incoming_sum = self._issue_held_sum_read(slot)
 
     def _take_held_sum(self, slot: _Slot) -> torch.Tensor:
-        """The held gradient on the device: read ahead (`_fetch_held_sum`), or now."""
+        """The held gradient on the device: read ahead (`_fetch_held_sum`), or now; a compute
+        copy's unwidened bf16 gradient is returned in bf16."""
         if slot.incoming_sum is None:
-            slot.incoming_sum = self._issue_gradient_read(slot)
+            slot.incoming_sum = self._issue_held_sum_read(slot)
         (held, transfer), slot.incoming_sum = slot.incoming_sum, None
         transfer.join()
         return held
@@ -2432,6 +2462,12 @@ class ModelOffload(Session):
         if self.steps == RECORDED_ITERATION:
             self.recorder.start()
             self._recorded_marks = {"start": self._step_started}
+        if self.cuda and self.steps <= 1:
+            # The iterations `_keep_resident` measures start from an empty cache: their reserved
+            # peak is then what they made, not the parameters' GPU memory the cache still held
+            # from before the session (a model moved to the GPU first), which would read as
+            # allocator slack and shrink the room kept for resident parameters.
+            torch.cuda.empty_cache()
         self._peak.arm()
 
     def _end_iteration(self) -> None:
@@ -2487,14 +2523,14 @@ class ModelOffload(Session):
         reserved = int(torch.cuda.max_memory_reserved(self.device))
         reserve = reserve_from_allocator(self.gpu_memory_bytes, reserved, peak)
         spare = self.gpu_memory_bytes - reserve - peak - self._unreached_bytes(first)
-        for slot in sorted(self.slots, key=lambda s: -s.nbytes):
-            if slot.tiers[cp.PARAMETER] == GPU or slot.nbytes > spare:
+        for slot in sorted(self.slots, key=lambda s: -_gpu_bytes(s)):
+            if slot.tiers[cp.PARAMETER] == GPU or _gpu_bytes(slot) > spare:
                 continue
-            spare -= slot.nbytes
+            spare -= _gpu_bytes(slot)
             self._acquire(slot)
             self._join(slot)
             slot.tiers[cp.PARAMETER] = GPU
-            self.resident_parameter_bytes += slot.nbytes
+            self.resident_parameter_bytes += _gpu_bytes(slot)
 
     def _retries_warning(self) -> str:
         """A warning where the CUDA allocator retried after the first iteration ("": it did
@@ -2889,6 +2925,12 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 def _numel_bytes(tensor: torch.Tensor, dtype: torch.dtype) -> int:
     return tensor.numel() * dtype.itemsize
+
+
+def _gpu_bytes(slot: _Slot) -> int:
+    """The GPU memory the parameter takes while resident: in its compute copy's dtype where it
+    has one (`.data` is the copy), else its own."""
+    return _numel_bytes(slot.param, slot.param.dtype)
 
 
 def _copy_candidates(model: torch.nn.Module, named: list[tuple[str, torch.nn.Parameter]]) -> list[int]:
