@@ -311,6 +311,29 @@ def test_the_last_micro_batchs_sums_are_read_ahead(
     assert (max(in_flight) > 0) == (pull_forward_bytes > 0)
 
 
+def test_the_read_ahead_counts_the_copies_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # `pull_forward_bytes` bounds GPU memory: the parameters read ahead count in the dtype they
+    # cross the link and occupy the GPU in, bf16 for a compute copy, so the horizon holds twice
+    # as many copied parameters as their fp32 masters' bytes would allow.
+    budget = 6 << 10
+    horizons: list[tuple[int, int, int]] = []
+    horizon = ModelOffload._horizon
+
+    def seen(self: ModelOffload) -> list[list[Any]]:
+        units = horizon(self)
+        slots = [slot for unit in units for slot in unit]
+        if self.compute_copies is not None and len(slots) > 1:
+            gpu = sum(slot.param.numel() * slot.param.element_size() for slot in slots)
+            horizons.append((gpu, sum(slot.full.nbytes for slot in slots), len(slots)))
+        return units
+
+    monkeypatch.setattr(ModelOffload, "_horizon", seen)
+    _train(UntiedLM, True, {"pull_forward_bytes": budget})
+    assert horizons
+    assert all(gpu <= budget for gpu, _, _ in horizons), horizons
+    assert any(full > budget for _, full, _ in horizons), horizons
+
+
 @pytest.mark.parametrize("clip", [None, 0.05], ids=["accumulated", "accumulated-clipped"])
 def test_steps_of_changing_micro_batch_counts_are_bitwise(clip: Any) -> None:
     # The last micro-batch of a step is expected as the last step's count says:
