@@ -220,3 +220,38 @@ def test_probe_cpu_step_prints_a_row_per_kernel_interval_and_load(tmp_path: path
         for interval in ("5 ms", "0.5 ms")
         for load in ("idle", "Python")
     ]
+
+
+def test_probe_iterations_writes_each_iterations_ops_and_the_workers_jobs(tmp_path: pathlib.Path) -> None:
+    # A whole-model row with the CPU step, 5 steps: every iteration from the 2nd is recorded
+    # with its ops, and each update job on the worker is timed in the iteration it started in.
+    out = tmp_path / "iterations.json"
+    done = _run(
+        "probe_iterations.py",
+        tmp_path,
+        "--out",
+        str(out),
+        str(BENCHES / "bench_capacity.py"),
+        "run",
+        "--mode",
+        "teraio",
+        "--tiny",
+        "--steps",
+        "5",
+        "--accumulate",
+        "2",
+        "--work-dir",
+        str(tmp_path / "work"),
+        "--teraio-options",
+        "whole_model=on,update=cpu",
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    probe = json.loads(out.read_text())
+    assert [iteration["it"] for iteration in probe["iters"]] == [1, 2, 3, 4]
+    for iteration in probe["iters"]:
+        names = [op[0] for op in iteration["ops"]]
+        assert names[0].startswith("forward") and any(name.startswith("backward") for name in names)
+        assert all(op[1] <= op[2] for op in iteration["ops"])
+    updates = [job for job in probe["jobs"] if job[1] == "update"]
+    assert {job[0] for job in updates} >= {1, 2, 3, 4}
+    assert all(job[2] <= job[3] and job[4] > 0 for job in updates)
