@@ -263,7 +263,8 @@ class WholeModelReport(Report):
     # (forward and backward, the step in backward included) and "step" (the streamed step).
     #: Units whose parameters were not prefetched in time and were fetched on demand.
     on_demand_fetches: int = 0
-    #: Parameters the first two iterations' unused memory kept on the GPU for good.
+    #: Parameters the first two iterations' unused memory kept on the GPU for good (their GPU
+    #: bytes: a compute copy's in bf16).
     resident_parameter_bytes: int = 0
     #: Where the state went at exit: "gpu", or "cpu" where it did not fit `gpu_memory`.
     returned_to: str = "gpu"
