@@ -9,7 +9,9 @@
 - `jobs`: each job of the CPU step's worker (`update="cpu"`): [iteration it started in, "update"
   or "folds", host start, host end (ms from that iteration's start), parameters].
 
-It also prints each residency decision (`_keep_resident`: the allocated and reserved peaks it
+At exit it prints a line per iteration: the GPU span of its ops, the gaps before its forward and
+backward ops (the GPU waiting for the runtime), and the worker's busy time by kind. It also prints
+each residency decision (`_keep_resident`: the allocated and reserved peaks it
 read and the parameters kept on the GPU before and after).
 
     python3 benches/torch/probe_iterations.py --out iterations.json -- \\
@@ -120,6 +122,30 @@ class Probe:
         return run
 
 
+def summary(iterations: list[dict[str, Any]], jobs: list[Any]) -> list[str]:
+    """A line per recorded iteration: its ops' GPU span, the gaps before its forward and backward
+    ops, and the worker's busy time by kind in the jobs that started in it (ms)."""
+    lines = []
+    for iteration in iterations:
+        ops = [op for op in iteration["ops"] if op[2] is not None]
+        gaps = {"forward": 0.0, "backward": 0.0}
+        for before, op in zip(ops, ops[1:]):
+            kind = op[0].split()[0]
+            if kind in gaps:
+                gaps[kind] += op[1] - before[2]
+        busy: dict[str, float] = {}
+        for it, kind, start, end, _ in jobs:
+            if it == iteration["it"]:
+                busy[kind] = busy.get(kind, 0.0) + end - start
+        span = ops[-1][2] if ops else 0.0
+        worker = ", ".join(f"{kind} {ms:.0f}" for kind, ms in sorted(busy.items())) or "idle"
+        lines.append(
+            f"iteration {iteration['it']}: GPU span {span:.0f} ms, waits before forward "
+            f"{gaps['forward']:.0f} ms and backward {gaps['backward']:.0f} ms; worker: {worker} ms"
+        )
+    return lines
+
+
 def _ms(first: Any, mark: Any) -> Any:
     return None if mark is None else round(elapsed_ms(first, mark), 2)
 
@@ -137,6 +163,7 @@ def main() -> None:
     def write() -> None:
         with open(args.out, "w") as f:
             json.dump({"iters": probe.iterations, "jobs": probe.jobs}, f)
+        print("\n".join(summary(probe.iterations, probe.jobs)), flush=True)
 
     rest = args.args[1:] if args.args[:1] == ["--"] else args.args
     sys.argv = [args.script, *rest]

@@ -255,3 +255,6 @@ def test_probe_iterations_writes_each_iterations_ops_and_the_workers_jobs(tmp_pa
     updates = [job for job in probe["jobs"] if job[1] == "update"]
     assert {job[0] for job in updates} >= {1, 2, 3, 4}
     assert all(job[2] <= job[3] and job[4] > 0 for job in updates)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("iteration ")]
+    assert [line.split(":")[0] for line in lines] == [f"iteration {i}" for i in (1, 2, 3, 4)]
+    assert all("waits before forward" in line and "worker: " in line for line in lines)
