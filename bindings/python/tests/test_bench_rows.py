@@ -224,7 +224,9 @@ def test_probe_cpu_step_prints_a_row_per_kernel_interval_and_load(tmp_path: path
 
 def test_probe_iterations_writes_each_iterations_ops_and_the_workers_jobs(tmp_path: pathlib.Path) -> None:
     # A whole-model row with the CPU step, 5 steps: every iteration from the 2nd is recorded
-    # with its ops, and each update job on the worker is timed in the iteration it started in.
+    # with its ops, and each update job on the worker is timed in the iteration it started in
+    # (its step's or, where the worker started it after the step returned, the next one's:
+    # which one is the threads' timing, so only the range is asserted).
     out = tmp_path / "iterations.json"
     done = _run(
         "probe_iterations.py",
@@ -253,7 +255,9 @@ def test_probe_iterations_writes_each_iterations_ops_and_the_workers_jobs(tmp_pa
         assert names[0].startswith("forward") and any(name.startswith("backward") for name in names)
         assert all(op[1] <= op[2] for op in iteration["ops"])
     updates = [job for job in probe["jobs"] if job[1] == "update"]
-    assert {job[0] for job in updates} >= {1, 2, 3, 4}
+    # The same update jobs each step (one per unit group), every one of the 5 steps' timed.
+    assert updates and len(updates) % 5 == 0
+    assert all(0 <= job[0] <= 5 for job in updates)
     assert all(job[2] <= job[3] and job[4] > 0 for job in updates)
     lines = [line for line in done.stdout.splitlines() if line.startswith("iteration ")]
     assert [line.split(":")[0] for line in lines] == [f"iteration {i}" for i in (1, 2, 3, 4)]
