@@ -1610,12 +1610,7 @@ class ModelOffload(Session):
         if torch._C._current_graph_task_id() == -1:
             return
         if self.moves_gradients:
-            self._read_ahead(
-                current,
-                horizon,
-                self._fetch_held_sum,
-                self._held_sum_bytes,
-            )
+            self._read_ahead(current, horizon, self._fetch_held_sum, self._held_sum_bytes)
         else:
             self._read_ahead(current, horizon, self._fetch_state, lambda slot: self._state_bytes[slot.index])
 
@@ -1815,11 +1810,9 @@ class ModelOffload(Session):
             self._apply_pending_clip()
             self._grad_norms.pop(slot.index, None)
             if self._sum_on_device(slot):
-                held = self._take_held_sum(slot)
-                if held.dtype != slot.full.dtype:
-                    # The first micro-batch's bf16 gradient, which no fold widened: float(bf16),
-                    # exactly as the host widens it.
-                    held = held.to(slot.full.dtype)
+                # The first micro-batch's bf16 gradient, which no fold widened, as float(bf16):
+                # exactly as the host widens it (an fp32 sum is returned as it is).
+                held = self._take_held_sum(slot).to(slot.full.dtype)
                 slot.fold = None  # the sum below supersedes the bf16 gradient in host memory
                 held.add_(grad)  # held + float(grad): autograd's fp32 sum, bitwise
                 # The clip's norm of the sum, as torch takes it on the device.
@@ -2524,14 +2517,14 @@ class ModelOffload(Session):
         reserved = int(torch.cuda.max_memory_reserved(self.device))
         reserve = reserve_from_allocator(self.gpu_memory_bytes, reserved, peak)
         spare = self.gpu_memory_bytes - reserve - peak - self._unreached_bytes(first)
-        for slot in sorted(self.slots, key=lambda s: -_gpu_bytes(s)):
-            if slot.tiers[cp.PARAMETER] == GPU or _gpu_bytes(slot) > spare:
+        for size, slot in sorted(((_gpu_bytes(s), s) for s in self.slots), key=lambda pair: -pair[0]):
+            if slot.tiers[cp.PARAMETER] == GPU or size > spare:
                 continue
-            spare -= _gpu_bytes(slot)
+            spare -= size
             self._acquire(slot)
             self._join(slot)
             slot.tiers[cp.PARAMETER] = GPU
-            self.resident_parameter_bytes += _gpu_bytes(slot)
+            self.resident_parameter_bytes += size
 
     def _retries_warning(self) -> str:
         """A warning where the CUDA allocator retried after the first iteration ("": it did
