@@ -86,6 +86,17 @@ class OffloadOptions:
             converts in its own pass; with torch's step, where `capacity.choose_compute_copies`
             finds that halving the link's bytes outweighs the conversions; on a CPU "device"
             off) or "off" (parameters and gradients cross the link in fp32).
+        gpu_step_share: whole-model mode with the CPU step at `optimizer.step()` (a loop that
+            clips or accumulates gradients, or `step_in_backward=False`): the share of the
+            step's parameters the GPU updates while the CPU step's worker updates the rest:
+            "auto" (default: on CUDA where the engine's Adam/AdamW kernel runs the CPU step,
+            the units the next forward pass enters last, as many as the measured rates say
+            finish with the worker's share and the forward pass's compute before it; their fp32
+            masters, gradients and moments cross the link in pinned host memory, torch's fused
+            AdamW of the GPU updates them, and they go back; none before the CPU step has been
+            measured, from the second step), "off" (the CPU updates every parameter), or a
+            fraction in [0, 1] of the step's elements, units taken from the last (the bits are
+            the device's fused AdamW's: on CUDA they differ from the CPU kernel's in rounding).
         cpu_update_bandwidth: the CPU step's rate the choice of `update` assumes, in parameter +
             gradient + state bytes per second ("auto": measured once per process on a 256 MiB
             AdamW step, `machine.measure_cpu_update`).
@@ -157,6 +168,7 @@ class OffloadOptions:
     step_in_backward: Union[bool, str] = "auto"
     update: str = "auto"
     compute_copies: str = "auto"
+    gpu_step_share: Union[str, float] = "auto"
     cpu_update_bandwidth: Bandwidth = "auto"
     tier_preference: str = "auto"
     offload_optimizer_state: bool = True
@@ -199,6 +211,11 @@ class OffloadOptions:
                 raise ValueError(f"{name} must be one of {listed}, not {value!r}")
         if self.step_in_backward not in (True, False, "auto"):
             raise ValueError(f"step_in_backward must be True, False or 'auto', not {self.step_in_backward!r}")
+        share = self.gpu_step_share
+        if share not in ("auto", "off") and (
+            isinstance(share, (bool, str)) or not isinstance(share, (int, float)) or not 0 <= share <= 1
+        ):
+            raise ValueError(f"gpu_step_share must be 'auto', 'off' or a fraction in [0, 1], not {share!r}")
         if self.copy_streams < 1:
             raise ValueError(f"copy_streams must be >= 1, got {self.copy_streams}")
 

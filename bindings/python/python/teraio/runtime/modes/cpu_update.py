@@ -22,6 +22,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+from torch.optim.adam import adam
+from torch.optim.adamw import adamw
 
 from ...cpu_adamw import AdamHyper, AdamTensor, CpuAdamW
 
@@ -204,11 +206,7 @@ class CpuUpdate:
         steps = []
         for param in params:
             shadow = self.shadow[id(param)]
-            state = self.cpu.state[shadow]
-            if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(shadow, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(shadow, memory_format=torch.preserve_format)
+            state = self.state_of(param)
             low = low_grads.get(id(param))
             copy = copies.get(id(param))
             clipped = clip is not None and id(param) in clip[1]
@@ -224,20 +222,71 @@ class CpuUpdate:
             )
             steps.append(state["step"])
         for (index, clipped), tensors in calls.items():
-            group = self.cpu.param_groups[index]
-            beta1, beta2 = group["betas"]
-            hyper = AdamHyper(
-                lr=float(group["lr"]),
-                beta1=float(beta1),
-                beta2=float(beta2),
-                eps=float(group["eps"]),
-                weight_decay=float(group["weight_decay"]),
-                decoupled=bool(group.get("decoupled_weight_decay", self.decoupled)),
-                maximize=bool(group["maximize"]),
-            )
-            self.kernel.step(hyper, tensors, scale if clipped else None)
+            self.kernel.step(self._hyper(index), tensors, scale if clipped else None)
         for step in steps:  # once the kernel took every tensor (it refuses bad ones before writing)
             step.add_(1)
+
+    def state_of(self, param: torch.Tensor) -> dict[str, Any]:
+        """The parameter's Adam state (the user's optimizer's dict), created as torch's fused
+        Adam creates it where the parameter has none yet."""
+        shadow = self.shadow[id(param)]
+        state = self.cpu.state[shadow]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(shadow, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(shadow, memory_format=torch.preserve_format)
+        return state
+
+    def _hyper(self, index: int) -> AdamHyper:
+        """Group `index`'s hyperparameters as the kernel takes them."""
+        group = self.cpu.param_groups[index]
+        beta1, beta2 = group["betas"]
+        return AdamHyper(
+            lr=float(group["lr"]),
+            beta1=float(beta1),
+            beta2=float(beta2),
+            eps=float(group["eps"]),
+            weight_decay=float(group["weight_decay"]),
+            decoupled=bool(group.get("decoupled_weight_decay", self.decoupled)),
+            maximize=bool(group["maximize"]),
+        )
+
+    def device_step(self, params: list[torch.Tensor], tensors: list[tuple[torch.Tensor, ...]]) -> None:
+        """The same Adam/AdamW update of `params` (the user's parameters) on another device, for
+        the share of the step the GPU takes (`whole_model`'s `gpu_step_share`): `tensors` holds
+        each one's (master, gradient, exp_avg, exp_avg_sq) there, fp32, the gradient already
+        scaled as a clip scales it; torch's fused kernel of that device updates them, with this
+        step's hyperparameters, and each state's `step` (in CPU memory) advances as the CPU
+        step's does. On a CPU device its bits are the kernel's (torch's fused CPU kernel); on
+        CUDA they are torch's fused CUDA AdamW's."""
+        assert self.kernel is not None, "the device step runs the optimizers the kernel runs"
+        calls: dict[int, list[int]] = {}
+        for position, param in enumerate(params):
+            calls.setdefault(self._group_of[id(param)], []).append(position)
+        for index, positions in calls.items():
+            hyper = self._hyper(index)
+            device = tensors[positions[0]][0].device
+            # torch's fused kernel advances the steps it is given before it uses them.
+            steps = [self.state_of(params[p])["step"].to(device, copy=True) for p in positions]
+            update = adamw if hyper.decoupled else adam
+            update(
+                [tensors[p][0] for p in positions],
+                [tensors[p][1] for p in positions],
+                [tensors[p][2] for p in positions],
+                [tensors[p][3] for p in positions],
+                [],
+                steps,
+                fused=True,
+                amsgrad=False,
+                beta1=hyper.beta1,
+                beta2=hyper.beta2,
+                lr=hyper.lr,
+                weight_decay=hyper.weight_decay,
+                eps=hyper.eps,
+                maximize=hyper.maximize,
+            )
+        for param in params:
+            self.state_of(param)["step"].add_(1)
 
     def state_bytes(self) -> int:
         return sum(

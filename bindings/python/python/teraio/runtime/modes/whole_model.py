@@ -118,7 +118,7 @@ from torch.utils._foreach_utils import (
 )
 
 from ... import blocks as bk
-from ... import ids
+from ... import ids, timing
 from ...head import LossHead
 from ...machine import RESERVE_EXTRA_BYTES, measure_cpu_update, reserve_from_allocator, resolve_link
 from ...options import OffloadOptions
@@ -184,6 +184,11 @@ ITERATIONS_REPORTED = 64
 #: `step_in_backward="auto"` decides from the loop's iterations before this one (the recorded
 #: iteration, so that the prediction replays the schedule the run keeps).
 IN_BACKWARD_AUTO_FROM = RECORDED_ITERATION
+
+#: `gpu_step_share="auto"`: bytes per element the GPU's share of the step moves each way (in:
+#: the fp32 master, the gradient, bf16 for a compute copy's, and Adam's two fp32 moments; out:
+#: the master, its bf16 copy and the moments), for its rate before one has been measured.
+SHARE_BYTES_PER_ELEMENT = 15
 
 #: Python's thread switch interval while the CPU step runs (`sys.setswitchinterval`; Python's
 #: default is 5 ms), restored at exit. The worker's optimizer takes the GIL back after each torch
@@ -295,6 +300,12 @@ class WholeModelReport(Report):
     #: What ran the CPU step: "teraio" (the engine's Adam/AdamW kernel, bitwise torch's fused
     #: CPU kernel) or "torch" (the optimizer's own CPU step), and why ("" for the GPU step).
     cpu_step_kernel: str = ""
+    #: The GPU's share of the CPU step after backward (`OffloadOptions.gpu_step_share`): the
+    #: elements it updated at each step (the first `ITERATIONS_REPORTED`; 0: none), its time on
+    #: the training thread (ms, median over the steps that shared) and the setting.
+    gpu_step_share_elements_by_iteration: list[int] = field(default_factory=list)
+    gpu_step_share_ms: Optional[float] = None
+    gpu_step_share: str = "off"
     update_model_ms: dict[str, Optional[float]] = field(default_factory=dict)
     #: The least this placement and update site must move per iteration, shaped as
     #: `bytes_per_iteration`: each parameter off the GPU read in once, each gradient out once,
@@ -331,6 +342,16 @@ class WholeModelReport(Report):
     largest_batch: Optional[int] = None
     largest_batch_note: str = ""
 
+    def _share_line(self) -> str:
+        shared = [n for n in self.gpu_step_share_elements_by_iteration if n]
+        if not shared:
+            return f"  GPU's share of the CPU step ({self.gpu_step_share}): none"
+        return (
+            f"  GPU's share of the CPU step ({self.gpu_step_share}): {len(shared)} of "
+            f"{len(self.gpu_step_share_elements_by_iteration)} steps, {statistics.median(shared) / 1e6:.1f}M "
+            f"elements each (median), {self.gpu_step_share_ms or 0:.1f} ms on the training thread"
+        )
+
     def __str__(self) -> str:
         def gib(value: Optional[int]) -> str:
             return "-" if value is None else format_bytes(value)
@@ -355,6 +376,7 @@ class WholeModelReport(Report):
             f"  update on the {self.update.upper()}: {self.update_reason}",
             f"  step in backward: {self.step_in_backward_reason}",
             *([f"  CPU step kernel: {self.cpu_step_kernel}"] if self.cpu_step_kernel else []),
+            *([self._share_line()] if self.cpu_step_kernel else []),
             *(
                 [
                     f"  throughput: {self.tokens_per_iteration} tokens per iteration, "
@@ -564,6 +586,22 @@ class ModelOffload(Session):
         self._cpu_update_lock = threading.Lock()
         self._cpu_update_ms: list[float] = []
         self._updates_pending = False
+        # The GPU's share of the CPU step after backward (`gpu_step_share`, `_gpu_share`): the
+        # elements it updated at each step, its time there, the last step's CPU jobs (future,
+        # elements) and both sides' measured seconds per element; the first forward pass's
+        # compute marks (`_mark_forward`) and their sum in the last iteration; whether its
+        # copies out may still be in flight.
+        self._share_setting = options.gpu_step_share
+        self._share_elements: list[int] = []
+        self._share_ms: list[float] = []
+        self._cpu_jobs: list[tuple[concurrent.futures.Future[float], int]] = []
+        self._cpu_s_per_element: Optional[float] = None
+        self._gpu_s_per_element: Optional[float] = None
+        self._forward_marks: list[list[Any]] = []
+        self._forward_s: Optional[float] = None
+        self._share_writes_pending = False
+        # The record's name and bytes of each tensor of the GPU's share it read.
+        self._share_records: dict[Any, tuple[str, int]] = {}
         # Step in backward on the CPU: this backward has queued updates (`_queue_cpu_updates`).
         self._updating_in_backward = False
         self._original_state_dict: Optional[Callable[..., Any]] = None
@@ -1540,6 +1578,7 @@ class ModelOffload(Session):
             self._recorded_marks["first_entry"] = time.perf_counter()
         self._gradients_complete()  # the unit backward left
         self.recorder.wait()
+        self._end_forward_mark()
         started = time.perf_counter()
         self._poll()
         if torch._C._current_graph_task_id() == -1:
@@ -1566,12 +1605,21 @@ class ModelOffload(Session):
             for key, _, tier in self.inputs.saves_of(position - 1) if self.recorder.recording else ():
                 self.recorder.read((cp.ACTIVATION, key), tier)
         self.recorder.begin(f"{'backward' if backward else 'forward'} {self.units[index].name}")
+        if not backward and self._backwards_since_step == 0:
+            self._forward_marks.append([timing.mark(self.device), None])
         if backward and position is not None and self.recorder.recording:
             # The recomputation reads the block's inputs (unpacked just before it entered).
             for key, nbytes, _ in self.inputs.saves_of(position):
                 self.recorder.use((cp.ACTIVATION, key), f"inputs {key}", cp.ACTIVATION, nbytes)
         for slot in slots:
             self._record_use(slot, cp.PARAMETER)
+
+    def _end_forward_mark(self) -> None:
+        """The unit of the step's first forward pass that ran since the last mark ends here (its
+        compute, without the waits before it, is what `_gpu_share` weighs the GPU's share
+        against)."""
+        if self._forward_marks and self._forward_marks[-1][1] is None:
+            self._forward_marks[-1][1] = timing.mark(self.device)
 
     def _horizon(self) -> list[list[_Slot]]:
         """The parameters of the next units in the recorded order, unit by unit,
@@ -1725,6 +1773,7 @@ class ModelOffload(Session):
         self._await_update(slot)
         task = torch._C._current_graph_task_id()
         if task != self._watched_task:
+            self._end_forward_mark()
             self._watched_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
             self._backwards_since_step += 1
@@ -2171,8 +2220,192 @@ class ModelOffload(Session):
         if self._clip is not None:
             coef, _, held = self._clip
             clip = (coef.to("cpu"), {id(self.slots[i].param) for i in held})
-        for group in self._update_groups(stepped):
+        groups = self._update_groups(stepped)
+        share = self._gpu_share(groups)
+        for group in groups[: len(groups) - len(share)]:
             self._submit_cpu_update(group, clip, [])
+            self._cpu_jobs.append((group[0].update, sum(slot.param.numel() for slot in group)))  # type: ignore[arg-type]
+        if share:
+            self._step_share(share)
+
+    def _gpu_share(self, groups: list[list[_Slot]]) -> list[list[_Slot]]:
+        """The groups the GPU updates at this step (`gpu_step_share`): the last ones of the next
+        forward pass's order, whose units it enters after the worker's. "auto" takes as many
+        elements as finish together with the worker's share and the forward pass's compute
+        before the GPU's units: the worker updates its E - s elements in c (E - s) seconds
+        (c: its measured seconds per element), while the training thread updates s in g s and
+        then runs the forward pass, F seconds of compute (the last iteration's first forward),
+        whose units wait for the worker's; so s = (c E - F) / (c + g), none where the worker
+        alone finishes within the forward pass. g is measured at each step that shares, and
+        estimated from the link's rate before (`SHARE_BYTES_PER_ELEMENT`)."""
+        self._measure_step_rates()
+        setting = self._share_setting
+        elements = [sum(slot.param.numel() for slot in group) for group in groups]
+        total = sum(elements)
+        target = 0.0
+        kernel = self.cpu_update is not None and self.cpu_update.kernel is not None
+        if setting == "off" or not kernel or self.step_in_backward or self.steps < 1 or not total:
+            target = 0.0
+        elif setting != "auto":
+            target = float(setting) * total
+        elif self.cuda and self._cpu_s_per_element is not None:
+            cpu_s = self._cpu_s_per_element
+            gpu_s = self._gpu_s_per_element
+            if gpu_s is None:
+                link = self.link.duplex or min(self.link.d2h, self.link.h2d)
+                gpu_s = SHARE_BYTES_PER_ELEMENT / link
+            target = max(0.0, (cpu_s * total - (self._forward_s or 0.0)) / (cpu_s + gpu_s))
+        share: list[list[_Slot]] = []
+        taken = 0
+        for group, size in zip(reversed(groups), reversed(elements)):
+            if taken + size > target:
+                break
+            share.append(group)
+            taken += size
+        self._share_elements.append(taken)
+        return share[::-1]
+
+    def _measure_step_rates(self) -> None:
+        """The worker's seconds per element in the last step's updates (all done by now), and
+        the last iteration's first forward pass's compute (`_forward_marks`)."""
+        if self._cpu_jobs:
+            seconds = sum(job.result() for job, _ in self._cpu_jobs)
+            elements = sum(n for _, n in self._cpu_jobs)
+            self._cpu_s_per_element = seconds / elements if elements else None
+            self._cpu_jobs = []
+        marks = [(start, end) for start, end in self._forward_marks if end is not None]
+        if marks:
+            self._forward_s = sum(timing.elapsed_ms(start, end) for start, end in marks) / 1e3
+        self._forward_marks = []
+
+    def _step_share(self, groups: list[list[_Slot]]) -> None:
+        """The GPU's share of the step (`_gpu_share`), group by group on the training thread
+        while the worker updates the groups before them: each parameter's fp32 master, gradient
+        (a compute copy's lone bf16 one as it is, widened here as the kernel widens it) and
+        Adam moments come up from host memory, the next group's reads issued before this one's
+        update; the device's fused AdamW updates them (`CpuUpdate.device_step`, after the
+        clip's scale), and the master, its compute copy and the moments go back, the copy also
+        into the GPU storage of a parameter kept there."""
+        started = time.perf_counter()
+        assert self.cpu_update is not None
+        limit = self.plan.window_bytes
+        if self.cuda:
+            free = self.gpu_memory_bytes - int(torch.cuda.memory_allocated(self.device))
+            limit = max(limit, free // 2)
+        pending = self._share_reads(groups[0])
+        for position, group in enumerate(groups):
+            following = None
+            if position + 1 < len(groups):
+                nbytes = sum(_share_bytes(slot) for slot in group + groups[position + 1])
+                if nbytes <= limit:
+                    following = self._share_reads(groups[position + 1])
+            self.recorder.wait()
+            for _, _, transfers in pending:
+                for transfer in transfers:
+                    transfer.join()
+            self.recorder.begin("step share")
+            params, updated = [], []
+            for slot, (master, grad, exp_avg, exp_avg_sq), _ in pending:
+                grad = self._scaled(slot, grad.to(master.dtype))
+                params.append(slot.param)
+                updated.append((master, grad, exp_avg, exp_avg_sq))
+            self.cpu_update.device_step(params, updated)
+            self._share_writes([(slot, tensors) for slot, tensors, _ in pending])
+            pending = (
+                following
+                if following is not None
+                else (self._share_reads(groups[position + 1]) if position + 1 < len(groups) else [])
+            )
+        self._share_writes_pending = True
+        elapsed = time.perf_counter() - started
+        self._share_ms.append(elapsed * 1e3)
+        shared = sum(slot.param.numel() for group in groups for slot in group)
+        self._gpu_s_per_element = elapsed / shared
+
+    def _share_reads(self, group: list[_Slot]) -> list[_ShareRead]:
+        """Issues the reads of the group's masters, gradients and moments into new device
+        memory (the host tier's as one batch)."""
+        reads = []
+        with self.host.batched():
+            for slot in group:
+                self._await_fold(slot)
+                moments = self._share_moments(slot)
+                master = torch.empty(slot.full.shape, dtype=slot.full.dtype, device=self.device)
+                transfers = [self._share_read(slot, (cp.PARAMETER, slot.index), "master", master)]
+                grad, transfer = self._issue_held_sum_read(slot)
+                transfers.append(transfer)
+                tensors = [master, grad]
+                for name, value in moments:
+                    target = torch.empty(value.shape, dtype=value.dtype, device=self.device)
+                    transfers.append(self._share_read(slot, ((cp.STATE, name), slot.index), name, target))
+                    tensors.append(target)
+                reads.append((slot, tuple(tensors), transfers))
+        return reads
+
+    def _share_moments(self, slot: _Slot) -> list[tuple[str, torch.Tensor]]:
+        """The parameter's Adam moments, moved once into host-tier buffers (pinned, where the
+        GPU's copies run at the link's rate), which the CPU step updates in place as before."""
+        assert self.cpu_update is not None
+        state = self.cpu_update.state_of(slot.param)
+        moments = []
+        for name in ("exp_avg", "exp_avg_sq"):
+            key = ((cp.STATE, name), slot.index)
+            value = state[name]
+            if key not in self.host.buffers or self.host.buffers[key].data_ptr() != value.data_ptr():
+                self.host.reserve(key, _nbytes(value))
+                held = self.host.buffers[key].view(value.dtype).view(value.shape)
+                held.copy_(value)
+                state[name] = value = held
+                self._state_nbytes[key] = _nbytes(value)
+            moments.append((name, value))
+        return moments
+
+    def _share_read(self, slot: _Slot, key: Any, name: str, target: torch.Tensor) -> Transfer:
+        """A read of the GPU's share from the host tier. The record holds the master and the
+        moments as optimizer state (the master's fp32 bytes: the record's parameter is the
+        copy the forward pass reads)."""
+        nbytes = _nbytes(target)
+        self._counts.add("in", HOST, cp.PARAMETER if name == "master" else cp.STATE, nbytes)
+        record = ((cp.STATE, name), slot.index)
+        self._share_records.setdefault(record, (f"{slot.name}.{name}", nbytes))
+        self.recorder.read(record, HOST)
+        return self.host.read(key, flat_bytes(target))
+
+    def _share_writes(self, updated: list[tuple[_Slot, tuple[torch.Tensor, ...]]]) -> None:
+        """After the device step of `updated`: its uses for the record, and each master, its
+        copy and the moments back to host memory (one batch); a parameter whose storage is on
+        the GPU gets its new value there."""
+        recording = self.recorder.recording
+        with self.host.batched():
+            for slot, (master, _, exp_avg, exp_avg_sq) in updated:
+                in_place = slot.resident and bool(slot.param.untyped_storage().nbytes())
+                if recording:
+                    self._record_use(slot, cp.GRADIENT)
+                    if in_place:  # else the next forward pass reads it from host memory
+                        self._record_use(slot, cp.PARAMETER, write=True)
+                    for name in ("master", "exp_avg", "exp_avg_sq"):
+                        record = ((cp.STATE, name), slot.index)
+                        label, nbytes = self._share_records[record]
+                        self.recorder.use(record, label, cp.STATE, nbytes, write=True)
+                writes = [((cp.PARAMETER, slot.index), "master", master)]
+                value = master
+                if slot.copied:
+                    value = master.to(COPY_DTYPE)
+                    writes.append(((PARAMETER_COPY, slot.index), "copy", value))
+                for name, moment in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+                    writes.append((((cp.STATE, name), slot.index), name, moment))
+                for key, name, source in writes:
+                    kind = cp.STATE if name.startswith("exp_") else cp.PARAMETER
+                    self._counts.add("out", HOST, kind, _nbytes(source))
+                    if name != "copy":
+                        self.recorder.wrote(((cp.STATE, name), slot.index), HOST)
+                    self.host.write(key, flat_bytes(source))
+                if in_place:
+                    self._join(slot)  # a read into the storage must land before the new value
+                    slot.param.data.copy_(value)
+                slot.stale = False
+                slot.grad_held = False
+                slot.fold = None
 
     def _close_cpu_iteration(self) -> None:
         """The worker's time in the CPU step of the iteration whose updates are all done."""
@@ -2324,7 +2557,13 @@ class ModelOffload(Session):
         waits["cpu step"] = waits.get("cpu step", 0.0) + time.perf_counter() - started
 
     def _await_updates(self) -> None:
-        """Waits for every update the CPU step has queued."""
+        """Waits for every update the CPU step has queued, and for the GPU share's copies out
+        (which the worker and the state's readers read in host memory)."""
+        if self._share_writes_pending:
+            self._share_writes_pending = False
+            if self.cuda:
+                self.host.flush()
+                self.host.d2h.synchronize()
         if not self._updates_pending:
             return
         self._updates_pending = False
@@ -2794,6 +3033,9 @@ class ModelOffload(Session):
             if self._cpu_update_ms
             else None,
             cpu_update_ms_by_iteration=self._cpu_update_ms[:ITERATIONS_REPORTED],
+            gpu_step_share_elements_by_iteration=self._share_elements[:ITERATIONS_REPORTED],
+            gpu_step_share_ms=statistics.median(self._share_ms) if self._share_ms else None,
+            gpu_step_share=str(self._share_setting),
             minimum_bytes_moved=self.minimum_bytes(),
             compute_copies="off" if self.compute_copies is None else str(self.compute_copies).split(".")[-1],
             compute_copies_reason=self._copies_reason or "decided at the first step",
@@ -2919,6 +3161,17 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 def _numel_bytes(tensor: torch.Tensor, dtype: torch.dtype) -> int:
     return tensor.numel() * dtype.itemsize
+
+
+#: A parameter of the GPU's share: its device tensors (master, gradient, exp_avg, exp_avg_sq) and
+#: the reads filling them.
+_ShareRead = tuple[_Slot, tuple[torch.Tensor, ...], list[Transfer]]
+
+
+def _share_bytes(slot: _Slot) -> int:
+    """GPU bytes the GPU's share of the step holds for the parameter: its fp32 master, gradient
+    and two moments."""
+    return 4 * _numel_bytes(slot.param, slot.full.dtype)
 
 
 def _gpu_bytes(slot: _Slot) -> int:
