@@ -14,7 +14,7 @@ import pytest
 import teraio
 import torch
 from cpu_step import assert_cpu_step_predicted
-from teraio.runtime.modes.whole_model import ModelOffload
+from teraio.runtime.modes.whole_model import ModelOffload, balanced_share
 from teraio.runtime.movers import tiers
 from teraio.runtime.movers.tiers import HostTier
 from teraio.runtime.plans import capacity as cp
@@ -632,3 +632,118 @@ def test_compute_copy_room() -> None:
 def test_the_option_is_checked() -> None:
     with pytest.raises(ValueError, match="compute_copies must be one of"):
         teraio.OffloadOptions(compute_copies="yes")
+
+
+def _assert_share_recorded(run: ModelOffload) -> None:
+    """The recorded iteration's step: the worker's jobs update the units before the GPU's share,
+    whose "step share" ops read and write the masters and moments as optimizer state, and the
+    replay predicts it with nothing unmodelled."""
+    report = run.report()
+    record = run.recorder.result()
+    assert record is not None and report.predicted_iteration_ms is not None, report.warnings
+    assert record.unmodelled_job_tensors == 0 and record.unmodelled_transfers == 0
+    names = {t["id"]: t["name"] for t in record.trace["tensors"]}
+    produced = {names[i] for job in record.schedule.get("cpu_jobs", []) for i in job["produces"]}
+    shared = {t["name"].rsplit(".", 1)[0] for t in record.trace["tensors"] if t["name"].endswith(".master")}
+    assert shared and not shared & produced
+    assert shared | produced == {slot.name for slot in run.slots if slot.param.requires_grad}
+    assert any(op["name"] == "step share" for op in record.trace["ops"])
+
+
+@pytest.mark.parametrize("share", [0.5, 1.0])
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"accumulate": 2}, {"clip": 0.05}, {"accumulate": 3, "clip": 0.05}],
+    ids=["plain", "accumulated", "clipped", "accumulated-3-clipped"],
+)
+def test_the_gpus_share_of_the_step_is_bitwise(kwargs: dict[str, Any], share: float) -> None:
+    # On a CPU device the share's "GPU" step is torch's fused CPU AdamW, whose bits the CPU
+    # step's kernel has: the same training as without offload, with the units the next
+    # forward pass enters last updated by the share from the second step on (half of the
+    # elements or fewer, or all), each gradient as the kernel reads it (a lone micro-batch's
+    # bf16 one widened, an accumulated fp32 sum, a clip's scale applied first).
+    reference = _train(UntiedLM, False, **kwargs)
+    result = _train(UntiedLM, True, {"gpu_step_share": share, "step_in_backward": False}, **kwargs)
+    _assert_bitwise(reference, result)
+    run = result[3]
+    total = sum(p.numel() for p in run.model.parameters())
+    report = run.report()
+    shared = report.gpu_step_share_elements_by_iteration
+    assert shared[0] == 0 and len(shared) == STEPS
+    assert all(0 < n <= share * total for n in shared[1:])
+    assert (shared[1] == total) == (share == 1.0)
+    assert report.gpu_step_share_ms is not None and report.gpu_step_share == str(share)
+    assert f"GPU's share of the CPU step ({share}): {STEPS - 1} of {STEPS} steps" in str(report)
+    _assert_share_recorded(run)
+
+
+def test_the_gpus_share_moves_its_moments_to_pinned_buffers_once() -> None:
+    # The shared parameters' moments go into host-tier buffers at their first share, where the
+    # CPU step updates them in place when a later step gives them back to the worker.
+    model, optimizer = _build(UntiedLM)
+    data = _tokens(STEPS)
+    settings = {"gpu_memory": 4096, "host_memory": 1 << 30, "update": "cpu", "compute_copies": "on"}
+    shares = iter([1.0, 0.0, 0.5])
+    with teraio.offload(model, optimizer, gpu_step_share=1.0, step_in_backward=False, **settings) as run:
+        assert isinstance(run, ModelOffload)
+
+        def next_share(step: int) -> None:
+            run._share_setting = next(shares, 0.5)
+
+        losses = _loop(model, optimizer, data, clip=0.05, on_step=next_share)
+        buffers = {key for key in run.host.buffers if key[0][0] == cp.STATE}
+    reference = _train(UntiedLM, False, clip=0.05)
+    assert losses == reference[2]
+    _assert_bitwise(reference, (model, optimizer, losses, None))
+    trained = [slot for slot in run.slots if slot.param.requires_grad]
+    assert buffers == {((cp.STATE, name), slot.index) for slot in trained for name in ("exp_avg", "exp_avg_sq")}
+    assert run.report().gpu_step_share_elements_by_iteration[2] == 0
+
+
+def test_a_checkpoint_loaded_inside_the_session_continues_with_the_share() -> None:
+    # A load rebuilds the CPU optimizer, whose state is new CPU memory: the next share copies
+    # it into the host-tier buffers again rather than reading the old bytes there.
+    data = _tokens(STEPS)
+    model, optimizer = _build(UntiedLM)
+    reference = _loop(model, optimizer, data, clip=0.05)
+    ref_params = [p.detach().clone() for p in model.parameters()]
+    model, optimizer = _build(UntiedLM)
+
+    def checkpoint(step: int) -> None:
+        if step == 1:
+            saved = optimizer.state_dict()
+            model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})
+            optimizer.load_state_dict(saved)
+
+    options = {"gpu_memory": 4096, "host_memory": 1 << 30, "update": "cpu", "compute_copies": "on"}
+    with teraio.offload(model, optimizer, gpu_step_share=0.5, **options) as run:
+        losses = _loop(model, optimizer, data, clip=0.05, on_step=checkpoint)
+    assert all(run.report().gpu_step_share_elements_by_iteration[1:])
+    assert losses == reference
+    for p, q in zip(ref_params, model.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_auto_shares_nothing_on_a_cpu_device() -> None:
+    result = _train(UntiedLM, True, {"step_in_backward": False}, clip=0.05)
+    report = result[3].report()
+    assert report.gpu_step_share == "auto"
+    assert report.gpu_step_share_elements_by_iteration == [0] * STEPS
+    assert "GPU's share of the CPU step (auto): none" in str(report)
+
+
+def test_balanced_share() -> None:
+    # The worker's part and the GPU's part followed by the forward pass end together.
+    total, cpu_s, gpu_s, forward_s = 1000, 2.0, 3.0, 500.0
+    share = balanced_share(total, cpu_s, gpu_s, forward_s)
+    assert cpu_s * (total - share) == pytest.approx(gpu_s * share + forward_s)
+    assert balanced_share(total, cpu_s, gpu_s, 0.0) == pytest.approx(400.0)
+    # A worker that finishes within the forward pass alone keeps every element.
+    assert balanced_share(total, cpu_s, gpu_s, cpu_s * total) == 0.0
+    assert balanced_share(total, cpu_s, gpu_s, 10 * cpu_s * total) == 0.0
+
+
+@pytest.mark.parametrize("value", [1.5, -0.1, "half", True, None])
+def test_the_share_option_is_checked(value: Any) -> None:
+    with pytest.raises(ValueError, match="gpu_step_share must be 'auto', 'off' or a fraction"):
+        teraio.OffloadOptions(gpu_step_share=value)

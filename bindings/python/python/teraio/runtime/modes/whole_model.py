@@ -2230,14 +2230,10 @@ class ModelOffload(Session):
 
     def _gpu_share(self, groups: list[list[_Slot]]) -> list[list[_Slot]]:
         """The groups the GPU updates at this step (`gpu_step_share`): the last ones of the next
-        forward pass's order, whose units it enters after the worker's. "auto" takes as many
-        elements as finish together with the worker's share and the forward pass's compute
-        before the GPU's units: the worker updates its E - s elements in c (E - s) seconds
-        (c: its measured seconds per element), while the training thread updates s in g s and
-        then runs the forward pass, F seconds of compute (the last iteration's first forward),
-        whose units wait for the worker's; so s = (c E - F) / (c + g), none where the worker
-        alone finishes within the forward pass. g is measured at each step that shares, and
-        estimated from the link's rate before (`SHARE_BYTES_PER_ELEMENT`)."""
+        forward pass's order, whose units it enters after the worker's; "auto": as many
+        elements as `balanced_share` gives, with the worker's rate measured at the last step,
+        the GPU's measured at the last step that shared (estimated from the link's rate before,
+        `SHARE_BYTES_PER_ELEMENT`) and the last iteration's first forward pass's compute."""
         self._measure_step_rates()
         setting = self._share_setting
         elements = [sum(slot.param.numel() for slot in group) for group in groups]
@@ -2249,12 +2245,10 @@ class ModelOffload(Session):
         elif setting != "auto":
             target = float(setting) * total
         elif self.cuda and self._cpu_s_per_element is not None:
-            cpu_s = self._cpu_s_per_element
             gpu_s = self._gpu_s_per_element
             if gpu_s is None:
-                link = self.link.duplex or min(self.link.d2h, self.link.h2d)
-                gpu_s = SHARE_BYTES_PER_ELEMENT / link
-            target = max(0.0, (cpu_s * total - (self._forward_s or 0.0)) / (cpu_s + gpu_s))
+                gpu_s = SHARE_BYTES_PER_ELEMENT / (self.link.duplex or min(self.link.d2h, self.link.h2d))
+            target = balanced_share(total, self._cpu_s_per_element, gpu_s, self._forward_s or 0.0)
         share: list[list[_Slot]] = []
         taken = 0
         for group, size in zip(reversed(groups), reversed(elements)):
@@ -3161,6 +3155,16 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 def _numel_bytes(tensor: torch.Tensor, dtype: torch.dtype) -> int:
     return tensor.numel() * dtype.itemsize
+
+
+def balanced_share(total: int, cpu_s: float, gpu_s: float, forward_s: float) -> float:
+    """The elements of a step's `total` the GPU's share takes (`gpu_step_share="auto"`): the
+    worker updates the other total - s in cpu_s (total - s) seconds (`cpu_s`, `gpu_s`: seconds
+    per element), while the training thread updates s in gpu_s s and then runs the next
+    forward pass, `forward_s` of compute, whose units wait for the worker's; both end together
+    at s = (cpu_s total - forward_s) / (cpu_s + gpu_s), and none is taken where the worker
+    alone finishes within the forward pass."""
+    return max(0.0, (cpu_s * total - forward_s) / (cpu_s + gpu_s))
 
 
 #: A parameter of the GPU's share: its device tensors (master, gradient, exp_avg, exp_avg_sq) and
