@@ -696,7 +696,8 @@ def test_the_gpus_share_moves_its_moments_to_pinned_buffers_once() -> None:
     assert losses == reference[2]
     _assert_bitwise(reference, (model, optimizer, losses, None))
     trained = [slot for slot in run.slots if slot.param.requires_grad]
-    assert buffers == {((cp.STATE, name), slot.index) for slot in trained for name in ("exp_avg", "exp_avg_sq")}
+    moments = ("exp_avg", "exp_avg_sq")
+    assert buffers == {((cp.STATE, name), slot.index) for slot in trained for name in moments}
     assert run.report().gpu_step_share_elements_by_iteration[2] == 0
 
 
