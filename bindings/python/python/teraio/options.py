@@ -88,15 +88,14 @@ class OffloadOptions:
             off) or "off" (parameters and gradients cross the link in fp32).
         gpu_step_share: whole-model mode with the CPU step at `optimizer.step()` (a loop that
             clips or accumulates gradients, or `step_in_backward=False`): the share of the
-            step's parameters the GPU updates while the CPU step's worker updates the rest:
-            "auto" (default: on CUDA where the engine's Adam/AdamW kernel runs the CPU step,
-            the units the next forward pass enters last, as many as the measured rates say
-            finish with the worker's share and the forward pass's compute before it; their fp32
-            masters, gradients and moments cross the link in pinned host memory, torch's fused
-            AdamW of the GPU updates them, and they go back; none before the CPU step has been
-            measured, from the second step), "off" (the CPU updates every parameter), or a
-            fraction in [0, 1] of the step's elements, units taken from the last (the bits are
-            the device's fused AdamW's: on CUDA they differ from the CPU kernel's in rounding).
+            step's elements the GPU updates while the CPU step's worker updates the rest, taken
+            from the units the next forward pass enters last: "auto" (default: on CUDA where
+            the engine's Adam/AdamW kernel runs the CPU step, from the second step on, as many
+            as end together with the worker's share at the measured rates, the next forward
+            pass's compute counted; none where the worker ends within that forward pass),
+            "off", or a fraction in [0, 1]. Their fp32 masters, gradients and Adam moments come
+            up from pinned host memory, torch's fused AdamW of the device updates them, and
+            they go back; on CUDA its rounding differs from the CPU kernel's.
         cpu_update_bandwidth: the CPU step's rate the choice of `update` assumes, in parameter +
             gradient + state bytes per second ("auto": measured once per process on a 256 MiB
             AdamW step, `machine.measure_cpu_update`).

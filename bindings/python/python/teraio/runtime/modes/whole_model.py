@@ -2278,8 +2278,7 @@ class ModelOffload(Session):
         (a compute copy's lone bf16 one as it is, widened here as the kernel widens it) and
         Adam moments come up from host memory, the next group's reads issued before this one's
         update; the device's fused AdamW updates them (`CpuUpdate.device_step`, after the
-        clip's scale), and the master, its compute copy and the moments go back, the copy also
-        into the GPU storage of a parameter kept there."""
+        clip's scale), and the master, its compute copy and the moments go back."""
         started = time.perf_counter()
         assert self.cpu_update is not None
         limit = self.plan.window_bytes
@@ -2346,10 +2345,7 @@ class ModelOffload(Session):
             key = ((cp.STATE, name), slot.index)
             value = state[name]
             if key not in self.host.buffers or self.host.buffers[key].data_ptr() != value.data_ptr():
-                self.host.reserve(key, _nbytes(value))
-                held = self.host.buffers[key].view(value.dtype).view(value.shape)
-                held.copy_(value)
-                state[name] = value = held
+                state[name] = value = self.host.adopt(key, value)
                 self._state_nbytes[key] = _nbytes(value)
             moments.append((name, value))
         return moments
@@ -2367,25 +2363,20 @@ class ModelOffload(Session):
 
     def _share_writes(self, updated: list[tuple[_Slot, tuple[torch.Tensor, ...]]]) -> None:
         """After the device step of `updated`: its uses for the record, and each master, its
-        copy and the moments back to host memory (one batch); a parameter whose storage is on
-        the GPU gets its new value there."""
+        copy and the moments back to host memory (one batch); a parameter kept on the GPU is
+        read again at its next use, as after a CPU update."""
         recording = self.recorder.recording
         with self.host.batched():
             for slot, (master, _, exp_avg, exp_avg_sq) in updated:
-                in_place = slot.resident and bool(slot.param.untyped_storage().nbytes())
                 if recording:
                     self._record_use(slot, cp.GRADIENT)
-                    if in_place:  # else the next forward pass reads it from host memory
-                        self._record_use(slot, cp.PARAMETER, write=True)
                     for name in ("master", "exp_avg", "exp_avg_sq"):
                         record = ((cp.STATE, name), slot.index)
                         label, nbytes = self._share_records[record]
                         self.recorder.use(record, label, cp.STATE, nbytes, write=True)
                 writes = [((cp.PARAMETER, slot.index), "master", master)]
-                value = master
                 if slot.copied:
-                    value = master.to(COPY_DTYPE)
-                    writes.append(((PARAMETER_COPY, slot.index), "copy", value))
+                    writes.append(((PARAMETER_COPY, slot.index), "copy", master.to(COPY_DTYPE)))
                 for name, moment in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
                     writes.append((((cp.STATE, name), slot.index), name, moment))
                 for key, name, source in writes:
@@ -2394,10 +2385,10 @@ class ModelOffload(Session):
                     if name != "copy":
                         self.recorder.wrote(((cp.STATE, name), slot.index), HOST)
                     self.host.write(key, flat_bytes(source))
-                if in_place:
-                    self._join(slot)  # a read into the storage must land before the new value
-                    slot.param.data.copy_(value)
-                slot.stale = False
+                if slot.tiers[cp.PARAMETER] == GPU:
+                    # As after a CPU update: kept on the GPU, read again at its next use.
+                    slot.stale = True
+                    self.recorder.left((cp.PARAMETER, slot.index), HOST)
                 slot.grad_held = False
                 slot.fold = None
 

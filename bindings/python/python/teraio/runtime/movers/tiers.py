@@ -220,6 +220,16 @@ class HostTier:
         self.used_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
 
+    def adopt(self, key: Any, value: torch.Tensor) -> torch.Tensor:
+        """Takes `value` (a contiguous tensor in CPU memory) into the key's buffer, allocated now
+        (pinned on CUDA, so its copies run at the link's rate), and returns the buffer viewed as
+        `value`: the caller keeps that view in place of `value` from now on."""
+        nbytes = value.numel() * value.element_size()
+        self.reserve(key, nbytes)
+        held = self.buffers[key].view(value.dtype).view(value.shape)
+        held.copy_(value)
+        return held
+
     @contextlib.contextmanager
     def batched(self) -> Iterator[None]:
         """Copies asked for inside are issued together when the block ends (see the module
