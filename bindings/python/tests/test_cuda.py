@@ -578,6 +578,48 @@ def test_the_step_on_the_cpu_trains_on_cuda(store: teraio.Store) -> None:
             assert optimizer.state[q][key].device == value.device, key
 
 
+@pytest.mark.parametrize("share", [0.5, 1.0, "auto"])
+def test_whole_model_gpu_step_share_on_cuda(store: teraio.Store, share: Any) -> None:
+    """gpu_step_share: at optimizer.step() of a loop that clips and accumulates, the units the
+    next forward pass enters last are updated by torch's fused CUDA AdamW, their masters,
+    gradients and moments read from pinned host memory and written back, while the worker
+    updates the rest. CUDA's rounding is not the CPU kernel's: losses and parameters agree
+    with the reference to rounding; the state is back on the GPU after the session."""
+    data = batches(2 * STEPS, rows=ROWS, device=DEVICE)
+
+    def loop(model: Any, optimizer: Any) -> list[float]:
+        losses = []
+        for first, second in zip(data[::2], data[1::2]):
+            for x in (first, second):
+                loss = model(x)
+                (loss / 2).backward()
+                losses.append(loss.item())
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return losses
+
+    reference_model, reference_optimizer = make(device=DEVICE)
+    reference = loop(reference_model, reference_optimizer)
+    model, optimizer = make(device=DEVICE)
+    options = {"gpu_memory": 64 << 20, "host_memory": 1 << 30, "whole_model": "on", "update": "cpu"}
+    with teraio.offload(
+        model, optimizer, store=store, **options, gpu_step_share=share, granularity="tensor"
+    ) as run:
+        losses = loop(model, optimizer)
+    report = run.report()
+    shared = report.gpu_step_share_elements_by_iteration
+    assert report.update == "cpu" and shared[0] == 0 and len(shared) == STEPS
+    if share != "auto":
+        total = sum(p.numel() for p in model.parameters())
+        assert all(0 < n <= share * total for n in shared[1:]), shared
+    assert losses == pytest.approx(reference, rel=1e-4)
+    for p, q in zip(reference_model.parameters(), model.parameters()):
+        assert q.is_cuda and torch.allclose(p, q, rtol=1e-3, atol=1e-5)
+        for key, value in reference_optimizer.state[p].items():
+            assert optimizer.state[q][key].device == value.device, key
+
+
 def test_the_cpu_step_in_backward_is_the_cpu_step_on_cuda(store: teraio.Store) -> None:
     """update="cpu" with step_in_backward: each unit's update waits on the worker for its
     gradients' copies (CUDA events) and runs beside backward; the arithmetic is the CPU step's
