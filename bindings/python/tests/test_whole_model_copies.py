@@ -14,7 +14,7 @@ import pytest
 import teraio
 import torch
 from cpu_step import assert_cpu_step_predicted
-from teraio.runtime.modes.whole_model import ModelOffload, balanced_share
+from teraio.runtime.modes.whole_model import SHARE_FROM_STEP, ModelOffload, balanced_share
 from teraio.runtime.movers import tiers
 from teraio.runtime.movers.tiers import HostTier
 from teraio.runtime.plans import capacity as cp
@@ -669,11 +669,12 @@ def test_the_gpus_share_of_the_step_is_bitwise(kwargs: dict[str, Any], share: fl
     total = sum(p.numel() for p in run.model.parameters())
     report = run.report()
     shared = report.gpu_step_share_elements_by_iteration
-    assert shared[0] == 0 and len(shared) == STEPS
-    assert all(0 < n <= share * total for n in shared[1:])
-    assert (shared[1] == total) == (share == 1.0)
+    assert shared[:SHARE_FROM_STEP] == [0] * SHARE_FROM_STEP and len(shared) == STEPS
+    assert all(0 < n <= share * total for n in shared[SHARE_FROM_STEP:])
+    assert (shared[-1] == total) == (share == 1.0)
     assert report.gpu_step_share_ms is not None and report.gpu_step_share == str(share)
-    assert f"GPU's share of the CPU step ({share}): {STEPS - 1} of {STEPS} steps" in str(report)
+    shared_steps = STEPS - SHARE_FROM_STEP
+    assert f"GPU's share of the CPU step ({share}): {shared_steps} of {STEPS} steps" in str(report)
     _assert_share_recorded(run)
 
 
@@ -683,12 +684,12 @@ def test_the_gpus_share_moves_its_moments_to_pinned_buffers_once() -> None:
     model, optimizer = _build(UntiedLM)
     data = _tokens(STEPS)
     settings = {"gpu_memory": 4096, "host_memory": 1 << 30, "update": "cpu", "compute_copies": "on"}
-    shares = iter([1.0, 0.0, 0.5])
     with teraio.offload(model, optimizer, gpu_step_share=1.0, step_in_backward=False, **settings) as run:
         assert isinstance(run, ModelOffload)
 
         def next_share(step: int) -> None:
-            run._share_setting = next(shares, 0.5)
+            if step == SHARE_FROM_STEP:
+                run._share_setting = 0.0
 
         losses = _loop(model, optimizer, data, clip=0.05, on_step=next_share)
         buffers = {key for key in run.host.buffers if key[0][0] == cp.STATE}
@@ -698,7 +699,9 @@ def test_the_gpus_share_moves_its_moments_to_pinned_buffers_once() -> None:
     trained = [slot for slot in run.slots if slot.param.requires_grad]
     moments = ("exp_avg", "exp_avg_sq")
     assert buffers == {((cp.STATE, name), slot.index) for slot in trained for name in moments}
-    assert run.report().gpu_step_share_elements_by_iteration[2] == 0
+    total = sum(p.numel() for p in model.parameters())
+    shared = run.report().gpu_step_share_elements_by_iteration
+    assert shared[SHARE_FROM_STEP:] == [total, 0]
 
 
 def test_a_checkpoint_loaded_inside_the_session_continues_with_the_share() -> None:
@@ -719,7 +722,7 @@ def test_a_checkpoint_loaded_inside_the_session_continues_with_the_share() -> No
     options = {"gpu_memory": 4096, "host_memory": 1 << 30, "update": "cpu", "compute_copies": "on"}
     with teraio.offload(model, optimizer, gpu_step_share=0.5, **options) as run:
         losses = _loop(model, optimizer, data, clip=0.05, on_step=checkpoint)
-    assert all(run.report().gpu_step_share_elements_by_iteration[1:])
+    assert all(run.report().gpu_step_share_elements_by_iteration[SHARE_FROM_STEP:])
     assert losses == reference
     for p, q in zip(ref_params, model.parameters(), strict=True):
         assert torch.equal(p, q)

@@ -189,6 +189,14 @@ IN_BACKWARD_AUTO_FROM = RECORDED_ITERATION
 #: the fp32 master, the gradient, bf16 for a compute copy's, and Adam's two fp32 moments; out:
 #: the master, its bf16 copy and the moments), for its rate before one has been measured.
 SHARE_BYTES_PER_ELEMENT = 15
+#: ...and the worker's slowdown beside the share's copies, for its rate measured at a step
+#: without a share: the engine's kernel took 447 ms beside copies both ways over the host link
+#: against 360 ms beside an idle thread (docs/benchmarks.md, "The CPU step beside other work").
+SHARE_CPU_SLOWDOWN = 447 / 360
+#: The first step the GPU's share may take part in: step 0 creates the optimizer state (its
+#: worker time is not the worker's rate) and step 1 measures that rate; the share then runs in
+#: the recorded iteration's step, which the prediction replays.
+SHARE_FROM_STEP = RECORDED_ITERATION
 
 #: Python's thread switch interval while the CPU step runs (`sys.setswitchinterval`; Python's
 #: default is 5 ms), restored at exit. The worker's optimizer takes the GIL back after each torch
@@ -2232,23 +2240,26 @@ class ModelOffload(Session):
         """The groups the GPU updates at this step (`gpu_step_share`): the last ones of the next
         forward pass's order, whose units it enters after the worker's; "auto": as many
         elements as `balanced_share` gives, with the worker's rate measured at the last step,
-        the GPU's measured at the last step that shared (estimated from the link's rate before,
-        `SHARE_BYTES_PER_ELEMENT`) and the last iteration's first forward pass's compute."""
+        the GPU's measured at the last step that shared (before one did, estimated from the
+        link's rate, `SHARE_BYTES_PER_ELEMENT`, with the worker's slowed by
+        `SHARE_CPU_SLOWDOWN`), and the last iteration's first forward pass's compute."""
         self._measure_step_rates()
         setting = self._share_setting
         elements = [sum(slot.param.numel() for slot in group) for group in groups]
         total = sum(elements)
         target = 0.0
         kernel = self.cpu_update is not None and self.cpu_update.kernel is not None
-        if setting == "off" or not kernel or self.step_in_backward or self.steps < 1 or not total:
+        shares = kernel and not self.step_in_backward and self.steps >= SHARE_FROM_STEP
+        if setting == "off" or not shares or not total:
             target = 0.0
         elif setting != "auto":
             target = float(setting) * total
         elif self.cuda and self._cpu_s_per_element is not None:
-            gpu_s = self._gpu_s_per_element
-            if gpu_s is None:
+            cpu_s, gpu_s = self._cpu_s_per_element, self._gpu_s_per_element
+            if gpu_s is None:  # neither has been measured beside the other yet
                 gpu_s = SHARE_BYTES_PER_ELEMENT / (self.link.duplex or min(self.link.d2h, self.link.h2d))
-            target = balanced_share(total, self._cpu_s_per_element, gpu_s, self._forward_s or 0.0)
+                cpu_s *= SHARE_CPU_SLOWDOWN
+            target = balanced_share(total, cpu_s, gpu_s, self._forward_s or 0.0)
         share: list[list[_Slot]] = []
         taken = 0
         for group, size in zip(reversed(groups), reversed(elements)):
