@@ -47,7 +47,9 @@ pinned host buffer and its optimizer state CPU memory; `optimizer.step()` queues
 instance of the user's optimizer on a worker thread, unit by unit in forward order, and each
 unit's entry in the next forward waits for its own update (`_acquire`). Only parameters (in)
 and gradients (out) cross the link. Parameters kept resident on the GPU are read again from
-their updated master.
+their updated master. Where the step runs at `optimizer.step()`, the GPU updates the units the
+next forward pass enters last meanwhile, their masters, gradients and moments streamed from
+pinned host memory (`gpu_step_share`, `_gpu_share`): as many as end with the worker's share.
 
 Compute copies (`compute_copies="on"`, or "auto" where `capacity.choose_compute_copies` finds
 they pay; with the CPU step). Under bf16 autocast a Linear reads a bf16 cast of its fp32 weight
