@@ -687,12 +687,17 @@ def test_the_gpus_share_moves_its_moments_to_pinned_buffers_once() -> None:
     with teraio.offload(model, optimizer, gpu_step_share=1.0, step_in_backward=False, **settings) as run:
         assert isinstance(run, ModelOffload)
 
+        pinned: list[set[Any]] = []
+
         def next_share(step: int) -> None:
+            pinned.append({key for key in run.host.buffers if key[0][0] == cp.STATE})
             if step == SHARE_FROM_STEP:
                 run._share_setting = 0.0
 
         losses = _loop(model, optimizer, data, clip=0.05, on_step=next_share)
         buffers = {key for key in run.host.buffers if key[0][0] == cp.STATE}
+    # Pinned at the first step (slow on CUDA), not inside a measured one.
+    assert all(keys == buffers for keys in pinned)
     reference = _train(UntiedLM, False, clip=0.05)
     assert losses == reference[2]
     _assert_bitwise(reference, (model, optimizer, losses, None))
@@ -726,6 +731,19 @@ def test_a_checkpoint_loaded_inside_the_session_continues_with_the_share() -> No
     assert losses == reference
     for p, q in zip(ref_params, model.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+def test_moments_without_room_in_the_host_tier_leave_the_share_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(self: HostTier, key: Any, value: torch.Tensor) -> torch.Tensor:
+        raise MemoryError("no room for this test")
+
+    monkeypatch.setattr(HostTier, "adopt", full)
+    reference = _train(UntiedLM, False, clip=0.05)
+    result = _train(UntiedLM, True, {"gpu_step_share": 0.5}, clip=0.05)
+    _assert_bitwise(reference, result)
+    report = result[3].report()
+    assert report.gpu_step_share_elements_by_iteration == [0] * STEPS
+    assert report.gpu_step_share == "off: the moments did not fit the host tier (no room for this test)"
 
 
 def test_auto_shares_nothing_on_a_cpu_device() -> None:

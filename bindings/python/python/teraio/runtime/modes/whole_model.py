@@ -610,8 +610,10 @@ class ModelOffload(Session):
         self._forward_marks: list[list[Any]] = []
         self._forward_s: Optional[float] = None
         self._share_writes_pending = False
-        # The record's name and bytes of each tensor of the GPU's share it read.
+        # The record's name and bytes of each tensor of the GPU's share it read, and why the
+        # share was turned off ("": it was not).
         self._share_records: dict[Any, tuple[str, int]] = {}
+        self._share_refusal = ""
         # Step in backward on the CPU: this backward has queued updates (`_queue_cpu_updates`).
         self._updating_in_backward = False
         self._original_state_dict: Optional[Callable[..., Any]] = None
@@ -2230,6 +2232,8 @@ class ModelOffload(Session):
         if self._clip is not None:
             coef, _, held = self._clip
             clip = (coef.to("cpu"), {id(self.slots[i].param) for i in held})
+        if self._may_share():
+            self._pin_moments(stepped)
         groups = self._update_groups(stepped)
         share = self._gpu_share(groups)
         for group in groups[: len(groups) - len(share)]:
@@ -2271,6 +2275,26 @@ class ModelOffload(Session):
             taken += size
         self._share_elements.append(taken)
         return share[::-1]
+
+    def _may_share(self) -> bool:
+        """Whether the GPU's share may take part in this loop's steps: the kernel runs the CPU
+        step, at `optimizer.step()` for good (the loop clips or accumulates, or the option
+        says so), and the setting shares (on CUDA for "auto")."""
+        setting = self._share_setting
+        kernel = self.cpu_update is not None and self.cpu_update.kernel is not None
+        after_backward = self.options.step_in_backward is False or bool(self._loop_refusal())
+        return kernel and after_backward and setting != "off" and (self.cuda or setting != "auto")
+
+    def _pin_moments(self, slots: list[_Slot]) -> None:
+        """Moves the moments of `slots` into host-tier buffers (`_share_moments`) ahead of any
+        share: pinning is slow (cudaHostRegister), so it happens at the first step, not inside
+        a measured one. Where the host tier has no room for them, the share stays off."""
+        try:
+            for slot in slots:
+                self._share_moments(slot)
+        except MemoryError as full:
+            self._share_setting = "off"
+            self._share_refusal = f"off: the moments did not fit the host tier ({full})"
 
     def _measure_step_rates(self) -> None:
         """The worker's seconds per element in the last step's updates (all done by now), and
@@ -3033,7 +3057,7 @@ class ModelOffload(Session):
             cpu_update_ms_by_iteration=self._cpu_update_ms[:ITERATIONS_REPORTED],
             gpu_step_share_elements_by_iteration=self._share_elements[:ITERATIONS_REPORTED],
             gpu_step_share_ms=statistics.median(self._share_ms) if self._share_ms else None,
-            gpu_step_share=str(self._share_setting),
+            gpu_step_share=self._share_refusal or str(self._share_setting),
             minimum_bytes_moved=self.minimum_bytes(),
             compute_copies="off" if self.compute_copies is None else str(self.compute_copies).split(".")[-1],
             compute_copies_reason=self._copies_reason or "decided at the first step",
