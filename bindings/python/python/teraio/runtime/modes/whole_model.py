@@ -521,7 +521,7 @@ class _Slot:
         self.units: list[int] = []
         # The CPU step (update="cpu"): its update of this parameter's master, if not done yet,
         # and whether the GPU copy of a parameter kept resident is older than its master.
-        self.update: Optional[concurrent.futures.Future[None]] = None
+        self.update: Optional[concurrent.futures.Future[float]] = None
         self.stale = False
         # Compute copies: the fp32 `.data` (`full`) and the bf16 one (`low`, a candidate's only),
         # whether `.data` is `low` now, and the bf16 gradient in host memory not yet widened
@@ -599,7 +599,7 @@ class ModelOffload(Session):
         # The GPU's share of the CPU step after backward (`gpu_step_share`, `_gpu_share`): the
         # elements it updated at each step, its time there, the last step's CPU jobs (future,
         # elements) and both sides' measured seconds per element; the first forward pass's
-        # compute marks (`_mark_forward`) and their sum in the last iteration; whether its
+        # compute marks (`_end_forward_mark`) and their sum in the last iteration; whether its
         # copies out may still be in flight.
         self._share_setting = options.gpu_step_share
         self._share_elements: list[int] = []
@@ -2238,7 +2238,9 @@ class ModelOffload(Session):
         share = self._gpu_share(groups)
         for group in groups[: len(groups) - len(share)]:
             self._submit_cpu_update(group, clip, [])
-            self._cpu_jobs.append((group[0].update, sum(slot.param.numel() for slot in group)))  # type: ignore[arg-type]
+            job = group[0].update
+            assert job is not None
+            self._cpu_jobs.append((job, sum(slot.param.numel() for slot in group)))
         if share:
             self._step_share(share)
 
@@ -2254,18 +2256,15 @@ class ModelOffload(Session):
         elements = [sum(slot.param.numel() for slot in group) for group in groups]
         total = sum(elements)
         target = 0.0
-        kernel = self.cpu_update is not None and self.cpu_update.kernel is not None
-        shares = kernel and not self.step_in_backward and self.steps >= SHARE_FROM_STEP
-        if setting == "off" or not shares or not total:
-            target = 0.0
-        elif setting != "auto":
-            target = float(setting) * total
-        elif self.cuda and self._cpu_s_per_element is not None:
-            cpu_s, gpu_s = self._cpu_s_per_element, self._gpu_s_per_element
-            if gpu_s is None:  # neither has been measured beside the other yet
-                gpu_s = SHARE_BYTES_PER_ELEMENT / (self.link.duplex or min(self.link.d2h, self.link.h2d))
-                cpu_s *= SHARE_CPU_SLOWDOWN
-            target = balanced_share(total, cpu_s, gpu_s, self._forward_s or 0.0)
+        if self._may_share() and not self.step_in_backward and self.steps >= SHARE_FROM_STEP:
+            if setting != "auto":
+                target = float(setting) * total
+            elif self._cpu_s_per_element is not None:
+                cpu_s, gpu_s = self._cpu_s_per_element, self._gpu_s_per_element
+                if gpu_s is None:  # neither has been measured beside the other yet
+                    gpu_s = SHARE_BYTES_PER_ELEMENT / (self.link.duplex or min(self.link.d2h, self.link.h2d))
+                    cpu_s *= SHARE_CPU_SLOWDOWN
+                target = balanced_share(total, cpu_s, gpu_s, self._forward_s or 0.0)
         share: list[list[_Slot]] = []
         taken = 0
         for group, size in zip(reversed(groups), reversed(elements)):
