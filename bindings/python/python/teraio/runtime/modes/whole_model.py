@@ -2243,6 +2243,9 @@ class ModelOffload(Session):
             self._cpu_jobs.append((job, sum(slot.param.numel() for slot in group)))
         if share:
             self._step_share(share)
+            if self.recorder.recording:
+                # The share's time is the record's (its ops and transfers), not the loop's.
+                self._recorded_marks["copies_done"] = time.perf_counter()
 
     def _gpu_share(self, groups: list[list[_Slot]]) -> list[list[_Slot]]:
         """The groups the GPU updates at this step (`gpu_step_share`): the last ones of the next
@@ -2803,7 +2806,8 @@ class ModelOffload(Session):
         own between iterations (`optimizer.step()`'s return, zero_grad, the next batch, launching
         the first op). With the CPU step at `optimizer.step()`, the time from the iteration's
         start to the first unit's entry, and from the end of the step's wait for the gradients'
-        copies to the iteration's end: the replay models both that wait (the jobs wait for the
+        copies (or of the GPU's share of the step, whose ops and transfers the record holds) to
+        the iteration's end: the replay models both that wait (the jobs wait for the
         copies) and the first unit's wait for its update. Otherwise (the GPU step, or the CPU
         step in backward, whose `optimizer.step()` waits for no copies) the wall time outside the
         GPU span (`span_ms`, which the step's waits fall inside)."""
