@@ -737,7 +737,11 @@ def test_moments_without_room_in_the_host_tier_leave_the_share_off(monkeypatch: 
     def full(self: HostTier, key: Any, value: torch.Tensor) -> torch.Tensor:
         raise MemoryError("no room for this test")
 
+    # The moments are made where they would go (new) or moved there (a loaded state's): neither
+    # fits, and the CPU step makes them in CPU memory as without the share.
+
     monkeypatch.setattr(HostTier, "adopt", full)
+    monkeypatch.setattr(HostTier, "zeros_like", full)
     reference = _train(UntiedLM, False, clip=0.05)
     result = _train(UntiedLM, True, {"gpu_step_share": 0.5}, clip=0.05)
     _assert_bitwise(reference, result)

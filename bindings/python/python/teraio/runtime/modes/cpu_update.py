@@ -19,7 +19,7 @@ buffers before `CpuUpdate.step` and the copies rounded from the masters after it
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.optim.adam import adam
@@ -226,15 +226,22 @@ class CpuUpdate:
         for step in steps:  # once the kernel took every tensor (it refuses bad ones before writing)
             step.add_(1)
 
-    def state_of(self, param: torch.Tensor) -> dict[str, Any]:
+    def state_of(
+        self, param: torch.Tensor, zeros: Optional[Callable[[str, torch.Tensor], torch.Tensor]] = None
+    ) -> dict[str, Any]:
         """The parameter's Adam state (the user's optimizer's dict), created as torch's fused
-        Adam creates it where the parameter has none yet."""
+        Adam creates it where the parameter has none yet: its moments by `zeros(name, like)`
+        where given (zeroed memory of the caller's, shaped as `like`)."""
         shadow = self.shadow[id(param)]
         state = self.cpu.state[shadow]
         if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(shadow, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(shadow, memory_format=torch.preserve_format)
+            made = {  # all made before the dict changes: a failing `zeros` leaves it empty
+                name: torch.zeros_like(shadow, memory_format=torch.preserve_format)
+                if zeros is None
+                else zeros(name, shadow)
+                for name in ("exp_avg", "exp_avg_sq")
+            }
+            state.update(step=torch.zeros((), dtype=torch.float32), **made)
         return state
 
     def _hyper(self, index: int) -> AdamHyper:

@@ -2378,7 +2378,9 @@ class ModelOffload(Session):
         """The parameter's Adam moments, moved once into host-tier buffers (pinned, where the
         GPU's copies run at the link's rate), which the CPU step updates in place as before."""
         assert self.cpu_update is not None
-        state = self.cpu_update.state_of(slot.param)
+        state = self.cpu_update.state_of(
+            slot.param, lambda name, like: self.host.zeros_like(((cp.STATE, name), slot.index), like)
+        )
         moments = []
         for name in ("exp_avg", "exp_avg_sq"):
             key = ((cp.STATE, name), slot.index)

@@ -220,6 +220,12 @@ class HostTier:
         self.used_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
 
+    def zeros_like(self, key: Any, like: torch.Tensor) -> torch.Tensor:
+        """The key's buffer, allocated now (pinned on CUDA) and zeroed, viewed as `like` (a
+        contiguous tensor): a new tensor that lives in the tier from the start."""
+        self.reserve(key, like.numel() * like.element_size())
+        return self.buffers[key].view(like.dtype).view(like.shape).zero_()
+
     def adopt(self, key: Any, value: torch.Tensor) -> torch.Tensor:
         """Takes `value` (a contiguous tensor in CPU memory) into the key's buffer, allocated now
         (pinned on CUDA, so its copies run at the link's rate), and returns the buffer viewed as
