@@ -90,9 +90,10 @@ class OffloadOptions:
             clips or accumulates gradients, or `step_in_backward=False`): the share of the
             step's elements the GPU updates while the CPU step's worker updates the rest, taken
             from the units the next forward pass enters last: "auto" (default: on CUDA where
-            the engine's Adam/AdamW kernel runs the CPU step, from the second step on, as many
-            as end together with the worker's share at the measured rates, the next forward
-            pass's compute counted; none where the worker ends within that forward pass),
+            the engine's Adam/AdamW kernel runs the CPU step, from the third step on (the first
+            makes the state, the second measures the worker), as many as end together with the
+            worker's share at the measured rates, the next forward pass's compute counted; none
+            where the worker ends within that forward pass),
             "off", or a fraction in [0, 1]. Their fp32 masters, gradients and Adam moments come
             up from pinned host memory, torch's fused AdamW of the device updates them, and
             they go back; on CUDA its rounding differs from the CPU kernel's.
