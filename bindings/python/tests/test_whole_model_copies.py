@@ -124,7 +124,11 @@ def _assert_bitwise(reference: Any, other: Any) -> None:
 
 
 def _train_steps_of(
-    offloaded: bool, steps: list[list[torch.Tensor]], clip: Optional[float], end: str = "step"
+    offloaded: bool,
+    steps: list[list[torch.Tensor]],
+    clip: Optional[float],
+    end: str = "step",
+    options: Optional[dict[str, Any]] = None,
 ) -> tuple[torch.nn.Module, list[float]]:
     """Trains `UntiedLM` under CPU bf16 autocast, a step per list of micro-batches (each loss
     divided by their count), clipping if `clip` is given; the last step ends as `end` says:
@@ -132,6 +136,7 @@ def _train_steps_of(
     Returns the model and the losses, with each clip's total norm."""
     model, optimizer = _build(UntiedLM)
     settings = {"gpu_memory": 4096, "host_memory": 1 << 30, "update": "cpu", "compute_copies": "on"}
+    settings |= options or {}
     losses = []
     with teraio.offload(model, optimizer, **settings) if offloaded else contextlib.nullcontext():
         for index, micro_batches in enumerate(steps):
@@ -792,3 +797,29 @@ def test_the_loops_host_time_leaves_the_share_to_the_record(monkeypatch: pytest.
     recorded_share_end = ended[0]  # the recorded iteration's step is the first that shares
     assert run._recorded_marks["copies_done"] >= recorded_share_end
     _assert_share_recorded(run)
+
+
+@pytest.mark.parametrize("end", ["step", "zero_grad", "exit"])
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["accumulated", "accumulated-clipped"])
+def test_the_share_through_changing_micro_batch_counts_and_endings(
+    monkeypatch: pytest.MonkeyPatch, clip: Any, end: str
+) -> None:
+    # The GPU's share over steps of 2, 3, 1, 2 and 3 micro-batches (held sums read back as bf16
+    # or fp32, or folded late), the last iteration ending with a step, a zero_grad() that drops
+    # its sums, or the session's exit after its backward passes: the bits of training without
+    # offload.
+    counts = [2, 3, 1, 2, 3, 2]
+    data = _tokens(sum(counts))
+    steps = [data[sum(counts[:i]) : sum(counts[: i + 1])] for i in range(len(counts))]
+    shared: list[int] = []
+    step_share = ModelOffload._step_share
+
+    def counted(self: ModelOffload, groups: Any) -> None:
+        shared.append(len(groups))
+        step_share(self, groups)
+
+    monkeypatch.setattr(ModelOffload, "_step_share", counted)
+    reference = _train_steps_of(False, steps, clip, end)
+    _assert_same_training(reference, _train_steps_of(True, steps, clip, end, {"gpu_step_share": 0.5}))
+    # Every step from the recorded iteration's shared (the last one's only where it ran).
+    assert len(shared) == len(counts) - SHARE_FROM_STEP - (end != "step") and all(shared)
