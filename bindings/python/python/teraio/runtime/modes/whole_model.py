@@ -2717,6 +2717,9 @@ class ModelOffload(Session):
 
     def _begin_iteration(self) -> None:
         self._position = 0
+        # The last iteration's first forward pass's marks, consumed at its step if it shared:
+        # a run that never shares (the GPU step, the step in backward) would keep them all.
+        self._forward_marks = []
         self._step_started = time.perf_counter()
         if self.steps == RECORDED_ITERATION:
             self.recorder.start()
