@@ -25,9 +25,13 @@ trains `--steps` steps on its rows of every global batch, for each configuration
   with the budget `--budget-share` (default 50%) of that rank's `fsdp` peak (the allocator's on a
   GPU, the profiled unplanned peak on the CPU) and one store per rank
   (`--store-dir`/rank<r>/dev0);
+- `fsdp_cpu_offload_teraio`: `fsdp_cpu_offload`'s model inside the same `teraio.offload`: FSDP
+  keeps the shards in host memory, teraio steps them there with its kernel and plans the
+  activations (whole-model offload under FSDP2);
 - `big_teraio`: the `BIG` llama shape (14.5B parameters, untied 128K vocabulary; built on the meta
   device and materialised after sharding), `--big-batch` rows of `--big-seq` tokens, inside
   `teraio.offload(model, optimizer, store=store)`: all defaults, the whole GPU;
+  `big_teraio_host`: the same sharded with `CPUOffloadPolicy` (materialised in host memory);
 - `big_fsdp`: the same model with FSDP2 alone (it does not fit: the row says where it failed).
 
 Rank 0 prints one `RESULT {json}` line per configuration: ms/iter (the slowest rank's median over
@@ -64,14 +68,18 @@ CONFIGS = (
     "fsdp_cpu_offload",
     "fsdp_cpu_offload_ckpt",
     "fsdp_teraio",
+    "fsdp_cpu_offload_teraio",
     "big_teraio",
+    "big_teraio_host",
     "big_fsdp",
 )
 #: On a GPU these run with the allocator capped at `--budget-share` of the `fsdp` peak: FSDP2's
 #: own offload and checkpointing at the same per-rank memory as teraio.
-CAPPED = ("fsdp_ckpt", "fsdp_cpu_offload", "fsdp_cpu_offload_ckpt", "fsdp_teraio")
+CAPPED = ("fsdp_ckpt", "fsdp_cpu_offload", "fsdp_cpu_offload_ckpt", "fsdp_teraio", "fsdp_cpu_offload_teraio")
 #: Configurations with FSDP2's `CPUOffloadPolicy`, and those that checkpoint every block.
-CPU_OFFLOADED = ("fsdp_cpu_offload", "fsdp_cpu_offload_ckpt")
+CPU_OFFLOADED = ("fsdp_cpu_offload", "fsdp_cpu_offload_ckpt", "fsdp_cpu_offload_teraio", "big_teraio_host")
+#: Configurations inside `teraio.offload`.
+TERAIO = ("fsdp_teraio", "fsdp_cpu_offload_teraio", "big_teraio", "big_teraio_host")
 CHECKPOINTED = ("fsdp_ckpt", "fsdp_cpu_offload_ckpt")
 #: --family: bench_regime.py's family and the changes to its shape.
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -153,10 +161,10 @@ def hf_model(family: str, overrides: dict[str, Any], device: torch.device, tiny:
     return model
 
 
-def materialise(model: torch.nn.Module, device: torch.device) -> None:
+def materialise(model: torch.nn.Module, device: torch.device, compute: torch.device) -> None:
     """A meta-device model made real after `fully_shard` (the way sharded models too large for
-    one process are built): memory on `device`, weights drawn as transformers draws them, norms
-    at one, rotary tables computed."""
+    one process are built): memory on `device` (the CPU for shards FSDP keeps in host memory),
+    weights drawn as transformers draws them, norms at one, rotary tables computed on `compute`."""
     model.to_empty(device=device)
     torch.manual_seed(0)
     with torch.no_grad():
@@ -168,7 +176,7 @@ def materialise(model: torch.nn.Module, device: torch.device) -> None:
             elif type(module).__name__.endswith("RMSNorm"):
                 module.weight.fill_(1.0)
             elif hasattr(module, "rope_init_fn"):
-                inv_freq, module.attention_scaling = module.rope_init_fn(module.config, device)
+                inv_freq, module.attention_scaling = module.rope_init_fn(module.config, compute)
                 module.register_buffer("inv_freq", inv_freq, persistent=False)
                 module.original_inv_freq = inv_freq
 
@@ -204,7 +212,7 @@ def build(args: argparse.Namespace, device: torch.device, config: str) -> tuple[
         fully_shard(layer, **policy)
     fully_shard(model, **policy)
     if big:
-        materialise(model, device)
+        materialise(model, torch.device("cpu") if config in CPU_OFFLOADED else device, device)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
@@ -272,19 +280,19 @@ def run_config(
     mine: dict[str, Any] = {"rank": rank}
     handle: Any = None
     store: Any = None
-    if config in ("fsdp_teraio", "big_teraio"):
+    if config in TERAIO:
         import teraio
 
         path = os.path.join(args.store_dir, f"rank{rank}")
         os.makedirs(path, exist_ok=True)
-        store_gib = args.big_store_gib if config == "big_teraio" else args.store_gib
+        store_gib = args.big_store_gib if config.startswith("big_") else args.store_gib
         store = teraio.Store.create(
             [os.path.join(path, "dev0")], file_size_bytes=int(store_gib * GIB), durable=False, force=True
         )
         options: dict[str, Any] = dict(store=store)
         if args.trace_dir and rank == 0:
             options["trace_path"] = os.path.join(args.trace_dir, f"trace-{args.family}-{config}.json")
-        if config == "fsdp_teraio":
+        if config in CAPPED:
             assert peak is not None
             options["gpu_memory"] = mine["budget_bytes"] = int(peak * args.budget_share)
         if device.type == "cpu":
@@ -383,6 +391,7 @@ def run_config(
         for key in ("own_predicted_ms", "group_predicted_ms", "predicted_wait_ms", "side"):
             mine[key] = together.get(key)
         mine["stalls"] = report.stalls
+        mine["host_step"] = report.host_step
         mine["plan"] = type(report).__name__
         # The block plan's (the default for these models) or the tensor plan's own figures.
         actions = getattr(report, "actions", None)

@@ -2,7 +2,9 @@
 # FSDP2 with teraio offload on the 2-GPU machine (nvidia-h200-x2), in one call:
 #   benches/torch/run-fsdp.sh                       # each of $FAMILIES: the five 50% configurations
 #   BIG=1 FAMILIES= benches/torch/run-fsdp.sh       # the model FSDP2 alone cannot hold
-#                                                   # (BIG_STORE_GIB: each rank's store, 40)
+#                                                   # (BIG_STORE_GIB: each rank's store, 40;
+#                                                   # BIG_CONFIGS: "big_teraio big_fsdp", or
+#                                                   # big_teraio_host: its shards in host memory)
 #   CONFIGS="fsdp fsdp_teraio": only those configurations per family (fsdp_teraio needs fsdp's peak);
 #   PROFILE_STEP=N: rank 0 records step N of each configuration with torch.profiler (timeline.py's
 #   summary in the log, the gzipped timeline in $OUT); PY_OVERLAY=DIR: DIR's teraio *.py files over
@@ -52,7 +54,7 @@ extra=""
 [ -n "${TERAIO_OPTIONS:-}" ] && extra="$extra --teraio-options $TERAIO_OPTIONS"
 [ -n "${BUDGET_SHARE:-}" ] && extra="$extra --budget-share $BUDGET_SHARE"
 for family in $FAMILIES; do runs+=("--family $family $extra"); done
-[ "$BIG" = 1 ] && runs+=("--configs big_teraio big_fsdp --big-store-gib ${BIG_STORE_GIB:-40}")
+[ "$BIG" = 1 ] && runs+=("--configs ${BIG_CONFIGS:-big_teraio big_fsdp} --big-store-gib ${BIG_STORE_GIB:-40}")
 for run in "${runs[@]}"; do
   left=$((DEADLINE - SECONDS))
   [ "$left" -gt 30 ] || { echo "no time left for: $run"; status=1; continue; }
@@ -88,6 +90,8 @@ for line in open(sys.argv[1]):
             ranks = f" (alone {own:.1f}, the ranks {group:.1f})" if own is not None and group is not None else ""
             print(f"    rank {rank['rank']}: plan settled at {rank['settled_ms_per_iter']:.1f} ms/iter over "
                   f"{rank['settled_steps']} steps, predicted {rank['predicted_ms_per_iter']:.1f}{ranks}; {tiers}")
+        if rank.get("host_step"):
+            print(f"    rank {rank['rank']}: host shards stepped by {rank['host_step']}")
 PY
 echo "took ${SECONDS}s"
 exit $status

@@ -242,27 +242,15 @@ def _spawn(*args: Any) -> None:
     spawn_ranks(_rank_main, args, WORLD, DEADLINE_S)
 
 
-def test_a_model_fsdp_keeps_on_the_host_is_refused(monkeypatch: Any) -> None:
-    # fully_shard(offload_policy=CPUOffloadPolicy()) on a CUDA mesh leaves the local shards on
-    # the CPU: teraio would take the CPU for the device. (Stand-ins: a CUDA mesh needs a GPU.)
-    from types import SimpleNamespace
-
+def test_whole_model_mode_under_fsdp2_points_to_host_shards(monkeypatch: Any) -> None:
+    # Whole-model offload under FSDP2 is FSDP's CPUOffloadPolicy with teraio's step: asked for by
+    # name, the error says how to shard for it. (A stand-in model: the refusal needs no ranks.)
     from teraio.options import OffloadOptions
 
-    class Sharded(torch.nn.Module):
-        def __init__(self, mesh_device: str) -> None:
-            super().__init__()
-            self.mesh_device = mesh_device
-
-        def parameters(self, recurse: bool = True) -> Iterator[Any]:
-            mesh = SimpleNamespace(device_type=self.mesh_device)
-            yield SimpleNamespace(device_mesh=mesh, _local_tensor=torch.zeros(1))
-
     monkeypatch.setattr(sharded, "is_sharded", lambda model: True)
-    with pytest.raises(ValueError, match="CPUOffloadPolicy"):
-        sharded.adapt_options(Sharded("cuda"), OffloadOptions())
-    assert not sharded.offloaded_by_fsdp(Sharded("cpu"))  # a CPU mesh: its shards are where it computes
-    assert sharded.adapt_options(Sharded("cpu"), OffloadOptions()).whole_model == "off"
+    with pytest.raises(ValueError, match=r"whole_model='on'.*offload_policy=CPUOffloadPolicy\(\)"):
+        sharded.adapt_options(torch.nn.Linear(2, 2), OffloadOptions(whole_model="on"))
+    assert sharded.adapt_options(torch.nn.Linear(2, 2), OffloadOptions()).whole_model == "off"
 
 
 def test_fsdp2_offload_bitwise_and_checkpoint_resume(store_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
@@ -322,6 +310,7 @@ def test_fsdp_benchmark_smoke(tmp_path: pathlib.Path, store_dir: pathlib.Path) -
     results = [json.loads(line[len("RESULT ") :]) for line in lines if line.startswith("RESULT ")]
     by_config = {r["config"]: r for r in results}
     configs = {"fsdp", "fsdp_repeat", "fsdp_ckpt", "fsdp_cpu_offload", "fsdp_cpu_offload_ckpt", "fsdp_teraio"}
+    configs.add("fsdp_cpu_offload_teraio")
     assert set(by_config) == configs, done.stdout[-4000:]
     for result in results:
         assert result["ok"], result
@@ -335,6 +324,10 @@ def test_fsdp_benchmark_smoke(tmp_path: pathlib.Path, store_dir: pathlib.Path) -
         assert rank["plan"] == "BlockReport" and rank["planned_peak_bytes"] <= rank["budget_bytes"], rank
         moved = sum(rank["tiers"][tier]["offloaded"] for tier in ("host", "ssd"))
         assert moved + rank["recomputed_bytes"] > 0, rank
+    # FSDP's CPUOffloadPolicy inside teraio.offload: the kernel stepped the host shards.
+    for rank in by_config["fsdp_cpu_offload_teraio"]["ranks"]:
+        assert rank["host_step"]["by"].startswith("the engine's kernel"), rank["host_step"]
+        assert rank["host_step"]["steps"] > 0, rank["host_step"]
 
 
 def _block_rank_main(rank: int, tmp: str, store_root: str) -> None:
@@ -465,3 +458,124 @@ def test_fsdp2_block_plan_per_rank(store_dir: pathlib.Path, tmp_path: pathlib.Pa
         if got["predicted_wait_ms"] > 0:  # a rank that waits says for whom
             assert f"ms for rank {other} per iteration" in result["report_text"], result["report_text"]
     assert tight["predicted"] == roomy["predicted"]
+
+
+HOST_STEPS = 6
+
+
+def _host_build(optimizer_class: Any = None) -> tuple[Any, Any]:
+    """tiny.py's model sharded with FSDP2's CPUOffloadPolicy on a CPU mesh: FSDP keeps the shards
+    and their gradients "on the host" and the optimizer steps there."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    model, _ = make(layers=LAYERS)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    if optimizer_class is None:
+        # The kernel's bits are torch's fused CPU AdamW's.
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    return model, optimizer_class(model.parameters(), lr=1e-2, momentum=0.9)
+
+
+def _host_train(model: Any, optimizer: Any, data: list[Any], seen: list[bool]) -> list[float]:
+    """Two micro-batches per step, a clip at 0.5, a scheduler's lr: the loop users write."""
+    losses = []
+    for first, second in zip(data[::2], data[1::2]):
+        loss = model(first)
+        loss.backward()
+        loss = loss + 0 * model(second).detach()  # the first micro-batch's loss is the one logged
+        model(second).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        seen.append(all(p.grad is not None for p in model.parameters()))  # the step leaves them
+        optimizer.zero_grad(set_to_none=True)
+        for group in optimizer.param_groups:
+            group["lr"] *= 0.9
+        losses.append(loss.item())
+    return losses
+
+
+def _host_rank_main(rank: int, tmp: str, store_root: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    torch.set_num_threads(1)
+    out = pathlib.Path(tmp)
+    init_group(str(out / "rendezvous"), rank, WORLD)
+    per = ROWS // WORLD
+    data = [x[rank * per : (rank + 1) * per] for x in batches(2 * HOST_STEPS, rows=ROWS)]
+    save_at = HOST_STEPS // 2
+    result: dict[str, Any] = {"rank": rank}
+
+    model, optimizer = _host_build()
+    plain = _host_train(model, optimizer, data, [])
+    plain_shards, plain_state = local_shards(model), _state(optimizer)
+
+    store = rank_store(store_root, f"host{rank}")
+    options = dict(store=store, gpu_memory=1 << 30, host_memory=1 << 20, reserve=0, min_bytes=16 << 10)
+    options.update(ssd_bandwidth="2GB/s", host_link_bandwidth="25GB/s")
+    checkpoint = str(out / "checkpoint")
+    try:
+        model, optimizer = _host_build()
+        seen: list[bool] = []
+        with teraio.offload(model, optimizer, **options) as run:
+            losses = _host_train(model, optimizer, data[: 2 * save_at], seen)
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint)
+            losses += _host_train(model, optimizer, data[2 * save_at :], seen)
+        report = run.report()
+        result.update(host_step=report.host_step, report_text=str(report), seen=seen)
+        result["shards_equal"] = all(torch.equal(v, local_shards(model)[k]) for k, v in plain_shards.items())
+        state = _state(optimizer)
+        result["state_equal"] = len(state) == len(plain_state) and all(
+            torch.equal(a, b) for a, b in zip(state, plain_state)
+        )
+
+        # A fresh model and optimizer resume from the checkpoint (the lr as the loop left it).
+        model, optimizer = _host_build()
+        with teraio.offload(model, optimizer, **options):
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint)
+            set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+            resumed = _host_train(model, optimizer, data[2 * save_at :], [])
+        result["resumed_shards_equal"] = all(
+            torch.equal(v, local_shards(model)[k]) for k, v in plain_shards.items()
+        )
+
+        # An optimizer the kernel does not run: its own step, said in the report.
+        model, optimizer = _host_build(torch.optim.SGD)
+        sgd_plain = _host_train(model, optimizer, data[:4], [])
+        model, optimizer = _host_build(torch.optim.SGD)
+        with teraio.offload(model, optimizer, **options) as run:
+            sgd = _host_train(model, optimizer, data[:4], [])
+        result.update(sgd_equal=sgd == sgd_plain, sgd_host_step=run.report().host_step)
+    finally:
+        store.close()
+    result.update(plain=plain, losses=losses, resumed=resumed)
+    (out / f"host{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def test_fsdp2_host_shards_stepped_by_the_kernel(store_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """FSDP2's CPUOffloadPolicy under `teraio.offload`: the engine's kernel steps the host shards
+    (bitwise torch's fused CPU AdamW, through accumulation, a clip and a scheduler), the loop sees
+    its gradients after the step, a DCP checkpoint resumes bitwise, and an optimizer the kernel
+    does not run steps itself with the reason in the report."""
+    spawn_ranks(_host_rank_main, (str(tmp_path), str(store_dir)), WORLD, DEADLINE_S)
+    for rank in range(WORLD):
+        result = json.loads((tmp_path / f"host{rank}.json").read_text())
+        print(result["report_text"])
+        host_step = result["host_step"]
+        assert host_step["by"].startswith("the engine's kernel"), host_step
+        assert host_step["steps"] == HOST_STEPS and host_step["elements"] > 0
+        assert "host shards (FSDP2 CPUOffloadPolicy)" in result["report_text"]
+        assert result["losses"] == result["plain"], [a - b for a, b in zip(result["losses"], result["plain"])]
+        assert result["shards_equal"] and result["state_equal"]
+        assert result["seen"] == [True] * HOST_STEPS
+        assert result["resumed"] == result["plain"][HOST_STEPS // 2 :]
+        assert result["resumed_shards_equal"]
+        assert result["sgd_equal"]
+        assert result["sgd_host_step"]["by"].startswith("the optimizer: the optimizer is a SGD")

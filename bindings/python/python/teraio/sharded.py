@@ -24,8 +24,13 @@ What changes for a sharded model, and where teraio meets it:
   has gathered the block's parameters (FSDP's forward hooks do not run again). So one rank may
   recompute a block that another keeps or copies to host memory, with the same collectives.
   Its host copies leave FSDP's gathered parameters alone (`is_parameter_memory`).
-- Refused (`adapt_options`): a model sharded with FSDP's `CPUOffloadPolicy` (its shards live on
-  the host: teraio would take the CPU for the device); whole-model mode (and its `step_in_backward`) and
+- Whole-model offload under FSDP2 is FSDP's own `CPUOffloadPolicy` with teraio's step: FSDP
+  keeps each rank's fp32 shards and their gradients in host memory and copies them over for its
+  collectives; teraio steps them there with the engine's kernel (`runtime.modes.host_step`)
+  and plans the activations on the GPU (`compute_device`: the mesh's device, not the shards').
+  teraio cannot move the parameters itself, so a model whose shards do not fit is refused with
+  that remedy (`NO_FIT_REMEDY`), not switched to it.
+- Refused (`adapt_options`): whole-model mode (and its `step_in_backward`) and
   `offload_parameters` (FSDP owns the parameters: it gathers and frees them), `recompute="on"`
   (the tensor plan's per-op recomputation reads FSDP-owned memory at a point of teraio's
   choosing); `recompute="auto"` means "off". The tensor plan (`granularity="tensor"`) runs
@@ -41,12 +46,15 @@ import torch
 from .options import OffloadOptions
 
 #: What the no-fit errors tell an FSDP2 user to do (`Session._refuse_resident_overflow`, the
-#: block plan's `NoPlanFitsError`): whole-model mode, their remedy on one GPU, is refused here.
-NO_FIT_REMEDY = (
-    "shard over more ranks or raise gpu_memory (under FSDP2 the parameters and their gradients "
-    "stay on the GPU: FSDP gathers and frees them, and whole-model mode, which moves them, is not "
-    "supported there)"
+#: block plan's `NoPlanFitsError`): under FSDP2, whole-model mode (their remedy on one GPU) is
+#: FSDP's own host offload with teraio's step (`runtime.modes.host_step`).
+HOST_SHARDS_REMEDY = (
+    "shard with fully_shard(..., offload_policy=CPUOffloadPolicy()) and pass that "
+    "model: FSDP then keeps each rank's parameter shards and their gradients in host memory, "
+    "teraio steps them there with its CPU kernel and plans the activations on the GPU "
+    "(teraio cannot move parameters FSDP owns: it gathers and frees them)"
 )
+NO_FIT_REMEDY = HOST_SHARDS_REMEDY + "; or shard over more ranks"
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -59,9 +67,12 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 def parameter_bytes(model: torch.nn.Module) -> tuple[int, int]:
     """The rank-local bytes of the model's parameters, and of the gradients its trained ones get
-    (one per trained parameter, of its size): what stays on the GPU through an iteration."""
+    (one per trained parameter, of its size): what stays on the GPU through an iteration (none
+    of the shards FSDP keeps in host memory)."""
     # Whether a parameter is trained is the DTensor's to say: its local shard has no autograd.
-    shards = [(local_tensor(p), p.requires_grad) for p in model.parameters()]
+    # Shards FSDP keeps in host memory take no GPU memory between its gathers.
+    on_host = {id(p) for p in host_shards(model)}
+    shards = [(local_tensor(p), p.requires_grad) for p in model.parameters() if id(p) not in on_host]
     params = sum(shard.untyped_storage().nbytes() for shard, _ in shards)
     grads = sum(shard.untyped_storage().nbytes() for shard, trained in shards if trained)
     return params, grads
@@ -90,28 +101,42 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return bool(fsdp_modules(model))
 
 
-def offloaded_by_fsdp(model: torch.nn.Module) -> bool:
-    """Whether FSDP2 keeps the shards off the device its mesh computes on (`fully_shard(...,
-    offload_policy=CPUOffloadPolicy())`): a DTensor parameter whose local tensor is not on its
-    mesh's device type."""
-    for param in model.parameters():
-        mesh = getattr(param, "device_mesh", None)
-        if mesh is not None and mesh.device_type != local_tensor(param).device.type:
-            return True
-    return False
+def fsdp_params(model: torch.nn.Module) -> list[Any]:
+    """FSDP2's record of each sharded parameter (its `FSDPParam`), module by module."""
+    params = []
+    for module in fsdp_modules(model):
+        state = module._get_fsdp_state()  # type: ignore[operator]
+        # torch 2.15 keeps a list of parameter groups per state; 2.11 one group (or None).
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            group = getattr(state, "_fsdp_param_group", None)
+            groups = [group] if group is not None else []
+        params.extend(p for group in groups if group is not None for p in group.fsdp_params)
+    return params
+
+
+def host_shards(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The sharded parameters FSDP2 keeps in host memory (`fully_shard(...,
+    offload_policy=CPUOffloadPolicy())`): their shards, gradients and optimizer state live there,
+    and the optimizer steps them on the CPU (`runtime.modes.host_step`). Empty: none."""
+    return [p.sharded_param for p in fsdp_params(model) if getattr(p, "offload_to_cpu", False)]
+
+
+def compute_device(model: torch.nn.Module) -> torch.device:
+    """The device the model computes on: its first parameter's, or for an FSDP2 model whose
+    shards live in host memory, its mesh's (the current device of that type)."""
+    first = next(iter(model.parameters()))
+    mesh = getattr(first, "device_mesh", None)
+    if mesh is None or mesh.device_type == first.device.type:
+        return first.device
+    module = getattr(torch, mesh.device_type)
+    return torch.device(mesh.device_type, module.current_device())
 
 
 def adapt_options(model: torch.nn.Module, options: OffloadOptions) -> OffloadOptions:
     """The options an FSDP2 model runs with (see the module docstring); others unchanged."""
     if not is_sharded(model):
         return options
-    if offloaded_by_fsdp(model):
-        raise ValueError(
-            "teraio.offload on an FSDP2 model sharded with offload_policy=CPUOffloadPolicy() is not "
-            "supported: FSDP then keeps the parameters, gradients and optimizer state in host memory "
-            "and teraio would plan for the CPU as the device. Shard without an offload policy: teraio "
-            "offloads the activations and the optimizer state"
-        )
     refused = []
     if options.whole_model == "on":
         refused.append("whole_model='on'")
@@ -128,7 +153,8 @@ def adapt_options(model: torch.nn.Module, options: OffloadOptions) -> OffloadOpt
             f"teraio.offload on an FSDP2 (fully_shard) model does not support {', '.join(refused)}: "
             "FSDP owns the parameters (it gathers and frees them). Leave these options at their "
             "defaults: activations (kept, recomputed per block or copied out) and optimizer "
-            "state are offloaded"
+            "state are offloaded. To keep parameters, gradients and optimizer state in host "
+            f"memory, {HOST_SHARDS_REMEDY}"
         )
     checkpoint = "off" if options.granularity == "tensor" else options.checkpoint
     return options.replace(whole_model="off", step_in_backward=False, recompute="off", checkpoint=checkpoint)
@@ -169,15 +195,7 @@ class UnshardedTracker:
     def for_model(cls, model: Optional[torch.nn.Module]) -> Optional[UnshardedTracker]:
         if model is None:
             return None
-        params = []
-        for module in fsdp_modules(model):
-            state = module._get_fsdp_state()  # type: ignore[operator]
-            # torch 2.15 keeps a list of parameter groups per state; 2.11 one group (or None).
-            groups = getattr(state, "_fsdp_param_groups", None)
-            if groups is None:
-                group = getattr(state, "_fsdp_param_group", None)
-                groups = [group] if group is not None else []
-            params.extend(p for group in groups for p in group.fsdp_params)
+        params = fsdp_params(model)
         return cls(params) if params else None
 
     def freed(self) -> list[int]:

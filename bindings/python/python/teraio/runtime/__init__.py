@@ -70,7 +70,7 @@ def offload(
     optimizer = unwrap_optimizer(optimizer)
     adapted = sharded.adapt_options(model, (options or OffloadOptions()).replace(**overrides))
     _refuse_compiled(model)
-    device = next(iter(model.parameters())).device
+    device = sharded.compute_device(model)
     budget = gpu_budget(device, gpu_memory)
     whole = adapted.whole_model == "on" or (
         adapted.whole_model == "auto" and whole_model.needs_whole_model(model, optimizer, budget)

@@ -114,6 +114,9 @@ class TensorReport(Report):
     checkpoint_summary: dict[str, Any] = field(default_factory=dict)
     #: Time in teraio's hooks per planned iteration as a percent of the ideal iteration.
     host_percent_of_ideal: Optional[float] = None
+    #: FSDP2's host shards (`CPUOffloadPolicy`): who stepped them, how many elements, the
+    #: kernel's median step (`runtime.modes.host_step`). Empty: no host shards.
+    host_step: dict[str, Any] = field(default_factory=dict)
 
     def __str__(self) -> str:
         def ms(value: Optional[float]) -> str:
@@ -187,5 +190,16 @@ class TensorReport(Report):
             lines.append(f"  host time in hooks: {self.host_percent_of_ideal:.1f}% of the ideal iteration")
         if self.plan_summary.get("fits") is False:
             lines.append(f"  plan: does not fit the budget ({self.plan_summary.get('outcome')})")
+        if self.host_step:
+            lines.append("  " + host_step_line(self.host_step))
         lines.append("  stalls: " + ", ".join(f"{k} {v}" for k, v in self.stalls.items()))
         return "\n".join(lines)
+
+
+def host_step_line(host_step: dict[str, Any]) -> str:
+    """The report's line on FSDP2's host shards (`Report.host_step`)."""
+    line = f"host shards (FSDP2 CPUOffloadPolicy): {host_step['elements']:,} elements"
+    line += f" stepped by {host_step['by']}"
+    if host_step.get("step_ms") is not None:
+        line += f", {host_step['step_ms']:.1f} ms per step (median of {host_step['steps']})"
+    return line

@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 from .. import machine
 from ..options import OffloadOptions
 from ..planning import format_bytes, parse_size
-from ..sharded import NO_FIT_REMEDY, is_sharded, parameter_bytes
+from ..sharded import NO_FIT_REMEDY, compute_device, is_sharded, parameter_bytes
 from ..store import Store
 from ..timing import IterationPeak
 from .errors import NoPlanFitsError
@@ -83,7 +83,7 @@ class Session:
         self.optimizer = optimizer
         self.options = options
         self.store = budget.store
-        self.device = next(iter(model.parameters())).device
+        self.device = compute_device(model)
         self.cuda = self.device.type == "cuda"
         self.gpu_memory_bytes = budget.gpu_memory_bytes
         self.host_memory_bytes = budget.host_memory_bytes

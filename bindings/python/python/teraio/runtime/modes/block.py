@@ -96,8 +96,9 @@ from ..plans.block import (
     Measurement,
     Plan,
 )
-from ..report import Report, prediction_fields
+from ..report import Report, host_step_line, prediction_fields
 from ..session import Budget, Session
+from . import host_step
 from .state import StateExecutor, host_then_store, movable_state
 
 
@@ -172,6 +173,9 @@ class BlockReport(Report):
     #: Frozen Linear weights held in autocast's dtype (`movers.frozen`): {"dtype", "parameters",
     #: "saved_bytes": device bytes less than in fp32}; empty where none were.
     frozen_copies: dict[str, Any] = field(default_factory=dict)
+    #: FSDP2's host shards (`CPUOffloadPolicy`): who stepped them, how many elements, the
+    #: kernel's median step (`runtime.modes.host_step`). Empty: no host shards.
+    host_step: dict[str, Any] = field(default_factory=dict)
 
     def __str__(self) -> str:
         def ms(value: Optional[float]) -> str:
@@ -215,6 +219,8 @@ class BlockReport(Report):
                 f"{self.frozen_copies['dtype']} ({format_bytes(self.frozen_copies['saved_bytes'])} "
                 "less device memory)",
             )
+        if self.host_step:
+            lines.insert(-2, "  " + host_step_line(self.host_step))
         if self.ranks:
             lines.insert(2, "  " + _ranks_line(self.ranks))
         if self.prediction_warning:
@@ -443,6 +449,7 @@ class BlockOffload(Session):
             self._hooks.append(module.register_forward_pre_hook(self._pre_forward(index), prepend=True))
         self.loss_head.__enter__()
         self._install_step_hooks(self._before_step, self._after_step)
+        self.host_step = host_step.install(self)
         self._install_peak()
         # Checkpoints read, and loads keep, the real optimizer state (`teraio.optimizer_state_dict`).
         self._hooks.extend(osd.install(self, (self.state,)))
@@ -1579,4 +1586,5 @@ class BlockOffload(Session):
             loss_head=self.loss_head.describe(),
             ranks=ranks,
             frozen_copies=self.frozen.summary() if self.frozen is not None else {},
+            host_step=self.host_step.report() if self.host_step is not None else {},
         )

@@ -93,6 +93,21 @@ def kernel_refusal(optimizer: torch.optim.Optimizer) -> Optional[str]:
     return None
 
 
+def adam_hyper(group: dict[str, Any], decoupled: bool) -> AdamHyper:
+    """An Adam/AdamW parameter group's hyperparameters as the kernel takes them (`decoupled`:
+    the optimizer is an AdamW, whose group may also say so itself)."""
+    beta1, beta2 = group["betas"]
+    return AdamHyper(
+        lr=float(group["lr"]),
+        beta1=float(beta1),
+        beta2=float(beta2),
+        eps=float(group["eps"]),
+        weight_decay=float(group["weight_decay"]),
+        decoupled=bool(group.get("decoupled_weight_decay", decoupled)),
+        maximize=bool(group["maximize"]),
+    )
+
+
 def _view(buffer: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """`buffer` (flat bytes) as a tensor of `like`'s dtype and shape."""
     return buffer.view(like.dtype).view(like.shape)
@@ -246,17 +261,7 @@ class CpuUpdate:
 
     def _hyper(self, index: int) -> AdamHyper:
         """Group `index`'s hyperparameters as the kernel takes them."""
-        group = self.cpu.param_groups[index]
-        beta1, beta2 = group["betas"]
-        return AdamHyper(
-            lr=float(group["lr"]),
-            beta1=float(beta1),
-            beta2=float(beta2),
-            eps=float(group["eps"]),
-            weight_decay=float(group["weight_decay"]),
-            decoupled=bool(group.get("decoupled_weight_decay", self.decoupled)),
-            maximize=bool(group["maximize"]),
-        )
+        return adam_hyper(self.cpu.param_groups[index], self.decoupled)
 
     def device_step(self, params: list[torch.Tensor], tensors: list[tuple[torch.Tensor, ...]]) -> None:
         """The same Adam/AdamW update of `params` (the user's parameters) on another device, for

@@ -36,6 +36,7 @@ from ..movers.tiers import HOST, SSD
 from ..plans.tensor import decisions_from_plan, parameter_moves_from_plan, state_moves_from_plan
 from ..report import TensorReport, prediction_fields
 from ..session import Budget, Session
+from . import host_step
 from .activations import ActivationExecutor
 from .state import (
     StateExecutor,
@@ -218,6 +219,7 @@ class TensorOffload(Session):
                 ", which stay on the GPU; raise gpu_memory, or pass if_no_fit='run' to train anyway"
             )
         self._install_step_hooks(self._before_step, self._after_step)
+        self.host_step = host_step.install(self)
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.executor.pack, self.executor.unpack)
         self._saved_hooks.__enter__()
         self._hooks.extend(osd.install(self))
@@ -887,6 +889,7 @@ class TensorOffload(Session):
             checkpoint_summary=self.checkpoint_summary,
             machine=dict(self.machine),
             host_percent_of_ideal=(hooks_ms["hooks"] / ideal_ms * 100) if hooks_ms and ideal_ms else None,
+            host_step=self.host_step.report() if self.host_step is not None else {},
         )
 
     def _host_summary(self, stats: dict[str, Any], count: int) -> dict[str, float]:
