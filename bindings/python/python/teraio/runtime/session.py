@@ -94,6 +94,8 @@ class Session:
         self._step_times_ms: list[float] = []
         self._peaks: list[int] = []
         self._clipping: Optional[_Clipping] = None
+        #: FSDP2's host shards' step (`modes.host_step.HostStep`), where the mode installs one.
+        self.host_step: Any = None
 
     # -- hooks in and out ------------------------------------------------------------------------
 

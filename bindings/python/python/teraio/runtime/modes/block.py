@@ -753,8 +753,10 @@ class BlockOffload(Session):
         without its hooks, and the plan may move state)."""
         if not self.options.offload_optimizer_state or self._raw_step() is None:
             return False
+        # FSDP's host shards have their state made in host memory by the host step.
+        on_host = self.host_step.host if self.host_step is not None else set()
         return any(
-            p.grad is not None and not optimizer.state.get(p)
+            p.grad is not None and not optimizer.state.get(p) and id(p) not in on_host
             for group in optimizer.param_groups
             for p in group["params"]
         )

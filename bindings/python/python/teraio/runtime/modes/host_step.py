@@ -117,8 +117,9 @@ class HostStep:
             local_tensor(self.optimizer.state[param]["step"]).add_(1)
             self._hidden.append((param, param.grad))
             param.grad = None
-        self._times_ms = (self._times_ms + [(time.perf_counter() - started) * 1e3])[-TIMES_KEPT:]
-        self.steps += 1
+        if stepped:
+            self._times_ms = (self._times_ms + [(time.perf_counter() - started) * 1e3])[-TIMES_KEPT:]
+            self.steps += 1
 
     def after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         for param, grad in self._hidden:
