@@ -498,6 +498,23 @@ def _host_train(model: Any, optimizer: Any, data: list[Any], seen: list[bool]) -
     return losses
 
 
+def _late_clip_train(model: Any, optimizer: Any, data: list[Any]) -> list[float]:
+    """A plain loop that starts clipping (at a norm no gradient reaches) after LATE_CLIP steps."""
+    losses = []
+    for index, x in enumerate(data):
+        loss = model(x)
+        loss.backward()
+        if index >= LATE_CLIP:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+LATE_CLIP = 6
+
+
 def _host_rank_main(rank: int, tmp: str, store_root: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -545,6 +562,35 @@ def _host_rank_main(rank: int, tmp: str, store_root: str) -> None:
             torch.equal(v, local_shards(model)[k]) for k, v in plain_shards.items()
         )
 
+        # A plain loop: "auto" steps in backward from the third step, bitwise the same; a clip
+        # that scales nothing then stands and turns it off.
+        model, optimizer = _host_build()
+        reference = _late_clip_train(model, optimizer, data)
+        reference_shards = local_shards(model)
+        model, optimizer = _host_build()
+        with teraio.offload(model, optimizer, **options) as run:
+            in_backward = _late_clip_train(model, optimizer, data)
+        result.update(in_backward_equal=in_backward == reference, in_backward_step=run.report().host_step)
+        result["in_backward_shards_equal"] = all(
+            torch.equal(v, local_shards(model)[k]) for k, v in reference_shards.items()
+        )
+        # step_in_backward=True in loops it cannot serve: raised, saying why.
+        raised = []
+        for loop in ("clip", "accumulate"):
+            model, optimizer = _host_build()
+            try:
+                with teraio.offload(model, optimizer, step_in_backward=True, **options):
+                    if loop == "clip":
+                        model(data[0]).backward()
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+                        optimizer.step()
+                    else:
+                        model(data[0]).backward()
+                        model(data[1]).backward()
+            except RuntimeError as error:
+                raised.append(str(error))
+        result["raised"] = raised
+
         # An optimizer the kernel does not run: its own step, said in the report.
         model, optimizer = _host_build(torch.optim.SGD)
         sgd_plain = _host_train(model, optimizer, data[:4], [])
@@ -578,4 +624,15 @@ def test_fsdp2_host_shards_stepped_by_the_kernel(store_dir: pathlib.Path, tmp_pa
         assert result["resumed"] == result["plain"][HOST_STEPS // 2 :]
         assert result["resumed_shards_equal"]
         assert result["sgd_equal"]
+        # The plain loop: in backward from the third step, bitwise.
+        in_backward = result["in_backward_step"]
+        assert in_backward["in_backward"] == f"off from step {LATE_CLIP + 1}: the loop clips", in_backward
+        assert in_backward["steps_in_backward"] == LATE_CLIP + 1 - 2, in_backward
+        assert result["in_backward_equal"] and result["in_backward_shards_equal"]
+        # The accumulating, clipping loop above: learnt, and left at optimizer.step().
+        assert host_step["in_backward"].startswith("off: the loop accumulates"), host_step
+        assert host_step["steps_in_backward"] == 0
+        clip, accumulate = result["raised"]
+        assert "clip_grads_with_norm_ after backward" in clip and "step_in_backward=False" in clip, clip
+        assert "a second backward" in accumulate, accumulate
         assert result["sgd_host_step"]["by"].startswith("the optimizer: the optimizer is a SGD")

@@ -30,7 +30,8 @@ What changes for a sharded model, and where teraio meets it:
   and plans the activations on the GPU (`compute_device`: the mesh's device, not the shards').
   teraio cannot move the parameters itself, so a model whose shards do not fit is refused with
   that remedy (`NO_FIT_REMEDY`), not switched to it.
-- Refused (`adapt_options`): whole-model mode (and its `step_in_backward`) and
+- Refused (`adapt_options`): whole-model mode (and its `step_in_backward`, which applies to host
+  shards alone: `host_step`'s step in backward) and
   `offload_parameters` (FSDP owns the parameters: it gathers and frees them), `recompute="on"`
   (the tensor plan's per-op recomputation reads FSDP-owned memory at a point of teraio's
   choosing); `recompute="auto"` means "off". The tensor plan (`granularity="tensor"`) runs
@@ -140,7 +141,8 @@ def adapt_options(model: torch.nn.Module, options: OffloadOptions) -> OffloadOpt
     refused = []
     if options.whole_model == "on":
         refused.append("whole_model='on'")
-    if options.step_in_backward is True:
+    on_host = bool(host_shards(model))
+    if options.step_in_backward is True and not on_host:
         refused.append("step_in_backward=True")
     if options.recompute == "on":
         refused.append("recompute='on'")
@@ -157,7 +159,11 @@ def adapt_options(model: torch.nn.Module, options: OffloadOptions) -> OffloadOpt
             f"memory, {HOST_SHARDS_REMEDY}"
         )
     checkpoint = "off" if options.granularity == "tensor" else options.checkpoint
-    return options.replace(whole_model="off", step_in_backward=False, recompute="off", checkpoint=checkpoint)
+    # The step in backward is the host shards' (`runtime.modes.host_step`); without any, off.
+    in_backward = options.step_in_backward if on_host else False
+    return options.replace(
+        whole_model="off", step_in_backward=in_backward, recompute="off", checkpoint=checkpoint
+    )
 
 
 def rank_notes() -> dict[str, Any]:

@@ -75,7 +75,7 @@ def offload(
     whole = adapted.whole_model == "on" or (
         adapted.whole_model == "auto" and whole_model.needs_whole_model(model, optimizer, budget)
     )
-    if adapted.step_in_backward is True and not whole:
+    if adapted.step_in_backward is True and not whole and not sharded.host_shards(model):
         warnings.warn(
             "teraio.offload: step_in_backward=True has no effect: the model's parameters, "
             "gradients and optimizer state fit gpu_memory, so whole-model mode is off "

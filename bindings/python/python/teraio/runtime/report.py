@@ -202,4 +202,9 @@ def host_step_line(host_step: dict[str, Any]) -> str:
     line += f" stepped by {host_step['by']}"
     if host_step.get("step_ms") is not None:
         line += f", {host_step['step_ms']:.1f} ms per step (median of {host_step['steps']})"
+    if host_step.get("in_backward"):
+        line += f"; in backward: {host_step['in_backward']} ({host_step['steps_in_backward']} steps"
+        if host_step.get("wait_ms") is not None:
+            line += f", the step waited {host_step['wait_ms']:.1f} ms for it"
+        line += ")"
     return line

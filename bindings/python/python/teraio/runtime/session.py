@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 from .. import machine
 from ..options import OffloadOptions
 from ..planning import format_bytes, parse_size
-from ..sharded import NO_FIT_REMEDY, compute_device, is_sharded, parameter_bytes
+from ..sharded import NO_FIT_REMEDY, compute_device, host_shards, is_sharded, parameter_bytes
 from ..store import Store
 from ..timing import IterationPeak
 from .errors import NoPlanFitsError
@@ -94,8 +94,10 @@ class Session:
         self._step_times_ms: list[float] = []
         self._peaks: list[int] = []
         self._clipping: Optional[_Clipping] = None
-        #: FSDP2's host shards' step (`modes.host_step.HostStep`), where the mode installs one.
+        #: FSDP2's host shards' step (`modes.host_step.HostStep`), where the mode installs one,
+        #: and the shards' parameter ids (their state is the host step's, never moved).
         self.host_step: Any = None
+        self.host_ids = frozenset(id(p) for p in host_shards(model))
 
     # -- hooks in and out ------------------------------------------------------------------------
 
@@ -145,12 +147,17 @@ class Session:
     # -- clipping --------------------------------------------------------------------------------
 
     def _take_over_clipping(
-        self, owns: Callable[[list[torch.Tensor]], bool], clip: Callable[..., Any]
+        self,
+        owns: Callable[[list[torch.Tensor]], bool],
+        clip: Callable[..., Any],
+        other: Optional[Callable[..., Any]] = None,
     ) -> None:
         """`torch.nn.utils.clip_grad_norm_` calls on parameter lists this session `owns` go to
         `clip` (same arguments) until `_give_back_clipping`; other lists, and every call once
-        the session has given it back, go to the function that was there before."""
-        self._clipping = _Clipping(owns, clip)
+        the session has given it back, go to the function that was there before. The other
+        gradient functions (`_REFUSED_GRADIENT_FUNCTIONS`) on those lists go to `other` (its
+        name, torch's function, then the call's arguments), or raise where there is none."""
+        self._clipping = _Clipping(owns, clip, other)
         _CLIPPING.append(self._clipping)
         if len(_CLIPPING) == 1:
             _install_clipping()
@@ -165,11 +172,17 @@ class Session:
 
 
 class _Clipping:
-    __slots__ = ("owns", "clip")
+    __slots__ = ("owns", "clip", "other")
 
-    def __init__(self, owns: Callable[[list[torch.Tensor]], bool], clip: Callable[..., Any]) -> None:
+    def __init__(
+        self,
+        owns: Callable[[list[torch.Tensor]], bool],
+        clip: Callable[..., Any],
+        other: Optional[Callable[..., Any]] = None,
+    ) -> None:
         self.owns = owns
         self.clip = clip
+        self.other = other
 
 
 #: The sessions that take over `clip_grad_norm_`, innermost last, and torch's functions while any
@@ -213,7 +226,10 @@ def _install_clipping() -> None:
     def refusing(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
         def refused(parameters: Any, *args: Any, **kwargs: Any) -> Any:
             listed = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-            if any(session.owns(listed) for session in _CLIPPING):
+            owner = next((session for session in reversed(_CLIPPING) if session.owns(listed)), None)
+            if owner is not None and owner.other is not None:
+                return owner.other(name, function, listed, *args, **kwargs)
+            if owner is not None:
                 raise RuntimeError(
                     f"teraio.offload (whole-model): torch.nn.utils {name} on the model's parameters, "
                     "whose gradients have left the GPU after backward (param.grad is None), so it "

@@ -754,9 +754,8 @@ class BlockOffload(Session):
         if not self.options.offload_optimizer_state or self._raw_step() is None:
             return False
         # FSDP's host shards have their state made in host memory by the host step.
-        on_host = self.host_step.host if self.host_step is not None else set()
         return any(
-            p.grad is not None and not optimizer.state.get(p) and id(p) not in on_host
+            p.grad is not None and not optimizer.state.get(p) and id(p) not in self.host_ids
             for group in optimizer.param_groups
             for p in group["params"]
         )
@@ -770,7 +769,7 @@ class BlockOffload(Session):
 
     def _resident_state_bytes(self) -> int:
         """The optimizer state's bytes on the device now (moved-out tensors have empty storages)."""
-        return sum(map(_local_bytes, movable_state(self.optimizer, self.device, 1)))
+        return sum(map(_local_bytes, movable_state(self.optimizer, self.device, 1, skip=self.host_ids)))
 
     def _all_state_bytes(self) -> int:
         """The optimizer state's bytes, on the device or moved out."""
@@ -816,7 +815,7 @@ class BlockOffload(Session):
         state, counted with its temporaries (its peak beyond `before` and that state)."""
         after = self._allocated()
         peak = int(torch.cuda.max_memory_allocated(self.device)) if self.cuda else after
-        mine = movable_state(self.optimizer, self.device, self.options.min_bytes, members)
+        mine = movable_state(self.optimizer, self.device, self.options.min_bytes, members, self.host_ids)
         new = sum(map(_local_bytes, mine))
         self._creation.add(sum(map(_local_bytes, members)), new, peak - before - new)
         return mine
@@ -1103,7 +1102,7 @@ class BlockOffload(Session):
 
     def _state_tensors(self) -> list[torch.Tensor]:
         """The movable optimizer-state tensors, largest first."""
-        found = movable_state(self.optimizer, self.device, self.options.min_bytes)
+        found = movable_state(self.optimizer, self.device, self.options.min_bytes, skip=self.host_ids)
         found.sort(key=lambda t: -t.untyped_storage().nbytes())
         return found
 

@@ -60,12 +60,16 @@ def movable_state(
     device: torch.device,
     min_bytes: int,
     params: Optional[list[torch.Tensor]] = None,
+    skip: frozenset[int] = frozenset(),
 ) -> list[torch.Tensor]:
     """The optimizer-state tensors a plan may move, in the optimizer's order: on `device` (a
-    DTensor's local shard), of at least `min_bytes`, one per storage; of `params` only if given."""
+    DTensor's local shard), of at least `min_bytes`, one per storage; of `params` only if given;
+    none of the parameters whose ids are in `skip` (FSDP's host shards, whose step reads their
+    state in host memory: `host_step`)."""
     found: list[torch.Tensor] = []
     seen: set[int] = set()
-    states = optimizer.state.values() if params is None else [optimizer.state.get(p, {}) for p in params]
+    pairs = optimizer.state.items() if params is None else [(p, optimizer.state.get(p, {})) for p in params]
+    states = [state for param, state in pairs if id(param) not in skip]
     for state in states:
         for value in map(local_tensor, state.values()):
             if not isinstance(value, torch.Tensor) or value.device != device:

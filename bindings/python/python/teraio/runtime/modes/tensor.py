@@ -443,7 +443,7 @@ class TensorOffload(Session):
         if not self.fallback_state.slots:
             # The other half of host memory stays for activations.
             moves = host_then_store(
-                movable_state(self.optimizer, self.device, self.min_bytes),
+                movable_state(self.optimizer, self.device, self.min_bytes, skip=self.host_ids),
                 self.host_memory_bytes // 2,
                 self.store is not None,
             )
