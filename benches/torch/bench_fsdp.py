@@ -28,7 +28,7 @@ trains `--steps` steps on its rows of every global batch, for each configuration
 - `fsdp_cpu_offload_teraio`: `fsdp_cpu_offload`'s model inside the same `teraio.offload`: FSDP
   keeps the shards in host memory, teraio steps them there with its kernel and plans the
   activations (whole-model offload under FSDP2);
-- `big_teraio`: the `BIG` llama shape (14.5B parameters, untied 128K vocabulary; built on the meta
+- `big_teraio`: the `BIG` llama shape (20.3B parameters, untied 128K vocabulary; built on the meta
   device and materialised after sharding), `--big-batch` rows of `--big-seq` tokens, inside
   `teraio.offload(model, optimizer, store=store)`: all defaults, the whole GPU;
   `big_teraio_host`: the same sharded with `CPUOffloadPolicy` (materialised in host memory);
@@ -92,13 +92,15 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=16, num_attention_heads=32),
     ),
 }
-#: The model FSDP2 alone cannot hold on 2 x H200 (143 GB each): 14.5B parameters, whose fp32
-#: parameters, gradients and Adam state take 116 GB per rank before any activation.
+#: The model FSDP2 alone cannot hold on 2 x H200 (139.8 GiB each): 20.3B parameters (48 layers
+#: 6144 wide, untied 128K vocabulary), whose fp32 parameters, gradients and Adam state take
+#: 151 GiB per rank before any activation. (A 14.5B shape, 108 GiB per rank, trained under
+#: FSDP2 alone at `--big-batch` 2 x 4096 there.)
 BIG = dict(
-    hidden_size=5120,
-    intermediate_size=13824,
+    hidden_size=6144,
+    intermediate_size=16384,
     num_hidden_layers=48,
-    num_attention_heads=40,
+    num_attention_heads=48,
     num_key_value_heads=8,
     tie_word_embeddings=False,
 )
