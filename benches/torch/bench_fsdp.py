@@ -309,7 +309,9 @@ def run_config(
             )
         for item in filter(None, args.teraio_options.split(",")):
             name, _, value = item.partition("=")
-            options[name.strip()] = int(value) if value.strip().isdigit() else value.strip()
+            value = value.strip()
+            flags = {"True": True, "False": False}
+            options[name.strip()] = int(value) if value.isdigit() else flags.get(value, value)
         handle = teraio.offload(model, optimizer, **options)
     times_ms, losses = [], []
     peaks = None

@@ -562,7 +562,7 @@ def _host_rank_main(rank: int, tmp: str, store_root: str) -> None:
             torch.equal(v, local_shards(model)[k]) for k, v in plain_shards.items()
         )
 
-        # A plain loop: "auto" steps in backward from the third step, bitwise the same; a clip
+        # A plain loop: "auto" steps in backward from the second step, bitwise the same; a clip
         # that scales nothing then stands and turns it off.
         model, optimizer = _host_build()
         reference = _late_clip_train(model, optimizer, data)
@@ -624,10 +624,10 @@ def test_fsdp2_host_shards_stepped_by_the_kernel(store_dir: pathlib.Path, tmp_pa
         assert result["resumed"] == result["plain"][HOST_STEPS // 2 :]
         assert result["resumed_shards_equal"]
         assert result["sgd_equal"]
-        # The plain loop: in backward from the third step, bitwise.
+        # The plain loop: in backward from the second step, bitwise.
         in_backward = result["in_backward_step"]
         assert in_backward["in_backward"] == f"off from step {LATE_CLIP + 1}: the loop clips", in_backward
-        assert in_backward["steps_in_backward"] == LATE_CLIP + 1 - 2, in_backward
+        assert in_backward["steps_in_backward"] == LATE_CLIP + 1 - 1, in_backward
         assert result["in_backward_equal"] and result["in_backward_shards_equal"]
         # The accumulating, clipping loop above: learnt, and left at optimizer.step().
         assert host_step["in_backward"].startswith("off: the loop accumulates"), host_step

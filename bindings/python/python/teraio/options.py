@@ -69,7 +69,7 @@ class OffloadOptions:
             ends the iteration) or False (at `optimizer.step()`). The update is the optimizer's
             own, so losses match the default's. Under FSDP2 with `CPUOffloadPolicy` it is the
             host shards' step (`runtime/modes/host_step.py`): the same three settings, "auto"
-            from the third step where the first two showed one backward per step, no clip and
+            from the second step where the first showed one backward per step, no clip and
             unchanged hyperparameters.
         update: whole-model mode: where the optimizer step runs: "auto" (default: on the CPU where
             parameters, gradients and optimizer state all live in host memory, the optimizer

@@ -23,8 +23,8 @@ AdamW (`fused=True`). It hooks the optimizer's step:
 The step in backward (`step_in_backward`, "auto" by default): each shard is updated as soon as
 FSDP has put its reduced gradient in host memory (a post-accumulate-grad hook, which FSDP runs on
 the sharded parameter), on a worker thread, while backward goes on over the blocks before it;
-`optimizer.step()` then waits for the worker. "auto" turns it on from the third step where the
-first two showed a loop it leaves exact: one backward per step, no `clip_grad_norm_` (or
+`optimizer.step()` then waits for the worker. "auto" turns it on from the second step where the
+first showed a loop it leaves exact (so the block plan's measuring iterations see it): one backward per step, no `clip_grad_norm_` (or
 `clip_grad_value_`) over the shards, the hyperparameters unchanged in between; the session takes
 those calls over to see them (`Session._take_over_clipping`). Once on, a second backward before
 the step, a clip that would scale (one whose coefficient is 1 scales nothing, so it stands, and
@@ -61,8 +61,9 @@ from .cpu_update import adam_hyper, kernel_refusal
 
 #: Steps kept for the report's median.
 TIMES_KEPT = 64
-#: Steps "auto" watches at `optimizer.step()` before it may step in backward.
-LEARNING_STEPS = 2
+#: Steps "auto" watches at `optimizer.step()` before it may step in backward: one, so that the
+#: block plan measures its iterations with the step where it will run (from the second).
+LEARNING_STEPS = 1
 
 
 def install(session: Any) -> Optional[HostStep]:
@@ -96,7 +97,7 @@ class HostStep:
         optimizer: torch.optim.Optimizer,
         params: list[torch.nn.Parameter],
         in_backward: Union[bool, str] = "auto",
-        events: Optional[dict[int, Any]] = None,
+        records: Optional[dict[int, Any]] = None,
     ) -> None:
         self.optimizer = optimizer
         self.params = params
@@ -107,7 +108,7 @@ class HostStep:
         self.decoupled = isinstance(optimizer, torch.optim.AdamW)
         self._group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
         #: FSDP's record of each shard (its gradient's copy-out event), by the parameter's id.
-        self._fsdp_param = events or {}
+        self._fsdp_param = records or {}
         self.setting = in_backward
         #: Whether this step's updates run in backward; "auto" decides after `LEARNING_STEPS`.
         self.in_backward = in_backward is True and self.kernel is not None
@@ -116,8 +117,8 @@ class HostStep:
             self.why = "no kernel"
         elif in_backward is False:
             self.why = "step_in_backward=False"
-        #: This iteration: hook calls per parameter, each gradient's version when the hook saw
-        #: it, the hyperparameters then, and the updates queued on the worker.
+        #: This iteration: hook calls per parameter, each gradient as the hook saw it, the
+        #: hyperparameters then, whether a clip ran, and the updates queued on the worker.
         self._seen: dict[int, int] = {}
         self._grads: dict[int, torch.Tensor] = {}
         self._hypers: dict[int, Any] = {}
@@ -159,7 +160,10 @@ class HostStep:
             self.release_clipping()
             self.release_clipping = None
         if self._worker is not None:
-            self._drain()
+            try:
+                self._drain()
+            except Exception:  # a failed update raised at the step that waited for it, if any
+                pass
             self._worker.shutdown(wait=True)
             self._worker = None
 
