@@ -24,9 +24,10 @@ The step in backward (`step_in_backward`, "auto" by default): each shard is upda
 FSDP has put its reduced gradient in host memory (a post-accumulate-grad hook, which FSDP runs on
 the sharded parameter), on a worker thread, while backward goes on over the blocks before it;
 `optimizer.step()` then waits for the worker. "auto" turns it on from the second step where the
-first showed a loop it leaves exact (so the block plan's measuring iterations see it): one backward per step, no `clip_grad_norm_` (or
-`clip_grad_value_`) over the shards, the hyperparameters unchanged in between; the session takes
-those calls over to see them (`Session._take_over_clipping`). Once on, a second backward before
+first showed a loop it leaves exact (so the block plan's measuring iterations see it): one
+backward per step, no `clip_grad_norm_` (or `clip_grad_value_`) over the shards, the
+hyperparameters unchanged in between; the session takes those calls over to see them
+(`Session._take_over_clipping`). Once on, a second backward before
 the step, a clip that would scale (one whose coefficient is 1 scales nothing, so it stands, and
 turns the step in backward off from the next step), a value clip, or changed hyperparameters
 raise, saying so (the update has run). Other in-place edits of the gradients between backward
