@@ -636,3 +636,67 @@ def test_fsdp2_host_shards_stepped_by_the_kernel(store_dir: pathlib.Path, tmp_pa
         assert "clip_grads_with_norm_ after backward" in clip and "step_in_backward=False" in clip, clip
         assert "a second backward" in accumulate, accumulate
         assert result["sgd_host_step"]["by"].startswith("the optimizer: the optimizer is a SGD")
+
+
+def _shard_rank_main(rank: int, tmp: str, store_root: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    out = pathlib.Path(tmp)
+    init_group(str(out / "rendezvous-shard"), rank, WORLD)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    result: dict[str, Any] = {}
+    choices = {
+        # The rank's share does not fit 64 KiB of GPU memory and does fit 1 GiB of host memory.
+        "tight": dict(gpu_memory="64KiB", host_memory="1GiB"),
+        "roomy": dict(gpu_memory="1GiB", host_memory="1GiB"),
+        "no_host_room": dict(gpu_memory="64KiB", host_memory="1KiB"),
+        "forced": dict(host_shards=True),
+    }
+    for name, given in choices.items():
+        model, _ = make(layers=LAYERS)
+        choice = teraio.shard(model, mesh=mesh, **given)
+        result[name] = dict(
+            host=choice.host_shards,
+            blocks=choice.blocks,
+            text=str(choice),
+            on_host=len(sharded.host_shards(model)),
+            params=len(list(model.parameters())),
+        )
+        if name == "tight":
+            # The model it shards trains inside teraio.offload, its host shards on the kernel.
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            store = rank_store(store_root, f"shard{rank}")
+            try:
+                with teraio.offload(
+                    model, optimizer, store=store, gpu_memory=1 << 30, host_memory=1 << 20, reserve=0
+                ) as run:
+                    train(model, optimizer, [x[:64] for x in batches(3, rows=128)])
+                result["host_step"] = run.report().host_step
+            finally:
+                store.close()
+            with pytest.raises(ValueError, match="already sharded"):
+                teraio.shard(model, mesh=mesh)
+    (out / f"shard{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def test_shard_chooses_host_shards_where_the_state_does_not_fit(
+    store_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    """`teraio.shard`: each block then the root, with CPUOffloadPolicy where the rank's share of
+    parameters, gradients and AdamW state does not fit the GPU and fits host memory; the model it
+    shards that way trains with teraio's kernel stepping its host shards."""
+    spawn_ranks(_shard_rank_main, (str(tmp_path), str(store_dir)), WORLD, DEADLINE_S)
+    for rank in range(WORLD):
+        result = json.loads((tmp_path / f"shard{rank}.json").read_text())
+        tight, roomy, no_room, forced = (result[k] for k in ("tight", "roomy", "no_host_room", "forced"))
+        assert tight["host"] and tight["on_host"] == tight["params"] and tight["blocks"] == LAYERS, tight
+        assert "in host memory (CPUOffloadPolicy)" in tight["text"] and "do not fit" in tight["text"]
+        assert not roomy["host"] and roomy["on_host"] == 0 and "they fit" in roomy["text"], roomy
+        assert not no_room["host"] and "neither does host memory" in no_room["text"], no_room
+        assert forced["host"] and forced["on_host"] == forced["params"], forced
+        assert result["host_step"]["by"].startswith("the engine's kernel"), result["host_step"]
+        assert result["host_step"]["steps"] == 3
+    with pytest.raises(ValueError, match="host_shards must be"):
+        teraio.shard(torch.nn.Linear(2, 2), host_shards="yes")

@@ -53,6 +53,7 @@ __all__ = [
     "offload",
     "parse_size",
     "plan",
+    "shard",
     "simulate",
     "gpu_probe",
     "validate_trace",
@@ -71,6 +72,10 @@ def __getattr__(name: str) -> Any:
         from .runtime.report import Report
 
         return Report
+    if name == "shard":
+        from .sharded import shard
+
+        return shard
     if name in ("offload", "NoPlanFitsError"):
         from . import runtime as module
 
