@@ -171,6 +171,13 @@ def adapt_options(model: torch.nn.Module, options: OffloadOptions) -> OffloadOpt
     )
 
 
+#: Host memory host shards take per byte of their fp32 shards, gradients and AdamW state: FSDP
+#: pins the shards and the gradients' copies through torch's caching host allocator, which rounds
+#: each block up to a power of two. (A 14.5B model's 108 GiB per rank was killed on a host with
+#: 125 GiB per rank, 2 x H200: docs/benchmarks.md.)
+HOST_SHARDS_OVERHEAD = 1.5
+
+
 @dataclass(frozen=True)
 class ShardChoice:
     """What `shard` did: whether the shards live in host memory, how many blocks it sharded,
@@ -205,7 +212,8 @@ def shard(
     where this rank's share of the trained parameters, their gradients and AdamW's state exceeds
     `WHOLE_MODEL_SHARE` of `gpu_memory` and the parameters and gradients alone exceed
     `WHOLE_MODEL_WEIGHTS_SHARE` of it, as whole-model mode is chosen on one GPU, and all of it
-    fits this rank's share of `host_memory` ("auto": `machine.default_host_memory`); else on the
+    (times `HOST_SHARDS_OVERHEAD`) fits this rank's share of `host_memory` ("auto":
+    `machine.default_host_memory`); else on the
     GPU, where the block plan moves the optimizer state. True or False decide. `gpu_memory`:
     default, the device's memory (required on a CPU mesh with "auto"). Make the optimizer after
     sharding (it must hold the sharded parameters); a meta-device model with host shards is
@@ -246,14 +254,14 @@ def shard(
         needs = (
             everything > WHOLE_MODEL_SHARE * budget and weights_per_rank > WHOLE_MODEL_WEIGHTS_SHARE * budget
         )
-        on_host = needs and everything <= host
+        on_host = needs and HOST_SHARDS_OVERHEAD * everything <= host
         sizes = (
             f"{format_bytes(weights_per_rank)} of parameters and gradients and "
             f"{format_bytes(state_per_rank)} of AdamW state per rank, against "
             f"gpu_memory={format_bytes(budget)}"
         )
         if on_host:
-            reason = f"{sizes}: they do not fit; host memory per rank {format_bytes(host)} holds them"
+            reason = f"{sizes}: they do not fit; host memory per rank ({format_bytes(host)}) holds them"
         elif needs:
             reason = (
                 f"{sizes}: they do not fit, but neither does host memory per rank ({format_bytes(host)}): "
