@@ -109,7 +109,7 @@ class HostStep:
         self.decoupled = isinstance(optimizer, torch.optim.AdamW)
         self._group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
         #: FSDP's record of each shard (its gradient's copy-out event), by the parameter's id.
-        self._fsdp_param = records or {}
+        self._records = records or {}
         self.setting = in_backward
         #: Whether this step's updates run in backward; "auto" decides after `LEARNING_STEPS`.
         self.in_backward = in_backward is True and self.kernel is not None
@@ -185,7 +185,7 @@ class HostStep:
                 "accumulates into gradients the step in backward has already applied (pass "
                 "step_in_backward=False for a loop that accumulates)"
             )
-        record = self._fsdp_param.get(key)
+        record = self._records.get(key)
         # torch 2.11 copies the gradient out asynchronously even with a hook: wait for its copy.
         event = getattr(record, "grad_offload_event", None) if record is not None else None
         tensor = self._tensor(param, grad)
@@ -299,8 +299,8 @@ class HostStep:
             )
 
     def _learn(self) -> None:
-        """ "auto": whether this step's loop leaves the step in backward exact (one backward,
-        gradients and hyperparameters unchanged until the step); on after `LEARNING_STEPS`."""
+        """With "auto": whether this step's loop leaves the step in backward exact (one backward,
+        no clip, hyperparameters unchanged until the step); on after `LEARNING_STEPS` such steps."""
         seen, hypers, clipped = self._seen, self._hypers, self._clipped
         self._seen, self._grads, self._hypers, self._clipped = {}, {}, {}, False
         if clipped and self.in_backward and self.setting == "auto":
