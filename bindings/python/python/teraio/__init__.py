@@ -72,11 +72,7 @@ def __getattr__(name: str) -> Any:
         from .runtime.report import Report
 
         return Report
-    if name == "shard":
-        from .sharded import shard
-
-        return shard
-    if name in ("offload", "NoPlanFitsError"):
+    if name in ("offload", "shard", "NoPlanFitsError"):
         from . import runtime as module
 
         return getattr(module, name)

@@ -30,10 +30,11 @@ What changes for a sharded model, and where teraio meets it:
   and plans the activations on the GPU (`compute_device`: the mesh's device, not the shards').
   teraio cannot move the parameters itself, so a model whose shards do not fit is refused with
   that remedy (`NO_FIT_REMEDY`), not switched to it.
-- `shard` applies FSDP2 as teraio runs it: `fully_shard` on each repeated block, then the root,
-  with `CPUOffloadPolicy` where the rank's share of the training state would not fit the GPU and
-  does fit host memory (whole-model mode's thresholds, per rank): the one place a model "chooses"
-  host shards, since teraio cannot move FSDP's parameters once it is sharded.
+- `teraio.shard` (`runtime.shard`) applies FSDP2 as teraio runs it: `fully_shard` on each
+  repeated block, then the root, with `CPUOffloadPolicy` where the rank's share of the training
+  state would not fit the GPU and does fit host memory (whole-model mode's thresholds, per
+  rank): the one place a model "chooses" host shards, since teraio cannot move FSDP's
+  parameters once it is sharded.
 - Refused (`adapt_options`): whole-model mode (and its `step_in_backward`, which applies to host
   shards alone: `host_step`'s step in backward) and
   `offload_parameters` (FSDP owns the parameters: it gathers and frees them), `recompute="on"`
@@ -44,8 +45,7 @@ What changes for a sharded model, and where teraio meets it:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 
@@ -169,122 +169,6 @@ def adapt_options(model: torch.nn.Module, options: OffloadOptions) -> OffloadOpt
     return options.replace(
         whole_model="off", step_in_backward=in_backward, recompute="off", checkpoint=checkpoint
     )
-
-
-#: Host memory host shards take per byte of their fp32 shards, gradients and AdamW state: FSDP
-#: pins the shards and the gradients' copies through torch's caching host allocator, which rounds
-#: each block up to a power of two. (A 14.5B model's 108 GiB per rank was killed on a host with
-#: 125 GiB per rank, 2 x H200: docs/benchmarks.md.)
-HOST_SHARDS_OVERHEAD = 1.5
-
-
-@dataclass(frozen=True)
-class ShardChoice:
-    """What `shard` did: whether the shards live in host memory, how many blocks it sharded,
-    the per-rank bytes it weighed, and why."""
-
-    host_shards: bool
-    blocks: int
-    weights_bytes_per_rank: int
-    state_bytes_per_rank: int
-    reason: str
-
-    def __str__(self) -> str:
-        where = "in host memory (CPUOffloadPolicy)" if self.host_shards else "on the GPU"
-        return f"teraio.shard: {self.blocks} blocks and the root, shards {where}: {self.reason}"
-
-
-def shard(
-    model: torch.nn.Module,
-    *,
-    mesh: Any = None,
-    mp_policy: Any = None,
-    gpu_memory: Optional[Union[int, float, str]] = None,
-    host_memory: Union[int, float, str] = "auto",
-    host_shards: Union[bool, str] = "auto",
-) -> ShardChoice:
-    """Shards `model` with FSDP2 as teraio runs it, in place: `fully_shard` on each of its
-    repeated blocks (`blocks.find_blocks`), then on the root, on `mesh` (default: FSDP's, the
-    world on the current device) with `mp_policy` (a `MixedPrecisionPolicy`, or None).
-
-    `host_shards`: "auto" (default) keeps the shards, their gradients and the optimizer state in
-    host memory (FSDP's `CPUOffloadPolicy`, stepped by teraio's kernel inside `teraio.offload`)
-    where this rank's share of the trained parameters, their gradients and AdamW's state exceeds
-    `WHOLE_MODEL_SHARE` of `gpu_memory` and the parameters and gradients alone exceed
-    `WHOLE_MODEL_WEIGHTS_SHARE` of it, as whole-model mode is chosen on one GPU, and all of it
-    (times `HOST_SHARDS_OVERHEAD`) fits this rank's share of `host_memory` ("auto":
-    `machine.default_host_memory`); else on the
-    GPU, where the block plan moves the optimizer state. True or False decide. `gpu_memory`:
-    default, the device's memory (required on a CPU mesh with "auto"). Make the optimizer after
-    sharding (it must hold the sharded parameters); a meta-device model with host shards is
-    materialised in CPU memory (`model.to_empty(device="cpu")`), as FSDP requires."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-
-    from . import machine
-    from .blocks import find_blocks
-    from .planning import format_bytes, parse_size
-    from .runtime.modes.whole_model import WHOLE_MODEL_SHARE, WHOLE_MODEL_WEIGHTS_SHARE
-
-    if host_shards not in (True, False, "auto"):
-        raise ValueError(f"host_shards must be True, False or 'auto', not {host_shards!r}")
-    if is_sharded(model):
-        raise ValueError("teraio.shard: the model is already sharded (fully_shard was applied)")
-    world = int(mesh.size()) if mesh is not None else torch.distributed.get_world_size()
-    params = list(model.parameters())
-    weights = sum(p.numel() * p.element_size() for p in params)
-    trained = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-    weights_per_rank = (weights + trained) // world
-    state_per_rank = 2 * trained // world  # AdamW's two moments, in the parameters' dtype
-    everything = weights_per_rank + state_per_rank
-    device_type = mesh.device_type if mesh is not None else "cuda"
-    if host_shards == "auto":
-        if gpu_memory is None:
-            if device_type != "cuda" or not torch.cuda.is_available():
-                raise ValueError("teraio.shard: gpu_memory is required to choose host shards on a CPU mesh")
-            budget = int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
-        else:
-            budget = parse_size(gpu_memory)
-        if host_memory == "auto":
-            ranks = machine.ranks_on_this_host()
-            host = machine.default_host_memory(
-                machine.available_host_bytes(), machine.total_host_bytes(), ranks
-            )
-        else:
-            host = parse_size(host_memory)
-        needs = (
-            everything > WHOLE_MODEL_SHARE * budget and weights_per_rank > WHOLE_MODEL_WEIGHTS_SHARE * budget
-        )
-        on_host = needs and HOST_SHARDS_OVERHEAD * everything <= host
-        sizes = (
-            f"{format_bytes(weights_per_rank)} of parameters and gradients and "
-            f"{format_bytes(state_per_rank)} of AdamW state per rank, against "
-            f"gpu_memory={format_bytes(budget)}"
-        )
-        if on_host:
-            reason = f"{sizes}: they do not fit; host memory per rank ({format_bytes(host)}) holds them"
-        elif needs:
-            reason = (
-                f"{sizes}: they do not fit, but neither does host memory per rank ({format_bytes(host)}): "
-                "the block plan keeps parameters and gradients on the GPU and moves the optimizer state"
-            )
-        else:
-            reason = f"{sizes}: they fit (the block plan moves the optimizer state where needed)"
-    else:
-        on_host = bool(host_shards)
-        reason = f"host_shards={host_shards!r}"
-    policy: dict[str, Any] = {}
-    if mesh is not None:
-        policy["mesh"] = mesh
-    if mp_policy is not None:
-        policy["mp_policy"] = mp_policy
-    if on_host:
-        # Pinned where a GPU copies the shards in (FSDP's default); a CPU mesh has none.
-        policy["offload_policy"] = CPUOffloadPolicy(device_type == "cuda")
-    blocks = find_blocks(model)
-    for _, block in blocks:
-        fully_shard(block, **policy)
-    fully_shard(model, **policy)
-    return ShardChoice(on_host, len(blocks), weights_per_rank, state_per_rank, reason)
 
 
 def rank_notes() -> dict[str, Any]:

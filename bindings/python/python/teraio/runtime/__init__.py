@@ -10,28 +10,32 @@ with teraio.offload(model, optimizer, store=store, gpu_memory="24GiB", host_memo
 print(run.report())
 ```
 
-The front door: adapts the options (FSDP2), resolves the budget, picks the mode and returns it.
+The front door: adapts the options (FSDP2), resolves the budget, picks the mode and returns it;
+and `shard`, FSDP2 applied as teraio runs it, choosing host shards where the state does not fit.
 The modes are in `modes/` (docs/runtime.md describes the runtime's floors).
 """
 
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
 
-from .. import sharded
+from .. import machine, sharded
 from ..blocks import find_blocks
 from ..options import OffloadOptions
+from ..planning import format_bytes, parse_size
 from ..store import Store
 from .errors import NoPlanFitsError
 from .modes import whole_model
 from .modes.block import BlockOffload
 from .modes.tensor import TensorOffload
+from .modes.whole_model import WHOLE_MODEL_SHARE, WHOLE_MODEL_WEIGHTS_SHARE
 from .session import Budget, gpu_budget, host_memory
 
-__all__ = ["NoPlanFitsError", "offload"]
+__all__ = ["NoPlanFitsError", "ShardChoice", "offload", "shard"]
 
 
 def offload(
@@ -97,6 +101,117 @@ def offload(
         mode = BlockOffload
     host_memory_bytes, machine_notes = host_memory(adapted)
     return mode(model, optimizer, adapted, Budget(store, budget, host_memory_bytes, machine_notes))
+
+
+#: Host memory host shards take per byte of their fp32 shards, gradients and AdamW state: FSDP
+#: pins the shards and the gradients' copies through torch's caching host allocator, which rounds
+#: each block up to a power of two. (A 14.5B model's 108 GiB per rank was killed on a host with
+#: 125 GiB per rank, 2 x H200: docs/benchmarks.md.)
+HOST_SHARDS_OVERHEAD = 1.5
+
+
+@dataclass(frozen=True)
+class ShardChoice:
+    """What `shard` did: whether the shards live in host memory, how many blocks it sharded,
+    the per-rank bytes it weighed, and why."""
+
+    host_shards: bool
+    blocks: int
+    weights_bytes_per_rank: int
+    state_bytes_per_rank: int
+    reason: str
+
+    def __str__(self) -> str:
+        where = "in host memory (CPUOffloadPolicy)" if self.host_shards else "on the GPU"
+        return f"teraio.shard: {self.blocks} blocks and the root, shards {where}: {self.reason}"
+
+
+def shard(
+    model: torch.nn.Module,
+    *,
+    mesh: Any = None,
+    mp_policy: Any = None,
+    gpu_memory: Optional[Union[int, float, str]] = None,
+    host_memory: Union[int, float, str] = "auto",
+    host_shards: Union[bool, str] = "auto",
+) -> ShardChoice:
+    """Shards `model` with FSDP2 as teraio runs it, in place: `fully_shard` on each of its
+    repeated blocks (`blocks.find_blocks`), then on the root, on `mesh` (default: FSDP's, the
+    world on the current device) with `mp_policy` (a `MixedPrecisionPolicy`, or None).
+
+    `host_shards`: "auto" (default) keeps the shards, their gradients and the optimizer state in
+    host memory (FSDP's `CPUOffloadPolicy`, stepped by teraio's kernel inside `teraio.offload`)
+    where this rank's share of the trained parameters, their gradients and AdamW's state exceeds
+    `WHOLE_MODEL_SHARE` of `gpu_memory` and the parameters and gradients alone exceed
+    `WHOLE_MODEL_WEIGHTS_SHARE` of it, as whole-model mode is chosen on one GPU, and all of it
+    (times `HOST_SHARDS_OVERHEAD`) fits this rank's share of `host_memory` ("auto":
+    `machine.default_host_memory`); else on the
+    GPU, where the block plan moves the optimizer state. True or False decide. `gpu_memory`:
+    default, the device's memory (required on a CPU mesh with "auto"). Make the optimizer after
+    sharding (it must hold the sharded parameters); a meta-device model with host shards is
+    materialised in CPU memory (`model.to_empty(device="cpu")`), as FSDP requires."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    if host_shards not in (True, False, "auto"):
+        raise ValueError(f"host_shards must be True, False or 'auto', not {host_shards!r}")
+    if sharded.is_sharded(model):
+        raise ValueError("teraio.shard: the model is already sharded (fully_shard was applied)")
+    world = int(mesh.size()) if mesh is not None else torch.distributed.get_world_size()
+    params = list(model.parameters())
+    weights = sum(p.numel() * p.element_size() for p in params)
+    trained = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    weights_per_rank = (weights + trained) // world
+    state_per_rank = 2 * trained // world  # AdamW's two moments, in the parameters' dtype
+    everything = weights_per_rank + state_per_rank
+    device_type = mesh.device_type if mesh is not None else "cuda"
+    if host_shards == "auto":
+        if gpu_memory is None:
+            if device_type != "cuda" or not torch.cuda.is_available():
+                raise ValueError("teraio.shard: gpu_memory is required to choose host shards on a CPU mesh")
+            budget = int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+        else:
+            budget = parse_size(gpu_memory)
+        if host_memory == "auto":
+            ranks = machine.ranks_on_this_host()
+            host = machine.default_host_memory(
+                machine.available_host_bytes(), machine.total_host_bytes(), ranks
+            )
+        else:
+            host = parse_size(host_memory)
+        needs = (
+            everything > WHOLE_MODEL_SHARE * budget and weights_per_rank > WHOLE_MODEL_WEIGHTS_SHARE * budget
+        )
+        on_host = needs and HOST_SHARDS_OVERHEAD * everything <= host
+        sizes = (
+            f"{format_bytes(weights_per_rank)} of parameters and gradients and "
+            f"{format_bytes(state_per_rank)} of AdamW state per rank, against "
+            f"gpu_memory={format_bytes(budget)}"
+        )
+        if on_host:
+            reason = f"{sizes}: they do not fit; host memory per rank ({format_bytes(host)}) holds them"
+        elif needs:
+            reason = (
+                f"{sizes}: they do not fit, but neither does host memory per rank ({format_bytes(host)}): "
+                "the block plan keeps parameters and gradients on the GPU and moves the optimizer state"
+            )
+        else:
+            reason = f"{sizes}: they fit (the block plan moves the optimizer state where needed)"
+    else:
+        on_host = bool(host_shards)
+        reason = f"host_shards={host_shards!r}"
+    policy: dict[str, Any] = {}
+    if mesh is not None:
+        policy["mesh"] = mesh
+    if mp_policy is not None:
+        policy["mp_policy"] = mp_policy
+    if on_host:
+        # Pinned where a GPU copies the shards in (FSDP's default); a CPU mesh has none.
+        policy["offload_policy"] = CPUOffloadPolicy(device_type == "cuda")
+    blocks = find_blocks(model)
+    for _, block in blocks:
+        fully_shard(block, **policy)
+    fully_shard(model, **policy)
+    return ShardChoice(on_host, len(blocks), weights_per_rank, state_per_rank, reason)
 
 
 def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
