@@ -137,3 +137,93 @@ def test_fsdp2_on_two_gpus_resumes_from_a_checkpoint_taken_with_the_state_away(
         assert result["state_away_at_save"] > 0, "the optimizer state was on the GPU at the save"
         assert result["resumed"] == result["losses"][SAVE_AT:]
         assert result["resumed_shards_equal"]
+
+
+HOST_STEPS = 6
+
+
+def _host_build(rank: int) -> tuple[Any, Any]:
+    """The same model sharded with FSDP's CPUOffloadPolicy: its shards and gradients in host memory."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    model, _ = make(device=f"cuda:{rank}", **SHAPE)
+    for layer in model.layers:
+        fully_shard(layer, offload_policy=CPUOffloadPolicy())
+    fully_shard(model, offload_policy=CPUOffloadPolicy())
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _host_rank_main(rank: int, tmp: str, store_root: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    torch.cuda.set_device(rank)
+    out = pathlib.Path(tmp)
+    init_group(str(out / "rendezvous-host"), rank, WORLD, backend="nccl", timeout_s=120)
+    device = torch.device("cuda", rank)
+    per = ROWS // WORLD
+    data = [
+        x[rank * per : (rank + 1) * per].to(device) for x in batches(HOST_STEPS, rows=ROWS, dim=SHAPE["dim"])
+    ]
+    result: dict[str, Any] = {"rank": rank}
+    store = rank_store(store_root, f"host{rank}")
+    checkpoint = str(out / "checkpoint-host")
+    try:
+        options: dict[str, Any] = dict(store=store, reserve=0)
+        # The kernel at optimizer.step(): the reference for the step in backward.
+        model, optimizer = _host_build(rank)
+        with teraio.offload(model, optimizer, step_in_backward=False, **options) as run:
+            at_step = train(model, optimizer, data)
+        result["at_step"] = run.report().host_step
+        at_step_shards = local_shards(model)
+        del model, optimizer, run
+
+        # The default: in backward from the second step, waiting on FSDP's copies out.
+        model, optimizer = _host_build(rank)
+        with teraio.offload(model, optimizer, **options) as run:
+            losses = train(model, optimizer, data[: HOST_STEPS // 2])
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint)
+            del model_sd, optim_sd
+            losses += train(model, optimizer, data[HOST_STEPS // 2 :])
+        result["in_backward"] = run.report().host_step
+        result["report"] = str(run.report())
+        shards = local_shards(model)
+        result["shards_equal"] = all(torch.equal(shards[k], v) for k, v in at_step_shards.items())
+        del model, optimizer, run
+
+        # Resumed from the checkpoint: the same losses and shards.
+        model, optimizer = _host_build(rank)
+        with teraio.offload(model, optimizer, **options):
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint)
+            set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+            del model_sd, optim_sd
+            resumed = train(model, optimizer, data[HOST_STEPS // 2 :])
+        shards = local_shards(model)
+        result["resumed_shards_equal"] = all(torch.equal(shards[k], v) for k, v in at_step_shards.items())
+    finally:
+        store.close()
+    result.update(at_step_losses=at_step, losses=losses, resumed=resumed)
+    (out / f"host{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def test_fsdp2_host_shards_on_two_gpus_step_in_backward_and_resume(
+    store_dir: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    """CPUOffloadPolicy under teraio.offload on two GPUs: the kernel's step in backward, which
+    waits on FSDP's asynchronous copies of the gradients to host memory, gives the bits of its
+    step at optimizer.step(); a DCP checkpoint of the host shards resumes bitwise."""
+    spawn_ranks(_host_rank_main, (str(tmp_path), str(store_dir)), WORLD, DEADLINE_S)
+    for r in range(WORLD):
+        result = json.loads((tmp_path / f"host{r}.json").read_text())
+        print(result["report"])
+        assert result["at_step"]["by"].startswith("the engine's kernel"), result["at_step"]
+        assert result["at_step"]["steps_in_backward"] == 0
+        assert result["in_backward"]["in_backward"] == "auto: on from step 1", result["in_backward"]
+        assert result["in_backward"]["steps_in_backward"] == HOST_STEPS - 1
+        assert result["losses"] == result["at_step_losses"]
+        assert result["shards_equal"]
+        assert result["resumed"] == result["losses"][HOST_STEPS // 2 :]
+        assert result["resumed_shards_equal"]
