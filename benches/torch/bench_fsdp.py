@@ -516,6 +516,12 @@ def rank_main(rank: int, args: argparse.Namespace, init_file: str) -> None:
     # Rank 0 prints while the others wait: a peer that left first makes gloo abort rank 0's exit.
     dist.barrier()
     dist.destroy_process_group()
+    # Every result is written: the rank ends here, without the interpreter's finalization, in
+    # which gloo's threads can still abort the process (std::terminate, seen once in a CI run
+    # under load after all results were out; pytorch/pytorch#179291 describes such teardowns).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
