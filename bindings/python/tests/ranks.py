@@ -55,10 +55,11 @@ def rank_store(root: str, name: str, size_bytes: int = 256 << 20) -> Any:
     return teraio.Store.create([path / "dev0"], file_size_bytes=size_bytes, durable=False, force=True)
 
 
-def shard_layers(model: Any, mesh: Optional[Any] = None) -> None:
-    """FSDP2 as the tests use it: each of `model.layers`, then the root (on `mesh` where given)."""
+def shard_layers(model: Any, mesh: Optional[Any] = None, **policy: Any) -> None:
+    """FSDP2 as the tests use it: each of `model.layers`, then the root (on `mesh` where given,
+    with `fully_shard`'s other arguments, such as `offload_policy`, in `policy`)."""
     assert fully_shard is not None
-    on = {} if mesh is None else {"mesh": mesh}
+    on = dict(policy) if mesh is None else {"mesh": mesh, **policy}
     for layer in model.layers:
         fully_shard(layer, **on)
     fully_shard(model, **on)

@@ -471,9 +471,7 @@ def _host_build(optimizer_class: Any = None) -> tuple[Any, Any]:
 
     model, _ = make(layers=LAYERS)
     mesh = init_device_mesh("cpu", (WORLD,))
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
-    fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    shard_layers(model, mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
     if optimizer_class is None:
         # The kernel's bits are torch's fused CPU AdamW's.
         return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
@@ -700,3 +698,14 @@ def test_shard_chooses_host_shards_where_the_state_does_not_fit(
         assert result["host_step"]["steps"] == 3
     with pytest.raises(ValueError, match="host_shards must be"):
         teraio.shard(torch.nn.Linear(2, 2), host_shards="yes")
+    # The budgets resolve as teraio.offload resolves them, before anything is sharded.
+    with pytest.raises(ValueError, match="more than this machine has available"):
+        teraio.shard(torch.nn.Linear(2, 2), mesh=_CpuMesh(), gpu_memory="1GiB", host_memory="1000TiB")
+    with pytest.raises(ValueError, match="gpu_memory is required on a CPU device, to choose host shards"):
+        teraio.shard(torch.nn.Linear(2, 2), mesh=_CpuMesh())
+
+
+class _CpuMesh:
+    """What `teraio.shard` reads of a mesh before it shards: its device type (no process group)."""
+
+    device_type = "cpu"

@@ -49,25 +49,29 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _build(rank: int) -> tuple[Any, Any]:
+def _build(rank: int, **policy: Any) -> tuple[Any, Any]:
+    """The model sharded (`fully_shard`'s other arguments in `policy`) and its AdamW."""
     model, _ = make(device=f"cuda:{rank}", **SHAPE)
-    shard_layers(model)
+    shard_layers(model, **policy)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _join(rank: int, tmp: str, name: str, steps: int) -> tuple[pathlib.Path, torch.device, list[Any]]:
+    """This rank in the NCCL group (rendezvous `name` under `tmp`), and its rows of `steps` batches."""
+    torch.cuda.set_device(rank)
+    out = pathlib.Path(tmp)
+    init_group(str(out / name), rank, WORLD, backend="nccl", timeout_s=120)
+    device = torch.device("cuda", rank)
+    per = ROWS // WORLD
+    data = [x[rank * per : (rank + 1) * per].to(device) for x in batches(steps, rows=ROWS, dim=SHAPE["dim"])]
+    return out, device, data
 
 
 def _rank_main(rank: int, tmp: str, store_root: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    torch.cuda.set_device(rank)
-    out = pathlib.Path(tmp)
-    init_group(str(out / "rendezvous"), rank, WORLD, backend="nccl", timeout_s=120)
-    device = torch.device("cuda", rank)
-    per = ROWS // WORLD
-    data = [
-        x[rank * per : (rank + 1) * per].to(device)
-        for x in batches(SAVE_AT + AFTER, rows=ROWS, dim=SHAPE["dim"])
-    ]
+    out, device, data = _join(rank, tmp, "rendezvous", SAVE_AT + AFTER)
     result: dict[str, Any] = {"rank": rank}
 
     held = torch.cuda.memory_allocated(device)
@@ -146,25 +150,14 @@ def _host_build(rank: int) -> tuple[Any, Any]:
     """The same model sharded with FSDP's CPUOffloadPolicy: its shards and gradients in host memory."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    model, _ = make(device=f"cuda:{rank}", **SHAPE)
-    for layer in model.layers:
-        fully_shard(layer, offload_policy=CPUOffloadPolicy())
-    fully_shard(model, offload_policy=CPUOffloadPolicy())
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return _build(rank, offload_policy=CPUOffloadPolicy())
 
 
 def _host_rank_main(rank: int, tmp: str, store_root: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    torch.cuda.set_device(rank)
-    out = pathlib.Path(tmp)
-    init_group(str(out / "rendezvous-host"), rank, WORLD, backend="nccl", timeout_s=120)
-    device = torch.device("cuda", rank)
-    per = ROWS // WORLD
-    data = [
-        x[rank * per : (rank + 1) * per].to(device) for x in batches(HOST_STEPS, rows=ROWS, dim=SHAPE["dim"])
-    ]
+    out, _, data = _join(rank, tmp, "rendezvous-host", HOST_STEPS)
     result: dict[str, Any] = {"rank": rank}
     store = rank_store(store_root, f"host{rank}")
     checkpoint = str(out / "checkpoint-host")

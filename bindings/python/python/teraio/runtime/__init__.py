@@ -23,17 +23,18 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .. import machine, sharded
+from .. import sharded
 from ..blocks import find_blocks
 from ..options import OffloadOptions
-from ..planning import format_bytes, parse_size
+from ..planning import format_bytes
 from ..store import Store
+from . import session
 from .errors import NoPlanFitsError
 from .modes import whole_model
 from .modes.block import BlockOffload
 from .modes.tensor import TensorOffload
 from .modes.whole_model import WHOLE_MODEL_SHARE, WHOLE_MODEL_WEIGHTS_SHARE
-from .session import Budget, gpu_budget, host_memory
+from .session import Budget, gpu_budget
 
 __all__ = ["NoPlanFitsError", "ShardChoice", "offload", "shard"]
 
@@ -99,7 +100,7 @@ def offload(
         mode = TensorOffload
     else:
         mode = BlockOffload
-    host_memory_bytes, machine_notes = host_memory(adapted)
+    host_memory_bytes, machine_notes = session.host_memory(adapted)
     return mode(model, optimizer, adapted, Budget(store, budget, host_memory_bytes, machine_notes))
 
 
@@ -145,7 +146,8 @@ def shard(
     `WHOLE_MODEL_SHARE` of `gpu_memory` and the parameters and gradients alone exceed
     `WHOLE_MODEL_WEIGHTS_SHARE` of it, as whole-model mode is chosen on one GPU, and all of it
     (times `HOST_SHARDS_OVERHEAD`) fits this rank's share of `host_memory` ("auto":
-    `machine.default_host_memory`); else on the
+    `machine.default_host_memory`; more than MemAvailable is refused, as `teraio.offload`
+    refuses it); else on the
     GPU, where the block plan moves the optimizer state. True or False decide. `gpu_memory`:
     default, the device's memory (required on a CPU mesh with "auto"). Make the optimizer after
     sharding (it must hold the sharded parameters); a meta-device model with host shards is
@@ -156,6 +158,18 @@ def shard(
         raise ValueError(f"host_shards must be True, False or 'auto', not {host_shards!r}")
     if sharded.is_sharded(model):
         raise ValueError("teraio.shard: the model is already sharded (fully_shard was applied)")
+    device_type = mesh.device_type if mesh is not None else "cuda"
+    if host_shards == "auto":
+        # The budgets as `teraio.offload` resolves them (a host figure above MemAvailable refused).
+        if device_type == "cuda" and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            device = torch.device("cpu")
+        try:
+            budget = gpu_budget(device, gpu_memory)
+        except ValueError as error:
+            raise ValueError(f"teraio.shard: {error}, to choose host shards") from error
+        host, _ = session.host_memory(OffloadOptions(host_memory=host_memory))
     world = int(mesh.size()) if mesh is not None else torch.distributed.get_world_size()
     params = list(model.parameters())
     weights = sum(p.numel() * p.element_size() for p in params)
@@ -163,21 +177,7 @@ def shard(
     weights_per_rank = (weights + trained) // world
     state_per_rank = 2 * trained // world  # AdamW's two moments, in the parameters' dtype
     everything = weights_per_rank + state_per_rank
-    device_type = mesh.device_type if mesh is not None else "cuda"
     if host_shards == "auto":
-        if gpu_memory is None:
-            if device_type != "cuda" or not torch.cuda.is_available():
-                raise ValueError("teraio.shard: gpu_memory is required to choose host shards on a CPU mesh")
-            budget = int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
-        else:
-            budget = parse_size(gpu_memory)
-        if host_memory == "auto":
-            ranks = machine.ranks_on_this_host()
-            host = machine.default_host_memory(
-                machine.available_host_bytes(), machine.total_host_bytes(), ranks
-            )
-        else:
-            host = parse_size(host_memory)
         needs = (
             everything > WHOLE_MODEL_SHARE * budget and weights_per_rank > WHOLE_MODEL_WEIGHTS_SHARE * budget
         )

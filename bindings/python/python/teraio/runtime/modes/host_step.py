@@ -118,8 +118,9 @@ class HostStep:
             self.why = "no kernel"
         elif in_backward is False:
             self.why = "step_in_backward=False"
-        #: This iteration: hook calls per parameter, each gradient as the hook saw it, the
-        #: hyperparameters then, whether a clip ran, and the updates queued on the worker.
+        #: This iteration: hook calls per parameter, each gradient as the hook saw it, each
+        #: group's hyperparameters (by index) at its first gradient, whether a clip ran, and the
+        #: updates queued on the worker.
         self._seen: dict[int, int] = {}
         self._grads: dict[int, torch.Tensor] = {}
         self._hypers: dict[int, Any] = {}
@@ -173,8 +174,9 @@ class HostStep:
     def _grad_ready(self, param: torch.Tensor) -> None:
         key = id(param)
         self._seen[key] = self._seen.get(key, 0) + 1
-        group = self.optimizer.param_groups[self._group_of[key]]
-        self._hypers[key] = adam_hyper(group, self.decoupled)
+        index = self._group_of[key]
+        if index not in self._hypers:  # once per group and step: the group's as backward saw them
+            self._hypers[index] = adam_hyper(self.optimizer.param_groups[index], self.decoupled)
         grad = local_tensor(param.grad)
         self._grads[key] = grad
         if not self.in_backward:
@@ -191,7 +193,7 @@ class HostStep:
         tensor = self._tensor(param, grad)
         if self._worker is None:
             self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="teraio-host-step")
-        hyper = self._hypers[key]
+        hyper = self._hypers[index]
         self._queued.append((param, self._worker.submit(self._update, hyper, tensor, event)))
 
     def _update(self, hyper: Any, tensor: AdamTensor, event: Any) -> None:
@@ -286,10 +288,10 @@ class HostStep:
         replaced after its update read it, or hyperparameters changed in between."""
         for param in stepped:
             key = id(param)
-            group = self.optimizer.param_groups[self._group_of[key]]
+            index = self._group_of[key]
             if param.grad is None or local_tensor(param.grad) is not self._grads[key]:
                 changed = "a gradient was replaced between backward and optimizer.step()"
-            elif adam_hyper(group, self.decoupled) != self._hypers[key]:
+            elif adam_hyper(self.optimizer.param_groups[index], self.decoupled) != self._hypers[index]:
                 changed = "the hyperparameters changed between backward and optimizer.step()"
             else:
                 continue
@@ -312,9 +314,8 @@ class HostStep:
         if self.setting != "auto" or self.in_backward or self.kernel is None or not seen:
             return
         exact = max(seen.values()) == 1 and not clipped
-        for key, hyper in hypers.items():
-            group = self.optimizer.param_groups[self._group_of[key]]
-            if adam_hyper(group, self.decoupled) != hyper:
+        for index, hyper in hypers.items():
+            if adam_hyper(self.optimizer.param_groups[index], self.decoupled) != hyper:
                 exact = False
         if not exact:
             self.setting = False
