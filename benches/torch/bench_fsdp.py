@@ -350,8 +350,10 @@ def run_config(
             if peaks is not None and step in args.peak_steps:
                 peaks.begin()
             started = time.perf_counter()
-            timeline_path = os.path.join(args.trace_dir or ".", f"timeline-{args.family}-{config}.json")
-            with profiled(step == args.profile_step and rank == 0, timeline_path):
+            timeline_path = os.path.join(
+                args.trace_dir or ".", f"timeline-{args.family}-{config}-{step}.json"
+            )
+            with profiled(step in args.profile_step and rank == 0, timeline_path):
                 losses.append(train_step(model, optimizer, batch))
                 sync(device)
             times_ms.append((time.perf_counter() - started) * 1e3)
@@ -372,6 +374,7 @@ def run_config(
         if handle is not None:
             handle.__exit__(None, None, None)
     mine["ms_per_iter"] = statistics.median(times_ms[args.warmup :] or times_ms)
+    mine["times_ms"] = times_ms
     mine["losses"] = losses
     mine["peak_bytes"] = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
     tiers = {tier: {"offloaded": 0, "prefetched": 0, "resident": 0} for tier in ("host", "ssd")}
@@ -395,6 +398,9 @@ def run_config(
         for key in ("own_predicted_ms", "group_predicted_ms", "predicted_wait_ms", "side"):
             mine[key] = together.get(key)
         mine["stalls"] = report.stalls
+        # The block plan's phases, by first step: the plan, the A/B trial's other side, settled.
+        for key in ("planned_from", "_trial_from", "settled_from"):
+            mine[key.lstrip("_")] = getattr(handle, key, None)
         mine["host_step"] = report.host_step
         mine["plan"] = type(report).__name__
         # The block plan's (the default for these models) or the tensor plan's own figures.
@@ -570,8 +576,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument(
         "--profile-step",
         type=int,
-        default=-1,
-        help="rank 0 records this step of every configuration with torch.profiler: the timeline "
+        nargs="*",
+        default=[],
+        help="rank 0 records these steps of every configuration with torch.profiler: the timelines "
         "(gzipped, in --trace-dir) and a summary of where the GPU's time went (timeline.py)",
     )
     args = parser.parse_args(argv)

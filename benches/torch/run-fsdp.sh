@@ -6,7 +6,7 @@
 #                                                   # BIG_CONFIGS: "big_teraio big_fsdp", or
 #                                                   # big_teraio_host: its shards in host memory)
 #   CONFIGS="fsdp fsdp_teraio": only those configurations per family (fsdp_teraio needs fsdp's peak);
-#   PROFILE_STEP=N: rank 0 records step N of each configuration with torch.profiler (timeline.py's
+#   PROFILE_STEP="N ...": rank 0 records these steps of each configuration with torch.profiler (timeline.py's
 #   summary in the log, the gzipped timeline in $OUT); PY_OVERLAY=DIR: DIR's teraio *.py files over
 #   the wheel's; TERAIO_OPTIONS="name=value,...": more teraio.offload options for the teraio rows;
 #   BUDGET_SHARE=0.7: the capped rows' budget as a share of FSDP2's per-rank peak (default 0.5)

@@ -27,7 +27,10 @@ def profiled(enabled: bool, path: str) -> Iterator[None]:
         yield
         return
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as profiler:
+    # TIMELINE_STACK=1: Python frames too (python_function events), which say what held the host
+    # in a gap, at some cost in host time.
+    stack = os.environ.get("TIMELINE_STACK") == "1"
+    with torch.profiler.profile(activities=activities, with_stack=stack) as profiler:
         yield
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     profiler.export_chrome_trace(path)
@@ -78,7 +81,11 @@ def summarize_trace(path: str, top: int = 12) -> None:
         if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
     }
     ops = sorted(
-        (e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")),
+        (
+            e
+            for e in events
+            if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation", "python_function")
+        ),
         key=lambda e: e["ts"],
     )
 
@@ -86,13 +93,37 @@ def summarize_trace(path: str, top: int = 12) -> None:
         names = [e["name"] for e in ops if e["ts"] <= ts <= e["ts"] + e["dur"]]
         return " > ".join(names[-4:]) if names else "?"
 
+    # Each gap is the host's (the work after it launched after the stream went idle) or the
+    # GPU's (launched in time, then waiting: an event, another stream). For the host's, the
+    # launching thread's longest outermost ops inside the gap say what held it.
+    late_total = 0.0
+    for gap, at, e in gaps:
+        launch = runtime.get(e["args"].get("correlation"))
+        if launch is not None:
+            late_total += min(gap, max(0.0, launch["ts"] - at))
+    print(
+        f"  of the gaps: {late_total / 1e3:.1f} ms the host launched the next work late, "
+        f"{(total - late_total) / 1e3:.1f} ms it was queued and waited on the GPU"
+    )
     for gap, at, e in sorted(gaps, key=lambda g: -g[0])[:top]:
         launch = runtime.get(e["args"].get("correlation"))
         where = enclosing(launch["ts"]) if launch else "?"
+        late = min(gap, max(0.0, launch["ts"] - at)) if launch else 0.0
         print(
             f"    gap {gap / 1e3:6.2f} ms at +{(at - start) / 1e3:7.1f} ms "
-            f"before {e['name'][:50]!r}: launched in {where[:160]}"
+            f"before {e['name'][:50]!r} (host late {late / 1e3:.2f} ms): launched in {where[:160]}"
         )
+        if launch is not None and late > 0:
+            middle = (at + launch["ts"]) / 2
+            chain = [
+                o["name"]
+                for o in ops
+                if o.get("tid") == launch.get("tid") and o["ts"] <= middle <= o["ts"] + o["dur"]
+            ]
+            print(
+                f"      host thread {launch.get('tid')} in the gap: {_held_by(ops, launch, at)}; "
+                f"at its middle: {' > '.join(chain[-5:])[:240] or 'no op'}"
+            )
     for stream in by_stream:
         if stream != compute:
             _copy_stream_gaps(stream, by_stream[stream], runtime)
@@ -102,6 +133,25 @@ def summarize_trace(path: str, top: int = 12) -> None:
         if e.get("ph") == "X" and e.get("cat") == "cuda_runtime":
             host[e["name"]] += e["dur"]
     print("  host CUDA calls: " + ", ".join(f"{k} {v / 1e3:.1f} ms" for k, v in host.most_common(8)))
+
+
+def _held_by(ops: list[dict[str, Any]], launch: dict[str, Any], since: float, most: int = 4) -> str:
+    """The launching thread's outermost ops overlapping `since` .. the launch, longest first (by
+    their time inside that window)."""
+    end = launch["ts"]
+    inside = [
+        e for e in ops if e.get("tid") == launch.get("tid") and e["ts"] < end and e["ts"] + e["dur"] > since
+    ]
+    outer: list[dict[str, Any]] = []
+    for e in sorted(inside, key=lambda e: (e["ts"], -e["dur"])):
+        if not outer or e["ts"] >= outer[-1]["ts"] + outer[-1]["dur"]:
+            outer.append(e)
+
+    def within(e: dict[str, Any]) -> float:
+        return min(end, e["ts"] + e["dur"]) - max(since, e["ts"])
+
+    outer.sort(key=lambda e: -within(e))
+    return ", ".join(f"{e['name'][:60]} {within(e) / 1e3:.2f} ms" for e in outer[:most]) or "no op recorded"
 
 
 def _copy_stream_gaps(
