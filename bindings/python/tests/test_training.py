@@ -4,6 +4,7 @@ equal to training without offload."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import pytest
@@ -315,7 +316,7 @@ def test_plain_pytorch_transformer_bitwise() -> None:
     assert moved > 0 or report.checkpointed_blocks
 
 
-def _hf_model(family: str) -> Callable[[], torch.nn.Module]:
+def _hf_model(family: str, use_cache: bool = False) -> Callable[[], torch.nn.Module]:
     tf = pytest.importorskip("transformers")
     common = {
         "vocab_size": 512,
@@ -337,7 +338,7 @@ def _hf_model(family: str) -> Callable[[], torch.nn.Module]:
         config = config_class(**common, **extra)
         config._attn_implementation = "sdpa"
         model = model_class(config)
-        model.config.use_cache = False
+        model.config.use_cache = use_cache
         return model
 
     return build
@@ -356,3 +357,32 @@ def test_transformers_bf16_autocast_sdpa_bitwise(family: str) -> None:
     report = _tensor_plan_bitwise(build, data, loss_of)
     assert report.checkpoint_summary["blocks"] == 3
     assert report.plan_summary["fits"] is True
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        {"granularity": "block"},
+        {"granularity": "tensor", "checkpoint": "all"},
+        {"whole_model": "on", "granularity": "block"},
+    ],
+    ids=["block", "tensor", "whole-model"],
+)
+def test_transformers_default_cache_trains_bitwise(mode: dict[str, Any]) -> None:
+    """A model as `from_pretrained` gives it (`use_cache=True` in its config) in a plain loop:
+    teraio recomputes its blocks, which would update the key/value cache a second time in
+    backward, so it passes `use_cache=False` to training forwards, as transformers does under
+    its own checkpointing (said once), and trains to the bits of the loop without offload."""
+    build = _hf_model("llama", use_cache=True)
+    assert build().config.use_cache
+    generator = torch.Generator().manual_seed(7)
+    data = [torch.randint(0, 512, (2, 64), generator=generator) for _ in range(STEPS)]
+
+    def loss_of(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=tokens, labels=tokens).loss
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        _bitwise_against_reference(build, data, loss_of, **mode)
+    cache = [w for w in said if "use_cache=False" in str(w.message)]
+    assert len(cache) == 1, [str(w.message) for w in said]

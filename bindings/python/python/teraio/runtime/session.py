@@ -8,6 +8,9 @@ and brings every tensor back. docs/runtime.md says which hook fires when.
 
 from __future__ import annotations
 
+import functools
+import inspect
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Union
 
@@ -98,6 +101,7 @@ class Session:
         #: and the shards' parameter ids (their state is the host step's, never moved).
         self.host_step: Any = None
         self.host_ids = frozenset(id(p) for p in host_shards(model))
+        self._cache_off_said = False
 
     # -- hooks in and out ------------------------------------------------------------------------
 
@@ -125,6 +129,45 @@ class Session:
         """The iteration's peak, reset as its forward begins (`timing.IterationPeak`)."""
         self._peak = IterationPeak(self.model, self.device)
         self._hooks.append(self._peak.handle)
+
+    def _install_cache_off(self) -> None:
+        """A Hugging Face model's key/value cache off in its training forwards (`_cache_off`), on
+        the outermost module whose config has `use_cache` and whose forward takes it."""
+        for module in self.model.modules():
+            if getattr(getattr(module, "config", None), "use_cache", None) is None:
+                continue
+            parameters = list(inspect.signature(module.forward).parameters)
+            if "use_cache" not in parameters:
+                continue
+            position = parameters.index("use_cache")
+            hook = functools.partial(self._cache_off, position)
+            self._hooks.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+            return
+
+    def _cache_off(self, position: int, module: Module, args: Any, kwargs: dict[str, Any]) -> Any:
+        """Passes `use_cache=False` to a training forward with gradients that would build a
+        cache (given True, or left to a config that says True), as transformers does under its
+        own gradient checkpointing: teraio recomputes blocks in backward (to measure them, and
+        where its plan checkpoints them), and a recomputed block would update the cache a second
+        time, a replay that differs from its forward and that `torch.utils.checkpoint` refuses.
+        Such a forward never reads the cache it builds, so its outputs are the same bits. A
+        cache the loop passes in (`past_key_values`) is left as given."""
+        if not (module.training and torch.is_grad_enabled()) or len(args) > position:
+            return None
+        if kwargs.get("past_key_values") is not None:
+            return None
+        wanted = kwargs.get("use_cache")
+        if wanted is False or (wanted is None and not module.config.use_cache):
+            return None
+        if not self._cache_off_said:
+            self._cache_off_said = True
+            warnings.warn(
+                f"teraio.offload: {type(module).__name__} trains with use_cache=False, as transformers "
+                "sets it under gradient checkpointing: teraio recomputes blocks in backward, which "
+                "would update a key/value cache twice (the loss and gradients are the same bits)",
+                stacklevel=2,
+            )
+        return args, {**kwargs, "use_cache": False}
 
     def _remove_hooks(self) -> None:
         for hook in self._hooks:

@@ -451,6 +451,7 @@ class BlockOffload(Session):
         self._install_step_hooks(self._before_step, self._after_step)
         self.host_step = host_step.install(self)
         self._install_peak()
+        self._install_cache_off()
         # Checkpoints read, and loads keep, the real optimizer state (`teraio.optimizer_state_dict`).
         self._hooks.extend(osd.install(self, (self.state,)))
         self._begin_iteration()

@@ -224,6 +224,7 @@ class TensorOffload(Session):
         self._saved_hooks.__enter__()
         self._hooks.extend(osd.install(self))
         self._install_peak()
+        self._install_cache_off()
         self._begin_iteration()
         return self
 

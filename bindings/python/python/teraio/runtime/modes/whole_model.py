@@ -1095,6 +1095,7 @@ class ModelOffload(Session):
         self.optimizer.zero_grad = _optimizer_method(self._zero_grad, self.optimizer)  # type: ignore[method-assign]
         self._take_over_clipping(self._owns, self._clip_grad_norm)
         self._install_peak()
+        self._install_cache_off()
         self._hooks.append(self.model.register_forward_pre_hook(self._count_tokens, with_kwargs=True))
         self._install_checkpoint_hooks()
         self._begin_iteration()
