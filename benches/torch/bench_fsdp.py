@@ -313,6 +313,8 @@ def run_config(
             flags = {"True": True, "False": False}
             options[name.strip()] = int(value) if value.isdigit() else flags.get(value, value)
         handle = teraio.offload(model, optimizer, **options)
+        if args.no_trial and hasattr(handle, "TRIAL_STEPS"):
+            handle.TRIAL_STEPS = 0  # the block plan as chosen, from its first planned step on
     times_ms, losses = [], []
     peaks = None
     if args.peak_steps and handle is not None and device.type == "cuda":
@@ -572,6 +574,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--trace-dir", default="", help="rank 0 writes teraio's profiled traces here")
     parser.add_argument(
         "--teraio-options", default="", help="more teraio.offload options: name=value,... (e.g. reserve=2GiB)"
+    )
+    parser.add_argument(
+        "--no-trial",
+        action="store_true",
+        help="probe: teraio's block plan runs as chosen, without its A/B trial against "
+        "checkpointing every block (the plan's own speed once it settles)",
     )
     parser.add_argument(
         "--profile-step",

@@ -9,7 +9,8 @@
 #   PROFILE_STEP="N ...": rank 0 records these steps of each configuration with torch.profiler (timeline.py's
 #   summary in the log, the gzipped timeline in $OUT); PY_OVERLAY=DIR: DIR's teraio *.py files over
 #   the wheel's; TERAIO_OPTIONS="name=value,...": more teraio.offload options for the teraio rows;
-#   BUDGET_SHARE=0.7: the capped rows' budget as a share of FSDP2's per-rank peak (default 0.5)
+#   BUDGET_SHARE=0.7: the capped rows' budget as a share of FSDP2's per-rank peak (default 0.5);
+#   NO_TRIAL=1: teraio's block plan runs as chosen, without its A/B trial (a probe)
 # bench_fsdp.py starts both ranks itself (NCCL) and trains $STEPS steps each (its docstring lists
 # the configurations; teraio gets one store per rank: $STORE_DIR/rank<r>/dev0). RESULT lines
 # (results-fsdp.jsonl), the log and rank 0's profiled traces (gzipped) go to $OUT.
@@ -53,6 +54,7 @@ extra=""
 [ -n "${PROFILE_STEP:-}" ] && extra="$extra --profile-step $PROFILE_STEP"
 [ -n "${TERAIO_OPTIONS:-}" ] && extra="$extra --teraio-options $TERAIO_OPTIONS"
 [ -n "${BUDGET_SHARE:-}" ] && extra="$extra --budget-share $BUDGET_SHARE"
+[ -n "${NO_TRIAL:-}" ] && extra="$extra --no-trial"
 for family in $FAMILIES; do runs+=("--family $family $extra"); done
 [ "$BIG" = 1 ] && runs+=("--configs ${BIG_CONFIGS:-big_teraio big_fsdp} --big-store-gib ${BIG_STORE_GIB:-40}")
 for run in "${runs[@]}"; do
