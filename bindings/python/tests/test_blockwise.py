@@ -920,3 +920,25 @@ def test_a_stall_in_one_blocks_span_is_not_that_blocks_cost() -> None:
     assert [b.forward_ms for b in measured.blocks] == pytest.approx([4.05] * 6)
     assert [b.backward_ms for b in measured.blocks] == pytest.approx([7.0, 5.1, 5.1, 5.1, 5.1, 5.1])
     assert measured.checkpoint_all_ms < before - 20
+
+
+def test_copies_that_hold_compute_up_count_in_full() -> None:
+    """FSDP2's ranks (`Measurement.serial_copies`): a copy to or from host memory holds compute up
+    for its length, so moving blocks or state pays only where the recomputation it saves is
+    worth both of its copies."""
+    limit = 16 * GB  # every block recomputed with the state on the GPU peaks at 14 GB: 2 blocks kept
+    overlapped = _choose(_measured(), limit=limit, link=1e12)
+    # Overlapped, the copies are free on this link: blocks go to host memory, and state too.
+    assert overlapped.count(HOST) > 0 and overlapped.state_out_bytes > 0
+    serial = _measured()
+    serial.serial_copies = True
+    plan = _choose(serial, limit=limit, link=1e12)
+    # Each way at 1 TB/s a block's 1 GB costs 2 ms, more than its 1 ms of recomputation: nothing
+    # moves, and the blocks the state on the GPU leaves room for are kept.
+    assert plan.state_out_bytes == 0 and plan.count(HOST) == 0 and plan.count(KEEP) == 2
+    link = Link(1e12, 1e12, 1e12, 1e12)
+    alone, _ = bw.predict(_measured(), overlapped, link)
+    held_up, _ = bw.predict(serial, overlapped, link)
+    moved = overlapped.count(HOST) * GB + overlapped.state_out_bytes
+    assert bw.serial_copy_ms(serial, overlapped, link) == pytest.approx(moved * 2e-12 * 1e3)
+    assert held_up == pytest.approx(alone + bw.serial_copy_ms(serial, overlapped, link))

@@ -253,6 +253,11 @@ def _ranks_line(ranks: dict[str, Any]) -> str:
         f"{ranks['group_predicted_ms']:.1f} ms (per rank alone: "
         + ", ".join(f"{v:.1f}" for v in ranks["per_rank_predicted_ms"])
         + f"); this rank {wait}. Measured parts, ms: {parts}"
+        + (
+            f"; copies to and from host memory counted in full ({block_plan.SERIAL_COPIES_WHY})"
+            if ranks.get("serial_copies")
+            else ""
+        )
     )
 
 
@@ -363,7 +368,9 @@ class BlockOffload(Session):
         self.state = StateExecutor(
             self.device, store=self.store, object_id_base=ids.base("optimizer_state"), **streams
         )
-        self.measured = Measurement([BlockCost(name) for name, _ in self.blocks])
+        self.measured = Measurement(
+            [BlockCost(name) for name, _ in self.blocks], serial_copies=self._coupled and self.cuda
+        )
         # Frozen Linear weights in autocast's dtype (`movers.frozen`), decided as the first
         # iteration's first block starts (None: not this run).
         self.frozen: Optional[FrozenCopies] = None
@@ -1243,6 +1250,7 @@ class BlockOffload(Session):
             "measured_parts_ms": [r["parts"] for r in self._ranks],
             # Every rank's segments, for each side, as gathered.
             "segments_ms": {side: [r[side] for r in self._ranks] for side in ("plan", "checkpoint_all")},
+            "serial_copies": self.measured.serial_copies,
         }
         missing = [r for r, p in enumerate(per) if p is None]
         if missing:
