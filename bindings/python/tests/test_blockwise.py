@@ -29,6 +29,8 @@ from tiny import batches, make, train  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 GB = 10**9
+#: The step at which the block plan's A/B trial has ended: the measuring steps and both sides'.
+TRIAL_END = BlockOffload.MEASURING_STEPS + 2 * BlockOffload.TRIAL_STEPS
 
 
 def _measured(blocks: int = 8, saved: int = GB, peak: int = 10 * GB, state: int = 4 * GB) -> Measurement:
@@ -285,11 +287,11 @@ def _trial_goes_to(monkeypatch: Any, winner: str) -> None:
     """The A/B trial's iterations "measure" so that `winner` ("plan" or "checkpoint") wins,
     whatever the CPU's timings say."""
 
-    def best(self: BlockOffload, count: int) -> float:
+    def best(self: BlockOffload, count: int) -> list[float]:
         checkpointing = set(self.actions) == {RECOMPUTE}
-        return 0.0 if checkpointing == (winner == "checkpoint") else 1.0
+        return [0.0 if checkpointing == (winner == "checkpoint") else 1.0] * count
 
-    monkeypatch.setattr(BlockOffload, "_recent_ms", best)
+    monkeypatch.setattr(BlockOffload, "_recent_times", best)
 
 
 def _times_are(monkeypatch: Any, recompute_ms: float) -> None:
@@ -334,7 +336,7 @@ def test_trains_bitwise_with_each_action(
     options = dict(options)
     if "force" in options:
         _force(monkeypatch, options.pop("force"))
-    steps = 10  # 3 measuring, 3 + 3 in the trial, 1 after it
+    steps = TRIAL_END + 1  # the measuring steps, the trial's, 1 after it
     reference, state = _reference(steps)
     losses, final, run = _run(steps, gpu_memory=budget, **options)
     assert losses == reference
@@ -391,7 +393,7 @@ def test_blocks_that_do_not_keep_their_activations_leave_no_weight_copies_in_aut
     block saves them for its backward). Training stays bitwise equal to training without teraio."""
     _trial_goes_to(monkeypatch, "plan")
     _force(monkeypatch, action)
-    steps = 10  # 3 measuring, 3 + 3 in the trial, 1 with the plan
+    steps = TRIAL_END + 1  # the measuring steps, the trial's, 1 with the plan
 
     def train_autocast(model: Any, optimizer: Any, casts: Optional[_WeightCasts] = None) -> list[float]:
         losses = []
@@ -500,9 +502,9 @@ def test_state_leaves_when_the_next_forward_starts_not_at_the_step() -> None:
 
 @pytest.mark.parametrize("winner", ["checkpoint", "plan"])
 def test_the_trial_keeps_the_faster_of_the_plan_and_checkpointing(monkeypatch: Any, winner: str) -> None:
-    # 3 measuring steps, 3 with the plan, 3 checkpointing every block, then the winner: training
-    # stays exact across both switches.
-    steps = 11
+    # 3 measuring steps, 2 with the plan, 4 checkpointing every block, 2 with the plan, then the
+    # winner: training stays exact across every switch.
+    steps = TRIAL_END + 2
     reference, state = _reference(steps)
     _force(monkeypatch, HOST)
     _trial_goes_to(monkeypatch, winner)
@@ -511,7 +513,7 @@ def test_the_trial_keeps_the_faster_of_the_plan_and_checkpointing(monkeypatch: A
     assert all(torch.equal(final[k], v) for k, v in state.items())
     report = run.report()
     assert report.choice["kept"] == ("checkpoint every block" if winner == "checkpoint" else "plan")
-    assert report.checkpoint_all_source.startswith("median of 3 iterations")
+    assert report.checkpoint_all_source.startswith("median of 4 iterations")
     assert report.planned_steps == 2  # the steps after the trial
     assert set(report.actions.values()) == ({RECOMPUTE} if winner == "checkpoint" else {HOST})
     moved = report.bytes_per_iteration["offloaded"]["host"]
@@ -720,7 +722,7 @@ def test_an_iteration_in_which_the_allocator_retried_checkpoints_one_more_block(
     # Every block fits (kept); then planned iterations report allocator retries (counted on CUDA,
     # set here): one retry after the first iteration of a layout checkpoints one more block.
     _trial_goes_to(monkeypatch, "plan")
-    _, _, run = _run(10, gpu_memory="1GiB")
+    _, _, run = _run(TRIAL_END + 1, gpu_memory="1GiB")
     assert run.actions == [KEEP] * LAYERS and run.settled_from is not None
     run.cuda = True  # the check is CUDA's; nothing else in it touches the device once settled
     run._peaks = [0]
@@ -782,10 +784,10 @@ def test_a_blocks_forward_time_holds_its_pre_hooks() -> None:
 def test_a_report_in_the_middle_of_the_trial_counts_the_plan_side(monkeypatch: Any) -> None:
     _force(monkeypatch, HOST)
     _trial_goes_to(monkeypatch, "plan")
-    _, _, run = _run(7, gpu_memory="1GiB")  # 3 measuring, 3 with the plan, 1 checkpointing
+    _, _, run = _run(6, gpu_memory="1GiB")  # 3 measuring, 2 with the plan, 1 checkpointing
     report = run.report()
     assert report.choice["kept"].startswith("undecided")
-    assert report.planned_steps == BlockOffload.TRIAL_STEPS
+    assert report.planned_steps == BlockOffload.TRIAL_STEPS // 2
     assert report.bytes_per_iteration["offloaded"]["host"] == LAYERS * (BLOCK_SAVED + ROWS * 64 * 4)
 
 

@@ -652,7 +652,8 @@ def test_block_plan_is_exact_on_cuda(monkeypatch: Any, action: Any) -> None:
     from the gradient hooks, checkpointing), and the plan chosen for a tight budget (None)."""
     from teraio.runtime.modes.block import BlockOffload
 
-    data = batches(11, rows=8192, device=DEVICE)  # 3 measuring, 3 + 3 in the trial, 2 after
+    # 3 measuring, 2 + 4 + 2 in the trial, 2 after.
+    data = batches(BlockOffload.MEASURING_STEPS + 2 * BlockOffload.TRIAL_STEPS + 2, rows=8192, device=DEVICE)
     model, optimizer = make(device=DEVICE, layers=6, hidden=1024)
     reference = train(model, optimizer, data)
     ref_state = {k: v.clone() for k, v in model.state_dict().items()}

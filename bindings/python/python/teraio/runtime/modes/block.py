@@ -33,10 +33,12 @@ of checkpointing, and its inputs are measured without per-op instrumentation:
   over the measured times) and bounded in memory from the measured peak; the fastest that fits
   wins.
 - planned iterations: an A/B trial, measured rather than predicted (single iterations in this
-  regime vary by 10%): the plan runs `TRIAL_STEPS` iterations, then checkpointing every block as
-  many (where that fits with all the optimizer state on the GPU); the side with the faster median
-  stays (ranks under FSDP2 run both sides at the same steps and keep the same side: the one whose
-  slowest rank is faster). A peak that comes within half the reserve of the budget checkpoints
+  regime vary by 10%, and the first planned ones run slower than later ones, whatever their
+  layout): the plan runs half of `TRIAL_STEPS` iterations, checkpointing every block (where that
+  fits with all the optimizer state on the GPU) `TRIAL_STEPS`, and the plan the other half, so
+  that a drift in the iterations' times weighs on both sides alike; the side with the faster
+  median stays (ranks under FSDP2 run both sides at the same steps and keep the same side: the
+  one whose slowest rank is faster). A peak that comes within half the reserve of the budget checkpoints
   one more kept block, and so does an iteration in which the allocator had to retry (release its
   cache and map anew). Both are counted in the report, which counts the iterations after the
   trial.
@@ -333,9 +335,10 @@ class BlockOffload(Session):
     #: Iterations before the plan: sizes; times with full recomputation (each block's own); times
     #: as checkpointing runs (recomputation stops early, once backward has what it needs).
     MEASURING_STEPS = 3
-    #: Planned iterations each side of the A/B trial runs (`_check_plan`); each side's median
-    #: counts (the first iteration of a plan carries its one-time work: pinned buffers, switching).
-    TRIAL_STEPS = 3
+    #: Planned iterations each side of the A/B trial runs (`_check_plan`: the plan's in two
+    #: halves, around checkpointing's); each side's median counts (the first iteration of a
+    #: layout carries its one-time work: pinned buffers, switching). Even.
+    TRIAL_STEPS = 4
 
     def __init__(self, model: Module, optimizer: Optimizer, options: OffloadOptions, budget: Budget) -> None:
         super().__init__(model, optimizer, options, budget)
@@ -417,11 +420,14 @@ class BlockOffload(Session):
         self._prefetch_queue: list[int] = []
         self._pending_bytes: dict[int, int] = {}
         self._state_moves_set = False
-        # The A/B trial (`_check_plan`): the plan tried, its median iteration, and the
-        # step from which the final choice runs.
+        # The A/B trial (`_check_plan`): the plan tried, each side's iteration times, the steps
+        # from which checkpointing every block and then the plan again run, and the step from
+        # which the final choice runs.
         self._tried_plan: Optional[Plan] = None
-        self._plan_ms = 0.0
+        self._plan_times: list[float] = []
+        self._baseline_times: list[float] = []
         self._trial_from: Optional[int] = None
+        self._back_from: Optional[int] = None
         self.settled_from: Optional[int] = None
         self.replans = 0
         #: The first iteration that runs the present actions (`_allocator_retried`).
@@ -1356,11 +1362,15 @@ class BlockOffload(Session):
     def _check_plan(self) -> None:
         """After a planned iteration: a peak within half the reserve of the budget checkpoints one
         more block (a kept one selectively where that was measured, else fully; else a selective
-        one fully). Then the A/B trial: the plan's first `TRIAL_STEPS` iterations against as
-        many with every block checkpointed (where that fits with all the state on the GPU); the
-        side with the faster median stays (`choice` has both). Measured, because single
-        iterations in this regime vary by 10% and the measuring iterations run under other
-        conditions than planned ones.
+        one fully). Then the A/B trial: the plan's first `TRIAL_STEPS` / 2 iterations, as many
+        again as `TRIAL_STEPS` with every block checkpointed (where that fits with all the state
+        on the GPU), then the plan's other half; the side with the faster median stays (`choice`
+        has both). Measured, because single iterations in this regime vary by 10% and the
+        measuring iterations run under other conditions than planned ones; in two halves around
+        the other side, because the first planned iterations run slower than later ones whatever
+        their layout (2 x H200, FSDP2: every block checkpointed at 387-456 ms in the 4th to 6th
+        planned iterations, 240-260 ms from the 7th), which would count against whichever side
+        ran first.
 
         Ranks tied by FSDP's collectives (`_coupled`) run the trial in step: each side at the same
         steps on every rank (a memory replan does not restart the plan's side, as it does alone),
@@ -1376,12 +1386,13 @@ class BlockOffload(Session):
         if self.settled_from is not None:
             return
         n = self.TRIAL_STEPS
-        # The plan's side is its last layout's first n iterations (a memory replan restarts it),
-        # or, for coupled ranks, the first n planned ones.
+        half = n // 2
+        # The plan's first half is its last layout's first iterations (a memory replan restarts
+        # it), or, for coupled ranks, the first planned ones.
         plan_from = self.planned_from if self._coupled else self._layout_from
-        if self._trial_from is None and self.step == plan_from + n - 1:
+        if self._trial_from is None and self.step == plan_from + half - 1:
             plan = self.plan
-            self._plan_ms = self._recent_ms(n)
+            self._plan_times = self._recent_times(half)
             self.choice = {
                 "kept": "plan",
                 "plan": {
@@ -1391,7 +1402,7 @@ class BlockOffload(Session):
                     "recompute": plan.count(RECOMPUTE),
                     "state_out_bytes": plan.state_out_bytes,
                     "predicted_ms": plan.predicted_ms,
-                    "trial_ms": self._plan_ms,
+                    "trial_ms": statistics.median(self._plan_times),
                 },
             }
             checkpointing = self._checkpoint_all_plan()
@@ -1413,10 +1424,19 @@ class BlockOffload(Session):
             self._stats_at[self._trial_from] = (self.stats.as_dict(), self.state.stats.as_dict())
             self.choice["kept"] = "undecided: the trial of checkpointing every block has not finished"
             return
-        if self._trial_from is not None and self.step == self._trial_from + n - 1:
-            baseline = self._recent_ms(n)
+        if self._back_from is None and self._trial_from is not None and self.step == self._trial_from + n - 1:
+            self._baseline_times = self._recent_times(n)
+            assert self._tried_plan is not None
+            self._install(self._tried_plan)
+            self._side = "plan"
+            self._back_from = self.step + 1
+            return
+        if self._back_from is not None and self.step == self._back_from + (n - half) - 1:
+            self._plan_times += self._recent_times(n - half)
+            plan_ms = statistics.median(self._plan_times)
+            baseline = statistics.median(self._baseline_times)
+            self.choice["plan"]["trial_ms"] = plan_ms
             self.choice["checkpoint_all_ms"] = baseline
-            plan_ms = self._plan_ms
             ranks = self._agree({"plan_ms": plan_ms, "checkpoint_all_ms": baseline})
             if ranks is not None:
                 # The ranks' iteration is their slowest rank's, on each side.
@@ -1424,11 +1444,10 @@ class BlockOffload(Session):
                 baseline = max(r["checkpoint_all_ms"] for r in ranks)
                 self.choice["ranks"] = {"plan_ms": plan_ms, "checkpoint_all_ms": baseline}
             if plan_ms < baseline:
-                assert self._tried_plan is not None
-                self._install(self._tried_plan)
-                self._side = "plan"
                 self.choice["kept"] = "plan"
             else:
+                self._install(self._checkpoint_all_plan())
+                self._side = "checkpoint_all"
                 self.choice["kept"] = "checkpoint every block"
             self.settled_from = self.step + 1
             self._stats_at[self.settled_from] = (self.stats.as_dict(), self.state.stats.as_dict())
@@ -1473,9 +1492,9 @@ class BlockOffload(Session):
         plan.predicted_ms, plan.predicted_peak_bytes = block_plan.predict(self.measured, plan, self.link)
         return plan
 
-    def _recent_ms(self, count: int) -> float:
-        """The median of the last `count` iterations (ms on the compute stream)."""
-        return statistics.median(sum(times.values()) for times in self._iterations[-count:])
+    def _recent_times(self, count: int) -> list[float]:
+        """The last `count` iterations' times (ms on the compute stream)."""
+        return [sum(times.values()) for times in self._iterations[-count:]]
 
     # -- report --------------------------------------------------------------------------------
 
