@@ -924,23 +924,27 @@ def test_a_stall_in_one_blocks_span_is_not_that_blocks_cost() -> None:
     assert measured.checkpoint_all_ms < before - 20
 
 
-def test_copies_that_hold_compute_up_count_in_full() -> None:
-    """FSDP2's ranks (`Measurement.serial_copies`): a copy to or from host memory holds compute up
-    for its length, so moving blocks or state pays only where the recomputation it saves is
-    worth both of its copies."""
-    limit = 16 * GB  # every block recomputed with the state on the GPU peaks at 14 GB: 2 blocks kept
-    overlapped = _choose(_measured(), limit=limit, link=1e12)
-    # Overlapped, the copies are free on this link: blocks go to host memory, and state too.
-    assert overlapped.count(HOST) > 0 and overlapped.state_out_bytes > 0
+def test_copies_in_backward_that_hold_it_up_count_in_full() -> None:
+    """FSDP2's ranks on CUDA (`Measurement.serial_copies`): a copy from host memory issued in
+    backward holds backward's compute up until it is done, so the state's restore there and
+    the HOST blocks' prefetches count in full, and the chooser keeps, with nothing moved, the
+    blocks that fit where those copies cost more than the recomputation they save."""
+    link = Link(5e11, 5e11, 5e11, 5e11)  # 2 ms per GB each way
     serial = _measured()
     serial.serial_copies = True
-    plan = _choose(serial, limit=limit, link=1e12)
-    # Each way at 1 TB/s a block's 1 GB costs 2 ms, more than its 1 ms of recomputation: nothing
-    # moves, and the blocks the state on the GPU leaves room for are kept.
-    assert plan.state_out_bytes == 0 and plan.count(HOST) == 0 and plan.count(KEEP) == 2
-    link = Link(1e12, 1e12, 1e12, 1e12)
-    alone, _ = bw.predict(_measured(), overlapped, link)
-    held_up, _ = bw.predict(serial, overlapped, link)
-    moved = overlapped.count(HOST) * GB + overlapped.state_out_bytes
-    assert bw.serial_copy_ms(serial, overlapped, link) == pytest.approx(moved * 2e-12 * 1e3)
-    assert held_up == pytest.approx(alone + bw.serial_copy_ms(serial, overlapped, link))
+    # The state (4 GB: 8 ms in) restored as backward starts: hidden behind its 24 ms of blocks,
+    # or, held up, all of it added.
+    restored = Plan([RECOMPUTE] * 8, state_host_bytes=4 * GB, state_restore_at=0)
+    alone, _ = bw.predict(_measured(), restored, link)
+    held_up, _ = bw.predict(serial, restored, link)
+    assert held_up == pytest.approx(alone + 8.0)
+    # Restored at the step instead, it meets no all-gather: the same either way.
+    at_step = Plan([RECOMPUTE] * 8, state_host_bytes=4 * GB)
+    assert bw.predict(serial, at_step, link)[0] == pytest.approx(bw.predict(_measured(), at_step, link)[0])
+    limit = 16 * GB  # every block recomputed with the state on the GPU peaks at 14 GB: 2 blocks kept
+    overlapped = _choose(_measured(), limit=limit, link=5e11)
+    assert overlapped.count(HOST) > 0 or overlapped.state_out_bytes > 0, overlapped
+    plan = _choose(serial, limit=limit, link=5e11)
+    # A block's 1 GB back takes 2 ms, more than its 1 ms of recomputation: nothing moves, and the
+    # blocks the state on the GPU leaves room for are kept.
+    assert plan.state_out_bytes == 0 and plan.count(HOST) == 0 and plan.count(KEEP) == 2, plan

@@ -256,7 +256,7 @@ def _ranks_line(ranks: dict[str, Any]) -> str:
         + ", ".join(f"{v:.1f}" for v in ranks["per_rank_predicted_ms"])
         + f"); this rank {wait}. Measured parts, ms: {parts}"
         + (
-            f"; copies to and from host memory counted in full ({block_plan.SERIAL_COPIES_WHY})"
+            f"; copies from host memory in backward counted as holding it up ({block_plan.SERIAL_COPIES_WHY})"
             if ranks.get("serial_copies")
             else ""
         )

@@ -40,10 +40,12 @@ WINDOW_BLOCKS = (1, 2)
 STEP_WINDOWS_HELD = 3
 #: Why `Measurement.serial_copies` holds for FSDP2's ranks: on 2 x H200 (NCCL over NVLink) the
 #: optimizer state's 65 ms restore in backward held the compute stream up for 61 ms, waiting on
-#: the next all-gather's copy-out, and its copies out in forward slowed the forward's blocks
-#: (benches/results/2026-11-28-h200x2/fsdp2-50pct-plan-without-trial.log); the plans that moved
-#: state ran at 1.3-2x their predictions, which had overlapped the copies.
-SERIAL_COPIES_WHY = "under FSDP2, copies to and from host memory held compute up for their length"
+#: the next all-gather's copy-out (benches/results/2026-11-28-h200x2/
+#: fsdp2-50pct-plan-without-trial.log); the plans that moved state ran at 1.3-2x their
+#: predictions, which had overlapped the restore with backward. A restore at the step (a
+#: windowed step's) meets no all-gather, and the copies out in forward stay overlapped: the
+#: 20.3B model's 46.75 GiB each way ran within 1.8% of such a prediction.
+SERIAL_COPIES_WHY = "under FSDP2, copies from host memory in backward held its compute up until done"
 #: The least reserve, as a share of the budget. Lower than the tensor plan's
 #: (`machine.RESERVE_MIN_SHARE`): this plan's peak is measured, not modelled per tensor, and its
 #: bound adds whole blocks to it; a peak that comes close still checkpoints one more block.
@@ -96,8 +98,9 @@ class Measurement:
     #: times above are one pass's (the mean of the measured passes), the peaks the whole
     #: iteration's (the later passes' hold the gradients accumulated so far).
     passes: int = 1
-    #: Copies between the GPU and host memory hold up compute for as long as they run, instead
-    #: of overlapping it: FSDP2's ranks (`SERIAL_COPIES_WHY`).
+    #: Copies from host memory issued in backward (the state's restore, the HOST blocks'
+    #: prefetches) hold backward's compute up until they are done, instead of overlapping it:
+    #: FSDP2's ranks on CUDA (`SERIAL_COPIES_WHY`).
     serial_copies: bool = False
 
     @property
@@ -226,25 +229,9 @@ def predict(
         start = max(t, h2d_free)
         state_ready = start + plan.state_host_bytes * ms_per_byte_h2d + plan.state_ssd_bytes * ssd_ms_per_byte
     t = max(t, state_ready) + measured.step_ms
-    if measured.serial_copies:
-        t += serial_copy_ms(measured, plan, link)
     if marks is not None:
         marks.append(t)
     return t, peak_bound(measured, plan) + min(state_late_bytes, plan.state_out_bytes)
-
-
-def serial_copy_ms(measured: Measurement, plan: Plan, link: Link) -> float:
-    """What the plan's copies add where they hold compute up (`Measurement.serial_copies`): the
-    link time of the HOST blocks' bytes and of the state's, each way, per step; the store's part
-    of the state at the store's speed."""
-    ms_per_byte = 1e3 / link.d2h + 1e3 / link.h2d
-    ssd_ms_per_byte = 1e3 / max(1.0, link.ssd_read) + 1e3 / max(1.0, link.ssd_write)
-    host_blocks = sum(b.saved_bytes for b, a in zip(measured.blocks, plan.actions) if a == HOST)
-    return (
-        max(1, measured.passes) * host_blocks * ms_per_byte
-        + plan.state_host_bytes * ms_per_byte
-        + plan.state_ssd_bytes * ssd_ms_per_byte
-    )
 
 
 def _predict_pass(
@@ -327,6 +314,8 @@ def _predict_pass(
         if restores and plan.state_out_bytes and plan.state_restore_at == position:
             state_ready = restore_state(t)
             h2d_free = state_ready
+        if measured.serial_copies:
+            t = max(t, h2d_free)  # what came in for backward so far, before its compute goes on
         if plan.actions[index] == HOST:
             t = max(t, ready[index])
         t += block.backward_ms + recompute_ms(block, plan.actions[index])
