@@ -38,10 +38,10 @@ of checkpointing, and its inputs are measured without per-op instrumentation:
   fits with all the optimizer state on the GPU) `TRIAL_STEPS`, and the plan the other half, so
   that a drift in the iterations' times weighs on both sides alike; the side with the faster
   median stays (ranks under FSDP2 run both sides at the same steps and keep the same side: the
-  one whose slowest rank is faster). A peak that comes within half the reserve of the budget checkpoints
-  one more kept block, and so does an iteration in which the allocator had to retry (release its
-  cache and map anew). Both are counted in the report, which counts the iterations after the
-  trial.
+  one whose slowest rank is faster). A peak that comes within half the reserve of the budget
+  checkpoints one more kept block, and so does an iteration in which the allocator had to retry
+  (release its cache and map anew). Both are counted in the report, which counts the iterations
+  after the trial.
 - under FSDP2 over several ranks, the ranks' iteration: the ranks exchange their predictions,
   cut at FSDP's collectives, once when they plan; the ranks' iteration is the measured one plus,
   per segment, the largest change any rank's plan makes to it (`_exchange_predictions`,
