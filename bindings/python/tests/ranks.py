@@ -68,3 +68,31 @@ def shard_layers(model: Any, mesh: Optional[Any] = None, **policy: Any) -> None:
 def local_shards(model: Any) -> dict[str, Any]:
     """This rank's shard of each entry of the model's state dict (copies)."""
     return {name: value.to_local().clone() for name, value in model.state_dict().items()}
+
+
+def same_shards(model: Any, reference: dict[str, Any]) -> bool:
+    """Whether this rank's shards equal `reference`'s (`local_shards` of another run), bitwise."""
+    import torch
+
+    mine = local_shards(model)
+    return all(torch.equal(mine[name], value) for name, value in reference.items())
+
+
+def save_checkpoint(model: Any, optimizer: Any, checkpoint: str) -> None:
+    """DCP's save of the model's and the optimizer's state dicts (which are let go after it, as a
+    loop lets them go: on a GPU they hold device memory)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint)
+
+
+def load_checkpoint(model: Any, optimizer: Any, checkpoint: str) -> None:
+    """DCP's load of `save_checkpoint`'s checkpoint into the model and the optimizer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint)
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)

@@ -39,7 +39,17 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 import teraio  # noqa: E402
-from ranks import fully_shard, init_group, local_shards, rank_store, shard_layers, spawn_ranks  # noqa: E402
+from ranks import (  # noqa: E402
+    fully_shard,
+    init_group,
+    load_checkpoint,
+    local_shards,
+    rank_store,
+    same_shards,
+    save_checkpoint,
+    shard_layers,
+    spawn_ranks,
+)
 from teraio import sharded  # noqa: E402
 from tiny import batches, make, train  # noqa: E402
 
@@ -121,9 +131,6 @@ def _init(init_file: str) -> None:
 
 
 def _rank_main(rank: int, tmp: str, store_root: str) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
     torch.set_num_threads(1)
     os.environ["TERAIO_TEST_RANK"] = str(rank)
     out = pathlib.Path(tmp)
@@ -185,8 +192,7 @@ def _rank_main(rank: int, tmp: str, store_root: str) -> None:
         with _recording_collectives(calls), teraio.offload(model, optimizer, **options) as run:
             losses = train(model, optimizer, data[:SAVE_AT])
             result["state_away_at_save"] = sum(not s.resident for s in run.state.slots)
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint)
+            save_checkpoint(model, optimizer, checkpoint)
             losses += train(model, optimizer, data[SAVE_AT:])
         report = run.report()
         result["report"] = report.as_dict()
@@ -204,20 +210,17 @@ def _rank_main(rank: int, tmp: str, store_root: str) -> None:
             with teraio.offload(model, optimizer, **options) as run:
                 train(model, optimizer, warmup)
                 planned = run.plan_result is not None
-                model_sd, optim_sd = get_state_dict(model, optimizer)
-                dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint)
-                set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+                load_checkpoint(model, optimizer, checkpoint)
                 moved_before = sum(run.state.stats.offloaded_bytes.values())
                 after = train(model, optimizer, data[SAVE_AT:])
                 moved_after = sum(run.state.stats.offloaded_bytes.values())
                 state_planned = run.state.planned_bytes("host") + run.state.planned_bytes("ssd")
-            shards = local_shards(model)
             resumed[name] = {
                 "losses": after,
                 "planned_at_load": planned,
                 "state_moved_after_load": moved_after - moved_before,
                 "state_planned": state_planned,
-                "shards_equal": all(torch.equal(shards[k], v) for k, v in offload_shards.items()),
+                "shards_equal": same_shards(model, offload_shards),
             }
         result["resumed"] = resumed
         result["objects_left"] = store.info()["object_count"]
@@ -389,7 +392,7 @@ def _block_rank_main(rank: int, tmp: str, store_root: str) -> None:
         losses=losses,
         plain_calls=plain_calls,
         calls=calls,
-        shards_equal=all(torch.equal(v, plain_shards[k]) for k, v in local_shards(model).items()),
+        shards_equal=same_shards(model, plain_shards),
     )
     (out / f"block{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
@@ -514,9 +517,6 @@ LATE_CLIP = 6
 
 
 def _host_rank_main(rank: int, tmp: str, store_root: str) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
     torch.set_num_threads(1)
     out = pathlib.Path(tmp)
     init_group(str(out / "rendezvous"), rank, WORLD)
@@ -538,12 +538,11 @@ def _host_rank_main(rank: int, tmp: str, store_root: str) -> None:
         seen: list[bool] = []
         with teraio.offload(model, optimizer, **options) as run:
             losses = _host_train(model, optimizer, data[: 2 * save_at], seen)
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint)
+            save_checkpoint(model, optimizer, checkpoint)
             losses += _host_train(model, optimizer, data[2 * save_at :], seen)
         report = run.report()
         result.update(host_step=report.host_step, report_text=str(report), seen=seen)
-        result["shards_equal"] = all(torch.equal(v, local_shards(model)[k]) for k, v in plain_shards.items())
+        result["shards_equal"] = same_shards(model, plain_shards)
         state = _state(optimizer)
         result["state_equal"] = len(state) == len(plain_state) and all(
             torch.equal(a, b) for a, b in zip(state, plain_state)
@@ -552,13 +551,9 @@ def _host_rank_main(rank: int, tmp: str, store_root: str) -> None:
         # A fresh model and optimizer resume from the checkpoint (the lr as the loop left it).
         model, optimizer = _host_build()
         with teraio.offload(model, optimizer, **options):
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-            dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint)
-            set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+            load_checkpoint(model, optimizer, checkpoint)
             resumed = _host_train(model, optimizer, data[2 * save_at :], [])
-        result["resumed_shards_equal"] = all(
-            torch.equal(v, local_shards(model)[k]) for k, v in plain_shards.items()
-        )
+        result["resumed_shards_equal"] = same_shards(model, plain_shards)
 
         # A plain loop: "auto" steps in backward from the second step, bitwise the same; a clip
         # that scales nothing then stands and turns it off.
@@ -569,9 +564,7 @@ def _host_rank_main(rank: int, tmp: str, store_root: str) -> None:
         with teraio.offload(model, optimizer, **options) as run:
             in_backward = _late_clip_train(model, optimizer, data)
         result.update(in_backward_equal=in_backward == reference, in_backward_step=run.report().host_step)
-        result["in_backward_shards_equal"] = all(
-            torch.equal(v, local_shards(model)[k]) for k, v in reference_shards.items()
-        )
+        result["in_backward_shards_equal"] = same_shards(model, reference_shards)
         # step_in_backward=True in loops it cannot serve: raised, saying why.
         raised = []
         for loop in ("clip", "accumulate"):

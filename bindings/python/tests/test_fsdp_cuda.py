@@ -29,7 +29,17 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 import teraio  # noqa: E402
-from ranks import fully_shard, init_group, local_shards, rank_store, shard_layers, spawn_ranks  # noqa: E402
+from ranks import (  # noqa: E402
+    fully_shard,
+    init_group,
+    load_checkpoint,
+    local_shards,
+    rank_store,
+    same_shards,
+    save_checkpoint,
+    shard_layers,
+    spawn_ranks,
+)
 from tiny import batches, make, train  # noqa: E402
 
 WORLD = 2
@@ -67,10 +77,17 @@ def _join(rank: int, tmp: str, name: str, steps: int) -> tuple[pathlib.Path, tor
     return out, device, data
 
 
-def _rank_main(rank: int, tmp: str, store_root: str) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+def _resumed(
+    model: Any, optimizer: Any, options: dict[str, Any], checkpoint: str, data: list[Any]
+) -> list[float]:
+    """The losses of training on `data` inside `teraio.offload(**options)`, resumed from
+    `checkpoint` (DCP) before the first step."""
+    with teraio.offload(model, optimizer, **options):
+        load_checkpoint(model, optimizer, checkpoint)
+        return train(model, optimizer, data)
 
+
+def _rank_main(rank: int, tmp: str, store_root: str) -> None:
     out, device, data = _join(rank, tmp, "rendezvous", SAVE_AT + AFTER)
     result: dict[str, Any] = {"rank": rank}
 
@@ -103,9 +120,7 @@ def _rank_main(rank: int, tmp: str, store_root: str) -> None:
         with teraio.offload(model, optimizer, **options) as run:
             losses = train(model, optimizer, data[:SAVE_AT])
             result["state_away_at_save"] = sum(not slot.resident for slot in run.state.slots)
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint)
-            del model_sd, optim_sd  # as a loop lets them go: they hold GPU memory
+            save_checkpoint(model, optimizer, checkpoint)
             losses += train(model, optimizer, data[SAVE_AT:])
         result["report"] = str(run.report())
         finished = local_shards(model)
@@ -115,14 +130,8 @@ def _rank_main(rank: int, tmp: str, store_root: str) -> None:
 
         options["gpu_memory"] = budget()
         model, optimizer = _build(rank)
-        with teraio.offload(model, optimizer, **options):
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-            dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint)
-            set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-            del model_sd, optim_sd
-            resumed = train(model, optimizer, data[SAVE_AT:])
-        shards = local_shards(model)
-        result["resumed_shards_equal"] = all(torch.equal(shards[k], v) for k, v in finished.items())
+        resumed = _resumed(model, optimizer, options, checkpoint, data[SAVE_AT:])
+        result["resumed_shards_equal"] = same_shards(model, finished)
     finally:
         store.close()
     result.update(plain=plain, losses=losses, resumed=resumed)
@@ -154,9 +163,6 @@ def _host_build(rank: int) -> tuple[Any, Any]:
 
 
 def _host_rank_main(rank: int, tmp: str, store_root: str) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
     out, _, data = _join(rank, tmp, "rendezvous-host", HOST_STEPS)
     result: dict[str, Any] = {"rank": rank}
     store = rank_store(store_root, f"host{rank}")
@@ -175,26 +181,17 @@ def _host_rank_main(rank: int, tmp: str, store_root: str) -> None:
         model, optimizer = _host_build(rank)
         with teraio.offload(model, optimizer, **options) as run:
             losses = train(model, optimizer, data[: HOST_STEPS // 2])
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint)
-            del model_sd, optim_sd
+            save_checkpoint(model, optimizer, checkpoint)
             losses += train(model, optimizer, data[HOST_STEPS // 2 :])
         result["in_backward"] = run.report().host_step
         result["report"] = str(run.report())
-        shards = local_shards(model)
-        result["shards_equal"] = all(torch.equal(shards[k], v) for k, v in at_step_shards.items())
+        result["shards_equal"] = same_shards(model, at_step_shards)
         del model, optimizer, run
 
         # Resumed from the checkpoint: the same losses and shards.
         model, optimizer = _host_build(rank)
-        with teraio.offload(model, optimizer, **options):
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-            dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint)
-            set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-            del model_sd, optim_sd
-            resumed = train(model, optimizer, data[HOST_STEPS // 2 :])
-        shards = local_shards(model)
-        result["resumed_shards_equal"] = all(torch.equal(shards[k], v) for k, v in at_step_shards.items())
+        resumed = _resumed(model, optimizer, options, checkpoint, data[HOST_STEPS // 2 :])
+        result["resumed_shards_equal"] = same_shards(model, at_step_shards)
     finally:
         store.close()
     result.update(at_step_losses=at_step, losses=losses, resumed=resumed)
